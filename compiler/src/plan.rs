@@ -1,0 +1,345 @@
+//! The compiled plan: plain data that the runtime executes.
+//!
+//! Everything here is derived from a checked `.pipe` file. The runtime never re-reads the source: stage
+//! placement, queue semantics, the model's flat parameter layout, per-bucket shapes and the memory plan are all
+//! decided here.
+
+use serde::{Deserialize, Serialize};
+
+/// One compiled pipeline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// The name given by `pipeline "NAME"`.
+    pub name: String,
+    /// Devices declared in the `devices` block (empty when the file declares none).
+    pub devices: Vec<DeclaredDevice>,
+    /// The producer stage.
+    pub target: TargetStage,
+    /// The hidden-state queue between the target and the drafter.
+    pub queue: QueueSpec,
+    /// The consumer stage.
+    pub drafter: DrafterStage,
+    /// The drafter model, its parameter count and flat layout.
+    pub model: ModelPlan,
+    /// One entry per queue bucket, in bucket order.
+    pub buckets: Vec<BucketPlan>,
+    /// Memory needed on each device the plan uses.
+    pub memory: Vec<DeviceMemory>,
+    /// The ordered phases of one drafter training step.
+    pub schedule: Vec<StepPhase>,
+    /// Status-line period and trace output.
+    pub telemetry: TelemetrySpec,
+}
+
+/// A device a stage can run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Device {
+    /// The host CPU (several workers may share it).
+    Cpu,
+    /// CUDA device with this ordinal.
+    Gpu(u32),
+}
+
+/// A device declared in the `devices` block, with its memory capacity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeclaredDevice {
+    /// The device.
+    pub device: Device,
+    /// Memory capacity in bytes.
+    pub memory_bytes: u64,
+}
+
+/// Where a stage runs: one worker per entry of `workers` (a CPU stage `on cpu x2` has two `Device::Cpu`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The device of each worker, in worker order.
+    pub workers: Vec<Device>,
+}
+
+/// The frozen target model that produces hidden states.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TargetStage {
+    /// Stage name.
+    pub name: String,
+    /// Producer workers.
+    pub placement: Placement,
+    /// Hidden size of the target model.
+    pub hidden: usize,
+    /// Target layers whose hidden states are concatenated per token.
+    pub tap_layers: Vec<u32>,
+    /// Target vocabulary size (also the drafter's).
+    pub vocab: usize,
+    /// Tokens in one queue item (sequences × padded length of its bucket).
+    pub batch_tokens: usize,
+    /// Where hidden states come from.
+    pub source: SourceSpec,
+}
+
+impl TargetStage {
+    /// Width of one token's hidden state: `hidden × tap_layers.len()`.
+    pub fn hs_width(&self) -> usize {
+        self.hidden * self.tap_layers.len()
+    }
+}
+
+/// Where a target stage gets its hidden states.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum SourceSpec {
+    /// A seeded synthetic target; sequence lengths uniform in `min_len..max_len` (half-open).
+    Synthetic {
+        /// RNG seed.
+        seed: u64,
+        /// Smallest sequence length (inclusive).
+        min_len: usize,
+        /// Largest sequence length (exclusive).
+        max_len: usize,
+    },
+}
+
+/// How consumers choose the next item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PullPolicy {
+    /// Round-robin over non-empty buckets, uniform at random inside the chosen bucket.
+    RandomInBucket,
+    /// Round-robin over non-empty buckets, oldest item first inside a bucket.
+    RoundRobin,
+    /// Oldest item over all buckets.
+    Fifo,
+}
+
+/// The hidden-state queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueSpec {
+    /// Queue name.
+    pub name: String,
+    /// Producer stage name.
+    pub from: String,
+    /// Consumer stage name.
+    pub to: String,
+    /// Total items over all buckets.
+    pub capacity: usize,
+    /// Consumers wait until this many items are queued (except while draining).
+    pub min_ready: usize,
+    /// Strictly increasing upper bounds on sequence length.
+    pub buckets: Vec<usize>,
+    /// Pull policy.
+    pub pull: PullPolicy,
+}
+
+/// The drafter training stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrafterStage {
+    /// Stage name.
+    pub name: String,
+    /// Consumer workers (data-parallel replicas).
+    pub placement: Placement,
+    /// Loss configuration.
+    pub loss: LossSpec,
+    /// Optimizer configuration.
+    pub optimizer: AdamWSpec,
+    /// Gradient synchronisation between workers.
+    pub sync: SyncMode,
+    /// Kernel launch mode on CUDA.
+    pub launch: LaunchMode,
+    /// Optional step limit.
+    pub steps: Option<u64>,
+}
+
+/// Gradient synchronisation between drafter workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyncMode {
+    /// Average gradients over all workers every step.
+    AllReduce,
+    /// Independent replicas.
+    None,
+}
+
+/// How a step's kernels are launched on CUDA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LaunchMode {
+    /// One captured CUDA graph per bucket.
+    Graph,
+    /// Kernel by kernel.
+    Eager,
+}
+
+/// Multi-head cross-entropy loss.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossSpec {
+    /// Head `j` is weighted `head_decay^j`.
+    pub head_decay: f32,
+    /// Tokens per chunk of the fused vocabulary loss.
+    pub chunk_tokens: usize,
+}
+
+/// AdamW with PyTorch semantics.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamWSpec {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// Global gradient-norm clip, when configured.
+    pub clip_grad_norm: Option<f32>,
+}
+
+/// Dimensions of the `mlp` drafter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MlpSpec {
+    /// Input width per token (target hidden × tapped layers).
+    pub din: usize,
+    /// Drafter hidden size.
+    pub hidden: usize,
+    /// Number of SwiGLU blocks.
+    pub blocks: usize,
+    /// SwiGLU intermediate size.
+    pub intermediate: usize,
+    /// Number of prediction heads.
+    pub heads: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+/// One named tensor inside the flat parameter buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorView {
+    /// PyTorch parameter name, e.g. `blocks.0.gate.weight`.
+    pub name: String,
+    /// Shape, PyTorch `[out, in]` for weights.
+    pub shape: Vec<usize>,
+    /// Offset in elements into the flat buffer.
+    pub offset: usize,
+}
+
+impl TensorView {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element range of this tensor inside the flat buffer.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len()
+    }
+}
+
+/// The drafter model: dimensions, parameter count and named flat layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelPlan {
+    /// Dimensions.
+    pub spec: MlpSpec,
+    /// Total parameters (the flat buffer's length).
+    pub parameters: usize,
+    /// Named views, in buffer order.
+    pub layout: Vec<TensorView>,
+}
+
+impl MlpSpec {
+    /// The closed-form parameter count.
+    pub fn parameter_count(&self) -> usize {
+        let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *self;
+        h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h
+    }
+
+    /// The flat layout with PyTorch names and `[out, in]` weight shapes.
+    pub fn layout(&self) -> Vec<TensorView> {
+        let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *self;
+        let mut shapes: Vec<(String, Vec<usize>)> = vec![("fc.weight".into(), vec![h, din])];
+        for b in 0..blocks {
+            shapes.push((format!("blocks.{b}.norm.weight"), vec![h]));
+            shapes.push((format!("blocks.{b}.gate.weight"), vec![i, h]));
+            shapes.push((format!("blocks.{b}.up.weight"), vec![i, h]));
+            shapes.push((format!("blocks.{b}.down.weight"), vec![h, i]));
+        }
+        shapes.push(("norm.weight".into(), vec![h]));
+        for j in 0..heads {
+            shapes.push((format!("heads.{j}.weight"), vec![h, h]));
+        }
+        shapes.push(("lm_head.weight".into(), vec![v, h]));
+        let mut offset = 0;
+        shapes
+            .into_iter()
+            .map(|(name, shape)| {
+                let view = TensorView { name, shape, offset };
+                offset += view.len();
+                view
+            })
+            .collect()
+    }
+}
+
+/// Static shapes and costs of one bucket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketPlan {
+    /// Upper bound on sequence length (the padded length of every sequence in the bucket).
+    pub padded_len: usize,
+    /// Sequences per queue item: `batch_tokens / padded_len`.
+    pub sequences: usize,
+    /// Tokens per step: `sequences × padded_len`.
+    pub tokens: usize,
+    /// Floating-point operations of one training step (forward + backward + optimizer).
+    pub step_flops: u64,
+    /// Bytes one step moves through device memory (a lower bound from the tensors it must touch).
+    pub step_bytes: u64,
+}
+
+/// Memory needed on one device, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// The device.
+    pub device: Device,
+    /// Model parameters.
+    pub parameters: u64,
+    /// Gradients.
+    pub gradients: u64,
+    /// AdamW first and second moments.
+    pub optimizer_state: u64,
+    /// Activations and loss workspace of the largest bucket (one workspace per bucket is kept).
+    pub workspaces: u64,
+    /// Hidden-state buffer pool (capacity × largest item) on the devices that hold it.
+    pub hs_pool: u64,
+}
+
+impl DeviceMemory {
+    /// Sum of all parts.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer_state + self.workspaces + self.hs_pool
+    }
+}
+
+/// One phase of a drafter step, in schedule order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StepPhase {
+    /// Host-to-device copy of the batch.
+    Copy,
+    /// Forward pass up to the final norm and heads.
+    Forward,
+    /// Fused vocabulary loss and its gradient.
+    Loss,
+    /// Backward pass.
+    Backward,
+    /// Gradient all-reduce over drafter workers.
+    AllReduce,
+    /// Fused AdamW.
+    Optimizer,
+}
+
+/// Telemetry settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TelemetrySpec {
+    /// Status-line period in milliseconds.
+    pub every_ms: u64,
+    /// Chrome/Perfetto trace output path, when requested.
+    pub trace: Option<String>,
+}

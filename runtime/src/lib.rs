@@ -1,0 +1,6 @@
+//! The draftpipe runtime: executes a compiled [`Plan`](draftpipe_compiler::plan::Plan).
+//!
+//! ```text
+//!  sources (producers) ──▶ HS queue (lock-free, bucketed) ──▶ drafter workers (cpu │ cuda)
+//!             └──────────── telemetry, trace, diagnosis, checkpoints ──────────┘
+//! ```

@@ -1,0 +1,3 @@
+//! `draftpipe`: the command-line entry point. Parses arguments and hands off to the library crates.
+
+fn main() {}
