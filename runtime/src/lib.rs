@@ -4,3 +4,5 @@
 //!  sources (producers) ──▶ HS queue (lock-free, bucketed) ──▶ drafter workers (cpu │ cuda)
 //!             └──────────── telemetry, trace, diagnosis, checkpoints ──────────┘
 //! ```
+
+pub mod batch;
