@@ -5,4 +5,5 @@
 //!             └──────────── telemetry, trace, diagnosis, checkpoints ──────────┘
 //! ```
 
+pub mod allreduce;
 pub mod batch;

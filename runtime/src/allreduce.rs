@@ -1,0 +1,225 @@
+//! In-process gradient all-reduce for data-parallel CPU drafter workers.
+//!
+//! ```text
+//!  drafter 0 ─ grads ─┐                      ┌─▶ mean grads ─▶ AdamW (replica 0)
+//!  drafter 1 ─ grads ─┼─▶ AllReduce::mean ───┼─▶ mean grads ─▶ AdamW (replica 1)
+//!  drafter N ─ grads ─┘   (one round a step)  └─▶ ...
+//! ```
+//!
+//! Every worker keeps a full replica of the parameters; after each round all replicas hold the same mean
+//! gradient, so identical AdamW updates keep them identical. A round also carries one shared decision (stop
+//! after this step or not), taken once by the worker that completes the round, so workers that run in
+//! lockstep never disagree about when to stop — disagreement would leave one of them waiting forever.
+//!
+//! A worker that runs out of data calls [`AllReduce::leave`]; the rounds after that average over the workers
+//! that remain, and a round the leaver was the last to complete finishes at once.
+
+use std::sync::{Condvar, Mutex, PoisonError, RwLock};
+
+/// Mean of the gradient buffers of a group of workers, one round per training step.
+///
+/// # Examples
+///
+/// ```
+/// use draftpipe_runtime::allreduce::AllReduce;
+/// use std::sync::Arc;
+///
+/// let group = Arc::new(AllReduce::new(2, 3));
+/// let handles: Vec<_> = (0..2)
+///     .map(|worker| {
+///         let group = Arc::clone(&group);
+///         std::thread::spawn(move || {
+///             let mut grads = vec![worker as f32; 3];
+///             let outcome = group.mean(&mut grads, || false);
+///             assert!(!outcome.stop);
+///             grads
+///         })
+///     })
+///     .collect();
+/// for handle in handles {
+///     assert_eq!(handle.join().unwrap(), vec![0.5; 3]);
+/// }
+/// ```
+#[derive(Debug)]
+pub struct AllReduce {
+    round: Mutex<Round>,
+    round_done: Condvar,
+    result: RwLock<Vec<f32>>,
+}
+
+#[derive(Debug)]
+struct Round {
+    members: usize,
+    arrived: usize,
+    generation: u64,
+    sum: Vec<f32>,
+    stop: bool,
+    participants: usize,
+}
+
+/// What a finished round tells every worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundOutcome {
+    /// The shared decision to stop after this step.
+    pub stop: bool,
+    /// Workers whose gradients the mean is over.
+    pub participants: usize,
+}
+
+impl AllReduce {
+    /// A group of `members` workers exchanging gradient buffers of `len` elements.
+    pub fn new(members: usize, len: usize) -> Self {
+        Self {
+            round: Mutex::new(Round {
+                members,
+                arrived: 0,
+                generation: 0,
+                sum: vec![0.0; len],
+                stop: false,
+                participants: 0,
+            }),
+            round_done: Condvar::new(),
+            result: RwLock::new(vec![0.0; len]),
+        }
+    }
+
+    /// Replaces `grads` with the mean over every member's `grads` of this round.
+    ///
+    /// `should_stop` is evaluated once per round, by the worker that completes it; its answer reaches every
+    /// member in the returned [`RoundOutcome`].
+    ///
+    /// # Panics
+    ///
+    /// When `grads` is not as long as the group's buffers (a programming error, not bad input).
+    pub fn mean(&self, grads: &mut [f32], should_stop: impl FnOnce() -> bool) -> RoundOutcome {
+        let mut round = self.round.lock().unwrap_or_else(PoisonError::into_inner);
+        assert_eq!(grads.len(), round.sum.len(), "all-reduce buffer length");
+        if round.arrived == 0 {
+            round.sum.copy_from_slice(grads);
+        } else {
+            for (total, value) in round.sum.iter_mut().zip(grads.iter()) {
+                *total += *value;
+            }
+        }
+        round.arrived += 1;
+        let generation = round.generation;
+        if round.arrived >= round.members {
+            self.finish_round(&mut round, should_stop());
+        } else {
+            while round.generation == generation {
+                round = self
+                    .round_done
+                    .wait(round)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+        }
+        let outcome = RoundOutcome {
+            stop: round.stop,
+            participants: round.participants,
+        };
+        drop(round);
+        // The result of this round is rewritten only when every member has arrived at the next round, which
+        // this worker has not: reading it outside the round lock is safe.
+        grads.copy_from_slice(&self.result.read().unwrap_or_else(PoisonError::into_inner));
+        outcome
+    }
+
+    /// Removes one member for good (it has no more data). Completes the current round if the others are all
+    /// waiting in it.
+    pub fn leave(&self) {
+        let mut round = self.round.lock().unwrap_or_else(PoisonError::into_inner);
+        round.members = round.members.saturating_sub(1);
+        if round.arrived > 0 && round.arrived >= round.members {
+            self.finish_round(&mut round, false);
+        }
+    }
+
+    fn finish_round(&self, round: &mut Round, stop: bool) {
+        let participants = round.arrived;
+        let scale = 1.0 / participants as f32;
+        {
+            let mut result = self.result.write().unwrap_or_else(PoisonError::into_inner);
+            for (out, total) in result.iter_mut().zip(round.sum.iter()) {
+                *out = *total * scale;
+            }
+        }
+        round.participants = participants;
+        round.stop = stop;
+        round.arrived = 0;
+        round.generation += 1;
+        self.round_done.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn mean_over_rounds_matches_f64_reference() {
+        let members = 3;
+        let len = 257;
+        let rounds = 50;
+        let group = Arc::new(AllReduce::new(members, len));
+        let value = |worker: usize, round: usize, i: usize| {
+            ((worker * 7919 + round * 131 + i) % 97) as f32 - 48.0
+        };
+        let handles: Vec<_> = (0..members)
+            .map(|worker| {
+                let group = Arc::clone(&group);
+                std::thread::spawn(move || {
+                    for round in 0..rounds {
+                        let mut grads: Vec<f32> =
+                            (0..len).map(|i| value(worker, round, i)).collect();
+                        let outcome = group.mean(&mut grads, || round == rounds - 1);
+                        assert_eq!(outcome.participants, members);
+                        assert_eq!(outcome.stop, round == rounds - 1);
+                        for (i, got) in grads.iter().enumerate() {
+                            let want: f64 =
+                                (0..members).map(|w| value(w, round, i) as f64).sum::<f64>()
+                                    / members as f64;
+                            assert!(
+                                (*got as f64 - want).abs() <= 1e-5 * want.abs().max(1.0),
+                                "round {round} i {i}"
+                            );
+                        }
+                    }
+                })
+            })
+            .collect();
+        for handle in handles {
+            handle.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_leaving_member_releases_the_waiting_ones() {
+        let group = Arc::new(AllReduce::new(2, 4));
+        let waiter = {
+            let group = Arc::clone(&group);
+            std::thread::spawn(move || {
+                let mut grads = vec![2.0; 4];
+                let outcome = group.mean(&mut grads, || true);
+                (grads, outcome)
+            })
+        };
+        while group.round.lock().unwrap().arrived == 0 {
+            std::thread::yield_now();
+        }
+        group.leave();
+        let (grads, outcome) = waiter.join().unwrap();
+        assert_eq!(grads, vec![2.0; 4]);
+        assert_eq!(outcome.participants, 1);
+        assert!(!outcome.stop);
+        let mut alone = vec![3.0; 4];
+        assert_eq!(
+            group.mean(&mut alone, || true),
+            RoundOutcome {
+                stop: true,
+                participants: 1
+            }
+        );
+        assert_eq!(alone, vec![3.0; 4]);
+    }
+}
