@@ -7,3 +7,4 @@
 
 pub mod allreduce;
 pub mod batch;
+pub mod queue;

@@ -1,0 +1,82 @@
+//! The queue's signals for the bottleneck diagnosis: depth (the status line's `q_hs` and
+//! `q_hsb`), traffic, and how long each side waited for the other.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_utils::CachePadded;
+use serde::Serialize;
+
+use super::sync::{AtomicU64, Ordering};
+
+/// A snapshot of a queue's state and counters, read without stopping it. Fields are read one by
+/// one, so under traffic they may disagree by the few operations in flight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct QueueStats {
+    /// Items in the queue, counting pushes and pops in flight; never above `capacity`.
+    pub depth: usize,
+    /// Published items per bucket, in bucket order.
+    pub per_bucket: Vec<usize>,
+    /// The most items the queue holds.
+    pub capacity: usize,
+    /// The consumers' watermark.
+    pub min_ready: usize,
+    /// Items pushed since creation.
+    pub pushes: u64,
+    /// Items popped since creation.
+    pub pops: u64,
+    /// Total time producers spent waiting for room (blocking and timed pushes).
+    pub producer_blocked: Duration,
+    /// Total time consumers spent waiting for the watermark or the drain (blocking and timed pops).
+    pub consumer_blocked: Duration,
+    /// Push calls that found the queue full at least once.
+    pub seen_full: u64,
+    /// Pop calls that found fewer than `min_ready` items queued (empty included) at least once.
+    pub seen_below_watermark: u64,
+}
+
+/// The monotone counters behind [`QueueStats`]. The two hot ones sit on their own cache lines,
+/// so producers counting pushes do not contend with consumers counting pops.
+pub(crate) struct Counters {
+    pub(crate) pushes: CachePadded<AtomicU64>,
+    pub(crate) pops: CachePadded<AtomicU64>,
+    producer_blocked_ns: AtomicU64,
+    consumer_blocked_ns: AtomicU64,
+    pub(crate) seen_full: AtomicU64,
+    pub(crate) seen_below_watermark: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn new() -> Self {
+        Self {
+            pushes: CachePadded::new(AtomicU64::new(0)),
+            pops: CachePadded::new(AtomicU64::new(0)),
+            producer_blocked_ns: AtomicU64::new(0),
+            consumer_blocked_ns: AtomicU64::new(0),
+            seen_full: AtomicU64::new(0),
+            seen_below_watermark: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn producer_waited(&self, since: Instant) {
+        self.producer_blocked_ns
+            .fetch_add(nanos(since.elapsed()), Ordering::Relaxed);
+    }
+
+    pub(crate) fn consumer_waited(&self, since: Instant) {
+        self.consumer_blocked_ns
+            .fetch_add(nanos(since.elapsed()), Ordering::Relaxed);
+    }
+
+    pub(crate) fn producer_blocked(&self) -> Duration {
+        Duration::from_nanos(self.producer_blocked_ns.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn consumer_blocked(&self) -> Duration {
+        Duration::from_nanos(self.consumer_blocked_ns.load(Ordering::Relaxed))
+    }
+}
+
+/// Saturating: 2^64 ns is 584 years of waiting.
+fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
