@@ -6,3 +6,5 @@
 //! ```
 
 pub mod batch;
+pub mod cpu;
+pub mod params;
