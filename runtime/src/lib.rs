@@ -8,3 +8,5 @@
 pub mod allreduce;
 pub mod batch;
 pub mod queue;
+pub mod cpu;
+pub mod params;
