@@ -6,3 +6,6 @@
 //! ```
 
 pub mod batch;
+pub mod checkpoint;
+pub mod source;
+pub mod tensor_file;
