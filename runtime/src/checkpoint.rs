@@ -25,7 +25,8 @@ use draftpipe_compiler::plan::ModelPlan;
 use serde::{Deserialize, Serialize};
 
 use crate::tensor_file::{
-    decode_floats, is_float_dtype, write_f32_tensors, F32Tensor, TensorFile, TensorFileError, TensorProblem,
+    F32Tensor, TensorFile, TensorFileError, TensorProblem, decode_floats, is_float_dtype,
+    write_f32_tensors,
 };
 
 /// The weights file inside a checkpoint directory.
@@ -83,7 +84,10 @@ pub enum CheckpointError {
 }
 
 fn io_error(path: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Everything besides the tensors that a resumed run needs.
@@ -123,7 +127,11 @@ pub struct Checkpoint {
 
 /// The sibling paths used while writing `dir`: `(DIR.tmp, DIR.prev)`.
 fn sibling_paths(dir: &Path) -> Result<(PathBuf, PathBuf), CheckpointError> {
-    let name = dir.file_name().ok_or_else(|| CheckpointError::NotACheckpoint { path: dir.to_path_buf() })?;
+    let name = dir
+        .file_name()
+        .ok_or_else(|| CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        })?;
     let with_suffix = |suffix: &str| {
         let mut sibling = name.to_os_string();
         sibling.push(suffix);
@@ -139,7 +147,11 @@ fn holds_only_checkpoint_files(dir: &Path) -> Result<bool, CheckpointError> {
     }
     for entry in fs::read_dir(dir).map_err(io_error(dir))? {
         let entry = entry.map_err(io_error(dir))?;
-        if !entry.file_name().to_str().is_some_and(|n| CHECKPOINT_FILES.contains(&n)) {
+        if !entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| CHECKPOINT_FILES.contains(&n))
+        {
             return Ok(false);
         }
     }
@@ -152,27 +164,39 @@ fn remove_checkpoint_dir(dir: &Path) -> Result<(), CheckpointError> {
         return Ok(());
     }
     if !holds_only_checkpoint_files(dir)? {
-        return Err(CheckpointError::NotACheckpoint { path: dir.to_path_buf() });
+        return Err(CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        });
     }
     fs::remove_dir_all(dir).map_err(io_error(dir))
 }
 
 /// Fsyncs a directory so the renames and creations inside it are durable.
 fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io_error(dir))
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(dir))
 }
 
 fn parent_of(dir: &Path) -> &Path {
-    dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+    dir.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 /// Checks that a flat buffer has the plan's parameter count and that the layout tiles it.
 fn check_buffer(model: &ModelPlan, what: &str, len: usize) -> Result<(), CheckpointError> {
     if len != model.parameters {
-        return Err(CheckpointError::Mismatch(format!("{what} has {len} values, the plan {}", model.parameters)));
+        return Err(CheckpointError::Mismatch(format!(
+            "{what} has {len} values, the plan {}",
+            model.parameters
+        )));
     }
     if let Some(view) = model.layout.iter().find(|v| v.range().end > len) {
-        return Err(CheckpointError::Mismatch(format!("layout tensor `{}` ends past the buffer", view.name)));
+        return Err(CheckpointError::Mismatch(format!(
+            "layout tensor `{}` ends past the buffer",
+            view.name
+        )));
     }
     Ok(())
 }
@@ -196,12 +220,18 @@ pub fn stage_checkpoint(
     exp_avg_sq: &[f32],
     state: &TrainingState,
 ) -> Result<StagedCheckpoint, CheckpointError> {
-    for (what, buffer) in [("params", params), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
+    for (what, buffer) in [
+        ("params", params),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+    ] {
         check_buffer(model, what, buffer.len())?;
     }
     let (staging, previous) = sibling_paths(dir)?;
     if dir.exists() && !holds_only_checkpoint_files(dir)? {
-        return Err(CheckpointError::NotACheckpoint { path: dir.to_path_buf() });
+        return Err(CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        });
     }
     remove_checkpoint_dir(&staging)?;
     fs::create_dir_all(&staging).map_err(io_error(&staging))?;
@@ -214,33 +244,62 @@ pub fn stage_checkpoint(
     let model_tensors: Vec<F32Tensor<'_>> = model
         .layout
         .iter()
-        .map(|v| F32Tensor { name: &v.name, shape: &v.shape, data: &params[v.range()] })
+        .map(|v| F32Tensor {
+            name: &v.name,
+            shape: &v.shape,
+            data: &params[v.range()],
+        })
         .collect();
     write_f32_tensors(&staging.join(MODEL_FILE), &model_tensors, metadata.clone())?;
 
     let names: Vec<(String, String)> = model
         .layout
         .iter()
-        .map(|v| (format!("{EXP_AVG_PREFIX}{}", v.name), format!("{EXP_AVG_SQ_PREFIX}{}", v.name)))
+        .map(|v| {
+            (
+                format!("{EXP_AVG_PREFIX}{}", v.name),
+                format!("{EXP_AVG_SQ_PREFIX}{}", v.name),
+            )
+        })
         .collect();
     // All first moments, then all second moments: each half of the file mirrors the flat buffer it came from.
     let mut optimizer_tensors = Vec::with_capacity(2 * model.layout.len());
     for (view, (avg_name, _)) in model.layout.iter().zip(&names) {
-        optimizer_tensors.push(F32Tensor { name: avg_name, shape: &view.shape, data: &exp_avg[view.range()] });
+        optimizer_tensors.push(F32Tensor {
+            name: avg_name,
+            shape: &view.shape,
+            data: &exp_avg[view.range()],
+        });
     }
     for (view, (_, sq_name)) in model.layout.iter().zip(&names) {
-        optimizer_tensors.push(F32Tensor { name: sq_name, shape: &view.shape, data: &exp_avg_sq[view.range()] });
+        optimizer_tensors.push(F32Tensor {
+            name: sq_name,
+            shape: &view.shape,
+            data: &exp_avg_sq[view.range()],
+        });
     }
     write_f32_tensors(&staging.join(OPTIMIZER_FILE), &optimizer_tensors, metadata)?;
 
     let state_path = staging.join(STATE_FILE);
-    let file = StateFile { format_version: FORMAT_VERSION, parameters: model.parameters, training: state.clone() };
-    let json = serde_json::to_vec_pretty(&file)
-        .map_err(|e| CheckpointError::State { path: state_path.clone(), message: e.to_string() })?;
+    let file = StateFile {
+        format_version: FORMAT_VERSION,
+        parameters: model.parameters,
+        training: state.clone(),
+    };
+    let json = serde_json::to_vec_pretty(&file).map_err(|e| CheckpointError::State {
+        path: state_path.clone(),
+        message: e.to_string(),
+    })?;
     let mut out = File::create(&state_path).map_err(io_error(&state_path))?;
-    out.write_all(&json).and_then(|()| out.sync_all()).map_err(io_error(&state_path))?;
+    out.write_all(&json)
+        .and_then(|()| out.sync_all())
+        .map_err(io_error(&state_path))?;
     sync_dir(&staging)?;
-    Ok(StagedCheckpoint { dir: dir.to_path_buf(), staging, previous })
+    Ok(StagedCheckpoint {
+        dir: dir.to_path_buf(),
+        staging,
+        previous,
+    })
 }
 
 impl StagedCheckpoint {
@@ -300,7 +359,9 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
     if previous.join(STATE_FILE).is_file() {
         return Ok(previous);
     }
-    Err(CheckpointError::NotFound { path: dir.to_path_buf() })
+    Err(CheckpointError::NotFound {
+        path: dir.to_path_buf(),
+    })
 }
 
 /// Loads the checkpoint in `dir` (or its fallback), checking it against `model`.
@@ -308,11 +369,19 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
     let dir = resolve_checkpoint_dir(dir)?;
     let state_path = dir.join(STATE_FILE);
     let bytes = fs::read(&state_path).map_err(io_error(&state_path))?;
-    let file: StateFile = serde_json::from_slice(&bytes)
-        .map_err(|e| CheckpointError::State { path: state_path.clone(), message: e.to_string() })?;
+    let file: StateFile = serde_json::from_slice(&bytes).map_err(|e| CheckpointError::State {
+        path: state_path.clone(),
+        message: e.to_string(),
+    })?;
     if file.format_version != FORMAT_VERSION {
-        let message = format!("format version {} (this build reads {FORMAT_VERSION})", file.format_version);
-        return Err(CheckpointError::State { path: state_path, message });
+        let message = format!(
+            "format version {} (this build reads {FORMAT_VERSION})",
+            file.format_version
+        );
+        return Err(CheckpointError::State {
+            path: state_path,
+            message,
+        });
     }
     if file.parameters != model.parameters {
         return Err(CheckpointError::Mismatch(format!(
@@ -328,9 +397,19 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
     let mut exp_avg = vec![0.0; model.parameters];
     let mut exp_avg_sq = vec![0.0; model.parameters];
     let mut expected = read_layout(&mut optimizer, model, EXP_AVG_PREFIX, &mut exp_avg)?;
-    expected.extend(read_layout(&mut optimizer, model, EXP_AVG_SQ_PREFIX, &mut exp_avg_sq)?);
+    expected.extend(read_layout(
+        &mut optimizer,
+        model,
+        EXP_AVG_SQ_PREFIX,
+        &mut exp_avg_sq,
+    )?);
     reject_unexpected(&optimizer, &expected)?;
-    Ok(Checkpoint { params, exp_avg, exp_avg_sq, state: file.training })
+    Ok(Checkpoint {
+        params,
+        exp_avg,
+        exp_avg_sq,
+        state: file.training,
+    })
 }
 
 /// Loads the parameters from a weights file (a checkpoint's `model.safetensors`, or one written from PyTorch
@@ -358,11 +437,19 @@ fn read_layout(
         let info = file.require(&name)?;
         let bad = |problem| TensorFileError::tensor(file.path(), &name, problem);
         if !is_float_dtype(info.dtype) {
-            return Err(bad(TensorProblem::WrongDtype { found: info.dtype, expected: "F32, BF16 or F16" }).into());
+            return Err(bad(TensorProblem::WrongDtype {
+                found: info.dtype,
+                expected: "F32, BF16 or F16",
+            })
+            .into());
         }
         if info.shape != view.shape {
             let expected = format!("{:?} (the plan's layout)", view.shape);
-            return Err(bad(TensorProblem::WrongShape { found: info.shape.clone(), expected }).into());
+            return Err(bad(TensorProblem::WrongShape {
+                found: info.shape.clone(),
+                expected,
+            })
+            .into());
         }
         let dtype = file.read_elements(&name, 0..view.len(), &mut bytes)?;
         decode_floats(dtype, &bytes, &mut out[view.range()]);
@@ -374,7 +461,9 @@ fn read_layout(
 /// Fails on the first tensor of `file` (in sorted order) that is not in `expected`.
 fn reject_unexpected(file: &TensorFile, expected: &HashSet<String>) -> Result<(), CheckpointError> {
     match file.names().into_iter().find(|n| !expected.contains(n)) {
-        Some(name) => Err(TensorFileError::tensor(file.path(), &name, TensorProblem::Unexpected).into()),
+        Some(name) => {
+            Err(TensorFileError::tensor(file.path(), &name, TensorProblem::Unexpected).into())
+        }
         None => Ok(()),
     }
 }

@@ -16,8 +16,8 @@ use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
+use safetensors::tensor::{Metadata, TensorInfo};
 
 /// The largest header accepted, as in the `safetensors` crate: a corrupt length must not become a huge allocation.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -101,12 +101,20 @@ pub struct TensorFileError {
 impl TensorFileError {
     /// An error about the file as a whole.
     pub fn file(path: &Path, problem: impl Into<TensorProblem>) -> Self {
-        Self { path: path.to_path_buf(), tensor: None, problem: problem.into() }
+        Self {
+            path: path.to_path_buf(),
+            tensor: None,
+            problem: problem.into(),
+        }
     }
 
     /// An error about one tensor of the file.
     pub fn tensor(path: &Path, tensor: &str, problem: impl Into<TensorProblem>) -> Self {
-        Self { path: path.to_path_buf(), tensor: Some(tensor.to_string()), problem: problem.into() }
+        Self {
+            path: path.to_path_buf(),
+            tensor: Some(tensor.to_string()),
+            problem: problem.into(),
+        }
     }
 }
 
@@ -125,7 +133,8 @@ impl TensorFile {
         let io_err = |e| TensorFileError::file(path, TensorProblem::Io(e));
         let mut file = File::open(path).map_err(io_err)?;
         let actual = file.metadata().map_err(io_err)?.len();
-        let truncated = |needed| TensorFileError::file(path, TensorProblem::Truncated { needed, actual });
+        let truncated =
+            |needed| TensorFileError::file(path, TensorProblem::Truncated { needed, actual });
         if actual < 8 {
             return Err(truncated(8));
         }
@@ -134,7 +143,10 @@ impl TensorFile {
         let header_len = u64::from_le_bytes(len_bytes);
         if header_len > MAX_HEADER_BYTES {
             let problem = format!("header length {header_len} exceeds {MAX_HEADER_BYTES} bytes");
-            return Err(TensorFileError::file(path, TensorProblem::BadHeader(problem)));
+            return Err(TensorFileError::file(
+                path,
+                TensorProblem::BadHeader(problem),
+            ));
         }
         let data_start = 8 + header_len;
         if actual < data_start {
@@ -148,7 +160,12 @@ impl TensorFile {
         if actual < needed {
             return Err(truncated(needed));
         }
-        Ok(Self { path: path.to_path_buf(), file, data_start, metadata })
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            metadata,
+        })
     }
 
     /// The file's path.
@@ -175,7 +192,8 @@ impl TensorFile {
 
     /// Dtype and shape of a tensor that must be present.
     pub fn require(&self, name: &str) -> Result<&TensorInfo, TensorFileError> {
-        self.info(name).ok_or_else(|| TensorFileError::tensor(&self.path, name, TensorProblem::Missing))
+        self.info(name)
+            .ok_or_else(|| TensorFileError::tensor(&self.path, name, TensorProblem::Missing))
     }
 
     /// Reads the raw little-endian bytes of elements `elements` of tensor `name` into `out` (resized to fit).
@@ -190,12 +208,20 @@ impl TensorFile {
         let width = dtype.bitsize() / 8;
         let (first, last) = (start + elements.start * width, start + elements.end * width);
         if width == 0 || last > end || first > last {
-            let problem = format!("element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized");
-            return Err(TensorFileError::tensor(&self.path, name, TensorProblem::BadHeader(problem)));
+            let problem = format!(
+                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
+            );
+            return Err(TensorFileError::tensor(
+                &self.path,
+                name,
+                TensorProblem::BadHeader(problem),
+            ));
         }
         out.resize(last - first, 0);
         let io_err = |e| TensorFileError::tensor(&self.path, name, TensorProblem::Io(e));
-        self.file.seek(SeekFrom::Start(self.data_start + first as u64)).map_err(io_err)?;
+        self.file
+            .seek(SeekFrom::Start(self.data_start + first as u64))
+            .map_err(io_err)?;
         self.file.read_exact(out).map_err(io_err)?;
         Ok(dtype)
     }
@@ -246,7 +272,10 @@ pub fn decode_ids(dtype: Dtype, bytes: &[u8], out: &mut [i64]) -> bool {
 /// True for the dtypes a loss mask may be stored in: bool, any integer, any float of 16, 32 or 64 bits.
 pub fn is_mask_dtype(dtype: Dtype) -> bool {
     use Dtype::*;
-    matches!(dtype, BOOL | U8 | I8 | I16 | U16 | I32 | U32 | I64 | U64 | F16 | BF16 | F32 | F64)
+    matches!(
+        dtype,
+        BOOL | U8 | I8 | I16 | U16 | I32 | U32 | I64 | U64 | F16 | BF16 | F32 | F64
+    )
 }
 
 /// Decodes a mask (nonzero = keep) into 0/1 bytes. Returns false for another dtype or a length mismatch.
@@ -258,10 +287,16 @@ pub fn decode_mask(dtype: Dtype, bytes: &[u8], out: &mut [u8]) -> bool {
     for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(width)) {
         let keep = match dtype {
             // -0.0 is zero: floats compare by value, integers by bits.
-            Dtype::F16 => half::f16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32() != 0.0,
-            Dtype::BF16 => half::bf16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32() != 0.0,
+            Dtype::F16 => {
+                half::f16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32() != 0.0
+            }
+            Dtype::BF16 => {
+                half::bf16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32() != 0.0
+            }
             Dtype::F32 => f32::from_le_bytes([src[0], src[1], src[2], src[3]]) != 0.0,
-            Dtype::F64 => f64::from_le_bytes(src.try_into().expect("chunks_exact yields 8 bytes")) != 0.0,
+            Dtype::F64 => {
+                f64::from_le_bytes(src.try_into().expect("chunks_exact yields 8 bytes")) != 0.0
+            }
             _ => src.iter().any(|&b| b != 0),
         };
         *dst = u8::from(keep);
@@ -293,16 +328,24 @@ pub fn write_f32_tensors(
         let elements: usize = t.shape.iter().product();
         if elements != t.data.len() {
             let expected = format!("{} elements to match the data", t.data.len());
-            let problem = TensorProblem::WrongShape { found: t.shape.to_vec(), expected };
+            let problem = TensorProblem::WrongShape {
+                found: t.shape.to_vec(),
+                expected,
+            };
             return Err(TensorFileError::tensor(path, t.name, problem));
         }
         let bytes = elements * 4;
-        let info = TensorInfo { dtype: Dtype::F32, shape: t.shape.to_vec(), data_offsets: (offset, offset + bytes) };
+        let info = TensorInfo {
+            dtype: Dtype::F32,
+            shape: t.shape.to_vec(),
+            data_offsets: (offset, offset + bytes),
+        };
         infos.push((t.name.to_string(), info));
         offset += bytes;
     }
     let bad_header = |e: String| TensorFileError::file(path, TensorProblem::BadHeader(e));
-    let metadata = Metadata::new(Some(string_metadata), infos).map_err(|e| bad_header(e.to_string()))?;
+    let metadata =
+        Metadata::new(Some(string_metadata), infos).map_err(|e| bad_header(e.to_string()))?;
     let mut header = serde_json::to_vec(&metadata).map_err(|e| bad_header(e.to_string()))?;
     // Pad with spaces to 8 bytes, as the reference writer does, so the data that follows is aligned.
     header.resize(header.len().next_multiple_of(8), b' ');
@@ -310,7 +353,8 @@ pub fn write_f32_tensors(
     let io_err = |e| TensorFileError::file(path, TensorProblem::Io(e));
     let file = File::create(path).map_err(io_err)?;
     let mut out = BufWriter::with_capacity(1 << 20, file);
-    out.write_all(&(header.len() as u64).to_le_bytes()).map_err(io_err)?;
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io_err)?;
     out.write_all(&header).map_err(io_err)?;
     let mut chunk = Vec::with_capacity(WRITE_CHUNK * 4);
     for t in tensors {

@@ -8,7 +8,7 @@ mod source_support;
 use std::process::Command;
 use std::time::Duration;
 
-use draftpipe_runtime::checkpoint::{load_checkpoint, save_checkpoint, TrainingState};
+use draftpipe_runtime::checkpoint::{TrainingState, load_checkpoint, save_checkpoint};
 use source_support::{small_model, temp_dir};
 
 const CHILD_ENV: &str = "DRAFTPIPE_CHECKPOINT_KILL_CHILD";
@@ -20,13 +20,22 @@ fn model() -> draftpipe_compiler::plan::ModelPlan {
 
 /// Parameters and moments that are a function of the step, so a loaded checkpoint shows which step wrote it.
 fn buffers_for(step: u64, n: usize) -> [Vec<f32>; 3] {
-    [1.0, 2.0, 3.0].map(|k| (0..n).map(|i| (step as f32) * k + (i % 1000) as f32 * 1e-3).collect())
+    [1.0, 2.0, 3.0].map(|k| {
+        (0..n)
+            .map(|i| (step as f32) * k + (i % 1000) as f32 * 1e-3)
+            .collect()
+    })
 }
 
 fn save_step(dir: &std::path::Path, step: u64) {
     let model = model();
     let [p, m, v] = buffers_for(step, model.parameters);
-    let state = TrainingState { step, plan_name: "kill".into(), rng_state: vec![step], data_positions: vec![step] };
+    let state = TrainingState {
+        step,
+        plan_name: "kill".into(),
+        rng_state: vec![step],
+        data_positions: vec![step],
+    };
     save_checkpoint(dir, &model, &p, &m, &v, &state).unwrap();
 }
 
@@ -45,7 +54,11 @@ fn killed_mid_save_leaves_a_loadable_checkpoint() {
     let mut last_step = 0;
     for (round, delay_ms) in [35u64, 80, 150, 220, 310, 405].into_iter().enumerate() {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["killed_mid_save_leaves_a_loadable_checkpoint", "--exact", "--test-threads=1"])
+            .args([
+                "killed_mid_save_leaves_a_loadable_checkpoint",
+                "--exact",
+                "--test-threads=1",
+            ])
             .env(CHILD_ENV, &dir)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -57,7 +70,10 @@ fn killed_mid_save_leaves_a_loadable_checkpoint() {
         let loaded = load_checkpoint(&dir, &model).unwrap_or_else(|e| panic!("round {round}: {e}"));
         let step = loaded.state.step;
         let [p, m, v] = buffers_for(step, model.parameters);
-        assert!(loaded.params == p && loaded.exp_avg == m && loaded.exp_avg_sq == v, "round {round}: step {step}");
+        assert!(
+            loaded.params == p && loaded.exp_avg == m && loaded.exp_avg_sq == v,
+            "round {round}: step {step}"
+        );
         assert_eq!(loaded.state.data_positions, [step]);
         last_step = last_step.max(step);
     }

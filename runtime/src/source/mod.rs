@@ -83,7 +83,11 @@ impl BucketShapes {
     /// The shapes of `plan`'s buckets.
     pub fn from_plan(plan: &Plan) -> Self {
         Self {
-            buckets: plan.buckets.iter().map(|b| (b.padded_len, b.sequences)).collect(),
+            buckets: plan
+                .buckets
+                .iter()
+                .map(|b| (b.padded_len, b.sequences))
+                .collect(),
             din: plan.target.hs_width(),
         }
     }
@@ -136,7 +140,9 @@ impl BucketShapes {
 
     /// True when `batch` has the shape of bucket `bucket`.
     pub fn matches(&self, batch: &HsBatch, bucket: usize) -> bool {
-        let Some(&(padded_len, sequences)) = self.buckets.get(bucket) else { return false };
+        let Some(&(padded_len, sequences)) = self.buckets.get(bucket) else {
+            return false;
+        };
         let tokens = padded_len * sequences;
         batch.padded_len == padded_len
             && batch.sequences == sequences
@@ -169,7 +175,11 @@ fn check_owned(position: u64, producer: usize, producers: usize) -> Result<(), S
     if position % producers as u64 == producer as u64 {
         Ok(())
     } else {
-        Err(SourceError::ForeignPosition { position, producer, producers })
+        Err(SourceError::ForeignPosition {
+            position,
+            producer,
+            producers,
+        })
     }
 }
 
@@ -177,11 +187,17 @@ fn check_owned(position: u64, producer: usize, producers: usize) -> Result<(), S
 pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> {
     let producers = plan.target.placement.workers.len();
     if producers == 0 {
-        return Err(SourceError::Config("the target stage has no workers".into()));
+        return Err(SourceError::Config(
+            "the target stage has no workers".into(),
+        ));
     }
     let shapes = BucketShapes::from_plan(plan);
     match &plan.target.source {
-        SourceSpec::Synthetic { seed, min_len, max_len } => {
+        SourceSpec::Synthetic {
+            seed,
+            min_len,
+            max_len,
+        } => {
             let target = std::sync::Arc::new(SyntheticTarget::new(
                 *seed,
                 plan.target.vocab,
@@ -190,16 +206,25 @@ pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> 
             )?);
             (0..producers)
                 .map(|w| {
-                    let source =
-                        SyntheticSource::new(target.clone(), &shapes, *min_len..*max_len, w, producers)?;
+                    let source = SyntheticSource::new(
+                        target.clone(),
+                        &shapes,
+                        *min_len..*max_len,
+                        w,
+                        producers,
+                    )?;
                     Ok(Box::new(source) as Box<dyn HsSource>)
                 })
                 .collect()
         }
         SourceSpec::Safetensors { pattern } => {
-            let dataset = std::sync::Arc::new(SafetensorsDataset::open(pattern, &plan.target, &shapes)?);
+            let dataset =
+                std::sync::Arc::new(SafetensorsDataset::open(pattern, &plan.target, &shapes)?);
             Ok((0..producers)
-                .map(|w| Box::new(SafetensorsSource::new(dataset.clone(), w, producers)) as Box<dyn HsSource>)
+                .map(|w| {
+                    Box::new(SafetensorsSource::new(dataset.clone(), w, producers))
+                        as Box<dyn HsSource>
+                })
                 .collect())
         }
     }
@@ -220,13 +245,20 @@ impl BatchPool {
     /// A pool of `items` buffers for `shapes`.
     pub fn new(shapes: BucketShapes, items: usize) -> Result<Self, SourceError> {
         if items == 0 || shapes.buckets.is_empty() {
-            return Err(SourceError::Config("a batch pool needs at least one item and one bucket".into()));
+            return Err(SourceError::Config(
+                "a batch pool needs at least one item and one bucket".into(),
+            ));
         }
         let free = ArrayQueue::new(items);
         for _ in 0..items {
-            free.push(Box::new(shapes.buffer())).expect("the queue was sized for every item");
+            free.push(Box::new(shapes.buffer()))
+                .expect("the queue was sized for every item");
         }
-        Ok(Self { free, shapes, items })
+        Ok(Self {
+            free,
+            shapes,
+            items,
+        })
     }
 
     /// The pool a pipeline for `plan` needs: one buffer per queue slot, two per drafter worker (the batch in the
@@ -257,9 +289,13 @@ impl BatchPool {
             || batch.input_ids.capacity() < tokens
             || batch.loss_mask.capacity() < tokens
         {
-            return Err(SourceError::Buffer("buffer returned to a pool it does not belong to".into()));
+            return Err(SourceError::Buffer(
+                "buffer returned to a pool it does not belong to".into(),
+            ));
         }
-        self.free.push(batch).map_err(|_| SourceError::Buffer("more buffers returned than taken".into()))
+        self.free
+            .push(batch)
+            .map_err(|_| SourceError::Buffer("more buffers returned than taken".into()))
     }
 
     /// Buffers currently free.
@@ -291,8 +327,14 @@ impl Producer {
 
     /// The next filled batch, waiting (spin, then short sleeps) for a free buffer. `Ok(None)` when the source is
     /// exhausted or `stop` is set while waiting. On an error the buffer goes back to the pool.
-    pub fn next_batch(&mut self, pool: &BatchPool, stop: &AtomicBool) -> Result<Option<Box<HsBatch>>, SourceError> {
-        let Some(bucket) = self.source.next_bucket()? else { return Ok(None) };
+    pub fn next_batch(
+        &mut self,
+        pool: &BatchPool,
+        stop: &AtomicBool,
+    ) -> Result<Option<Box<HsBatch>>, SourceError> {
+        let Some(bucket) = self.source.next_bucket()? else {
+            return Ok(None);
+        };
         let backoff = Backoff::new();
         let mut batch = loop {
             if let Some(batch) = pool.take(bucket) {

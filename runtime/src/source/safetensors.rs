@@ -27,11 +27,11 @@ use std::sync::Arc;
 use draftpipe_compiler::plan::TargetStage;
 use safetensors::Dtype;
 
-use super::{check_owned, BucketShapes, HsSource, SourceError};
+use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
 use crate::tensor_file::{
-    decode_floats, decode_ids, decode_mask, is_float_dtype, is_id_dtype, is_mask_dtype, TensorFile, TensorFileError,
-    TensorProblem,
+    TensorFile, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
+    is_float_dtype, is_id_dtype, is_mask_dtype,
 };
 
 /// Tensor names the reader looks for.
@@ -76,7 +76,11 @@ pub struct SafetensorsDataset {
 impl SafetensorsDataset {
     /// Expands `pattern`, checks every file against `target` (width, vocabulary) and the buckets, and plans the
     /// batches. Reads headers, ids and masks; hidden states are read later, a batch at a time.
-    pub fn open(pattern: &str, target: &TargetStage, shapes: &BucketShapes) -> Result<Self, SourceError> {
+    pub fn open(
+        pattern: &str,
+        target: &TargetStage,
+        shapes: &BucketShapes,
+    ) -> Result<Self, SourceError> {
         if shapes.din != target.hs_width() {
             return Err(SourceError::Config(format!(
                 "bucket width {} ≠ plan hidden-state width {}",
@@ -85,7 +89,12 @@ impl SafetensorsDataset {
             )));
         }
         let paths = expand_pattern(pattern)?;
-        let mut dataset = Self { files: Vec::new(), shapes: shapes.clone(), members: Vec::new(), batches: Vec::new() };
+        let mut dataset = Self {
+            files: Vec::new(),
+            shapes: shapes.clone(),
+            members: Vec::new(),
+            batches: Vec::new(),
+        };
         let mut pending: Vec<Vec<SeqRef>> = vec![Vec::new(); shapes.buckets.len()];
         for path in paths {
             let file_index = dataset.files.len() as u32;
@@ -94,8 +103,14 @@ impl SafetensorsDataset {
                 if len == 0 {
                     continue;
                 }
-                let bucket = shapes.bucket_for_len(len).ok_or_else(|| too_long(&path, row, len, shapes))?;
-                pending[bucket].push(SeqRef { file: file_index, row: row as u32, len: len as u32 });
+                let bucket = shapes
+                    .bucket_for_len(len)
+                    .ok_or_else(|| too_long(&path, row, len, shapes))?;
+                pending[bucket].push(SeqRef {
+                    file: file_index,
+                    row: row as u32,
+                    len: len as u32,
+                });
                 if pending[bucket].len() == shapes.buckets[bucket].1 {
                     dataset.push_batch(bucket, &mut pending[bucket]);
                 }
@@ -108,7 +123,9 @@ impl SafetensorsDataset {
             }
         }
         if dataset.batches.is_empty() {
-            return Err(SourceError::Config(format!("`{pattern}` holds no sequence with a kept token")));
+            return Err(SourceError::Config(format!(
+                "`{pattern}` holds no sequence with a kept token"
+            )));
         }
         Ok(dataset)
     }
@@ -116,7 +133,10 @@ impl SafetensorsDataset {
     fn push_batch(&mut self, bucket: usize, group: &mut Vec<SeqRef>) {
         let start = self.members.len();
         self.members.append(group);
-        self.batches.push(PlannedBatch { bucket, members: start..self.members.len() });
+        self.batches.push(PlannedBatch {
+            bucket,
+            members: start..self.members.len(),
+        });
     }
 
     /// The files, in reading order.
@@ -139,7 +159,9 @@ fn too_long(path: &Path, row: usize, len: usize, shapes: &BucketShapes) -> Sourc
     let largest = shapes.buckets.last().map_or(0, |b| b.0);
     let problem = TensorProblem::WrongShape {
         found: vec![row, len],
-        expected: format!("sequence {row} (length {len}) to fit the largest bucket, {largest} tokens"),
+        expected: format!(
+            "sequence {row} (length {len}) to fit the largest bucket, {largest} tokens"
+        ),
     };
     TensorFileError::tensor(path, INPUT_IDS, problem).into()
 }
@@ -151,14 +173,29 @@ fn check_file(
     shapes: &BucketShapes,
 ) -> Result<(DataFile, Vec<usize>), SourceError> {
     let mut file = TensorFile::open(path)?;
-    let bad = |tensor: &str, problem: TensorProblem| -> SourceError { TensorFileError::tensor(path, tensor, problem).into() };
+    let bad = |tensor: &str, problem: TensorProblem| -> SourceError {
+        TensorFileError::tensor(path, tensor, problem).into()
+    };
 
     let hs = file.require(HIDDEN_STATES)?;
     if !is_float_dtype(hs.dtype) {
-        return Err(bad(HIDDEN_STATES, TensorProblem::WrongDtype { found: hs.dtype, expected: "F32, BF16 or F16" }));
+        return Err(bad(
+            HIDDEN_STATES,
+            TensorProblem::WrongDtype {
+                found: hs.dtype,
+                expected: "F32, BF16 or F16",
+            },
+        ));
     }
     let &[rows, seq, width] = hs.shape.as_slice() else {
-        return Err(bad(HIDDEN_STATES, TensorProblem::WrongRank { found: hs.shape.len(), shape: hs.shape.clone(), expected: 3 }));
+        return Err(bad(
+            HIDDEN_STATES,
+            TensorProblem::WrongRank {
+                found: hs.shape.len(),
+                shape: hs.shape.clone(),
+                expected: 3,
+            },
+        ));
     };
     if width != shapes.din {
         let expected = format!(
@@ -167,26 +204,58 @@ fn check_file(
             target.hidden,
             target.tap_layers.len()
         );
-        return Err(bad(HIDDEN_STATES, TensorProblem::WrongShape { found: hs.shape.clone(), expected }));
+        return Err(bad(
+            HIDDEN_STATES,
+            TensorProblem::WrongShape {
+                found: hs.shape.clone(),
+                expected,
+            },
+        ));
     }
-    let check_rows = |name: &str, dtype: Dtype, shape: &[usize], ok: fn(Dtype) -> bool, kinds: &'static str| {
-        if !ok(dtype) {
-            return Err(bad(name, TensorProblem::WrongDtype { found: dtype, expected: kinds }));
-        }
-        if shape.len() != 2 {
-            return Err(bad(name, TensorProblem::WrongRank { found: shape.len(), shape: shape.to_vec(), expected: 2 }));
-        }
-        if shape != [rows, seq] {
-            let expected = format!("[{rows}, {seq}] to match {HIDDEN_STATES}");
-            return Err(bad(name, TensorProblem::WrongShape { found: shape.to_vec(), expected }));
-        }
-        Ok(())
-    };
+    let check_rows =
+        |name: &str, dtype: Dtype, shape: &[usize], ok: fn(Dtype) -> bool, kinds: &'static str| {
+            if !ok(dtype) {
+                return Err(bad(
+                    name,
+                    TensorProblem::WrongDtype {
+                        found: dtype,
+                        expected: kinds,
+                    },
+                ));
+            }
+            if shape.len() != 2 {
+                return Err(bad(
+                    name,
+                    TensorProblem::WrongRank {
+                        found: shape.len(),
+                        shape: shape.to_vec(),
+                        expected: 2,
+                    },
+                ));
+            }
+            if shape != [rows, seq] {
+                let expected = format!("[{rows}, {seq}] to match {HIDDEN_STATES}");
+                return Err(bad(
+                    name,
+                    TensorProblem::WrongShape {
+                        found: shape.to_vec(),
+                        expected,
+                    },
+                ));
+            }
+            Ok(())
+        };
     let ids = file.require(INPUT_IDS)?;
     check_rows(INPUT_IDS, ids.dtype, &ids.shape, is_id_dtype, "I32 or I64")?;
     let has_mask = match file.info(LOSS_MASK) {
         Some(mask) => {
-            check_rows(LOSS_MASK, mask.dtype, &mask.shape, is_mask_dtype, "bool, an integer or a float")?;
+            check_rows(
+                LOSS_MASK,
+                mask.dtype,
+                &mask.shape,
+                is_mask_dtype,
+                "bool, an integer or a float",
+            )?;
             true
         }
         None => false,
@@ -200,17 +269,40 @@ fn check_file(
         let elements = row * seq..(row + 1) * seq;
         let dtype = file.read_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
         decode_ids(dtype, &bytes, &mut ids_row);
-        if let Some((col, &id)) = ids_row.iter().enumerate().find(|&(_, &id)| id < 0 || id >= target.vocab as i64) {
+        if let Some((col, &id)) = ids_row
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id < 0 || id >= target.vocab as i64)
+        {
             let allowed = format!("token ids must lie in 0..{}", target.vocab);
-            return Err(bad(INPUT_IDS, TensorProblem::OutOfRange { value: id, at: format!("[{row}, {col}]"), allowed }));
+            return Err(bad(
+                INPUT_IDS,
+                TensorProblem::OutOfRange {
+                    value: id,
+                    at: format!("[{row}, {col}]"),
+                    allowed,
+                },
+            ));
         }
         if has_mask {
             let dtype = file.read_elements(LOSS_MASK, elements, &mut bytes)?;
             decode_mask(dtype, &bytes, &mut mask_row);
         }
-        lengths.push(mask_row.iter().rposition(|&m| m != 0).map_or(0, |last| last + 1));
+        lengths.push(
+            mask_row
+                .iter()
+                .rposition(|&m| m != 0)
+                .map_or(0, |last| last + 1),
+        );
     }
-    Ok((DataFile { path: path.to_path_buf(), seq, has_mask }, lengths))
+    Ok((
+        DataFile {
+            path: path.to_path_buf(),
+            seq,
+            has_mask,
+        },
+        lengths,
+    ))
 }
 
 /// Expands a path or a glob whose wildcards (`*`, `?`) are in the file-name part; a directory means every
@@ -223,29 +315,45 @@ pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>, SourceError> {
             return Ok(vec![path.to_path_buf()]);
         }
         if !path.is_dir() {
-            return Err(SourceError::NoMatch { pattern: pattern.to_string() });
+            return Err(SourceError::NoMatch {
+                pattern: pattern.to_string(),
+            });
         }
         (path, "*.safetensors")
     } else {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         if wild(&dir.to_string_lossy()) {
-            return Err(SourceError::Config(format!("`{pattern}`: wildcards are allowed in the file name only")));
+            return Err(SourceError::Config(format!(
+                "`{pattern}`: wildcards are allowed in the file name only"
+            )));
         }
         (dir, name)
     };
-    let list_err = |source| SourceError::ListDir { dir: dir.display().to_string(), source };
+    let list_err = |source| SourceError::ListDir {
+        dir: dir.display().to_string(),
+        source,
+    };
     let mut matches = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(list_err)? {
         let entry = entry.map_err(list_err)?;
         let name = entry.file_name();
         let is_file = entry.path().is_file();
-        if is_file && name.to_str().is_some_and(|n| wildcard_match(name_pattern, n)) {
+        if is_file
+            && name
+                .to_str()
+                .is_some_and(|n| wildcard_match(name_pattern, n))
+        {
             matches.push(entry.path());
         }
     }
     if matches.is_empty() {
-        return Err(SourceError::NoMatch { pattern: pattern.to_string() });
+        return Err(SourceError::NoMatch {
+            pattern: pattern.to_string(),
+        });
     }
     matches.sort();
     Ok(matches)
@@ -290,7 +398,15 @@ pub struct SafetensorsSource {
 impl SafetensorsSource {
     /// Producer `producer` of `producers`, at its first position.
     pub fn new(dataset: Arc<SafetensorsDataset>, producer: usize, producers: usize) -> Self {
-        Self { dataset, producer, producers, next: producer as u64, open: None, bytes: Vec::new(), ids: Vec::new() }
+        Self {
+            dataset,
+            producer,
+            producers,
+            next: producer as u64,
+            open: None,
+            bytes: Vec::new(),
+            ids: Vec::new(),
+        }
     }
 
     /// The open handle of file `index`, reopening (and rechecking the header) when another file was open.
@@ -303,7 +419,12 @@ impl SafetensorsSource {
     }
 
     /// Reads sequence `seq` into slot `slot` of `out`.
-    fn read_sequence(&mut self, seq: SeqRef, slot: usize, out: &mut HsBatch) -> Result<(), SourceError> {
+    fn read_sequence(
+        &mut self,
+        seq: SeqRef,
+        slot: usize,
+        out: &mut HsBatch,
+    ) -> Result<(), SourceError> {
         let dataset = Arc::clone(&self.dataset);
         let data_file = &dataset.files[seq.file as usize];
         let (len, din, base) = (seq.len as usize, out.din, slot * out.padded_len);
@@ -314,8 +435,12 @@ impl SafetensorsSource {
         let file = self.file(seq.file)?;
         let path = file.path().to_path_buf();
         let changed = |tensor: &str| -> SourceError {
-            TensorFileError::tensor(&path, tensor, TensorProblem::BadHeader("file changed since it was checked".into()))
-                .into()
+            TensorFileError::tensor(
+                &path,
+                tensor,
+                TensorProblem::BadHeader("file changed since it was checked".into()),
+            )
+            .into()
         };
 
         let dtype = file.read_elements(INPUT_IDS, first..first + len, &mut bytes)?;
@@ -334,7 +459,8 @@ impl SafetensorsSource {
         } else {
             mask.fill(1);
         }
-        let dtype = file.read_elements(HIDDEN_STATES, first * din..(first + len) * din, &mut bytes)?;
+        let dtype =
+            file.read_elements(HIDDEN_STATES, first * din..(first + len) * din, &mut bytes)?;
         if !decode_floats(dtype, &bytes, &mut out.hs[base * din..(base + len) * din]) {
             return Err(changed(HIDDEN_STATES));
         }
@@ -346,17 +472,31 @@ impl SafetensorsSource {
 
 impl HsSource for SafetensorsSource {
     fn next_bucket(&mut self) -> Result<Option<usize>, SourceError> {
-        Ok(usize::try_from(self.next).ok().and_then(|p| self.dataset.batches.get(p)).map(|b| b.bucket))
+        Ok(usize::try_from(self.next)
+            .ok()
+            .and_then(|p| self.dataset.batches.get(p))
+            .map(|b| b.bucket))
     }
 
     fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
-        let Some(planned) = usize::try_from(self.next).ok().and_then(|p| self.dataset.batches.get(p)).cloned() else {
-            return Err(SourceError::Buffer(format!("position {} is past the end of the data", self.next)));
+        let Some(planned) = usize::try_from(self.next)
+            .ok()
+            .and_then(|p| self.dataset.batches.get(p))
+            .cloned()
+        else {
+            return Err(SourceError::Buffer(format!(
+                "position {} is past the end of the data",
+                self.next
+            )));
         };
         if !self.dataset.shapes.matches(out, planned.bucket) {
             return Err(SourceError::Buffer(format!(
                 "position {} needs bucket {} {:?}, got a {}×{} buffer",
-                self.next, planned.bucket, self.dataset.shapes.buckets[planned.bucket], out.sequences, out.padded_len
+                self.next,
+                planned.bucket,
+                self.dataset.shapes.buckets[planned.bucket],
+                out.sequences,
+                out.padded_len
             )));
         }
         let (padded, din) = (out.padded_len, out.din);

@@ -27,7 +27,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{check_owned, BucketShapes, HsSource, SourceError};
+use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
 
 /// Successors per token in the Markov chain.
@@ -114,13 +114,26 @@ impl SyntheticTarget {
             )));
         }
         let mut rng = SplitMix64(hash2(seed, TABLE_SALT));
-        let successors = (0..vocab * SUCCESSORS).map(|_| rng.below(vocab) as u32).collect();
-        let basis_rows = if vocab * hidden <= MAX_BASIS_ELEMENTS { vocab } else { (MAX_BASIS_ELEMENTS / hidden).max(2) };
-        let basis = (0..basis_rows * hidden).map(|_| rng.centered(1.0)).collect();
+        let successors = (0..vocab * SUCCESSORS)
+            .map(|_| rng.below(vocab) as u32)
+            .collect();
+        let basis_rows = if vocab * hidden <= MAX_BASIS_ELEMENTS {
+            vocab
+        } else {
+            (MAX_BASIS_ELEMENTS / hidden).max(2)
+        };
+        let basis = (0..basis_rows * hidden)
+            .map(|_| rng.centered(1.0))
+            .collect();
         let layer_weights = (0..taps)
             .map(|l| {
                 let depth = (l + 1) as f32 / taps as f32;
-                [1.0 - 0.5 * depth, 1.5 * depth, 0.75 * depth, 0.1 + 0.4 * (1.0 - depth)]
+                [
+                    1.0 - 0.5 * depth,
+                    1.5 * depth,
+                    0.75 * depth,
+                    0.1 + 0.4 * (1.0 - depth),
+                ]
             })
             .collect();
         let mut layer_perm = Vec::with_capacity(taps * hidden);
@@ -131,9 +144,21 @@ impl SyntheticTarget {
                 perm.swap(i, rng.below(i + 1));
             }
             layer_perm.extend(perm);
-            layer_sign.extend((0..hidden).map(|_| if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 }));
+            layer_sign
+                .extend((0..hidden).map(|_| if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 }));
         }
-        Ok(Self { seed, vocab, hidden, taps, successors, basis, basis_rows, layer_weights, layer_perm, layer_sign })
+        Ok(Self {
+            seed,
+            vocab,
+            hidden,
+            taps,
+            successors,
+            basis,
+            basis_rows,
+            layer_weights,
+            layer_perm,
+            layer_sign,
+        })
     }
 
     /// Vocabulary size.
@@ -254,17 +279,27 @@ impl SyntheticSource {
     ) -> Result<Self, SourceError> {
         let config = |m: String| Err(SourceError::Config(m));
         if producer >= producers {
-            return config(format!("producer index {producer} not below the producer count {producers}"));
+            return config(format!(
+                "producer index {producer} not below the producer count {producers}"
+            ));
         }
         if lengths.start == 0 || lengths.is_empty() {
-            return config(format!("sequence lengths {lengths:?} must be a non-empty range of positive lengths"));
+            return config(format!(
+                "sequence lengths {lengths:?} must be a non-empty range of positive lengths"
+            ));
         }
         if shapes.din != target.din() {
-            return config(format!("plan hidden-state width {} ≠ target width {}", shapes.din, target.din()));
+            return config(format!(
+                "plan hidden-state width {} ≠ target width {}",
+                shapes.din,
+                target.din()
+            ));
         }
         let longest = lengths.end - 1;
         if shapes.bucket_for_len(longest).is_none() {
-            return config(format!("sequence length {longest} exceeds the largest bucket"));
+            return config(format!(
+                "sequence length {longest} exceeds the largest bucket"
+            ));
         }
         let mut bucket_lengths = Vec::with_capacity(shapes.buckets.len());
         let mut rates = Vec::with_capacity(shapes.buckets.len());
@@ -273,9 +308,15 @@ impl SyntheticSource {
             let share = lengths.start.max(lower + 1)..lengths.end.min(padded_len + 1);
             let count = share.len();
             if count > 0 && sequences == 0 {
-                return config(format!("bucket {padded_len} receives sequences but holds none per item"));
+                return config(format!(
+                    "bucket {padded_len} receives sequences but holds none per item"
+                ));
             }
-            rates.push(if count == 0 { 0.0 } else { count as f64 / sequences as f64 });
+            rates.push(if count == 0 {
+                0.0
+            } else {
+                count as f64 / sequences as f64
+            });
             bucket_lengths.push(share);
             lower = padded_len;
         }
@@ -288,7 +329,10 @@ impl SyntheticSource {
                 cumulative
             })
             .collect();
-        let last_bucket = bucket_lengths.iter().rposition(|share| !share.is_empty()).expect("the longest length fits");
+        let last_bucket = bucket_lengths
+            .iter()
+            .rposition(|share| !share.is_empty())
+            .expect("the longest length fits");
         let components = vec![0.0; 4 * target.hidden];
         Ok(Self {
             target,
@@ -309,7 +353,11 @@ impl SyntheticSource {
         let u = rng.unit();
         // A bucket without lengths repeats its predecessor's cumulative value, so `u < c` never selects it;
         // rounding can leave the last value a hair under 1, hence the fallback to the last bucket with lengths.
-        let bucket = self.bucket_cdf.iter().position(|&c| u < c).unwrap_or(self.last_bucket);
+        let bucket = self
+            .bucket_cdf
+            .iter()
+            .position(|&c| u < c)
+            .unwrap_or(self.last_bucket);
         (rng, bucket)
     }
 }
@@ -343,7 +391,8 @@ impl HsSource for SyntheticSource {
                 out.input_ids[base + t] = token;
                 out.loss_mask[base + t] = 1;
                 let row = &mut out.hs[(base + t) * din..][..din];
-                self.target.hidden_state(previous, token, &mut self.components, row, &mut rng);
+                self.target
+                    .hidden_state(previous, token, &mut self.components, row, &mut rng);
             }
             out.input_ids[base + len..base + padded].fill(0);
             out.loss_mask[base + len..base + padded].fill(0);

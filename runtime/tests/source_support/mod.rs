@@ -4,18 +4,35 @@
 use std::path::Path;
 
 use draftpipe_compiler::plan::*;
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+use safetensors::tensor::TensorView;
 
 /// A plan whose target stage has the given shape; only the fields sources read are meaningful.
-pub fn plan(source: SourceSpec, vocab: usize, hidden: usize, taps: usize, buckets: &[usize], batch_tokens: usize, producers: usize) -> Plan {
-    let spec = MlpSpec { din: hidden * taps, hidden: 16, blocks: 1, intermediate: 32, heads: 2, vocab };
+pub fn plan(
+    source: SourceSpec,
+    vocab: usize,
+    hidden: usize,
+    taps: usize,
+    buckets: &[usize],
+    batch_tokens: usize,
+    producers: usize,
+) -> Plan {
+    let spec = MlpSpec {
+        din: hidden * taps,
+        hidden: 16,
+        blocks: 1,
+        intermediate: 32,
+        heads: 2,
+        vocab,
+    };
     Plan {
         name: "test".into(),
         devices: vec![],
         target: TargetStage {
             name: "target".into(),
-            placement: Placement { workers: vec![Device::Cpu; producers] },
+            placement: Placement {
+                workers: vec![Device::Cpu; producers],
+            },
             hidden,
             tap_layers: (0..taps as u32).collect(),
             vocab,
@@ -33,14 +50,30 @@ pub fn plan(source: SourceSpec, vocab: usize, hidden: usize, taps: usize, bucket
         },
         drafter: DrafterStage {
             name: "drafter".into(),
-            placement: Placement { workers: vec![Device::Cpu] },
-            loss: LossSpec { head_decay: 0.8, chunk_tokens: 64 },
-            optimizer: AdamWSpec { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip_grad_norm: None },
+            placement: Placement {
+                workers: vec![Device::Cpu],
+            },
+            loss: LossSpec {
+                head_decay: 0.8,
+                chunk_tokens: 64,
+            },
+            optimizer: AdamWSpec {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                clip_grad_norm: None,
+            },
             sync: SyncMode::AllReduce,
             launch: LaunchMode::Eager,
             steps: None,
         },
-        model: ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() },
+        model: ModelPlan {
+            spec,
+            parameters: spec.parameter_count(),
+            layout: spec.layout(),
+        },
         buckets: buckets
             .iter()
             .map(|&padded_len| BucketPlan {
@@ -53,14 +86,28 @@ pub fn plan(source: SourceSpec, vocab: usize, hidden: usize, taps: usize, bucket
             .collect(),
         memory: vec![],
         schedule: vec![],
-        telemetry: TelemetrySpec { every_ms: 1000, trace: None },
+        telemetry: TelemetrySpec {
+            every_ms: 1000,
+            trace: None,
+        },
     }
 }
 
 /// A small drafter model plan.
 pub fn small_model(din: usize, hidden: usize, vocab: usize) -> ModelPlan {
-    let spec = MlpSpec { din, hidden, blocks: 2, intermediate: 2 * hidden, heads: 3, vocab };
-    ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() }
+    let spec = MlpSpec {
+        din,
+        hidden,
+        blocks: 2,
+        intermediate: 2 * hidden,
+        heads: 3,
+        vocab,
+    };
+    ModelPlan {
+        spec,
+        parameters: spec.parameter_count(),
+        layout: spec.layout(),
+    }
 }
 
 /// Little-endian bytes of a tensor in `dtype` from f64 values (floats rounded, integers truncated).
@@ -83,11 +130,19 @@ pub fn encode(dtype: Dtype, values: &[f64]) -> Vec<u8> {
 
 /// Writes a safetensors file with the reference writer: `(name, dtype, shape, values)`.
 pub fn write_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<f64>)]) {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, dtype, _, v)| encode(*dtype, v)).collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, dtype, _, v)| encode(*dtype, v))
+        .collect();
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .zip(&bytes)
-        .map(|((name, dtype, shape, _), b)| (name.to_string(), TensorView::new(*dtype, shape.clone(), b).unwrap()))
+        .map(|((name, dtype, shape, _), b)| {
+            (
+                name.to_string(),
+                TensorView::new(*dtype, shape.clone(), b).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
