@@ -94,6 +94,11 @@ pub enum SourceSpec {
         /// Largest sequence length (exclusive).
         max_len: usize,
     },
+    /// Hidden-state files: a path or a glob (`*`, `?` in the file-name part).
+    Safetensors {
+        /// The path or glob.
+        pattern: String,
+    },
 }
 
 /// How consumers choose the next item.

@@ -10,3 +10,6 @@ pub mod batch;
 pub mod queue;
 pub mod cpu;
 pub mod params;
+pub mod checkpoint;
+pub mod source;
+pub mod tensor_file;

@@ -1,0 +1,469 @@
+//! Checkpoints: the flat parameter and AdamW buffers as named safetensors tensors, plus the training state.
+//!
+//! ```text
+//!  flat buffers + TrainingState ──save_checkpoint──▶ DIR/{model.safetensors, optimizer.safetensors, state.json}
+//!  DIR ──load_checkpoint──▶ flat buffers + TrainingState (--resume)     FILE ──load_weights──▶ params (--init)
+//! ```
+//!
+//! `model.safetensors` holds one F32 tensor per entry of the plan's layout, under its PyTorch name and shape,
+//! so `safetensors.torch.load_file` gives a `state_dict` for the PyTorch version of the model.
+//! `optimizer.safetensors` holds `exp_avg.NAME` and `exp_avg_sq.NAME` for each tensor. `state.json` holds the
+//! step, RNG state, data positions, and the plan name and parameter count that loading checks.
+//!
+//! **Atomicity.** A checkpoint is written into the sibling directory `DIR.tmp`, every file and the directory are
+//! fsynced, then `DIR` is renamed to `DIR.prev`, `DIR.tmp` to `DIR`, and `DIR.prev` removed (the parent
+//! directory fsynced after each rename). A process killed at any moment leaves a complete checkpoint: `DIR`, or
+//! `DIR.prev` when it died between the two renames, which loading falls back to. Directories that hold anything
+//! but checkpoint files are never replaced or removed.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use draftpipe_compiler::plan::ModelPlan;
+use serde::{Deserialize, Serialize};
+
+use crate::tensor_file::{
+    F32Tensor, TensorFile, TensorFileError, TensorProblem, decode_floats, is_float_dtype,
+    write_f32_tensors,
+};
+
+/// The weights file inside a checkpoint directory.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The AdamW moments file.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The training-state file.
+pub const STATE_FILE: &str = "state.json";
+/// Prefix of first-moment tensor names in the optimizer file.
+pub const EXP_AVG_PREFIX: &str = "exp_avg.";
+/// Prefix of second-moment tensor names.
+pub const EXP_AVG_SQ_PREFIX: &str = "exp_avg_sq.";
+/// Version of the `state.json` layout.
+pub const FORMAT_VERSION: u32 = 1;
+
+const CHECKPOINT_FILES: [&str; 3] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
+
+/// Why saving or loading a checkpoint failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A tensor file is unreadable, or a tensor is missing, unexpected or mis-shaped for the plan.
+    #[error(transparent)]
+    Tensor(#[from] TensorFileError),
+    /// A filesystem operation failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The path concerned.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+    /// `state.json` is unreadable or of another format version.
+    #[error("{}: {message}", path.display())]
+    State {
+        /// The state file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// The checkpoint or the buffers do not fit the plan's model.
+    #[error("checkpoint does not match the plan: {0}")]
+    Mismatch(String),
+    /// Neither the directory nor its fallback holds a checkpoint.
+    #[error("no checkpoint in {}", path.display())]
+    NotFound {
+        /// The directory given.
+        path: PathBuf,
+    },
+    /// The target path exists and holds something other than a checkpoint, so it is left alone.
+    #[error("{} exists and is not a checkpoint directory; refusing to replace it", path.display())]
+    NotACheckpoint {
+        /// The path.
+        path: PathBuf,
+    },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Everything besides the tensors that a resumed run needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainingState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Name of the pipeline that wrote the checkpoint.
+    pub plan_name: String,
+    /// RNG state words (seeds or generator states) the pipeline restores, in an order it defines.
+    pub rng_state: Vec<u64>,
+    /// Per producer worker, the global position of the next batch it must produce.
+    pub data_positions: Vec<u64>,
+}
+
+/// The on-disk `state.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct StateFile {
+    format_version: u32,
+    parameters: usize,
+    #[serde(flatten)]
+    training: TrainingState,
+}
+
+/// A loaded checkpoint: the three flat buffers (in the plan's layout order) and the training state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// Parameters.
+    pub params: Vec<f32>,
+    /// AdamW first moments.
+    pub exp_avg: Vec<f32>,
+    /// AdamW second moments.
+    pub exp_avg_sq: Vec<f32>,
+    /// Step, RNG and data positions.
+    pub state: TrainingState,
+}
+
+/// The sibling paths used while writing `dir`: `(DIR.tmp, DIR.prev)`.
+fn sibling_paths(dir: &Path) -> Result<(PathBuf, PathBuf), CheckpointError> {
+    let name = dir
+        .file_name()
+        .ok_or_else(|| CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        })?;
+    let with_suffix = |suffix: &str| {
+        let mut sibling = name.to_os_string();
+        sibling.push(suffix);
+        dir.with_file_name(sibling)
+    };
+    Ok((with_suffix(".tmp"), with_suffix(".prev")))
+}
+
+/// True when `dir` is a directory holding only checkpoint files (possibly none).
+fn holds_only_checkpoint_files(dir: &Path) -> Result<bool, CheckpointError> {
+    if !dir.is_dir() {
+        return Ok(false);
+    }
+    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
+        let entry = entry.map_err(io_error(dir))?;
+        if !entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| CHECKPOINT_FILES.contains(&n))
+        {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Removes `dir` if it exists, refusing when it holds anything but checkpoint files.
+fn remove_checkpoint_dir(dir: &Path) -> Result<(), CheckpointError> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    if !holds_only_checkpoint_files(dir)? {
+        return Err(CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        });
+    }
+    fs::remove_dir_all(dir).map_err(io_error(dir))
+}
+
+/// Fsyncs a directory so the renames and creations inside it are durable.
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(dir))
+}
+
+fn parent_of(dir: &Path) -> &Path {
+    dir.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Checks that a flat buffer has the plan's parameter count and that the layout tiles it.
+fn check_buffer(model: &ModelPlan, what: &str, len: usize) -> Result<(), CheckpointError> {
+    if len != model.parameters {
+        return Err(CheckpointError::Mismatch(format!(
+            "{what} has {len} values, the plan {}",
+            model.parameters
+        )));
+    }
+    if let Some(view) = model.layout.iter().find(|v| v.range().end > len) {
+        return Err(CheckpointError::Mismatch(format!(
+            "layout tensor `{}` ends past the buffer",
+            view.name
+        )));
+    }
+    Ok(())
+}
+
+/// A checkpoint whose files are written and fsynced in `DIR.tmp` but not yet in place.
+#[derive(Debug)]
+#[must_use = "a staged checkpoint is not saved until `commit` is called"]
+pub struct StagedCheckpoint {
+    dir: PathBuf,
+    staging: PathBuf,
+    previous: PathBuf,
+}
+
+/// Writes the checkpoint files into `DIR.tmp` (replacing a stale one) and fsyncs them, without touching `dir`.
+/// [`StagedCheckpoint::commit`] puts it in place; [`save_checkpoint`] does both.
+pub fn stage_checkpoint(
+    dir: &Path,
+    model: &ModelPlan,
+    params: &[f32],
+    exp_avg: &[f32],
+    exp_avg_sq: &[f32],
+    state: &TrainingState,
+) -> Result<StagedCheckpoint, CheckpointError> {
+    for (what, buffer) in [
+        ("params", params),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+    ] {
+        check_buffer(model, what, buffer.len())?;
+    }
+    let (staging, previous) = sibling_paths(dir)?;
+    if dir.exists() && !holds_only_checkpoint_files(dir)? {
+        return Err(CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        });
+    }
+    remove_checkpoint_dir(&staging)?;
+    fs::create_dir_all(&staging).map_err(io_error(&staging))?;
+
+    let metadata = HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("step".to_string(), state.step.to_string()),
+        ("plan".to_string(), state.plan_name.clone()),
+    ]);
+    let model_tensors: Vec<F32Tensor<'_>> = model
+        .layout
+        .iter()
+        .map(|v| F32Tensor {
+            name: &v.name,
+            shape: &v.shape,
+            data: &params[v.range()],
+        })
+        .collect();
+    write_f32_tensors(&staging.join(MODEL_FILE), &model_tensors, metadata.clone())?;
+
+    let names: Vec<(String, String)> = model
+        .layout
+        .iter()
+        .map(|v| {
+            (
+                format!("{EXP_AVG_PREFIX}{}", v.name),
+                format!("{EXP_AVG_SQ_PREFIX}{}", v.name),
+            )
+        })
+        .collect();
+    // All first moments, then all second moments: each half of the file mirrors the flat buffer it came from.
+    let mut optimizer_tensors = Vec::with_capacity(2 * model.layout.len());
+    for (view, (avg_name, _)) in model.layout.iter().zip(&names) {
+        optimizer_tensors.push(F32Tensor {
+            name: avg_name,
+            shape: &view.shape,
+            data: &exp_avg[view.range()],
+        });
+    }
+    for (view, (_, sq_name)) in model.layout.iter().zip(&names) {
+        optimizer_tensors.push(F32Tensor {
+            name: sq_name,
+            shape: &view.shape,
+            data: &exp_avg_sq[view.range()],
+        });
+    }
+    write_f32_tensors(&staging.join(OPTIMIZER_FILE), &optimizer_tensors, metadata)?;
+
+    let state_path = staging.join(STATE_FILE);
+    let file = StateFile {
+        format_version: FORMAT_VERSION,
+        parameters: model.parameters,
+        training: state.clone(),
+    };
+    let json = serde_json::to_vec_pretty(&file).map_err(|e| CheckpointError::State {
+        path: state_path.clone(),
+        message: e.to_string(),
+    })?;
+    let mut out = File::create(&state_path).map_err(io_error(&state_path))?;
+    out.write_all(&json)
+        .and_then(|()| out.sync_all())
+        .map_err(io_error(&state_path))?;
+    sync_dir(&staging)?;
+    Ok(StagedCheckpoint {
+        dir: dir.to_path_buf(),
+        staging,
+        previous,
+    })
+}
+
+impl StagedCheckpoint {
+    /// Moves the staged checkpoint into place (see the module docs for the rename order) and removes the one
+    /// it replaces.
+    pub fn commit(self) -> Result<(), CheckpointError> {
+        let parent = parent_of(&self.dir);
+        if self.dir.exists() {
+            // `dir` exists, so a leftover `DIR.prev` is older than it and no longer needed as a fallback.
+            remove_checkpoint_dir(&self.previous)?;
+            fs::rename(&self.dir, &self.previous).map_err(io_error(&self.dir))?;
+            sync_dir(parent)?;
+        }
+        fs::rename(&self.staging, &self.dir).map_err(io_error(&self.staging))?;
+        sync_dir(parent)?;
+        remove_checkpoint_dir(&self.previous)?;
+        sync_dir(parent)
+    }
+
+    /// Where the checkpoint will be.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// Saves a checkpoint of `model` to `dir` atomically (see the module docs).
+///
+/// # Examples
+///
+/// ```no_run
+/// # use draftpipe_runtime::checkpoint::{save_checkpoint, load_checkpoint, TrainingState};
+/// # fn demo(model: &draftpipe_compiler::plan::ModelPlan, p: &[f32], m: &[f32], v: &[f32]) -> Result<(), Box<dyn std::error::Error>> {
+/// let state = TrainingState { step: 100, plan_name: "quickstart".into(), rng_state: vec![7], data_positions: vec![200, 201] };
+/// save_checkpoint("runs/ckpt".as_ref(), model, p, m, v, &state)?;
+/// let restored = load_checkpoint("runs/ckpt".as_ref(), model)?;
+/// assert_eq!(restored.state, state);
+/// # Ok(()) }
+/// ```
+pub fn save_checkpoint(
+    dir: &Path,
+    model: &ModelPlan,
+    params: &[f32],
+    exp_avg: &[f32],
+    exp_avg_sq: &[f32],
+    state: &TrainingState,
+) -> Result<(), CheckpointError> {
+    stage_checkpoint(dir, model, params, exp_avg, exp_avg_sq, state)?.commit()
+}
+
+/// The directory that holds the complete checkpoint for `dir`: `dir` itself, or `DIR.prev` after a save that
+/// died between its two renames.
+pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    if dir.join(STATE_FILE).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    let (_, previous) = sibling_paths(dir)?;
+    if previous.join(STATE_FILE).is_file() {
+        return Ok(previous);
+    }
+    Err(CheckpointError::NotFound {
+        path: dir.to_path_buf(),
+    })
+}
+
+/// Loads the checkpoint in `dir` (or its fallback), checking it against `model`.
+pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, CheckpointError> {
+    let dir = resolve_checkpoint_dir(dir)?;
+    let state_path = dir.join(STATE_FILE);
+    let bytes = fs::read(&state_path).map_err(io_error(&state_path))?;
+    let file: StateFile = serde_json::from_slice(&bytes).map_err(|e| CheckpointError::State {
+        path: state_path.clone(),
+        message: e.to_string(),
+    })?;
+    if file.format_version != FORMAT_VERSION {
+        let message = format!(
+            "format version {} (this build reads {FORMAT_VERSION})",
+            file.format_version
+        );
+        return Err(CheckpointError::State {
+            path: state_path,
+            message,
+        });
+    }
+    if file.parameters != model.parameters {
+        return Err(CheckpointError::Mismatch(format!(
+            "{} has {} parameters, the plan {}",
+            state_path.display(),
+            file.parameters,
+            model.parameters
+        )));
+    }
+    let params = load_weights(&dir.join(MODEL_FILE), model)?;
+    let optimizer_path = dir.join(OPTIMIZER_FILE);
+    let mut optimizer = TensorFile::open(&optimizer_path)?;
+    let mut exp_avg = vec![0.0; model.parameters];
+    let mut exp_avg_sq = vec![0.0; model.parameters];
+    let mut expected = read_layout(&mut optimizer, model, EXP_AVG_PREFIX, &mut exp_avg)?;
+    expected.extend(read_layout(
+        &mut optimizer,
+        model,
+        EXP_AVG_SQ_PREFIX,
+        &mut exp_avg_sq,
+    )?);
+    reject_unexpected(&optimizer, &expected)?;
+    Ok(Checkpoint {
+        params,
+        exp_avg,
+        exp_avg_sq,
+        state: file.training,
+    })
+}
+
+/// Loads the parameters from a weights file (a checkpoint's `model.safetensors`, or one written from PyTorch
+/// with the plan's names; F32, BF16 or F16), checking every name and shape against `model`.
+pub fn load_weights(file: &Path, model: &ModelPlan) -> Result<Vec<f32>, CheckpointError> {
+    let mut weights = TensorFile::open(file)?;
+    let mut params = vec![0.0; model.parameters];
+    check_buffer(model, "the parameter buffer", params.len())?;
+    let expected = read_layout(&mut weights, model, "", &mut params)?;
+    reject_unexpected(&weights, &expected)?;
+    Ok(params)
+}
+
+/// Reads every layout tensor, named `PREFIX + name`, into its range of `out`; returns the names read.
+fn read_layout(
+    file: &mut TensorFile,
+    model: &ModelPlan,
+    prefix: &str,
+    out: &mut [f32],
+) -> Result<HashSet<String>, CheckpointError> {
+    let mut bytes = Vec::new();
+    let mut names = HashSet::with_capacity(model.layout.len());
+    for view in &model.layout {
+        let name = format!("{prefix}{}", view.name);
+        let info = file.require(&name)?;
+        let bad = |problem| TensorFileError::tensor(file.path(), &name, problem);
+        if !is_float_dtype(info.dtype) {
+            return Err(bad(TensorProblem::WrongDtype {
+                found: info.dtype,
+                expected: "F32, BF16 or F16",
+            })
+            .into());
+        }
+        if info.shape != view.shape {
+            let expected = format!("{:?} (the plan's layout)", view.shape);
+            return Err(bad(TensorProblem::WrongShape {
+                found: info.shape.clone(),
+                expected,
+            })
+            .into());
+        }
+        let dtype = file.read_elements(&name, 0..view.len(), &mut bytes)?;
+        decode_floats(dtype, &bytes, &mut out[view.range()]);
+        names.insert(name);
+    }
+    Ok(names)
+}
+
+/// Fails on the first tensor of `file` (in sorted order) that is not in `expected`.
+fn reject_unexpected(file: &TensorFile, expected: &HashSet<String>) -> Result<(), CheckpointError> {
+    match file.names().into_iter().find(|n| !expected.contains(n)) {
+        Some(name) => {
+            Err(TensorFileError::tensor(file.path(), &name, TensorProblem::Unexpected).into())
+        }
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,366 @@
+//! Producers' data: where hidden-state batches come from, and the pool of buffers they are written into.
+//!
+//! ```text
+//!  SyntheticSource │ SafetensorsSource ──HsSource──▶ Producer ──Box<HsBatch>──▶ HS queue ──▶ drafter
+//!                                                      ▲  take(bucket)                         │ give_back
+//!                                                      └──────────────── BatchPool ◀───────────┘
+//! ```
+//!
+//! A source is a deterministic stream of batches indexed by a global *position* `0, 1, 2, …`. With `W`
+//! producer workers, worker `w` produces the positions `p ≡ w (mod W)` in increasing order, so the stream does
+//! not depend on which worker runs first, and [`HsBatch::source_position`] tells which worker made a batch
+//! (`p % W`) and where to restart it ([`HsSource::seek`]). Each batch belongs to one bucket (its static shape);
+//! the source announces it ([`HsSource::next_bucket`]) before filling, so the producer can take a buffer of the
+//! right shape from the [`BatchPool`] and steady state allocates nothing.
+
+pub mod safetensors;
+pub mod synthetic;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::Backoff;
+use draftpipe_compiler::plan::{Plan, SourceSpec};
+
+use crate::batch::HsBatch;
+use crate::tensor_file::TensorFileError;
+
+pub use self::safetensors::{SafetensorsDataset, SafetensorsSource};
+pub use self::synthetic::{SyntheticSource, SyntheticTarget};
+
+/// How long a producer sleeps between looks at an empty pool once spinning has not helped.
+const POOL_WAIT: Duration = Duration::from_micros(200);
+
+/// Why a source or the batch pool failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// The source's settings cannot work with the plan (e.g. a length no bucket holds).
+    #[error("source configuration: {0}")]
+    Config(String),
+    /// A hidden-state file is unreadable or disagrees with the plan.
+    #[error(transparent)]
+    File(#[from] TensorFileError),
+    /// A path or glob matched no file.
+    #[error("no file matches `{pattern}`")]
+    NoMatch {
+        /// The path or glob given.
+        pattern: String,
+    },
+    /// Listing the directory of a glob failed.
+    #[error("cannot list `{dir}`: {source}")]
+    ListDir {
+        /// The directory.
+        dir: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A seek to a position this producer does not own.
+    #[error("position {position} does not belong to producer {producer} of {producers}")]
+    ForeignPosition {
+        /// Requested position.
+        position: u64,
+        /// This producer's index.
+        producer: usize,
+        /// Number of producers.
+        producers: usize,
+    },
+    /// `fill_next` got a buffer whose shape is not the announced bucket's, or the stream is exhausted.
+    #[error("batch buffer mismatch: {0}")]
+    Buffer(String),
+}
+
+/// The static shapes of the plan's buckets, in bucket order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketShapes {
+    /// `(padded_len, sequences)` per bucket; padded lengths strictly increase.
+    pub buckets: Vec<(usize, usize)>,
+    /// Width of one token's hidden state.
+    pub din: usize,
+}
+
+impl BucketShapes {
+    /// The shapes of `plan`'s buckets.
+    pub fn from_plan(plan: &Plan) -> Self {
+        Self {
+            buckets: plan
+                .buckets
+                .iter()
+                .map(|b| (b.padded_len, b.sequences))
+                .collect(),
+            din: plan.target.hs_width(),
+        }
+    }
+
+    /// The smallest bucket whose padded length holds a sequence of `len` tokens, or `None` if none does.
+    pub fn bucket_for_len(&self, len: usize) -> Option<usize> {
+        self.buckets.iter().position(|&(padded, _)| len <= padded)
+    }
+
+    /// The most tokens any bucket's batch holds (the size every pooled buffer is allocated for).
+    pub fn max_tokens(&self) -> usize {
+        self.buckets.iter().map(|&(p, s)| p * s).max().unwrap_or(0)
+    }
+
+    /// Reshapes `batch` to bucket `bucket` without allocating when its buffers were made by [`Self::buffer`].
+    ///
+    /// # Panics
+    /// If `bucket` is out of range.
+    pub fn shape_for(&self, batch: &mut HsBatch, bucket: usize) {
+        let (padded_len, sequences) = self.buckets[bucket];
+        let tokens = padded_len * sequences;
+        batch.padded_len = padded_len;
+        batch.sequences = sequences;
+        batch.din = self.din;
+        batch.hs.resize(tokens * self.din, 0.0);
+        batch.input_ids.resize(tokens, 0);
+        batch.loss_mask.resize(tokens, 0);
+        batch.seq_lens.resize(sequences, 0);
+    }
+
+    /// A buffer with room for any bucket, shaped for bucket 0.
+    pub fn buffer(&self) -> HsBatch {
+        let tokens = self.max_tokens();
+        let max_sequences = self.buckets.iter().map(|&(_, s)| s).max().unwrap_or(0);
+        let mut batch = HsBatch {
+            padded_len: 0,
+            sequences: 0,
+            din: self.din,
+            hs: Vec::with_capacity(tokens * self.din),
+            input_ids: Vec::with_capacity(tokens),
+            seq_lens: Vec::with_capacity(max_sequences),
+            loss_mask: Vec::with_capacity(tokens),
+            source_position: 0,
+        };
+        if !self.buckets.is_empty() {
+            self.shape_for(&mut batch, 0);
+        }
+        batch
+    }
+
+    /// True when `batch` has the shape of bucket `bucket`.
+    pub fn matches(&self, batch: &HsBatch, bucket: usize) -> bool {
+        let Some(&(padded_len, sequences)) = self.buckets.get(bucket) else {
+            return false;
+        };
+        let tokens = padded_len * sequences;
+        batch.padded_len == padded_len
+            && batch.sequences == sequences
+            && batch.din == self.din
+            && batch.hs.len() == tokens * self.din
+            && batch.input_ids.len() == tokens
+            && batch.loss_mask.len() == tokens
+            && batch.seq_lens.len() == sequences
+    }
+}
+
+/// A deterministic, resumable stream of hidden-state batches for one producer worker.
+pub trait HsSource: Send {
+    /// The bucket of the next batch, or `None` when the stream is exhausted. Does not advance.
+    fn next_bucket(&mut self) -> Result<Option<usize>, SourceError>;
+
+    /// Fills `out`, already shaped for the bucket [`Self::next_bucket`] announced, with the next batch (every
+    /// element written, padding zeroed), sets `out.source_position`, and advances.
+    fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError>;
+
+    /// The global position of the next batch this source will produce.
+    fn position(&self) -> u64;
+
+    /// Makes the batch at global `position` the next one (it must belong to this producer).
+    fn seek(&mut self, position: u64) -> Result<(), SourceError>;
+}
+
+/// Checks that `position` belongs to producer `producer` of `producers`.
+fn check_owned(position: u64, producer: usize, producers: usize) -> Result<(), SourceError> {
+    if position % producers as u64 == producer as u64 {
+        Ok(())
+    } else {
+        Err(SourceError::ForeignPosition {
+            position,
+            producer,
+            producers,
+        })
+    }
+}
+
+/// Opens one source per producer worker of `plan`'s target stage (worker `w` gets index `w`).
+pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> {
+    let producers = plan.target.placement.workers.len();
+    if producers == 0 {
+        return Err(SourceError::Config(
+            "the target stage has no workers".into(),
+        ));
+    }
+    let shapes = BucketShapes::from_plan(plan);
+    match &plan.target.source {
+        SourceSpec::Synthetic {
+            seed,
+            min_len,
+            max_len,
+        } => {
+            let target = std::sync::Arc::new(SyntheticTarget::new(
+                *seed,
+                plan.target.vocab,
+                plan.target.hidden,
+                plan.target.tap_layers.len(),
+            )?);
+            (0..producers)
+                .map(|w| {
+                    let source = SyntheticSource::new(
+                        target.clone(),
+                        &shapes,
+                        *min_len..*max_len,
+                        w,
+                        producers,
+                    )?;
+                    Ok(Box::new(source) as Box<dyn HsSource>)
+                })
+                .collect()
+        }
+        SourceSpec::Safetensors { pattern } => {
+            let dataset =
+                std::sync::Arc::new(SafetensorsDataset::open(pattern, &plan.target, &shapes)?);
+            Ok((0..producers)
+                .map(|w| {
+                    Box::new(SafetensorsSource::new(dataset.clone(), w, producers))
+                        as Box<dyn HsSource>
+                })
+                .collect())
+        }
+    }
+}
+
+/// Preallocated batch buffers shared by producers and drafters: producers `take`, drafters `give_back`.
+///
+/// Every buffer has room for the largest bucket and is reshaped on `take`, so one pool serves all buckets and
+/// holds `items × largest item` bytes, as the plan's memory model counts it.
+#[derive(Debug)]
+pub struct BatchPool {
+    free: ArrayQueue<Box<HsBatch>>,
+    shapes: BucketShapes,
+    items: usize,
+}
+
+impl BatchPool {
+    /// A pool of `items` buffers for `shapes`.
+    pub fn new(shapes: BucketShapes, items: usize) -> Result<Self, SourceError> {
+        if items == 0 || shapes.buckets.is_empty() {
+            return Err(SourceError::Config(
+                "a batch pool needs at least one item and one bucket".into(),
+            ));
+        }
+        let free = ArrayQueue::new(items);
+        for _ in 0..items {
+            free.push(Box::new(shapes.buffer()))
+                .expect("the queue was sized for every item");
+        }
+        Ok(Self {
+            free,
+            shapes,
+            items,
+        })
+    }
+
+    /// The pool a pipeline for `plan` needs: one buffer per queue slot, two per drafter worker (the batch in the
+    /// step and the one being prefetched) and one per producer worker (the batch being filled).
+    pub fn for_plan(plan: &Plan) -> Result<Self, SourceError> {
+        let items = plan.queue.capacity
+            + 2 * plan.drafter.placement.workers.len()
+            + plan.target.placement.workers.len();
+        Self::new(BucketShapes::from_plan(plan), items)
+    }
+
+    /// Takes a free buffer shaped for `bucket`, or `None` when all buffers are in use.
+    ///
+    /// # Panics
+    /// If `bucket` is out of range.
+    pub fn take(&self, bucket: usize) -> Option<Box<HsBatch>> {
+        let mut batch = self.free.pop()?;
+        self.shapes.shape_for(&mut batch, bucket);
+        Some(batch)
+    }
+
+    /// Returns a buffer taken from this pool. A buffer that cannot have come from it (wrong width, too small,
+    /// or more returned than taken) is refused.
+    pub fn give_back(&self, batch: Box<HsBatch>) -> Result<(), SourceError> {
+        let tokens = self.shapes.max_tokens();
+        if batch.din != self.shapes.din
+            || batch.hs.capacity() < tokens * self.shapes.din
+            || batch.input_ids.capacity() < tokens
+            || batch.loss_mask.capacity() < tokens
+        {
+            return Err(SourceError::Buffer(
+                "buffer returned to a pool it does not belong to".into(),
+            ));
+        }
+        self.free
+            .push(batch)
+            .map_err(|_| SourceError::Buffer("more buffers returned than taken".into()))
+    }
+
+    /// Buffers currently free.
+    pub fn available(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Buffers the pool owns in all.
+    pub fn items(&self) -> usize {
+        self.items
+    }
+
+    /// The bucket shapes buffers are cut to.
+    pub fn shapes(&self) -> &BucketShapes {
+        &self.shapes
+    }
+}
+
+/// One producer worker: a source plus the loop step that turns it into pooled batches.
+pub struct Producer {
+    source: Box<dyn HsSource>,
+}
+
+impl Producer {
+    /// Wraps a source.
+    pub fn new(source: Box<dyn HsSource>) -> Self {
+        Self { source }
+    }
+
+    /// The next filled batch, waiting (spin, then short sleeps) for a free buffer. `Ok(None)` when the source is
+    /// exhausted or `stop` is set while waiting. On an error the buffer goes back to the pool.
+    pub fn next_batch(
+        &mut self,
+        pool: &BatchPool,
+        stop: &AtomicBool,
+    ) -> Result<Option<Box<HsBatch>>, SourceError> {
+        let Some(bucket) = self.source.next_bucket()? else {
+            return Ok(None);
+        };
+        let backoff = Backoff::new();
+        let mut batch = loop {
+            if let Some(batch) = pool.take(bucket) {
+                break batch;
+            }
+            if stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            // A pool drained for long means the queue is full: sleeping leaves the cores to the drafters.
+            if backoff.is_completed() {
+                std::thread::sleep(POOL_WAIT);
+            } else {
+                backoff.snooze();
+            }
+        };
+        match self.source.fill_next(&mut batch) {
+            Ok(()) => Ok(Some(batch)),
+            Err(e) => {
+                pool.give_back(batch)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// The source, e.g. to read its position for a checkpoint or seek it on resume.
+    pub fn source_mut(&mut self) -> &mut dyn HsSource {
+        self.source.as_mut()
+    }
+}

@@ -1,0 +1,532 @@
+//! Hidden states recorded from a real target, read from safetensors files.
+//!
+//! ```text
+//!  PATH or GLOB ──expand──▶ files ──SafetensorsDataset::open (headers, ids, masks checked)──▶ batch list
+//!        batch list ──shared──▶ SafetensorsSource × W ──reads rows on demand──▶ HsBatch
+//! ```
+//!
+//! **Format** (see `docs/sources.md` for a script that writes it from Hugging Face `transformers`): each file
+//! holds `hidden_states [N, S, D]` (F32, BF16 or F16; `D = hidden × tap layers`, the tapped layers concatenated
+//! per token), `input_ids [N, S]` (I32 or I64, each `0 ≤ id < vocab`) and optionally `loss_mask [N, S]` (bool,
+//! any integer or float; nonzero = the token may serve as a label). Other tensors are ignored.
+//!
+//! **Lengths.** Without `loss_mask` every sequence has length `S`. With it, a sequence ends after its last
+//! nonzero mask entry: the positions after it can never be labels, so the hidden states there would train
+//! nothing, and right padding costs no compute. A sequence whose mask is all zero is skipped. A sequence longer
+//! than the largest bucket is an error (truncating silently would change the data).
+//!
+//! **Order.** Files are read in sorted path order and sequences in row order; each goes to the smallest bucket
+//! that holds it, and a bucket's item is emitted when it is full, so batch positions follow the stream. At the
+//! end, partly filled items are emitted in bucket order with their empty slots marked by length 0 and mask 0.
+//! The stream is one pass over the data; the pipeline decides what to do when every source is exhausted.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use draftpipe_compiler::plan::TargetStage;
+use safetensors::Dtype;
+
+use super::{BucketShapes, HsSource, SourceError, check_owned};
+use crate::batch::HsBatch;
+use crate::tensor_file::{
+    TensorFile, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
+    is_float_dtype, is_id_dtype, is_mask_dtype,
+};
+
+/// Tensor names the reader looks for.
+pub const HIDDEN_STATES: &str = "hidden_states";
+/// Token ids tensor name.
+pub const INPUT_IDS: &str = "input_ids";
+/// Optional loss mask tensor name.
+pub const LOSS_MASK: &str = "loss_mask";
+
+/// One checked file: its shape and whether it has a mask.
+#[derive(Debug, Clone)]
+struct DataFile {
+    path: PathBuf,
+    seq: usize,
+    has_mask: bool,
+}
+
+/// One sequence of one file.
+#[derive(Debug, Clone, Copy)]
+struct SeqRef {
+    file: u32,
+    row: u32,
+    len: u32,
+}
+
+/// One planned batch: its bucket and its sequences (a range of `members`).
+#[derive(Debug, Clone)]
+struct PlannedBatch {
+    bucket: usize,
+    members: Range<usize>,
+}
+
+/// A checked set of hidden-state files and the batches they make, shared by all producers.
+#[derive(Debug)]
+pub struct SafetensorsDataset {
+    files: Vec<DataFile>,
+    shapes: BucketShapes,
+    members: Vec<SeqRef>,
+    batches: Vec<PlannedBatch>,
+}
+
+impl SafetensorsDataset {
+    /// Expands `pattern`, checks every file against `target` (width, vocabulary) and the buckets, and plans the
+    /// batches. Reads headers, ids and masks; hidden states are read later, a batch at a time.
+    pub fn open(
+        pattern: &str,
+        target: &TargetStage,
+        shapes: &BucketShapes,
+    ) -> Result<Self, SourceError> {
+        if shapes.din != target.hs_width() {
+            return Err(SourceError::Config(format!(
+                "bucket width {} ≠ plan hidden-state width {}",
+                shapes.din,
+                target.hs_width()
+            )));
+        }
+        let paths = expand_pattern(pattern)?;
+        let mut dataset = Self {
+            files: Vec::new(),
+            shapes: shapes.clone(),
+            members: Vec::new(),
+            batches: Vec::new(),
+        };
+        let mut pending: Vec<Vec<SeqRef>> = vec![Vec::new(); shapes.buckets.len()];
+        for path in paths {
+            let file_index = dataset.files.len() as u32;
+            let (data_file, lengths) = check_file(&path, target, shapes)?;
+            for (row, len) in lengths.into_iter().enumerate() {
+                if len == 0 {
+                    continue;
+                }
+                let bucket = shapes
+                    .bucket_for_len(len)
+                    .ok_or_else(|| too_long(&path, row, len, shapes))?;
+                pending[bucket].push(SeqRef {
+                    file: file_index,
+                    row: row as u32,
+                    len: len as u32,
+                });
+                if pending[bucket].len() == shapes.buckets[bucket].1 {
+                    dataset.push_batch(bucket, &mut pending[bucket]);
+                }
+            }
+            dataset.files.push(data_file);
+        }
+        for (bucket, group) in pending.iter_mut().enumerate() {
+            if !group.is_empty() {
+                dataset.push_batch(bucket, group);
+            }
+        }
+        if dataset.batches.is_empty() {
+            return Err(SourceError::Config(format!(
+                "`{pattern}` holds no sequence with a kept token"
+            )));
+        }
+        Ok(dataset)
+    }
+
+    fn push_batch(&mut self, bucket: usize, group: &mut Vec<SeqRef>) {
+        let start = self.members.len();
+        self.members.append(group);
+        self.batches.push(PlannedBatch {
+            bucket,
+            members: start..self.members.len(),
+        });
+    }
+
+    /// The files, in reading order.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|f| f.path.as_path())
+    }
+
+    /// Batches in one pass over the data.
+    pub fn batches(&self) -> usize {
+        self.batches.len()
+    }
+
+    /// Sequences in one pass (those with at least one kept token).
+    pub fn sequences(&self) -> usize {
+        self.members.len()
+    }
+}
+
+fn too_long(path: &Path, row: usize, len: usize, shapes: &BucketShapes) -> SourceError {
+    let largest = shapes.buckets.last().map_or(0, |b| b.0);
+    let problem = TensorProblem::WrongShape {
+        found: vec![row, len],
+        expected: format!(
+            "sequence {row} (length {len}) to fit the largest bucket, {largest} tokens"
+        ),
+    };
+    TensorFileError::tensor(path, INPUT_IDS, problem).into()
+}
+
+/// Checks one file's tensors against the plan and returns it with each row's length (0 = skip).
+fn check_file(
+    path: &Path,
+    target: &TargetStage,
+    shapes: &BucketShapes,
+) -> Result<(DataFile, Vec<usize>), SourceError> {
+    let mut file = TensorFile::open(path)?;
+    let bad = |tensor: &str, problem: TensorProblem| -> SourceError {
+        TensorFileError::tensor(path, tensor, problem).into()
+    };
+
+    let hs = file.require(HIDDEN_STATES)?;
+    if !is_float_dtype(hs.dtype) {
+        return Err(bad(
+            HIDDEN_STATES,
+            TensorProblem::WrongDtype {
+                found: hs.dtype,
+                expected: "F32, BF16 or F16",
+            },
+        ));
+    }
+    let &[rows, seq, width] = hs.shape.as_slice() else {
+        return Err(bad(
+            HIDDEN_STATES,
+            TensorProblem::WrongRank {
+                found: hs.shape.len(),
+                shape: hs.shape.clone(),
+                expected: 3,
+            },
+        ));
+    };
+    if width != shapes.din {
+        let expected = format!(
+            "[N, S, {}] (hidden {} × {} tap layers)",
+            shapes.din,
+            target.hidden,
+            target.tap_layers.len()
+        );
+        return Err(bad(
+            HIDDEN_STATES,
+            TensorProblem::WrongShape {
+                found: hs.shape.clone(),
+                expected,
+            },
+        ));
+    }
+    let check_rows =
+        |name: &str, dtype: Dtype, shape: &[usize], ok: fn(Dtype) -> bool, kinds: &'static str| {
+            if !ok(dtype) {
+                return Err(bad(
+                    name,
+                    TensorProblem::WrongDtype {
+                        found: dtype,
+                        expected: kinds,
+                    },
+                ));
+            }
+            if shape.len() != 2 {
+                return Err(bad(
+                    name,
+                    TensorProblem::WrongRank {
+                        found: shape.len(),
+                        shape: shape.to_vec(),
+                        expected: 2,
+                    },
+                ));
+            }
+            if shape != [rows, seq] {
+                let expected = format!("[{rows}, {seq}] to match {HIDDEN_STATES}");
+                return Err(bad(
+                    name,
+                    TensorProblem::WrongShape {
+                        found: shape.to_vec(),
+                        expected,
+                    },
+                ));
+            }
+            Ok(())
+        };
+    let ids = file.require(INPUT_IDS)?;
+    check_rows(INPUT_IDS, ids.dtype, &ids.shape, is_id_dtype, "I32 or I64")?;
+    let has_mask = match file.info(LOSS_MASK) {
+        Some(mask) => {
+            check_rows(
+                LOSS_MASK,
+                mask.dtype,
+                &mask.shape,
+                is_mask_dtype,
+                "bool, an integer or a float",
+            )?;
+            true
+        }
+        None => false,
+    };
+
+    let mut bytes = Vec::new();
+    let mut ids_row = vec![0i64; seq];
+    let mut mask_row = vec![1u8; seq];
+    let mut lengths = Vec::with_capacity(rows);
+    for row in 0..rows {
+        let elements = row * seq..(row + 1) * seq;
+        let dtype = file.read_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
+        decode_ids(dtype, &bytes, &mut ids_row);
+        if let Some((col, &id)) = ids_row
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id < 0 || id >= target.vocab as i64)
+        {
+            let allowed = format!("token ids must lie in 0..{}", target.vocab);
+            return Err(bad(
+                INPUT_IDS,
+                TensorProblem::OutOfRange {
+                    value: id,
+                    at: format!("[{row}, {col}]"),
+                    allowed,
+                },
+            ));
+        }
+        if has_mask {
+            let dtype = file.read_elements(LOSS_MASK, elements, &mut bytes)?;
+            decode_mask(dtype, &bytes, &mut mask_row);
+        }
+        lengths.push(
+            mask_row
+                .iter()
+                .rposition(|&m| m != 0)
+                .map_or(0, |last| last + 1),
+        );
+    }
+    Ok((
+        DataFile {
+            path: path.to_path_buf(),
+            seq,
+            has_mask,
+        },
+        lengths,
+    ))
+}
+
+/// Expands a path or a glob whose wildcards (`*`, `?`) are in the file-name part; a directory means every
+/// `*.safetensors` file in it. Matches are sorted.
+pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>, SourceError> {
+    let path = Path::new(pattern);
+    let wild = |s: &str| s.contains(['*', '?']);
+    let (dir, name_pattern) = if !wild(pattern) {
+        if path.is_file() {
+            return Ok(vec![path.to_path_buf()]);
+        }
+        if !path.is_dir() {
+            return Err(SourceError::NoMatch {
+                pattern: pattern.to_string(),
+            });
+        }
+        (path, "*.safetensors")
+    } else {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if wild(&dir.to_string_lossy()) {
+            return Err(SourceError::Config(format!(
+                "`{pattern}`: wildcards are allowed in the file name only"
+            )));
+        }
+        (dir, name)
+    };
+    let list_err = |source| SourceError::ListDir {
+        dir: dir.display().to_string(),
+        source,
+    };
+    let mut matches = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(list_err)? {
+        let entry = entry.map_err(list_err)?;
+        let name = entry.file_name();
+        let is_file = entry.path().is_file();
+        if is_file
+            && name
+                .to_str()
+                .is_some_and(|n| wildcard_match(name_pattern, n))
+        {
+            matches.push(entry.path());
+        }
+    }
+    if matches.is_empty() {
+        return Err(SourceError::NoMatch {
+            pattern: pattern.to_string(),
+        });
+    }
+    matches.sort();
+    Ok(matches)
+}
+
+/// Matches `name` against `pattern`: `*` is any run of characters, `?` one character.
+pub fn wildcard_match(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut pi, mut ni) = (0, 0);
+    // The last `*` seen and the name position it was tried at: on a mismatch, let it swallow one more char.
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
+            pi += 1;
+            ni += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ni));
+            pi += 1;
+        } else if let Some((sp, sn)) = star {
+            pi = sp + 1;
+            ni = sn + 1;
+            star = Some((sp, sn + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+/// One producer's share of a [`SafetensorsDataset`]: global batch positions `p ≡ producer (mod producers)`.
+#[derive(Debug)]
+pub struct SafetensorsSource {
+    dataset: Arc<SafetensorsDataset>,
+    producer: usize,
+    producers: usize,
+    next: u64,
+    open: Option<(u32, TensorFile)>,
+    bytes: Vec<u8>,
+    ids: Vec<i64>,
+}
+
+impl SafetensorsSource {
+    /// Producer `producer` of `producers`, at its first position.
+    pub fn new(dataset: Arc<SafetensorsDataset>, producer: usize, producers: usize) -> Self {
+        Self {
+            dataset,
+            producer,
+            producers,
+            next: producer as u64,
+            open: None,
+            bytes: Vec::new(),
+            ids: Vec::new(),
+        }
+    }
+
+    /// The open handle of file `index`, reopening (and rechecking the header) when another file was open.
+    fn file(&mut self, index: u32) -> Result<&mut TensorFile, SourceError> {
+        if self.open.as_ref().is_none_or(|(open, _)| *open != index) {
+            let file = TensorFile::open(&self.dataset.files[index as usize].path)?;
+            self.open = Some((index, file));
+        }
+        Ok(&mut self.open.as_mut().expect("opened above").1)
+    }
+
+    /// Reads sequence `seq` into slot `slot` of `out`.
+    fn read_sequence(
+        &mut self,
+        seq: SeqRef,
+        slot: usize,
+        out: &mut HsBatch,
+    ) -> Result<(), SourceError> {
+        let dataset = Arc::clone(&self.dataset);
+        let data_file = &dataset.files[seq.file as usize];
+        let (len, din, base) = (seq.len as usize, out.din, slot * out.padded_len);
+        let first = seq.row as usize * data_file.seq;
+        let mut bytes = std::mem::take(&mut self.bytes);
+        let mut ids = std::mem::take(&mut self.ids);
+        ids.resize(len, 0);
+        let file = self.file(seq.file)?;
+        let path = file.path().to_path_buf();
+        let changed = |tensor: &str| -> SourceError {
+            TensorFileError::tensor(
+                &path,
+                tensor,
+                TensorProblem::BadHeader("file changed since it was checked".into()),
+            )
+            .into()
+        };
+
+        let dtype = file.read_elements(INPUT_IDS, first..first + len, &mut bytes)?;
+        if !decode_ids(dtype, &bytes, &mut ids) {
+            return Err(changed(INPUT_IDS));
+        }
+        for (dst, &id) in out.input_ids[base..base + len].iter_mut().zip(&ids) {
+            *dst = u32::try_from(id).map_err(|_| changed(INPUT_IDS))?;
+        }
+        let mask = &mut out.loss_mask[base..base + len];
+        if data_file.has_mask {
+            let dtype = file.read_elements(LOSS_MASK, first..first + len, &mut bytes)?;
+            if !decode_mask(dtype, &bytes, mask) {
+                return Err(changed(LOSS_MASK));
+            }
+        } else {
+            mask.fill(1);
+        }
+        let dtype =
+            file.read_elements(HIDDEN_STATES, first * din..(first + len) * din, &mut bytes)?;
+        if !decode_floats(dtype, &bytes, &mut out.hs[base * din..(base + len) * din]) {
+            return Err(changed(HIDDEN_STATES));
+        }
+        self.bytes = bytes;
+        self.ids = ids;
+        Ok(())
+    }
+}
+
+impl HsSource for SafetensorsSource {
+    fn next_bucket(&mut self) -> Result<Option<usize>, SourceError> {
+        Ok(usize::try_from(self.next)
+            .ok()
+            .and_then(|p| self.dataset.batches.get(p))
+            .map(|b| b.bucket))
+    }
+
+    fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
+        let Some(planned) = usize::try_from(self.next)
+            .ok()
+            .and_then(|p| self.dataset.batches.get(p))
+            .cloned()
+        else {
+            return Err(SourceError::Buffer(format!(
+                "position {} is past the end of the data",
+                self.next
+            )));
+        };
+        if !self.dataset.shapes.matches(out, planned.bucket) {
+            return Err(SourceError::Buffer(format!(
+                "position {} needs bucket {} {:?}, got a {}×{} buffer",
+                self.next,
+                planned.bucket,
+                self.dataset.shapes.buckets[planned.bucket],
+                out.sequences,
+                out.padded_len
+            )));
+        }
+        let (padded, din) = (out.padded_len, out.din);
+        for slot in 0..out.sequences {
+            let len = match planned.members.clone().nth(slot) {
+                Some(member) => {
+                    let seq = self.dataset.members[member];
+                    self.read_sequence(seq, slot, out)?;
+                    seq.len as usize
+                }
+                None => 0,
+            };
+            out.seq_lens[slot] = len as u32;
+            let (start, end) = (slot * padded + len, (slot + 1) * padded);
+            out.input_ids[start..end].fill(0);
+            out.loss_mask[start..end].fill(0);
+            out.hs[start * din..end * din].fill(0.0);
+        }
+        out.source_position = self.next;
+        self.next += self.producers as u64;
+        Ok(())
+    }
+
+    fn position(&self) -> u64 {
+        self.next
+    }
+
+    fn seek(&mut self, position: u64) -> Result<(), SourceError> {
+        check_owned(position, self.producer, self.producers)?;
+        self.next = position;
+        Ok(())
+    }
+}

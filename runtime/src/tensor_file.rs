@@ -1,0 +1,369 @@
+//! Safetensors files read and written piece by piece, without holding a whole file in memory.
+//!
+//! ```text
+//!  hidden-state files ──TensorFile::open (header only)──▶ source::safetensors reads rows on demand
+//!  checkpoint::save ──write_f32_tensors (streamed, fsynced)──▶ model.safetensors / optimizer.safetensors
+//! ```
+//!
+//! Hidden-state datasets are far larger than memory, so a reader parses and validates the header once and then
+//! reads byte ranges of single tensors. The writer streams tensors straight from flat buffers in the layout
+//! order, so a checkpoint never needs a second copy of the model. Header parsing and validation (contiguous
+//! offsets, sizes that match shapes) reuse the `safetensors` crate's [`Metadata`].
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+use safetensors::tensor::{Metadata, TensorInfo};
+
+/// The largest header accepted, as in the `safetensors` crate: a corrupt length must not become a huge allocation.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Elements converted per chunk when streaming f32 data to disk.
+const WRITE_CHUNK: usize = 16 * 1024;
+
+/// What is wrong with a safetensors file or one of its tensors.
+#[derive(Debug, thiserror::Error)]
+pub enum TensorProblem {
+    /// Reading or writing failed.
+    #[error("i/o error: {0}")]
+    Io(#[from] io::Error),
+    /// The file ends before the header or the data it declares.
+    #[error("truncated file: {needed} bytes needed, {actual} present")]
+    Truncated {
+        /// Bytes the header says the file holds.
+        needed: u64,
+        /// Bytes actually present.
+        actual: u64,
+    },
+    /// The header is not valid safetensors metadata.
+    #[error("invalid header: {0}")]
+    BadHeader(String),
+    /// A required tensor is absent.
+    #[error("missing tensor")]
+    Missing,
+    /// A tensor the reader does not expect is present.
+    #[error("unexpected tensor")]
+    Unexpected,
+    /// The tensor's element type is not one the reader accepts.
+    #[error("dtype {found:?} not accepted (expected {expected})")]
+    WrongDtype {
+        /// Dtype in the file.
+        found: Dtype,
+        /// Accepted dtypes, in words.
+        expected: &'static str,
+    },
+    /// The tensor has the wrong number of dimensions.
+    #[error("rank {found} (shape {shape:?}), expected rank {expected}")]
+    WrongRank {
+        /// Rank in the file.
+        found: usize,
+        /// The file's shape.
+        shape: Vec<usize>,
+        /// Expected rank.
+        expected: usize,
+    },
+    /// The tensor's shape disagrees with the plan or with another tensor.
+    #[error("shape {found:?}, expected {expected}")]
+    WrongShape {
+        /// Shape in the file.
+        found: Vec<usize>,
+        /// The expected shape, in words.
+        expected: String,
+    },
+    /// A value is out of its allowed range (a token id ≥ vocab, a negative id).
+    #[error("value {value} at {at} out of range ({allowed})")]
+    OutOfRange {
+        /// The value found.
+        value: i64,
+        /// Where, e.g. `[3, 17]`.
+        at: String,
+        /// The allowed range, in words.
+        allowed: String,
+    },
+}
+
+/// A problem with one safetensors file, naming the file and (when it concerns one) the tensor.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {}{problem}", path.display(), tensor.as_ref().map(|t| format!("tensor `{t}`: ")).unwrap_or_default())]
+pub struct TensorFileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The tensor concerned, if any.
+    pub tensor: Option<String>,
+    /// What is wrong.
+    pub problem: TensorProblem,
+}
+
+impl TensorFileError {
+    /// An error about the file as a whole.
+    pub fn file(path: &Path, problem: impl Into<TensorProblem>) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            tensor: None,
+            problem: problem.into(),
+        }
+    }
+
+    /// An error about one tensor of the file.
+    pub fn tensor(path: &Path, tensor: &str, problem: impl Into<TensorProblem>) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            tensor: Some(tensor.to_string()),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// An open safetensors file whose header has been read and checked against the file length.
+#[derive(Debug)]
+pub struct TensorFile {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    metadata: Metadata,
+}
+
+impl TensorFile {
+    /// Opens `path`, parses and validates its header, and checks that the file holds all the data it declares.
+    pub fn open(path: &Path) -> Result<Self, TensorFileError> {
+        let io_err = |e| TensorFileError::file(path, TensorProblem::Io(e));
+        let mut file = File::open(path).map_err(io_err)?;
+        let actual = file.metadata().map_err(io_err)?.len();
+        let truncated =
+            |needed| TensorFileError::file(path, TensorProblem::Truncated { needed, actual });
+        if actual < 8 {
+            return Err(truncated(8));
+        }
+        let mut len_bytes = [0u8; 8];
+        file.read_exact(&mut len_bytes).map_err(io_err)?;
+        let header_len = u64::from_le_bytes(len_bytes);
+        if header_len > MAX_HEADER_BYTES {
+            let problem = format!("header length {header_len} exceeds {MAX_HEADER_BYTES} bytes");
+            return Err(TensorFileError::file(
+                path,
+                TensorProblem::BadHeader(problem),
+            ));
+        }
+        let data_start = 8 + header_len;
+        if actual < data_start {
+            return Err(truncated(data_start));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        file.read_exact(&mut header).map_err(io_err)?;
+        let metadata: Metadata = serde_json::from_slice(&header)
+            .map_err(|e| TensorFileError::file(path, TensorProblem::BadHeader(e.to_string())))?;
+        let needed = data_start + metadata.data_len() as u64;
+        if actual < needed {
+            return Err(truncated(needed));
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            metadata,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Names of all tensors in the file (without `__metadata__`), sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.metadata.tensors().into_keys().collect();
+        names.sort();
+        names
+    }
+
+    /// The free-form `__metadata__` strings, if any.
+    pub fn string_metadata(&self) -> Option<&HashMap<String, String>> {
+        self.metadata.metadata().as_ref()
+    }
+
+    /// Dtype and shape of a tensor, or `None` when absent.
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.metadata.info(name)
+    }
+
+    /// Dtype and shape of a tensor that must be present.
+    pub fn require(&self, name: &str) -> Result<&TensorInfo, TensorFileError> {
+        self.info(name)
+            .ok_or_else(|| TensorFileError::tensor(&self.path, name, TensorProblem::Missing))
+    }
+
+    /// Reads the raw little-endian bytes of elements `elements` of tensor `name` into `out` (resized to fit).
+    pub fn read_elements(
+        &mut self,
+        name: &str,
+        elements: Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<Dtype, TensorFileError> {
+        let info = self.require(name)?;
+        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
+        let width = dtype.bitsize() / 8;
+        let (first, last) = (start + elements.start * width, start + elements.end * width);
+        if width == 0 || last > end || first > last {
+            let problem = format!(
+                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
+            );
+            return Err(TensorFileError::tensor(
+                &self.path,
+                name,
+                TensorProblem::BadHeader(problem),
+            ));
+        }
+        out.resize(last - first, 0);
+        let io_err = |e| TensorFileError::tensor(&self.path, name, TensorProblem::Io(e));
+        self.file
+            .seek(SeekFrom::Start(self.data_start + first as u64))
+            .map_err(io_err)?;
+        self.file.read_exact(out).map_err(io_err)?;
+        Ok(dtype)
+    }
+}
+
+/// True for the float dtypes hidden states and weights may be stored in.
+pub fn is_float_dtype(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16)
+}
+
+/// Decodes little-endian F32, F16 or BF16 bytes into `out` (`out.len()` elements). Returns false for another
+/// dtype or a length mismatch.
+pub fn decode_floats(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
+    let width = dtype.bitsize() / 8;
+    if !is_float_dtype(dtype) || bytes.len() != out.len() * width {
+        return false;
+    }
+    for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(width)) {
+        *dst = match dtype {
+            Dtype::F32 => f32::from_le_bytes([src[0], src[1], src[2], src[3]]),
+            Dtype::F16 => half::f16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32(),
+            _ => half::bf16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32(),
+        };
+    }
+    true
+}
+
+/// True for the integer dtypes token ids may be stored in.
+pub fn is_id_dtype(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::I32 | Dtype::I64)
+}
+
+/// Decodes little-endian I32 or I64 bytes into `out`. Returns false for another dtype or a length mismatch.
+pub fn decode_ids(dtype: Dtype, bytes: &[u8], out: &mut [i64]) -> bool {
+    let width = dtype.bitsize() / 8;
+    if !is_id_dtype(dtype) || bytes.len() != out.len() * width {
+        return false;
+    }
+    for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(width)) {
+        *dst = match dtype {
+            Dtype::I32 => i64::from(i32::from_le_bytes([src[0], src[1], src[2], src[3]])),
+            _ => i64::from_le_bytes(src.try_into().expect("chunks_exact yields 8 bytes")),
+        };
+    }
+    true
+}
+
+/// True for the dtypes a loss mask may be stored in: bool, any integer, any float of 16, 32 or 64 bits.
+pub fn is_mask_dtype(dtype: Dtype) -> bool {
+    use Dtype::*;
+    matches!(
+        dtype,
+        BOOL | U8 | I8 | I16 | U16 | I32 | U32 | I64 | U64 | F16 | BF16 | F32 | F64
+    )
+}
+
+/// Decodes a mask (nonzero = keep) into 0/1 bytes. Returns false for another dtype or a length mismatch.
+pub fn decode_mask(dtype: Dtype, bytes: &[u8], out: &mut [u8]) -> bool {
+    let width = dtype.bitsize() / 8;
+    if !is_mask_dtype(dtype) || bytes.len() != out.len() * width {
+        return false;
+    }
+    for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(width)) {
+        let keep = match dtype {
+            // -0.0 is zero: floats compare by value, integers by bits.
+            Dtype::F16 => {
+                half::f16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32() != 0.0
+            }
+            Dtype::BF16 => {
+                half::bf16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32() != 0.0
+            }
+            Dtype::F32 => f32::from_le_bytes([src[0], src[1], src[2], src[3]]) != 0.0,
+            Dtype::F64 => {
+                f64::from_le_bytes(src.try_into().expect("chunks_exact yields 8 bytes")) != 0.0
+            }
+            _ => src.iter().any(|&b| b != 0),
+        };
+        *dst = u8::from(keep);
+    }
+    true
+}
+
+/// One f32 tensor to write: its name, shape and data (`data.len()` must equal the shape's product).
+#[derive(Debug, Clone, Copy)]
+pub struct F32Tensor<'a> {
+    /// Tensor name.
+    pub name: &'a str,
+    /// Shape.
+    pub shape: &'a [usize],
+    /// Row-major data.
+    pub data: &'a [f32],
+}
+
+/// Writes `tensors` as one safetensors file at `path` (created or truncated), in the given order, streaming from
+/// the slices, then fsyncs the file. `string_metadata` goes to `__metadata__`.
+pub fn write_f32_tensors(
+    path: &Path,
+    tensors: &[F32Tensor<'_>],
+    string_metadata: HashMap<String, String>,
+) -> Result<(), TensorFileError> {
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut offset = 0;
+    for t in tensors {
+        let elements: usize = t.shape.iter().product();
+        if elements != t.data.len() {
+            let expected = format!("{} elements to match the data", t.data.len());
+            let problem = TensorProblem::WrongShape {
+                found: t.shape.to_vec(),
+                expected,
+            };
+            return Err(TensorFileError::tensor(path, t.name, problem));
+        }
+        let bytes = elements * 4;
+        let info = TensorInfo {
+            dtype: Dtype::F32,
+            shape: t.shape.to_vec(),
+            data_offsets: (offset, offset + bytes),
+        };
+        infos.push((t.name.to_string(), info));
+        offset += bytes;
+    }
+    let bad_header = |e: String| TensorFileError::file(path, TensorProblem::BadHeader(e));
+    let metadata =
+        Metadata::new(Some(string_metadata), infos).map_err(|e| bad_header(e.to_string()))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| bad_header(e.to_string()))?;
+    // Pad with spaces to 8 bytes, as the reference writer does, so the data that follows is aligned.
+    header.resize(header.len().next_multiple_of(8), b' ');
+
+    let io_err = |e| TensorFileError::file(path, TensorProblem::Io(e));
+    let file = File::create(path).map_err(io_err)?;
+    let mut out = BufWriter::with_capacity(1 << 20, file);
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io_err)?;
+    out.write_all(&header).map_err(io_err)?;
+    let mut chunk = Vec::with_capacity(WRITE_CHUNK * 4);
+    for t in tensors {
+        for values in t.data.chunks(WRITE_CHUNK) {
+            chunk.clear();
+            chunk.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+            out.write_all(&chunk).map_err(io_err)?;
+        }
+    }
+    let file = out.into_inner().map_err(|e| io_err(e.into_error()))?;
+    file.sync_all().map_err(io_err)
+}
