@@ -24,19 +24,41 @@ fn recorded_spans_sum_exactly_per_phase() {
         expected[phase.index()] += length;
         counts[phase.index()] += 1;
     }
-    producer.record(ProducerPhase::BlockedFull, base, base + Duration::from_micros(250));
+    producer.record(
+        ProducerPhase::BlockedFull,
+        base,
+        base + Duration::from_micros(250),
+    );
     // An end before the start counts as zero, not as a wrapped huge number.
-    producer.record(ProducerPhase::Produce, base + Duration::from_millis(1), base);
+    producer.record(
+        ProducerPhase::Produce,
+        base + Duration::from_millis(1),
+        base,
+    );
 
     let snapshot = telemetry.snapshot();
     for phase in DrafterPhase::ALL {
-        assert_eq!(snapshot.drafters[0].phase(phase).total, expected[phase.index()], "{phase:?}");
-        assert_eq!(snapshot.drafters[0].phase(phase).count, counts[phase.index()], "{phase:?}");
+        assert_eq!(
+            snapshot.drafters[0].phase(phase).total,
+            expected[phase.index()],
+            "{phase:?}"
+        );
+        assert_eq!(
+            snapshot.drafters[0].phase(phase).count,
+            counts[phase.index()],
+            "{phase:?}"
+        );
     }
-    let busy: Duration = DrafterPhase::ALL[1..].iter().map(|p| expected[p.index()]).sum();
+    let busy: Duration = DrafterPhase::ALL[1..]
+        .iter()
+        .map(|p| expected[p.index()])
+        .sum();
     assert_eq!(snapshot.drafters[0].busy(), busy);
     let blocked = snapshot.producers[0].phase(ProducerPhase::BlockedFull);
-    assert_eq!((blocked.total, blocked.count), (Duration::from_micros(250), 1));
+    assert_eq!(
+        (blocked.total, blocked.count),
+        (Duration::from_micros(250), 1)
+    );
     let produce = snapshot.producers[0].phase(ProducerPhase::Produce);
     assert_eq!((produce.total, produce.count), (Duration::ZERO, 1));
 }
@@ -47,7 +69,11 @@ fn lap_records_consecutive_phases_without_gaps() {
     let drafter = telemetry.drafter(0).unwrap();
     let start = Instant::now();
     let mut mark = start;
-    for phase in [DrafterPhase::Forward, DrafterPhase::Loss, DrafterPhase::Backward] {
+    for phase in [
+        DrafterPhase::Forward,
+        DrafterPhase::Loss,
+        DrafterPhase::Backward,
+    ] {
         std::thread::sleep(Duration::from_millis(2));
         drafter.lap(phase, &mut mark);
     }
@@ -62,18 +88,43 @@ fn each_worker_has_one_recorder_at_a_time() {
     let telemetry = Arc::new(Telemetry::new(2, 3, false));
     assert!(matches!(
         telemetry.drafter(3),
-        Err(TelemetryError::NoSuchWorker { role: "drafter", index: 3, count: 3 })
+        Err(TelemetryError::NoSuchWorker {
+            role: "drafter",
+            index: 3,
+            count: 3
+        })
     ));
     assert!(matches!(
         telemetry.producer(2),
-        Err(TelemetryError::NoSuchWorker { role: "producer", index: 2, count: 2 })
+        Err(TelemetryError::NoSuchWorker {
+            role: "producer",
+            index: 2,
+            count: 2
+        })
     ));
     let first = telemetry.drafter(1).unwrap();
-    let error = telemetry.drafter(1).err().expect("second recorder for the same drafter");
-    assert!(matches!(error, TelemetryError::AlreadyClaimed { role: "drafter", index: 1 }));
-    assert!(error.to_string().contains("drafter 1 already has a recorder"), "{error}");
+    let error = telemetry
+        .drafter(1)
+        .err()
+        .expect("second recorder for the same drafter");
+    assert!(matches!(
+        error,
+        TelemetryError::AlreadyClaimed {
+            role: "drafter",
+            index: 1
+        }
+    ));
+    assert!(
+        error
+            .to_string()
+            .contains("drafter 1 already has a recorder"),
+        "{error}"
+    );
     drop(first);
-    assert!(telemetry.drafter(1).is_ok(), "dropping the recorder frees the slot");
+    assert!(
+        telemetry.drafter(1).is_ok(),
+        "dropping the recorder frees the slot"
+    );
 }
 
 #[test]
@@ -89,8 +140,15 @@ fn steps_tokens_and_loss_mean_skip_non_finite_values() {
     let snapshot = telemetry.snapshot();
     let d0 = &snapshot.drafters[0];
     assert_eq!((d0.steps, d0.tokens, d0.skipped), (3, 300, 1));
-    assert_eq!((d0.loss_sum, d0.loss_count, d0.last_loss), (6.0, 2, Some(4.0)));
-    assert_eq!(snapshot.step(), 1, "the global step is the slowest drafter's");
+    assert_eq!(
+        (d0.loss_sum, d0.loss_count, d0.last_loss),
+        (6.0, 2, Some(4.0))
+    );
+    assert_eq!(
+        snapshot.step(),
+        1,
+        "the global step is the slowest drafter's"
+    );
     assert_eq!(snapshot.tokens(), 350);
     assert_eq!(snapshot.skipped(), 1);
     assert_eq!(snapshot.drafters[1].last_loss, Some(1.5));
@@ -127,8 +185,14 @@ fn concurrent_recording_loses_nothing() {
         let total: Duration = drafter.phases.iter().map(|p| p.total).sum();
         let count: u64 = drafter.phases.iter().map(|p| p.count).sum();
         assert_eq!(total, Duration::from_nanos(SPANS * (SPANS + 1) / 2));
-        assert_eq!((count, drafter.steps, drafter.loss_count), (SPANS, SPANS, SPANS));
+        assert_eq!(
+            (count, drafter.steps, drafter.loss_count),
+            (SPANS, SPANS, SPANS)
+        );
         assert_eq!(drafter.loss_sum, 0.5 * SPANS as f64);
     }
-    assert!(snapshot.spans_dropped > 0, "rings of 4096 overflow with 20k undrained spans and count it");
+    assert!(
+        snapshot.spans_dropped > 0,
+        "rings of 4096 overflow with 20k undrained spans and count it"
+    );
 }

@@ -78,6 +78,10 @@ pub struct QueueEvidence {
     pub producer_blocked_pct: f64,
     /// Percent of the drafters' wall time spent waiting for data.
     pub drafter_wait_pct: f64,
+    /// Times a push found the queue full (queue's count).
+    pub seen_full: u64,
+    /// Times a pop found the queue below the watermark (queue's count).
+    pub seen_below_watermark: u64,
 }
 
 /// One phase's share of a drafter's time.
@@ -114,10 +118,20 @@ impl DrafterBreakdown {
         let steps: u64 = drafters.iter().map(|d| d.steps).sum();
         let seconds = |phase| drafters.iter().map(|d| d.seconds(phase)).sum::<f64>();
         let pct = |s: f64| if wall > 0.0 { 100.0 * s / wall } else { 0.0 };
-        let per_step = |s: f64| if steps > 0 { 1e3 * s / steps as f64 } else { 0.0 };
+        let per_step = |s: f64| {
+            if steps > 0 {
+                1e3 * s / steps as f64
+            } else {
+                0.0
+            }
+        };
         let recorded: f64 = DrafterPhase::ALL.iter().map(|&p| seconds(p)).sum();
         let busy = recorded - seconds(DrafterPhase::DataWait);
-        let compute: f64 = DrafterPhase::ALL.iter().filter(|p| p.is_compute()).map(|&p| seconds(p)).sum();
+        let compute: f64 = DrafterPhase::ALL
+            .iter()
+            .filter(|p| p.is_compute())
+            .map(|&p| seconds(p))
+            .sum();
         Self {
             steps: steps / drafters.len().max(1) as u64,
             step_ms: per_step(wall),
@@ -126,7 +140,11 @@ impl DrafterBreakdown {
             untracked_pct: pct((wall - recorded).max(0.0)),
             phases: DrafterPhase::ALL
                 .iter()
-                .map(|&phase| PhaseShare { phase, percent: pct(seconds(phase)), ms_per_step: per_step(seconds(phase)) })
+                .map(|&phase| PhaseShare {
+                    phase,
+                    percent: pct(seconds(phase)),
+                    ms_per_step: per_step(seconds(phase)),
+                })
                 .collect(),
         }
     }
@@ -176,7 +194,12 @@ impl Diagnosis {
         let watermark = q.min_ready.max(1);
         let samples = q.samples();
         let mean_depth = if samples > 0 {
-            q.depth_histogram.iter().enumerate().map(|(d, n)| d as f64 * *n as f64).sum::<f64>() / samples as f64
+            q.depth_histogram
+                .iter()
+                .enumerate()
+                .map(|(d, n)| d as f64 * *n as f64)
+                .sum::<f64>()
+                / samples as f64
         } else {
             0.0
         };
@@ -184,14 +207,36 @@ impl Diagnosis {
         let below = q.fraction_where(|d| d < watermark);
         let fraction_of_wall = |seconds: f64, workers: usize| {
             let wall = summary.wall_s * workers as f64;
-            if wall > 0.0 { (seconds / wall).clamp(0.0, 1.0) } else { 0.0 }
+            if wall > 0.0 {
+                (seconds / wall).clamp(0.0, 1.0)
+            } else {
+                0.0
+            }
         };
+        // The workers' own spans are preferred; a pipeline whose workers record no wait phase still has the
+        // queue's blocked-time counters, which measure the same waits from the queue's side.
+        let recorded_or_queue =
+            |recorded: f64, queue: f64| if recorded > 0.0 { recorded } else { queue };
         let producer_blocked = fraction_of_wall(
-            summary.producers.iter().map(|p| p.seconds(ProducerPhase::BlockedFull)).sum(),
+            recorded_or_queue(
+                summary
+                    .producers
+                    .iter()
+                    .map(|p| p.seconds(ProducerPhase::BlockedFull))
+                    .sum(),
+                q.producer_blocked_s,
+            ),
             summary.producers.len(),
         );
         let drafter_wait = fraction_of_wall(
-            summary.drafters.iter().map(|d| d.seconds(DrafterPhase::DataWait)).sum(),
+            recorded_or_queue(
+                summary
+                    .drafters
+                    .iter()
+                    .map(|d| d.seconds(DrafterPhase::DataWait))
+                    .sum(),
+                q.consumer_blocked_s,
+            ),
             summary.drafters.len(),
         );
         let queue = QueueEvidence {
@@ -203,12 +248,19 @@ impl Diagnosis {
             below_watermark_pct: 100.0 * below,
             producer_blocked_pct: 100.0 * producer_blocked,
             drafter_wait_pct: 100.0 * drafter_wait,
+            seen_full: q.seen_full,
+            seen_below_watermark: q.seen_below_watermark,
         };
-        let (bottleneck, reason) = verdict(&queue, near_full, below, producer_blocked, drafter_wait);
+        let (bottleneck, reason) =
+            verdict(&queue, near_full, below, producer_blocked, drafter_wait);
 
         let all: Vec<&DrafterSummary> = summary.drafters.iter().collect();
         let drafters = DrafterBreakdown::of(&all, summary.wall_s);
-        let per_drafter = summary.drafters.iter().map(|d| DrafterBreakdown::of(&[d], summary.wall_s)).collect();
+        let per_drafter = summary
+            .drafters
+            .iter()
+            .map(|d| DrafterBreakdown::of(&[d], summary.wall_s))
+            .collect();
 
         let mut findings = Vec::new();
         let idle = drafters.share(DrafterPhase::DataWait).percent + drafters.untracked_pct;
@@ -227,16 +279,27 @@ impl Diagnosis {
                 drafters.untracked_pct,
             ));
         }
-        let mut overhead: Vec<PhaseShare> = [DrafterPhase::Copy, DrafterPhase::AllReduce, DrafterPhase::Other]
-            .iter()
-            .map(|&p| drafters.share(p))
-            .collect();
+        let mut overhead: Vec<PhaseShare> = [
+            DrafterPhase::Copy,
+            DrafterPhase::AllReduce,
+            DrafterPhase::Other,
+        ]
+        .iter()
+        .map(|&p| drafters.share(p))
+        .collect();
         let overhead_pct: f64 = overhead.iter().map(|s| s.percent).sum();
         if overhead_pct >= 100.0 * OVERHEAD_SIGNIFICANT {
             overhead.sort_by(|a, b| b.percent.total_cmp(&a.percent));
             let parts: Vec<String> = overhead
                 .iter()
-                .map(|s| format!("{} {:.1}% ({:.2} ms/step)", s.phase.name(), s.percent, s.ms_per_step))
+                .map(|s| {
+                    format!(
+                        "{} {:.1}% ({:.2} ms/step)",
+                        s.phase.name(),
+                        s.percent,
+                        s.ms_per_step
+                    )
+                })
                 .collect();
             findings.push(format!(
                 "{overhead_pct:.1}% of drafter time is inside the step but not compute: {}",
@@ -244,7 +307,10 @@ impl Diagnosis {
             ));
         }
         if summary.skipped_nonfinite > 0 {
-            findings.push(format!("{} steps skipped for a non-finite loss or gradient", summary.skipped_nonfinite));
+            findings.push(format!(
+                "{} steps skipped for a non-finite loss or gradient",
+                summary.skipped_nonfinite
+            ));
         }
         let advice = advice(bottleneck, host_side_gaps, &drafters);
         Self {
@@ -273,11 +339,15 @@ fn verdict(
     drafter_wait: f64,
 ) -> (Bottleneck, String) {
     let blocked = format!(
-        "producers blocked on full {:.1}% of their time, drafters waiting for data {:.1}%",
-        q.producer_blocked_pct, q.drafter_wait_pct
+        "producers blocked on full {:.1}% of their time, drafters waiting for data {:.1}% (pushes found the \
+         queue full {} times, pops found it below the watermark {} times)",
+        q.producer_blocked_pct, q.drafter_wait_pct, q.seen_full, q.seen_below_watermark
     );
     if q.samples < MIN_DEPTH_SAMPLES {
-        let prefix = format!("only {} depth samples, judged by blocked times: {blocked}", q.samples);
+        let prefix = format!(
+            "only {} depth samples, judged by blocked times: {blocked}",
+            q.samples
+        );
         return if producer_blocked >= FALLBACK_BLOCKED_FRACTION {
             (Bottleneck::Consumers, prefix)
         } else if drafter_wait >= FALLBACK_BLOCKED_FRACTION {
@@ -306,8 +376,12 @@ fn verdict(
 }
 
 fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakdown) -> String {
-    let mut heaviest: Vec<PhaseShare> =
-        drafters.phases.iter().copied().filter(|s| s.phase != DrafterPhase::DataWait).collect();
+    let mut heaviest: Vec<PhaseShare> = drafters
+        .phases
+        .iter()
+        .copied()
+        .filter(|s| s.phase != DrafterPhase::DataWait)
+        .collect();
     heaviest.sort_by(|a, b| b.percent.total_cmp(&a.percent));
     let top = heaviest
         .iter()
@@ -338,7 +412,11 @@ fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakd
 
 impl fmt::Display for Diagnosis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rate = if self.wall_s > 0.0 { self.tokens as f64 / self.wall_s } else { 0.0 };
+        let rate = if self.wall_s > 0.0 {
+            self.tokens as f64 / self.wall_s
+        } else {
+            0.0
+        };
         write!(
             f,
             "run \"{}\": {} steps, {} tokens in {:.1} s ({:.0} tok/s)",
@@ -362,14 +440,26 @@ impl fmt::Display for Diagnosis {
         )?;
         writeln!(f, "  {:<11} {:>6} {:>9}", "phase", "%", "ms/step")?;
         for share in &d.phases {
-            writeln!(f, "  {:<11} {:>6.1} {:>9.3}", share.phase.name(), share.percent, share.ms_per_step)?;
+            writeln!(
+                f,
+                "  {:<11} {:>6.1} {:>9.3}",
+                share.phase.name(),
+                share.percent,
+                share.ms_per_step
+            )?;
         }
         if self.per_drafter.len() > 1 {
             let each: Vec<String> = self
                 .per_drafter
                 .iter()
                 .enumerate()
-                .map(|(i, b)| format!("d{i} busy {:.1}% wait {:.1}%", b.busy_pct, b.share(DrafterPhase::DataWait).percent))
+                .map(|(i, b)| {
+                    format!(
+                        "d{i} busy {:.1}% wait {:.1}%",
+                        b.busy_pct,
+                        b.share(DrafterPhase::DataWait).percent
+                    )
+                })
                 .collect();
             writeln!(f, "  per drafter: {}", each.join(" | "))?;
         }

@@ -63,7 +63,10 @@ impl DrafterPhase {
     /// Whether this phase is the device doing the model's arithmetic (forward, loss, backward, optimizer), as
     /// opposed to waiting, moving data or host bookkeeping.
     pub fn is_compute(self) -> bool {
-        matches!(self, Self::Forward | Self::Loss | Self::Backward | Self::Optimizer)
+        matches!(
+            self,
+            Self::Forward | Self::Loss | Self::Backward | Self::Optimizer
+        )
     }
 }
 

@@ -129,12 +129,20 @@ impl Telemetry {
 
     /// Telemetry for `producers` producers and `drafters` drafters; `trace` allocates the span rings.
     pub fn new(producers: usize, drafters: usize, trace: bool) -> Self {
-        Self::with_ring_capacity(producers, drafters, trace.then_some(Self::DEFAULT_RING_CAPACITY))
+        Self::with_ring_capacity(
+            producers,
+            drafters,
+            trace.then_some(Self::DEFAULT_RING_CAPACITY),
+        )
     }
 
     /// As [`Telemetry::new`], with span rings of `ring_capacity` spans per worker (`None`: no trace).
     /// A capacity of 0 is raised to 1 (`ArrayQueue` needs at least one slot).
-    pub fn with_ring_capacity(producers: usize, drafters: usize, ring_capacity: Option<usize>) -> Self {
+    pub fn with_ring_capacity(
+        producers: usize,
+        drafters: usize,
+        ring_capacity: Option<usize>,
+    ) -> Self {
         let ring = ring_capacity.map(|capacity| capacity.max(1));
         Self {
             epoch: Instant::now(),
@@ -150,7 +158,8 @@ impl Telemetry {
 
     /// Whether spans are kept for a trace.
     pub fn tracing(&self) -> bool {
-        self.drafters.iter().any(|s| s.spans.is_some()) || self.producers.iter().any(|s| s.spans.is_some())
+        self.drafters.iter().any(|s| s.spans.is_some())
+            || self.producers.iter().any(|s| s.spans.is_some())
     }
 
     /// Number of drafter slots.
@@ -166,24 +175,36 @@ impl Telemetry {
     /// The recorder of drafter `index`. Each slot has one recorder at a time (it is the slot's only writer);
     /// dropping the recorder frees the slot.
     pub fn drafter(self: &Arc<Self>, index: usize) -> Result<DrafterRecorder, TelemetryError> {
-        let slot = self.drafters.get(index).ok_or(TelemetryError::NoSuchWorker {
-            role: "drafter",
-            index,
-            count: self.drafters.len(),
-        })?;
+        let slot = self
+            .drafters
+            .get(index)
+            .ok_or(TelemetryError::NoSuchWorker {
+                role: "drafter",
+                index,
+                count: self.drafters.len(),
+            })?;
         slot.claim("drafter", index)?;
-        Ok(DrafterRecorder { telemetry: Arc::clone(self), index })
+        Ok(DrafterRecorder {
+            telemetry: Arc::clone(self),
+            index,
+        })
     }
 
     /// The recorder of producer `index`, claimed like [`Telemetry::drafter`].
     pub fn producer(self: &Arc<Self>, index: usize) -> Result<ProducerRecorder, TelemetryError> {
-        let slot = self.producers.get(index).ok_or(TelemetryError::NoSuchWorker {
-            role: "producer",
-            index,
-            count: self.producers.len(),
-        })?;
+        let slot = self
+            .producers
+            .get(index)
+            .ok_or(TelemetryError::NoSuchWorker {
+                role: "producer",
+                index,
+                count: self.producers.len(),
+            })?;
         slot.claim("producer", index)?;
-        Ok(ProducerRecorder { telemetry: Arc::clone(self), index })
+        Ok(ProducerRecorder {
+            telemetry: Arc::clone(self),
+            index,
+        })
     }
 
     /// Reads every counter now (allocates; meant for the telemetry thread, not the hot path).
@@ -221,9 +242,18 @@ impl Telemetry {
             .drafters
             .iter()
             .map(|s| s.spans_dropped.load(Ordering::Relaxed))
-            .chain(self.producers.iter().map(|s| s.spans_dropped.load(Ordering::Relaxed)))
+            .chain(
+                self.producers
+                    .iter()
+                    .map(|s| s.spans_dropped.load(Ordering::Relaxed)),
+            )
             .sum();
-        TelemetrySnapshot { elapsed: self.epoch.elapsed(), drafters, producers, spans_dropped }
+        TelemetrySnapshot {
+            elapsed: self.epoch.elapsed(),
+            drafters,
+            producers,
+            spans_dropped,
+        }
     }
 
     /// Moves every span now in the rings to `sink` as `(worker, span)`.
@@ -285,7 +315,11 @@ impl DrafterRecorder {
         slot.counters.phases[phase.index()].add(duration_ns);
         if slot.spans.is_some() {
             let start_ns = self.telemetry.since_epoch_ns(start);
-            slot.push_span(Span { phase: phase.index() as u8, start_ns, duration_ns });
+            slot.push_span(Span {
+                phase: phase.index() as u8,
+                start_ns,
+                duration_ns,
+            });
         }
     }
 
@@ -346,7 +380,11 @@ impl ProducerRecorder {
         slot.counters.phases[phase.index()].add(duration_ns);
         if slot.spans.is_some() {
             let start_ns = self.telemetry.since_epoch_ns(start);
-            slot.push_span(Span { phase: phase.index() as u8, start_ns, duration_ns });
+            slot.push_span(Span {
+                phase: phase.index() as u8,
+                start_ns,
+                duration_ns,
+            });
         }
     }
 

@@ -18,8 +18,8 @@ use super::TelemetryError;
 use super::recorder::{Telemetry, TelemetrySnapshot};
 use super::status::{QueueSnapshot, StatusLine};
 use super::summary::{
-    DepthSample, DrafterSummary, LossSample, ProducerSummary, QueueSummary, RunSummary, STATUS_FILE, SUMMARY_FORMAT,
-    Thinned, write_summary,
+    DepthSample, DrafterSummary, LossSample, ProducerSummary, QueueSummary, RunSummary,
+    STATUS_FILE, SUMMARY_FORMAT, Thinned, write_summary,
 };
 use super::trace::TraceBuffer;
 
@@ -73,7 +73,12 @@ pub struct ReporterConfig {
 impl ReporterConfig {
     /// Plain output, no run directory, no trace, for a queue of `queue_capacity` with watermark
     /// `queue_min_ready`.
-    pub fn new(plan_name: impl Into<String>, every: Duration, queue_capacity: usize, queue_min_ready: usize) -> Self {
+    pub fn new(
+        plan_name: impl Into<String>,
+        every: Duration,
+        queue_capacity: usize,
+        queue_min_ready: usize,
+    ) -> Self {
         Self {
             plan_name: plan_name.into(),
             every,
@@ -134,19 +139,34 @@ impl<W: Write> Reporter<W> {
     pub const SAMPLE_PERIOD: Duration = Duration::from_millis(10);
 
     /// A reporter writing lines to `out`; creates the run directory and its `status.jsonl` when configured.
-    pub fn new(config: ReporterConfig, telemetry: Arc<Telemetry>, out: W) -> Result<Self, TelemetryError> {
+    pub fn new(
+        config: ReporterConfig,
+        telemetry: Arc<Telemetry>,
+        out: W,
+    ) -> Result<Self, TelemetryError> {
         let status_log = match &config.run_dir {
             Some(dir) => {
-                std::fs::create_dir_all(dir)
-                    .map_err(|source| TelemetryError::Io { action: "create", path: dir.clone(), source })?;
+                std::fs::create_dir_all(dir).map_err(|source| TelemetryError::Io {
+                    action: "create",
+                    path: dir.clone(),
+                    source,
+                })?;
                 let path = dir.join(STATUS_FILE);
-                let file = File::create(&path).map_err(|source| TelemetryError::Io { action: "create", path, source })?;
+                let file = File::create(&path).map_err(|source| TelemetryError::Io {
+                    action: "create",
+                    path,
+                    source,
+                })?;
                 Some(BufWriter::new(file))
             }
             None => None,
         };
         let trace = config.trace_path.as_ref().map(|_| {
-            TraceBuffer::new(telemetry.producer_count(), telemetry.drafter_count(), config.max_spans_per_worker)
+            TraceBuffer::new(
+                telemetry.producer_count(),
+                telemetry.drafter_count(),
+                config.max_spans_per_worker,
+            )
         });
         let sample_ms = Self::SAMPLE_PERIOD.as_secs_f64() * 1e3;
         Ok(Self {
@@ -179,7 +199,13 @@ impl<W: Write> Reporter<W> {
     /// [`Reporter::sample`], then a status line when `every` has passed since the last one.
     pub fn tick(&mut self, queue: &QueueSnapshot) -> Result<Option<StatusLine>, TelemetryError> {
         self.sample(queue);
-        if self.telemetry.epoch().elapsed().saturating_sub(self.last_report) >= self.config.every {
+        if self
+            .telemetry
+            .epoch()
+            .elapsed()
+            .saturating_sub(self.last_report)
+            >= self.config.every
+        {
             return self.report(queue).map(Some);
         }
         Ok(None)
@@ -190,24 +216,43 @@ impl<W: Write> Reporter<W> {
         let current = self.telemetry.snapshot();
         let line = StatusLine::between(&self.previous, &current, queue, self.config.total_steps);
         let interval_had_loss = current.drafters.iter().map(|d| d.loss_count).sum::<u64>()
-            > self.previous.drafters.iter().map(|d| d.loss_count).sum::<u64>();
+            > self
+                .previous
+                .drafters
+                .iter()
+                .map(|d| d.loss_count)
+                .sum::<u64>();
         if let (Some(loss), true) = (line.loss, interval_had_loss) {
-            self.loss_curve.push(LossSample { step: line.step, elapsed_s: line.elapsed_s, loss });
+            self.loss_curve.push(LossSample {
+                step: line.step,
+                elapsed_s: line.elapsed_s,
+                loss,
+            });
         }
         self.timeline.push(DepthSample {
             elapsed_ms: u64::try_from(current.elapsed.as_millis()).unwrap_or(u64::MAX),
             depth: queue.depth,
             per_bucket: queue.per_bucket.clone(),
         });
-        self.write_line(&line).map_err(|source| TelemetryError::Output { source })?;
+        self.write_line(&line)
+            .map_err(|source| TelemetryError::Output { source })?;
         if let Some(log) = &mut self.status_log {
-            let path = || self.config.run_dir.clone().unwrap_or_default().join(STATUS_FILE);
-            serde_json::to_writer(&mut *log, &line).map_err(|source| TelemetryError::Encode { source })?;
-            writeln!(log).and_then(|_| log.flush()).map_err(|source| TelemetryError::Io {
-                action: "write",
-                path: path(),
-                source,
-            })?;
+            let path = || {
+                self.config
+                    .run_dir
+                    .clone()
+                    .unwrap_or_default()
+                    .join(STATUS_FILE)
+            };
+            serde_json::to_writer(&mut *log, &line)
+                .map_err(|source| TelemetryError::Encode { source })?;
+            writeln!(log)
+                .and_then(|_| log.flush())
+                .map_err(|source| TelemetryError::Io {
+                    action: "write",
+                    path: path(),
+                    source,
+                })?;
         }
         self.last_report = current.elapsed;
         self.previous = current;
@@ -250,7 +295,9 @@ impl<W: Write> Reporter<W> {
         self.sample(queue);
         let line = self.report(queue)?;
         if self.progress_drawn {
-            writeln!(self.out).and_then(|_| self.out.flush()).map_err(|source| TelemetryError::Output { source })?;
+            writeln!(self.out)
+                .and_then(|_| self.out.flush())
+                .map_err(|source| TelemetryError::Output { source })?;
         }
         self.queue.set_counters(queue);
         let snapshot = &self.previous;
@@ -264,8 +311,16 @@ impl<W: Write> Reporter<W> {
             wall_s: snapshot.elapsed.as_secs_f64(),
             skipped_nonfinite: snapshot.skipped(),
             final_loss: snapshot.drafters.iter().find_map(|d| d.last_loss),
-            drafters: snapshot.drafters.iter().map(DrafterSummary::from_counts).collect(),
-            producers: snapshot.producers.iter().map(ProducerSummary::from_counts).collect(),
+            drafters: snapshot
+                .drafters
+                .iter()
+                .map(DrafterSummary::from_counts)
+                .collect(),
+            producers: snapshot
+                .producers
+                .iter()
+                .map(ProducerSummary::from_counts)
+                .collect(),
             queue: queue_summary,
             loss_curve: self.loss_curve.into_vec(),
             spans_dropped: snapshot.spans_dropped,

@@ -82,13 +82,21 @@ pub struct StatusLine {
 
 fn per_second(count: u64, over: Duration) -> f64 {
     let seconds = over.as_secs_f64();
-    if seconds > 0.0 { count as f64 / seconds } else { 0.0 }
+    if seconds > 0.0 {
+        count as f64 / seconds
+    } else {
+        0.0
+    }
 }
 
 fn percent(part: Duration, whole: Duration) -> f64 {
     let whole = whole.as_secs_f64();
     // Spans count when they end, so a span that began in the previous interval can push this one past 100%.
-    if whole > 0.0 { (100.0 * part.as_secs_f64() / whole).clamp(0.0, 100.0) } else { 0.0 }
+    if whole > 0.0 {
+        (100.0 * part.as_secs_f64() / whole).clamp(0.0, 100.0)
+    } else {
+        0.0
+    }
 }
 
 impl StatusLine {
@@ -133,7 +141,10 @@ impl StatusLine {
             tokens,
             tokens_per_s: per_second(tokens.saturating_sub(previous.tokens()), interval),
             tokens_per_s_overall: per_second(tokens, current.elapsed),
-            q_hs: QueueFill { depth: queue.depth, capacity: queue.capacity },
+            q_hs: QueueFill {
+                depth: queue.depth,
+                capacity: queue.capacity,
+            },
             q_hsb: queue.per_bucket.clone(),
             drafters,
             loss,
@@ -145,8 +156,13 @@ impl StatusLine {
     pub fn progress_line(&self, bar_width: usize) -> String {
         match self.total_steps {
             Some(total) if total > 0 => {
-                let done = ((self.step.min(total) as f64 / total as f64) * bar_width as f64) as usize;
-                format!("[{}{}] {self}", "#".repeat(done), ".".repeat(bar_width - done))
+                let done =
+                    ((self.step.min(total) as f64 / total as f64) * bar_width as f64) as usize;
+                format!(
+                    "[{}{}] {self}",
+                    "#".repeat(done),
+                    ".".repeat(bar_width - done)
+                )
             }
             _ => self.to_string(),
         }

@@ -48,7 +48,11 @@ pub struct DrafterSummary {
 impl DrafterSummary {
     /// Seconds spent in `phase` (0 when absent).
     pub fn seconds(&self, phase: DrafterPhase) -> f64 {
-        self.phases.iter().filter(|p| p.phase == phase).map(|p| p.total_s).sum()
+        self.phases
+            .iter()
+            .filter(|p| p.phase == phase)
+            .map(|p| p.total_s)
+            .sum()
     }
 
     pub(crate) fn from_counts(counts: &DrafterCounts) -> Self {
@@ -60,7 +64,11 @@ impl DrafterSummary {
                 .iter()
                 .map(|&phase| {
                     let c = counts.phase(phase);
-                    PhaseTotal { phase, total_s: c.total.as_secs_f64(), count: c.count }
+                    PhaseTotal {
+                        phase,
+                        total_s: c.total.as_secs_f64(),
+                        count: c.count,
+                    }
                 })
                 .collect(),
         }
@@ -81,7 +89,11 @@ pub struct ProducerSummary {
 impl ProducerSummary {
     /// Seconds spent in `phase` (0 when absent).
     pub fn seconds(&self, phase: ProducerPhase) -> f64 {
-        self.phases.iter().filter(|p| p.phase == phase).map(|p| p.total_s).sum()
+        self.phases
+            .iter()
+            .filter(|p| p.phase == phase)
+            .map(|p| p.total_s)
+            .sum()
     }
 
     pub(crate) fn from_counts(counts: &ProducerCounts) -> Self {
@@ -92,7 +104,11 @@ impl ProducerSummary {
                 .iter()
                 .map(|&phase| {
                     let c = counts.phase(phase);
-                    PhaseTotal { phase, total_s: c.total.as_secs_f64(), count: c.count }
+                    PhaseTotal {
+                        phase,
+                        total_s: c.total.as_secs_f64(),
+                        count: c.count,
+                    }
                 })
                 .collect(),
         }
@@ -152,7 +168,13 @@ impl QueueSummary {
         if total == 0 {
             return 0.0;
         }
-        let hits: u64 = self.depth_histogram.iter().enumerate().filter(|(d, _)| keep(*d)).map(|(_, n)| n).sum();
+        let hits: u64 = self
+            .depth_histogram
+            .iter()
+            .enumerate()
+            .filter(|(d, _)| keep(*d))
+            .map(|(_, n)| n)
+            .sum();
         hits as f64 / total as f64
     }
 
@@ -231,7 +253,11 @@ pub struct RunSummary {
 
 fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TelemetryError {
     let path = path.to_path_buf();
-    move |source| TelemetryError::Io { action, path, source }
+    move |source| TelemetryError::Io {
+        action,
+        path,
+        source,
+    }
 }
 
 /// Writes `dir/summary.json` atomically: a crash mid-write leaves the previous file (or none), never half of one.
@@ -239,9 +265,11 @@ pub fn write_summary(dir: &Path, summary: &RunSummary) -> Result<PathBuf, Teleme
     fs::create_dir_all(dir).map_err(io_error("create", dir))?;
     let path = dir.join(SUMMARY_FILE);
     let temporary = dir.join(format!("{SUMMARY_FILE}.tmp"));
-    let json = serde_json::to_vec_pretty(summary).map_err(|source| TelemetryError::Encode { source })?;
+    let json =
+        serde_json::to_vec_pretty(summary).map_err(|source| TelemetryError::Encode { source })?;
     let mut file = fs::File::create(&temporary).map_err(io_error("create", &temporary))?;
-    file.write_all(&json).map_err(io_error("write", &temporary))?;
+    file.write_all(&json)
+        .map_err(io_error("write", &temporary))?;
     file.sync_all().map_err(io_error("sync", &temporary))?;
     fs::rename(&temporary, &path).map_err(io_error("rename into place", &path))?;
     Ok(path)
@@ -252,11 +280,18 @@ pub fn load_summary(dir: &Path) -> Result<RunSummary, TelemetryError> {
     let path = dir.join(SUMMARY_FILE);
     let bytes = fs::read(&path).map_err(io_error("read", &path))?;
     let format = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .map_err(|source| TelemetryError::Parse { path: path.clone(), source })?
+        .map_err(|source| TelemetryError::Parse {
+            path: path.clone(),
+            source,
+        })?
         .get("format")
         .and_then(serde_json::Value::as_u64);
     if format != Some(u64::from(SUMMARY_FORMAT)) {
-        return Err(TelemetryError::Format { path, found: format, expected: SUMMARY_FORMAT });
+        return Err(TelemetryError::Format {
+            path,
+            found: format,
+            expected: SUMMARY_FORMAT,
+        });
     }
     serde_json::from_slice(&bytes).map_err(|source| TelemetryError::Parse { path, source })
 }
@@ -274,7 +309,12 @@ pub(crate) struct Thinned<T> {
 
 impl<T> Thinned<T> {
     pub(crate) fn new(limit: usize) -> Self {
-        Self { points: Vec::new(), stride: 1, offered: 0, limit: limit.max(2) }
+        Self {
+            points: Vec::new(),
+            stride: 1,
+            offered: 0,
+            limit: limit.max(2),
+        }
     }
 
     pub(crate) fn push(&mut self, point: T) {

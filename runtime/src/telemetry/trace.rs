@@ -67,7 +67,11 @@ impl TraceBuffer {
 
     /// Spans held now over all workers.
     pub fn len(&self) -> usize {
-        self.producers.iter().chain(&self.drafters).map(VecDeque::len).sum()
+        self.producers
+            .iter()
+            .chain(&self.drafters)
+            .map(VecDeque::len)
+            .sum()
     }
 
     /// Whether no span is held.
@@ -84,19 +88,29 @@ impl TraceBuffer {
     pub fn write(&self, path: &Path, ring_dropped: u64) -> Result<(), TelemetryError> {
         let io = |action: &'static str| {
             let path = path.to_path_buf();
-            move |source| TelemetryError::Io { action, path, source }
+            move |source| TelemetryError::Io {
+                action,
+                path,
+                source,
+            }
         };
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(io("create"))?;
         }
         let mut out = BufWriter::new(File::create(path).map_err(io("create"))?);
         self.write_to(&mut out, ring_dropped).map_err(io("write"))?;
-        out.into_inner().map_err(|e| e.into_error()).and_then(|f| f.sync_all()).map_err(io("write"))
+        out.into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.sync_all())
+            .map_err(io("write"))
     }
 
     fn write_to(&self, out: &mut impl Write, ring_dropped: u64) -> std::io::Result<()> {
         out.write_all(b"{\"displayTimeUnit\":\"ms\",\"otherData\":")?;
-        let other = OtherData { spans_evicted: self.evicted, spans_dropped_in_rings: ring_dropped };
+        let other = OtherData {
+            spans_evicted: self.evicted,
+            spans_dropped_in_rings: ring_dropped,
+        };
         serde_json::to_writer(&mut *out, &other)?;
         out.write_all(b",\"traceEvents\":[")?;
         let mut first = true;
@@ -108,7 +122,13 @@ impl TraceBuffer {
             value.write_json(out)
         };
         for (pid, name) in [(PRODUCER_PID, "producers"), (DRAFTER_PID, "drafters")] {
-            let meta = Metadata { name: "process_name", ph: "M", pid, tid: 0, args: NameArg { name: name.into() } };
+            let meta = Metadata {
+                name: "process_name",
+                ph: "M",
+                pid,
+                tid: 0,
+                args: NameArg { name: name.into() },
+            };
             event(out, &meta)?;
         }
         let tracks = self
@@ -116,15 +136,36 @@ impl TraceBuffer {
             .iter()
             .enumerate()
             .map(|(i, spans)| (PRODUCER_PID, i, format!("producer {i}"), spans))
-            .chain(self.drafters.iter().enumerate().map(|(i, spans)| (DRAFTER_PID, i, format!("drafter {i}"), spans)));
+            .chain(
+                self.drafters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, spans)| (DRAFTER_PID, i, format!("drafter {i}"), spans)),
+            );
         for (pid, tid, track, spans) in tracks {
-            let meta = Metadata { name: "thread_name", ph: "M", pid, tid, args: NameArg { name: track } };
+            let meta = Metadata {
+                name: "thread_name",
+                ph: "M",
+                pid,
+                tid,
+                args: NameArg { name: track },
+            };
             event(out, &meta)?;
             for span in spans {
                 let (name, cat) = if pid == PRODUCER_PID {
-                    (ProducerPhase::ALL.get(usize::from(span.phase)).map(|p| p.name()), "producer")
+                    (
+                        ProducerPhase::ALL
+                            .get(usize::from(span.phase))
+                            .map(|p| p.name()),
+                        "producer",
+                    )
                 } else {
-                    (DrafterPhase::ALL.get(usize::from(span.phase)).map(|p| p.name()), "drafter")
+                    (
+                        DrafterPhase::ALL
+                            .get(usize::from(span.phase))
+                            .map(|p| p.name()),
+                        "drafter",
+                    )
                 };
                 let complete = Complete {
                     name: name.unwrap_or("unknown"),
