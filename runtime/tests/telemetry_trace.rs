@@ -176,3 +176,14 @@ fn without_a_trace_no_spans_are_kept() {
     assert!(buffer.is_empty());
     assert_eq!(telemetry.snapshot().spans_dropped, 0);
 }
+
+#[test]
+fn a_trace_without_span_rings_is_refused() {
+    let telemetry = Arc::new(Telemetry::new(1, 1, false));
+    let mut config = ReporterConfig::new("no-rings", Duration::from_secs(1), 4, 1);
+    config.trace_path = Some(temp_path("refused"));
+    let error = Reporter::new(config, telemetry, std::io::sink())
+        .err()
+        .expect("refused");
+    assert!(error.to_string().contains("needs span rings"), "{error}");
+}

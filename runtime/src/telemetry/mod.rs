@@ -74,6 +74,12 @@ pub enum TelemetryError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A trace was asked for, but the telemetry keeps no spans.
+    #[error("a trace to {} needs span rings: make the telemetry with `trace: true`", path.display())]
+    TraceWithoutRings {
+        /// The requested trace file.
+        path: PathBuf,
+    },
     /// Writing a status line to the output failed.
     #[error("cannot write the status line: {source}")]
     Output {

@@ -139,11 +139,17 @@ impl<W: Write> Reporter<W> {
     pub const SAMPLE_PERIOD: Duration = Duration::from_millis(10);
 
     /// A reporter writing lines to `out`; creates the run directory and its `status.jsonl` when configured.
+    /// A trace path with a [`Telemetry`] made without span rings is refused: the trace would be empty.
     pub fn new(
         config: ReporterConfig,
         telemetry: Arc<Telemetry>,
         out: W,
     ) -> Result<Self, TelemetryError> {
+        if let Some(path) = &config.trace_path
+            && !telemetry.tracing()
+        {
+            return Err(TelemetryError::TraceWithoutRings { path: path.clone() });
+        }
         let status_log = match &config.run_dir {
             Some(dir) => {
                 std::fs::create_dir_all(dir).map_err(|source| TelemetryError::Io {
