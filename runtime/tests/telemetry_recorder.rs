@@ -24,6 +24,9 @@ fn recorded_spans_sum_exactly_per_phase() {
         expected[phase.index()] += length;
         counts[phase.index()] += 1;
     }
+    drafter.record_duration(DrafterPhase::AllReduce, base, Duration::from_micros(1500));
+    expected[DrafterPhase::AllReduce.index()] += Duration::from_micros(1500);
+    counts[DrafterPhase::AllReduce.index()] += 1;
     producer.record(
         ProducerPhase::BlockedFull,
         base,

@@ -323,6 +323,12 @@ impl DrafterRecorder {
         }
     }
 
+    /// Adds a span of `duration` starting at `start`: for times measured by device events (CUDA event
+    /// elapsed time), anchored at the host instant the work was enqueued.
+    pub fn record_duration(&self, phase: DrafterPhase, start: Instant, duration: Duration) {
+        self.record(phase, start, start + duration);
+    }
+
     /// Records `*since..now` as `phase` and moves `*since` to now: one clock read per phase boundary.
     pub fn lap(&self, phase: DrafterPhase, since: &mut Instant) {
         let now = Instant::now();
