@@ -13,3 +13,4 @@ pub mod params;
 pub mod checkpoint;
 pub mod source;
 pub mod tensor_file;
+pub mod telemetry;

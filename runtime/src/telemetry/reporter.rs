@@ -1,0 +1,342 @@
+//! The telemetry thread's side: samples the queue, prints status lines, logs them, keeps the trace, and at the
+//! end writes the run summary.
+//!
+//! ```text
+//!  every SAMPLE_PERIOD:  tick(queue) ──▶ depth histogram, drain span rings
+//!  every `every`:        └──▶ StatusLine ──▶ out (plain │ progress │ json) + RUN_DIR/status.jsonl
+//!  at the end:           finish(queue) ──▶ RUN_DIR/summary.json, trace file ──▶ RunSummary
+//! ```
+
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::TelemetryError;
+use super::recorder::{Telemetry, TelemetrySnapshot};
+use super::status::{QueueSnapshot, StatusLine};
+use super::summary::{
+    DepthSample, DrafterSummary, LossSample, ProducerSummary, QueueSummary, RunSummary,
+    STATUS_FILE, SUMMARY_FORMAT, Thinned, write_summary,
+};
+use super::trace::TraceBuffer;
+
+/// How status lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputMode {
+    /// One human-readable line per period.
+    Plain,
+    /// One line redrawn in place (`\r`), with a progress bar when the step total is known.
+    Progress,
+    /// One JSON object per line.
+    Json,
+}
+
+impl OutputMode {
+    /// `Json` when asked for, else `Progress` when stdout is a terminal, else `Plain`.
+    pub fn detect(json: bool) -> Self {
+        if json {
+            Self::Json
+        } else if std::io::stdout().is_terminal() {
+            Self::Progress
+        } else {
+            Self::Plain
+        }
+    }
+}
+
+/// What the reporter needs to know about the run.
+#[derive(Debug, Clone)]
+pub struct ReporterConfig {
+    /// The plan's name, recorded in the summary.
+    pub plan_name: String,
+    /// Status-line period (`telemetry.every`).
+    pub every: Duration,
+    /// How lines are written to the output.
+    pub mode: OutputMode,
+    /// Steps the run will take, when known (draws the progress bar).
+    pub total_steps: Option<u64>,
+    /// Where `status.jsonl` and `summary.json` go; `None` writes neither.
+    pub run_dir: Option<PathBuf>,
+    /// Where the trace goes; `None` keeps no trace (the telemetry should then be made without rings).
+    pub trace_path: Option<PathBuf>,
+    /// Trace memory bound: spans kept per worker.
+    pub max_spans_per_worker: usize,
+    /// Queue capacity and watermark (fix the depth histogram's size).
+    pub queue_capacity: usize,
+    /// Consumers' watermark.
+    pub queue_min_ready: usize,
+}
+
+impl ReporterConfig {
+    /// Plain output, no run directory, no trace, for a queue of `queue_capacity` with watermark
+    /// `queue_min_ready`.
+    pub fn new(
+        plan_name: impl Into<String>,
+        every: Duration,
+        queue_capacity: usize,
+        queue_min_ready: usize,
+    ) -> Self {
+        Self {
+            plan_name: plan_name.into(),
+            every,
+            mode: OutputMode::Plain,
+            total_steps: None,
+            run_dir: None,
+            trace_path: None,
+            max_spans_per_worker: TraceBuffer::DEFAULT_MAX_SPANS_PER_WORKER,
+            queue_capacity,
+            queue_min_ready,
+        }
+    }
+}
+
+/// Points kept in the loss curve and depth timeline of a summary, however long the run.
+const MAX_SERIES_POINTS: usize = 4096;
+
+/// Width of the progress bar in characters.
+const BAR_WIDTH: usize = 24;
+
+/// Turns counter snapshots into status lines, and at the end into the run summary.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use draftpipe_runtime::telemetry::{QueueSnapshot, Reporter, ReporterConfig, Telemetry};
+///
+/// let telemetry = Arc::new(Telemetry::new(1, 1, false));
+/// let config = ReporterConfig::new("demo", Duration::from_secs(1), 20, 10);
+/// let mut reporter = Reporter::new(config, Arc::clone(&telemetry), Vec::new()).unwrap();
+/// let queue = QueueSnapshot { depth: 20, capacity: 20, min_ready: 10, per_bucket: vec![20], ..Default::default() };
+/// reporter.sample(&queue);
+/// let line = reporter.report(&queue).unwrap();
+/// assert!(line.to_string().contains("q_hs=[20/20]"));
+/// let summary = reporter.finish(&queue).unwrap();
+/// assert_eq!(summary.queue.depth_histogram[20], 2);
+/// ```
+pub struct Reporter<W: Write> {
+    config: ReporterConfig,
+    telemetry: Arc<Telemetry>,
+    out: W,
+    status_log: Option<BufWriter<File>>,
+    previous: TelemetrySnapshot,
+    last_report: Duration,
+    queue: QueueSummary,
+    timeline: Thinned<DepthSample>,
+    loss_curve: Thinned<LossSample>,
+    trace: Option<TraceBuffer>,
+    progress_drawn: bool,
+}
+
+impl<W: Write> Reporter<W> {
+    /// How often [`Reporter::run`] samples the queue depth and drains the span rings: fine enough for a depth
+    /// histogram that sees short dips, and a queue-stats read plus a ring drain every 10 ms costs nothing
+    /// measurable.
+    pub const SAMPLE_PERIOD: Duration = Duration::from_millis(10);
+
+    /// A reporter writing lines to `out`; creates the run directory and its `status.jsonl` when configured.
+    /// A trace path with a [`Telemetry`] made without span rings is refused: the trace would be empty.
+    pub fn new(
+        config: ReporterConfig,
+        telemetry: Arc<Telemetry>,
+        out: W,
+    ) -> Result<Self, TelemetryError> {
+        if let Some(path) = &config.trace_path
+            && !telemetry.tracing()
+        {
+            return Err(TelemetryError::TraceWithoutRings { path: path.clone() });
+        }
+        let status_log = match &config.run_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir).map_err(|source| TelemetryError::Io {
+                    action: "create",
+                    path: dir.clone(),
+                    source,
+                })?;
+                let path = dir.join(STATUS_FILE);
+                let file = File::create(&path).map_err(|source| TelemetryError::Io {
+                    action: "create",
+                    path,
+                    source,
+                })?;
+                Some(BufWriter::new(file))
+            }
+            None => None,
+        };
+        let trace = config.trace_path.as_ref().map(|_| {
+            TraceBuffer::new(
+                telemetry.producer_count(),
+                telemetry.drafter_count(),
+                config.max_spans_per_worker,
+            )
+        });
+        let sample_ms = Self::SAMPLE_PERIOD.as_secs_f64() * 1e3;
+        Ok(Self {
+            queue: QueueSummary::new(config.queue_capacity, config.queue_min_ready, sample_ms),
+            previous: TelemetrySnapshot {
+                drafters: vec![Default::default(); telemetry.drafter_count()],
+                producers: vec![Default::default(); telemetry.producer_count()],
+                ..Default::default()
+            },
+            config,
+            telemetry,
+            out,
+            status_log,
+            last_report: Duration::ZERO,
+            timeline: Thinned::new(MAX_SERIES_POINTS),
+            loss_curve: Thinned::new(MAX_SERIES_POINTS),
+            trace,
+            progress_drawn: false,
+        })
+    }
+
+    /// Records the queue depth in the histogram and moves pending trace spans out of the workers' rings.
+    pub fn sample(&mut self, queue: &QueueSnapshot) {
+        self.queue.add_depth(queue.depth);
+        if let Some(trace) = &mut self.trace {
+            trace.drain(&self.telemetry);
+        }
+    }
+
+    /// [`Reporter::sample`], then a status line when `every` has passed since the last one.
+    pub fn tick(&mut self, queue: &QueueSnapshot) -> Result<Option<StatusLine>, TelemetryError> {
+        self.sample(queue);
+        if self
+            .telemetry
+            .epoch()
+            .elapsed()
+            .saturating_sub(self.last_report)
+            >= self.config.every
+        {
+            return self.report(queue).map(Some);
+        }
+        Ok(None)
+    }
+
+    /// Writes a status line now, over the interval since the previous one.
+    pub fn report(&mut self, queue: &QueueSnapshot) -> Result<StatusLine, TelemetryError> {
+        let current = self.telemetry.snapshot();
+        let line = StatusLine::between(&self.previous, &current, queue, self.config.total_steps);
+        let interval_had_loss = current.drafters.iter().map(|d| d.loss_count).sum::<u64>()
+            > self
+                .previous
+                .drafters
+                .iter()
+                .map(|d| d.loss_count)
+                .sum::<u64>();
+        if let (Some(loss), true) = (line.loss, interval_had_loss) {
+            self.loss_curve.push(LossSample {
+                step: line.step,
+                elapsed_s: line.elapsed_s,
+                loss,
+            });
+        }
+        self.timeline.push(DepthSample {
+            elapsed_ms: u64::try_from(current.elapsed.as_millis()).unwrap_or(u64::MAX),
+            depth: queue.depth,
+            per_bucket: queue.per_bucket.clone(),
+        });
+        self.write_line(&line)
+            .map_err(|source| TelemetryError::Output { source })?;
+        if let Some(log) = &mut self.status_log {
+            let path = || {
+                self.config
+                    .run_dir
+                    .clone()
+                    .unwrap_or_default()
+                    .join(STATUS_FILE)
+            };
+            serde_json::to_writer(&mut *log, &line)
+                .map_err(|source| TelemetryError::Encode { source })?;
+            writeln!(log)
+                .and_then(|_| log.flush())
+                .map_err(|source| TelemetryError::Io {
+                    action: "write",
+                    path: path(),
+                    source,
+                })?;
+        }
+        self.last_report = current.elapsed;
+        self.previous = current;
+        Ok(line)
+    }
+
+    fn write_line(&mut self, line: &StatusLine) -> std::io::Result<()> {
+        match self.config.mode {
+            OutputMode::Plain => writeln!(self.out, "{line}")?,
+            OutputMode::Json => {
+                serde_json::to_writer(&mut self.out, line)?;
+                writeln!(self.out)?;
+            }
+            OutputMode::Progress => {
+                // `\x1b[K` clears what a longer previous line left to the right.
+                write!(self.out, "\r{}\x1b[K", line.progress_line(BAR_WIDTH))?;
+                self.progress_drawn = true;
+            }
+        }
+        self.out.flush()
+    }
+
+    /// Samples every [`Reporter::SAMPLE_PERIOD`] and reports every `every` until `stop` is set; `queue` reads
+    /// the queue's statistics. This is the telemetry thread's whole loop.
+    pub fn run(
+        &mut self,
+        stop: &AtomicBool,
+        mut queue: impl FnMut() -> QueueSnapshot,
+    ) -> Result<(), TelemetryError> {
+        while !stop.load(Ordering::Acquire) {
+            std::thread::sleep(Self::SAMPLE_PERIOD);
+            self.tick(&queue())?;
+        }
+        Ok(())
+    }
+
+    /// Final status line, then `summary.json` (when a run directory is set) and the trace (when configured).
+    /// Call after the workers have stopped, so the totals are final.
+    pub fn finish(mut self, queue: &QueueSnapshot) -> Result<RunSummary, TelemetryError> {
+        self.sample(queue);
+        let line = self.report(queue)?;
+        if self.progress_drawn {
+            writeln!(self.out)
+                .and_then(|_| self.out.flush())
+                .map_err(|source| TelemetryError::Output { source })?;
+        }
+        self.queue.set_counters(queue);
+        let snapshot = &self.previous;
+        let mut queue_summary = self.queue;
+        queue_summary.timeline = self.timeline.into_vec();
+        let summary = RunSummary {
+            format: SUMMARY_FORMAT,
+            plan: self.config.plan_name.clone(),
+            steps: line.step,
+            tokens: line.tokens,
+            wall_s: snapshot.elapsed.as_secs_f64(),
+            skipped_nonfinite: snapshot.skipped(),
+            final_loss: snapshot.drafters.iter().find_map(|d| d.last_loss),
+            drafters: snapshot
+                .drafters
+                .iter()
+                .map(DrafterSummary::from_counts)
+                .collect(),
+            producers: snapshot
+                .producers
+                .iter()
+                .map(ProducerSummary::from_counts)
+                .collect(),
+            queue: queue_summary,
+            loss_curve: self.loss_curve.into_vec(),
+            spans_dropped: snapshot.spans_dropped,
+        };
+        if let Some(dir) = &self.config.run_dir {
+            write_summary(dir, &summary)?;
+        }
+        if let (Some(trace), Some(path)) = (&self.trace, &self.config.trace_path) {
+            trace.write(path, snapshot.spans_dropped)?;
+        }
+        Ok(summary)
+    }
+}

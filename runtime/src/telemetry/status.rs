@@ -1,0 +1,212 @@
+//! One status line: what the run looks like over the last telemetry period, computed from two counter
+//! snapshots and the queue's statistics.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::phase::DrafterPhase;
+use super::recorder::TelemetrySnapshot;
+
+/// The queue's statistics as telemetry reads them (the lead maps the queue's own stats type to this, which
+/// keeps telemetry independent of the queue's implementation).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueueSnapshot {
+    /// Items queued now over all buckets.
+    pub depth: usize,
+    /// Most items the queue holds.
+    pub capacity: usize,
+    /// Watermark: consumers wait until this many items are queued.
+    pub min_ready: usize,
+    /// Items queued now, per bucket in bucket order.
+    pub per_bucket: Vec<usize>,
+    /// Items pushed so far.
+    pub pushes: u64,
+    /// Items popped so far.
+    pub pops: u64,
+    /// Total time producers spent blocked on a full queue.
+    pub producer_blocked: Duration,
+    /// Total time consumers spent blocked below the watermark.
+    pub consumer_blocked: Duration,
+    /// Times a push found the queue full.
+    pub seen_full: u64,
+    /// Times a pop found the queue below the watermark.
+    pub seen_below_watermark: u64,
+}
+
+/// Queue fill as `q_hs=[depth/capacity]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueFill {
+    /// Items queued.
+    pub depth: usize,
+    /// Most items the queue holds.
+    pub capacity: usize,
+}
+
+/// One drafter over the last interval.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DrafterStatus {
+    /// Percent of the interval spent inside the step (every phase but data wait).
+    pub busy_pct: f64,
+    /// Percent of the interval spent blocked waiting for a batch.
+    pub data_wait_pct: f64,
+}
+
+/// One status line. Display gives the human form, Serialize the `--json` / `status.jsonl` form.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusLine {
+    /// Seconds since the run started.
+    pub elapsed_s: f64,
+    /// Steps completed by every drafter.
+    pub step: u64,
+    /// Steps the run will take, when known.
+    pub total_steps: Option<u64>,
+    /// Tokens trained on so far, over all drafters.
+    pub tokens: u64,
+    /// Tokens per second over the last interval.
+    pub tokens_per_s: f64,
+    /// Tokens per second since the start.
+    pub tokens_per_s_overall: f64,
+    /// Total queue depth and capacity.
+    pub q_hs: QueueFill,
+    /// Queue depth per bucket.
+    pub q_hsb: Vec<usize>,
+    /// Per drafter, busy and data-wait percentages over the interval.
+    pub drafters: Vec<DrafterStatus>,
+    /// Mean of the finite losses reported in the interval (the latest known loss when the interval had none).
+    pub loss: Option<f64>,
+    /// Steps skipped so far for non-finite values.
+    pub skipped: u64,
+}
+
+fn per_second(count: u64, over: Duration) -> f64 {
+    let seconds = over.as_secs_f64();
+    if seconds > 0.0 {
+        count as f64 / seconds
+    } else {
+        0.0
+    }
+}
+
+fn percent(part: Duration, whole: Duration) -> f64 {
+    let whole = whole.as_secs_f64();
+    // Spans count when they end, so a span that began in the previous interval can push this one past 100%.
+    if whole > 0.0 {
+        (100.0 * part.as_secs_f64() / whole).clamp(0.0, 100.0)
+    } else {
+        0.0
+    }
+}
+
+impl StatusLine {
+    /// The status over the interval from `previous` to `current`.
+    pub fn between(
+        previous: &TelemetrySnapshot,
+        current: &TelemetrySnapshot,
+        queue: &QueueSnapshot,
+        total_steps: Option<u64>,
+    ) -> Self {
+        let interval = current.elapsed.saturating_sub(previous.elapsed);
+        let tokens = current.tokens();
+        let drafters = current
+            .drafters
+            .iter()
+            .enumerate()
+            .map(|(i, now)| {
+                let before = previous.drafters.get(i).cloned().unwrap_or_default();
+                let wait = now.phase(DrafterPhase::DataWait).total;
+                let wait_before = before.phase(DrafterPhase::DataWait).total;
+                DrafterStatus {
+                    busy_pct: percent(now.busy().saturating_sub(before.busy()), interval),
+                    data_wait_pct: percent(wait.saturating_sub(wait_before), interval),
+                }
+            })
+            .collect();
+        let (mut loss_sum, mut loss_count) = (0.0, 0u64);
+        for (i, now) in current.drafters.iter().enumerate() {
+            let before = previous.drafters.get(i).cloned().unwrap_or_default();
+            loss_sum += now.loss_sum - before.loss_sum;
+            loss_count += now.loss_count.saturating_sub(before.loss_count);
+        }
+        let loss = if loss_count > 0 {
+            Some(loss_sum / loss_count as f64)
+        } else {
+            current.drafters.iter().find_map(|d| d.last_loss)
+        };
+        Self {
+            elapsed_s: current.elapsed.as_secs_f64(),
+            step: current.step(),
+            total_steps,
+            tokens,
+            tokens_per_s: per_second(tokens.saturating_sub(previous.tokens()), interval),
+            tokens_per_s_overall: per_second(tokens, current.elapsed),
+            q_hs: QueueFill {
+                depth: queue.depth,
+                capacity: queue.capacity,
+            },
+            q_hsb: queue.per_bucket.clone(),
+            drafters,
+            loss,
+            skipped: current.skipped(),
+        }
+    }
+
+    /// The line drawn in place on a terminal: a bar when the total is known, then the status.
+    pub fn progress_line(&self, bar_width: usize) -> String {
+        match self.total_steps {
+            Some(total) if total > 0 => {
+                let done =
+                    ((self.step.min(total) as f64 / total as f64) * bar_width as f64) as usize;
+                format!(
+                    "[{}{}] {self}",
+                    "#".repeat(done),
+                    ".".repeat(bar_width - done)
+                )
+            }
+            _ => self.to_string(),
+        }
+    }
+}
+
+/// `12345` → `12.3k`: tokens per second stay readable from CPU to multi-GPU rates.
+fn compact(value: f64) -> String {
+    match value {
+        v if v >= 1e9 => format!("{:.2}G", v / 1e9),
+        v if v >= 1e6 => format!("{:.2}M", v / 1e6),
+        v if v >= 1e3 => format!("{:.1}k", v / 1e3),
+        v => format!("{v:.0}"),
+    }
+}
+
+fn join<T>(items: &[T], each: impl Fn(&T) -> String) -> String {
+    items.iter().map(each).collect::<Vec<_>>().join(",")
+}
+
+impl fmt::Display for StatusLine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:>8.1}s step {}", self.elapsed_s, self.step)?;
+        if let Some(total) = self.total_steps {
+            write!(f, "/{total}")?;
+        }
+        write!(
+            f,
+            " | {} tok/s (avg {}) | q_hs=[{}/{}] q_hsb=[{}] | busy=[{}]% wait=[{}]%",
+            compact(self.tokens_per_s),
+            compact(self.tokens_per_s_overall),
+            self.q_hs.depth,
+            self.q_hs.capacity,
+            join(&self.q_hsb, |d| d.to_string()),
+            join(&self.drafters, |d| format!("{:.0}", d.busy_pct)),
+            join(&self.drafters, |d| format!("{:.0}", d.data_wait_pct)),
+        )?;
+        match self.loss {
+            Some(loss) => write!(f, " | loss {loss:.4}")?,
+            None => write!(f, " | loss -")?,
+        }
+        if self.skipped > 0 {
+            write!(f, " | skipped {}", self.skipped)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,343 @@
+//! The run summary: everything the diagnosis needs, written to `RUN_DIR/summary.json` at the end of a run
+//! and read back by `draftpipe diagnose RUN_DIR`.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::TelemetryError;
+use super::phase::{DrafterPhase, ProducerPhase};
+use super::recorder::{DrafterCounts, ProducerCounts};
+use super::status::QueueSnapshot;
+
+/// The `format` this build writes and reads; bumped when a field changes meaning.
+pub const SUMMARY_FORMAT: u32 = 1;
+
+/// File name of the summary inside a run directory.
+pub const SUMMARY_FILE: &str = "summary.json";
+
+/// File name of the status-line log (one JSON object per line) inside a run directory.
+pub const STATUS_FILE: &str = "status.jsonl";
+
+/// Total time and span count of one phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PhaseTotal<P> {
+    /// The phase.
+    pub phase: P,
+    /// Seconds spent in it.
+    pub total_s: f64,
+    /// Spans recorded.
+    pub count: u64,
+}
+
+/// One drafter's totals.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrafterSummary {
+    /// Applied steps.
+    pub steps: u64,
+    /// Tokens trained on.
+    pub tokens: u64,
+    /// Steps skipped for non-finite values.
+    pub skipped: u64,
+    /// Time per phase, one entry per [`DrafterPhase`].
+    pub phases: Vec<PhaseTotal<DrafterPhase>>,
+}
+
+impl DrafterSummary {
+    /// Seconds spent in `phase` (0 when absent).
+    pub fn seconds(&self, phase: DrafterPhase) -> f64 {
+        self.phases
+            .iter()
+            .filter(|p| p.phase == phase)
+            .map(|p| p.total_s)
+            .sum()
+    }
+
+    pub(crate) fn from_counts(counts: &DrafterCounts) -> Self {
+        Self {
+            steps: counts.steps,
+            tokens: counts.tokens,
+            skipped: counts.skipped,
+            phases: DrafterPhase::ALL
+                .iter()
+                .map(|&phase| {
+                    let c = counts.phase(phase);
+                    PhaseTotal {
+                        phase,
+                        total_s: c.total.as_secs_f64(),
+                        count: c.count,
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One producer's totals.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProducerSummary {
+    /// Items pushed.
+    pub items: u64,
+    /// Tokens in them.
+    pub tokens: u64,
+    /// Time per phase, one entry per [`ProducerPhase`].
+    pub phases: Vec<PhaseTotal<ProducerPhase>>,
+}
+
+impl ProducerSummary {
+    /// Seconds spent in `phase` (0 when absent).
+    pub fn seconds(&self, phase: ProducerPhase) -> f64 {
+        self.phases
+            .iter()
+            .filter(|p| p.phase == phase)
+            .map(|p| p.total_s)
+            .sum()
+    }
+
+    pub(crate) fn from_counts(counts: &ProducerCounts) -> Self {
+        Self {
+            items: counts.items,
+            tokens: counts.tokens,
+            phases: ProducerPhase::ALL
+                .iter()
+                .map(|&phase| {
+                    let c = counts.phase(phase);
+                    PhaseTotal {
+                        phase,
+                        total_s: c.total.as_secs_f64(),
+                        count: c.count,
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Queue depth at one status period.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DepthSample {
+    /// Milliseconds since the start.
+    pub elapsed_ms: u64,
+    /// Total depth.
+    pub depth: usize,
+    /// Depth per bucket.
+    pub per_bucket: Vec<usize>,
+}
+
+/// The queue over the whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QueueSummary {
+    /// Most items the queue holds.
+    pub capacity: usize,
+    /// Consumers' watermark.
+    pub min_ready: usize,
+    /// Items pushed.
+    pub pushes: u64,
+    /// Items popped.
+    pub pops: u64,
+    /// Seconds producers spent blocked on a full queue (queue's own count).
+    pub producer_blocked_s: f64,
+    /// Seconds consumers spent blocked below the watermark (queue's own count).
+    pub consumer_blocked_s: f64,
+    /// Times a push found the queue full.
+    pub seen_full: u64,
+    /// Times a pop found the queue below the watermark.
+    pub seen_below_watermark: u64,
+    /// Period of the depth samples in milliseconds (the telemetry thread's sampling period).
+    pub sample_period_ms: f64,
+    /// `depth_histogram[d]` = samples that saw depth `d` (length `capacity + 1`; deeper samples count in the
+    /// last bin and show in `max_depth`).
+    pub depth_histogram: Vec<u64>,
+    /// Largest depth sampled.
+    pub max_depth: usize,
+    /// Depth at each status period, thinned to a bounded number of points on long runs.
+    pub timeline: Vec<DepthSample>,
+}
+
+impl QueueSummary {
+    /// Number of depth samples.
+    pub fn samples(&self) -> u64 {
+        self.depth_histogram.iter().sum()
+    }
+
+    /// Fraction of samples whose depth satisfies `keep` (0 with no samples).
+    pub fn fraction_where(&self, keep: impl Fn(usize) -> bool) -> f64 {
+        let total = self.samples();
+        if total == 0 {
+            return 0.0;
+        }
+        let hits: u64 = self
+            .depth_histogram
+            .iter()
+            .enumerate()
+            .filter(|(d, _)| keep(*d))
+            .map(|(_, n)| n)
+            .sum();
+        hits as f64 / total as f64
+    }
+
+    pub(crate) fn new(capacity: usize, min_ready: usize, sample_period_ms: f64) -> Self {
+        Self {
+            capacity,
+            min_ready,
+            pushes: 0,
+            pops: 0,
+            producer_blocked_s: 0.0,
+            consumer_blocked_s: 0.0,
+            seen_full: 0,
+            seen_below_watermark: 0,
+            sample_period_ms,
+            depth_histogram: vec![0; capacity + 1],
+            max_depth: 0,
+            timeline: Vec::new(),
+        }
+    }
+
+    pub(crate) fn add_depth(&mut self, depth: usize) {
+        let last = self.depth_histogram.len() - 1;
+        self.depth_histogram[depth.min(last)] += 1;
+        self.max_depth = self.max_depth.max(depth);
+    }
+
+    pub(crate) fn set_counters(&mut self, queue: &QueueSnapshot) {
+        self.pushes = queue.pushes;
+        self.pops = queue.pops;
+        self.producer_blocked_s = queue.producer_blocked.as_secs_f64();
+        self.consumer_blocked_s = queue.consumer_blocked.as_secs_f64();
+        self.seen_full = queue.seen_full;
+        self.seen_below_watermark = queue.seen_below_watermark;
+    }
+}
+
+/// Mean loss at one status period.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossSample {
+    /// Global step.
+    pub step: u64,
+    /// Seconds since the start.
+    pub elapsed_s: f64,
+    /// Mean loss over the period.
+    pub loss: f64,
+}
+
+/// Everything measured in one run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunSummary {
+    /// [`SUMMARY_FORMAT`] of the writer.
+    pub format: u32,
+    /// The plan's name.
+    pub plan: String,
+    /// Global steps completed.
+    pub steps: u64,
+    /// Tokens trained on over all drafters.
+    pub tokens: u64,
+    /// Wall time of the run in seconds.
+    pub wall_s: f64,
+    /// Steps skipped for a non-finite loss or gradient.
+    pub skipped_nonfinite: u64,
+    /// The latest finite loss.
+    pub final_loss: Option<f64>,
+    /// Per drafter totals.
+    pub drafters: Vec<DrafterSummary>,
+    /// Per producer totals.
+    pub producers: Vec<ProducerSummary>,
+    /// Queue counters and sampled depth.
+    pub queue: QueueSummary,
+    /// Loss per status period, thinned to a bounded number of points on long runs.
+    pub loss_curve: Vec<LossSample>,
+    /// Trace spans lost to full rings (0 without a trace).
+    pub spans_dropped: u64,
+}
+
+fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TelemetryError {
+    let path = path.to_path_buf();
+    move |source| TelemetryError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+/// Writes `dir/summary.json` atomically: a crash mid-write leaves the previous file (or none), never half of one.
+pub fn write_summary(dir: &Path, summary: &RunSummary) -> Result<PathBuf, TelemetryError> {
+    fs::create_dir_all(dir).map_err(io_error("create", dir))?;
+    let path = dir.join(SUMMARY_FILE);
+    let temporary = dir.join(format!("{SUMMARY_FILE}.tmp"));
+    let json =
+        serde_json::to_vec_pretty(summary).map_err(|source| TelemetryError::Encode { source })?;
+    let mut file = fs::File::create(&temporary).map_err(io_error("create", &temporary))?;
+    file.write_all(&json)
+        .map_err(io_error("write", &temporary))?;
+    file.sync_all().map_err(io_error("sync", &temporary))?;
+    fs::rename(&temporary, &path).map_err(io_error("rename into place", &path))?;
+    Ok(path)
+}
+
+/// Reads `dir/summary.json` back (what `draftpipe diagnose RUN_DIR` does).
+pub fn load_summary(dir: &Path) -> Result<RunSummary, TelemetryError> {
+    let path = dir.join(SUMMARY_FILE);
+    let bytes = fs::read(&path).map_err(io_error("read", &path))?;
+    let format = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .map_err(|source| TelemetryError::Parse {
+            path: path.clone(),
+            source,
+        })?
+        .get("format")
+        .and_then(serde_json::Value::as_u64);
+    if format != Some(u64::from(SUMMARY_FORMAT)) {
+        return Err(TelemetryError::Format {
+            path,
+            found: format,
+            expected: SUMMARY_FORMAT,
+        });
+    }
+    serde_json::from_slice(&bytes).map_err(|source| TelemetryError::Parse { path, source })
+}
+
+/// A series that keeps at most `limit` points of an unbounded stream: when full it drops every other point
+/// and from then on keeps every second (then fourth, ...) new point, so memory stays bounded and the points
+/// stay evenly spread over the whole run.
+#[derive(Debug, Clone)]
+pub(crate) struct Thinned<T> {
+    points: Vec<T>,
+    stride: u64,
+    offered: u64,
+    limit: usize,
+}
+
+impl<T> Thinned<T> {
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            points: Vec::new(),
+            stride: 1,
+            offered: 0,
+            limit: limit.max(2),
+        }
+    }
+
+    pub(crate) fn push(&mut self, point: T) {
+        let keep = self.offered.is_multiple_of(self.stride);
+        self.offered += 1;
+        if !keep {
+            return;
+        }
+        if self.points.len() == self.limit {
+            let mut index = 0;
+            self.points.retain(|_| {
+                index += 1;
+                index % 2 == 1
+            });
+            self.stride *= 2;
+            if !(self.offered - 1).is_multiple_of(self.stride) {
+                return;
+            }
+        }
+        self.points.push(point);
+    }
+
+    pub(crate) fn into_vec(self) -> Vec<T> {
+        self.points
+    }
+}

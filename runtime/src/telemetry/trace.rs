@@ -1,0 +1,225 @@
+//! The Chrome/Perfetto trace: one track per producer and drafter, one complete (`"ph": "X"`) event per
+//! recorded phase span.
+//!
+//! Memory is bounded by keeping the **last** `max_spans_per_worker` spans of each worker: the telemetry thread
+//! drains the workers' rings into a [`TraceBuffer`] every sampling period, and the oldest spans are evicted
+//! (and counted) once a worker's buffer is full. The file is written once, at the end, streaming one event at
+//! a time (no JSON tree is built in memory). Open it at <https://ui.perfetto.dev> or `chrome://tracing`.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::TelemetryError;
+use super::phase::{DrafterPhase, ProducerPhase};
+use super::recorder::{Span, Telemetry, Worker};
+
+/// Trace process id of the producers' tracks.
+pub const PRODUCER_PID: u32 = 1;
+/// Trace process id of the drafters' tracks.
+pub const DRAFTER_PID: u32 = 2;
+
+/// The most recent spans of every worker, bounded per worker.
+#[derive(Debug)]
+pub struct TraceBuffer {
+    producers: Vec<VecDeque<Span>>,
+    drafters: Vec<VecDeque<Span>>,
+    max_spans_per_worker: usize,
+    evicted: u64,
+}
+
+impl TraceBuffer {
+    /// Default bound: at 8 spans per step, the last ~8k steps of each drafter, about 1.5 MiB per worker.
+    pub const DEFAULT_MAX_SPANS_PER_WORKER: usize = 65_536;
+
+    /// An empty buffer for `producers` and `drafters` workers, keeping at most `max_spans_per_worker` each.
+    pub fn new(producers: usize, drafters: usize, max_spans_per_worker: usize) -> Self {
+        Self {
+            producers: vec![VecDeque::new(); producers],
+            drafters: vec![VecDeque::new(); drafters],
+            max_spans_per_worker: max_spans_per_worker.max(1),
+            evicted: 0,
+        }
+    }
+
+    /// Moves every span waiting in `telemetry`'s rings into this buffer.
+    pub fn drain(&mut self, telemetry: &Telemetry) {
+        let limit = self.max_spans_per_worker;
+        let mut evicted = 0;
+        telemetry.drain_spans(|worker, span| {
+            let spans = match worker {
+                Worker::Producer(i) => self.producers.get_mut(i),
+                Worker::Drafter(i) => self.drafters.get_mut(i),
+            };
+            if let Some(spans) = spans {
+                if spans.len() == limit {
+                    spans.pop_front();
+                    evicted += 1;
+                }
+                spans.push_back(span);
+            }
+        });
+        self.evicted += evicted;
+    }
+
+    /// Spans held now over all workers.
+    pub fn len(&self) -> usize {
+        self.producers
+            .iter()
+            .chain(&self.drafters)
+            .map(VecDeque::len)
+            .sum()
+    }
+
+    /// Whether no span is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Spans evicted to respect the per-worker bound.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// Writes the trace JSON to `path`; `ring_dropped` (spans lost in full rings) goes into `otherData`.
+    pub fn write(&self, path: &Path, ring_dropped: u64) -> Result<(), TelemetryError> {
+        let io = |action: &'static str| {
+            let path = path.to_path_buf();
+            move |source| TelemetryError::Io {
+                action,
+                path,
+                source,
+            }
+        };
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(io("create"))?;
+        }
+        let mut out = BufWriter::new(File::create(path).map_err(io("create"))?);
+        self.write_to(&mut out, ring_dropped).map_err(io("write"))?;
+        out.into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.sync_all())
+            .map_err(io("write"))
+    }
+
+    fn write_to(&self, out: &mut impl Write, ring_dropped: u64) -> std::io::Result<()> {
+        out.write_all(b"{\"displayTimeUnit\":\"ms\",\"otherData\":")?;
+        let other = OtherData {
+            spans_evicted: self.evicted,
+            spans_dropped_in_rings: ring_dropped,
+        };
+        serde_json::to_writer(&mut *out, &other)?;
+        out.write_all(b",\"traceEvents\":[")?;
+        let mut first = true;
+        let mut event = |out: &mut dyn Write, value: &dyn ErasedEvent| -> std::io::Result<()> {
+            if !first {
+                out.write_all(b",\n")?;
+            }
+            first = false;
+            value.write_json(out)
+        };
+        for (pid, name) in [(PRODUCER_PID, "producers"), (DRAFTER_PID, "drafters")] {
+            let meta = Metadata {
+                name: "process_name",
+                ph: "M",
+                pid,
+                tid: 0,
+                args: NameArg { name: name.into() },
+            };
+            event(out, &meta)?;
+        }
+        let tracks = self
+            .producers
+            .iter()
+            .enumerate()
+            .map(|(i, spans)| (PRODUCER_PID, i, format!("producer {i}"), spans))
+            .chain(
+                self.drafters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, spans)| (DRAFTER_PID, i, format!("drafter {i}"), spans)),
+            );
+        for (pid, tid, track, spans) in tracks {
+            let meta = Metadata {
+                name: "thread_name",
+                ph: "M",
+                pid,
+                tid,
+                args: NameArg { name: track },
+            };
+            event(out, &meta)?;
+            for span in spans {
+                let (name, cat) = if pid == PRODUCER_PID {
+                    (
+                        ProducerPhase::ALL
+                            .get(usize::from(span.phase))
+                            .map(|p| p.name()),
+                        "producer",
+                    )
+                } else {
+                    (
+                        DrafterPhase::ALL
+                            .get(usize::from(span.phase))
+                            .map(|p| p.name()),
+                        "drafter",
+                    )
+                };
+                let complete = Complete {
+                    name: name.unwrap_or("unknown"),
+                    cat,
+                    ph: "X",
+                    pid,
+                    tid,
+                    ts: span.start_ns as f64 / 1e3,
+                    dur: span.duration_ns as f64 / 1e3,
+                };
+                event(out, &complete)?;
+            }
+        }
+        out.write_all(b"]}\n")
+    }
+}
+
+trait ErasedEvent {
+    fn write_json(&self, out: &mut dyn Write) -> std::io::Result<()>;
+}
+
+impl<T: Serialize> ErasedEvent for T {
+    fn write_json(&self, out: &mut dyn Write) -> std::io::Result<()> {
+        serde_json::to_writer(out, self).map_err(std::io::Error::from)
+    }
+}
+
+#[derive(Serialize)]
+struct OtherData {
+    spans_evicted: u64,
+    spans_dropped_in_rings: u64,
+}
+
+#[derive(Serialize)]
+struct NameArg {
+    name: String,
+}
+
+#[derive(Serialize)]
+struct Metadata {
+    name: &'static str,
+    ph: &'static str,
+    pid: u32,
+    tid: usize,
+    args: NameArg,
+}
+
+#[derive(Serialize)]
+struct Complete {
+    name: &'static str,
+    cat: &'static str,
+    ph: &'static str,
+    pid: u32,
+    tid: usize,
+    ts: f64,
+    dur: f64,
+}
