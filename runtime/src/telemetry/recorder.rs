@@ -119,12 +119,13 @@ pub struct Telemetry {
     epoch: Instant,
     drafters: Box<[CachePadded<Slot<DrafterCounters>>]>,
     producers: Box<[CachePadded<Slot<ProducerCounters>>]>,
+    tracing: bool,
 }
 
 impl Telemetry {
     /// Spans each worker's ring holds between two drains by the telemetry thread. A drafter step records about
-    /// eight spans, so this covers hundreds of steps per status period; older spans are overwritten and counted
-    /// as dropped.
+    /// eight spans, so this covers 500 steps between two drains (every 10 ms); older spans are overwritten and
+    /// counted as dropped.
     pub const DEFAULT_RING_CAPACITY: usize = 4096;
 
     /// Telemetry for `producers` producers and `drafters` drafters; `trace` allocates the span rings.
@@ -148,6 +149,7 @@ impl Telemetry {
             epoch: Instant::now(),
             drafters: (0..drafters).map(|_| Slot::new(ring)).collect(),
             producers: (0..producers).map(|_| Slot::new(ring)).collect(),
+            tracing: ring.is_some(),
         }
     }
 
@@ -158,8 +160,7 @@ impl Telemetry {
 
     /// Whether spans are kept for a trace.
     pub fn tracing(&self) -> bool {
-        self.drafters.iter().any(|s| s.spans.is_some())
-            || self.producers.iter().any(|s| s.spans.is_some())
+        self.tracing
     }
 
     /// Number of drafter slots.

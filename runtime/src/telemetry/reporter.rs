@@ -122,7 +122,7 @@ pub struct Reporter<W: Write> {
     config: ReporterConfig,
     telemetry: Arc<Telemetry>,
     out: W,
-    status_log: Option<BufWriter<File>>,
+    status_log: Option<(PathBuf, BufWriter<File>)>,
     previous: TelemetrySnapshot,
     last_report: Duration,
     queue: QueueSummary,
@@ -160,10 +160,10 @@ impl<W: Write> Reporter<W> {
                 let path = dir.join(STATUS_FILE);
                 let file = File::create(&path).map_err(|source| TelemetryError::Io {
                     action: "create",
-                    path,
+                    path: path.clone(),
                     source,
                 })?;
-                Some(BufWriter::new(file))
+                Some((path, BufWriter::new(file)))
             }
             None => None,
         };
@@ -242,21 +242,14 @@ impl<W: Write> Reporter<W> {
         });
         self.write_line(&line)
             .map_err(|source| TelemetryError::Output { source })?;
-        if let Some(log) = &mut self.status_log {
-            let path = || {
-                self.config
-                    .run_dir
-                    .clone()
-                    .unwrap_or_default()
-                    .join(STATUS_FILE)
-            };
+        if let Some((path, log)) = &mut self.status_log {
             serde_json::to_writer(&mut *log, &line)
                 .map_err(|source| TelemetryError::Encode { source })?;
             writeln!(log)
                 .and_then(|_| log.flush())
                 .map_err(|source| TelemetryError::Io {
                     action: "write",
-                    path: path(),
+                    path: path.clone(),
                     source,
                 })?;
         }
