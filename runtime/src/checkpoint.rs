@@ -95,6 +95,9 @@ fn io_error(path: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {
 pub struct TrainingState {
     /// Optimizer steps taken.
     pub step: u64,
+    /// AdamW's own step count (bias correction); lower than `step` by the steps skipped for non-finite values.
+    #[serde(default)]
+    pub optimizer_step: u64,
     /// Name of the pipeline that wrote the checkpoint.
     pub plan_name: String,
     /// RNG state words (seeds or generator states) the pipeline restores, in an order it defines.

@@ -14,3 +14,4 @@ pub mod checkpoint;
 pub mod source;
 pub mod tensor_file;
 pub mod telemetry;
+pub mod pipeline;

@@ -1,0 +1,425 @@
+//! `draftpipe run`: the whole pipeline for one [`Plan`], wired from the runtime's parts.
+//!
+//! ```text
+//!  producer threads ──Box<HsBatch>──▶ HsQueue ──▶ drafter threads ──all-reduce──▶ AdamW
+//!     ▲ BatchPool ◀──────── buffers go back after each step ───────────┘      │
+//!     └─ telemetry thread: status lines, depth samples, trace ◀── recorders ──┘ checkpoints (worker 0)
+//! ```
+//!
+//! Producers run one per target worker, drafters one per drafter worker (data-parallel replicas that average
+//! their gradients every step when `sync = allreduce`). The run ends when the step limit is reached, the
+//! sources are exhausted, a fault stops it, or the caller's interrupt flag is raised; in every case the
+//! drafters finish the step in hand, worker 0 writes the final checkpoint (when asked), and the telemetry
+//! writes its summary, so [`Diagnosis`] can explain the run.
+
+mod drafter;
+mod producer;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use draftpipe_compiler::plan::{Device, Plan};
+
+use crate::allreduce::AllReduce;
+use crate::batch::HsBatch;
+use crate::checkpoint::{CheckpointError, load_checkpoint, load_weights};
+use crate::cpu::StepError;
+use crate::params::FlatState;
+use crate::queue::{HsQueue, QueueConfig, QueueConfigError, QueueStats, SeqLen};
+use crate::source::{BatchPool, Producer, SourceError, open_sources};
+use crate::telemetry::{
+    Diagnosis, OutputMode, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
+    TelemetryError,
+};
+
+impl SeqLen for Box<HsBatch> {
+    fn seq_len(&self) -> usize {
+        self.longest_sequence()
+    }
+}
+
+/// How one run is driven, beyond what the plan says.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Step limit; overrides the plan's `steps`.
+    pub steps: Option<u64>,
+    /// Where checkpoints go.
+    pub save_dir: Option<PathBuf>,
+    /// Checkpoint every this many steps (and always at the end) when `save_dir` is set.
+    pub save_every: Option<u64>,
+    /// Continue from this checkpoint directory.
+    pub resume: Option<PathBuf>,
+    /// Start from these weights (a `model.safetensors`), with fresh optimizer state.
+    pub init: Option<PathBuf>,
+    /// How status lines are written.
+    pub output: OutputMode,
+    /// Where `status.jsonl` and `summary.json` go.
+    pub run_dir: Option<PathBuf>,
+    /// Where the trace goes (the plan's `telemetry.trace`, or none).
+    pub trace: Option<PathBuf>,
+    /// Keep running on the other producers when one fails.
+    pub keep_going: bool,
+    /// Stop after this many non-finite steps in a row.
+    pub max_nonfinite_in_row: u32,
+    /// Seed of the drafter's initial weights.
+    pub init_seed: u64,
+}
+
+impl RunOptions {
+    /// Options for `plan` with nothing overridden: plain status lines, no checkpoints, the plan's trace path.
+    pub fn for_plan(plan: &Plan) -> Self {
+        Self {
+            steps: None,
+            save_dir: None,
+            save_every: None,
+            resume: None,
+            init: None,
+            output: OutputMode::Plain,
+            run_dir: None,
+            trace: plan.telemetry.trace.as_ref().map(PathBuf::from),
+            keep_going: false,
+            max_nonfinite_in_row: DEFAULT_MAX_NONFINITE_IN_ROW,
+            init_seed: 0,
+        }
+    }
+}
+
+/// Non-finite steps in a row after which a run gives up: a few can be a bad batch, more mean the run diverged.
+pub const DEFAULT_MAX_NONFINITE_IN_ROW: u32 = 5;
+
+/// Why a run stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The step limit was reached.
+    StepLimit,
+    /// Every source was exhausted and the queue drained.
+    SourcesExhausted,
+    /// The caller's interrupt flag was raised (Ctrl-C).
+    Interrupted,
+}
+
+/// What a finished run reports.
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// Why it stopped.
+    pub stop: StopReason,
+    /// Training steps taken in this run (skipped steps included), counted from the start or the resumed step.
+    pub step: u64,
+    /// The telemetry summary (also in the run directory).
+    pub summary: RunSummary,
+    /// The diagnosis of the summary.
+    pub diagnosis: Diagnosis,
+    /// Producer failures tolerated under `keep_going`.
+    pub producer_errors: Vec<String>,
+}
+
+/// Why a run could not start or had to stop.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The plan's stages cannot run on this machine.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The queue rejected the plan's queue block.
+    #[error("queue: {0}")]
+    Queue(#[from] QueueConfigError),
+    /// A source could not be opened.
+    #[error("source: {0}")]
+    Source(#[from] SourceError),
+    /// A producer failed while running.
+    #[error("producer {worker} failed")]
+    Producer {
+        /// Producer index.
+        worker: usize,
+        /// The cause.
+        #[source]
+        source: SourceError,
+    },
+    /// A drafter could not train on a batch.
+    #[error("drafter {worker} failed")]
+    Step {
+        /// Drafter index.
+        worker: usize,
+        /// The cause.
+        #[source]
+        source: StepError,
+    },
+    /// The loss or the gradients stayed non-finite.
+    #[error(
+        "{count} steps in a row had a non-finite loss or gradient (stopped at step {step}); lower the learning rate or enable clip_grad_norm"
+    )]
+    NonFinite {
+        /// Non-finite steps in a row.
+        count: u32,
+        /// The step it stopped at.
+        step: u64,
+    },
+    /// Loading or saving a checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] CheckpointError),
+    /// A checkpoint is incompatible with this plan.
+    #[error("cannot resume from {dir}: {reason}")]
+    Resume {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// What does not match.
+        reason: String,
+    },
+    /// Telemetry output failed.
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] TelemetryError),
+}
+
+/// Converts the queue's statistics into the telemetry's view of them.
+fn queue_snapshot(stats: QueueStats) -> QueueSnapshot {
+    QueueSnapshot {
+        depth: stats.depth,
+        capacity: stats.capacity,
+        min_ready: stats.min_ready,
+        per_bucket: stats.per_bucket,
+        pushes: stats.pushes,
+        pops: stats.pops,
+        producer_blocked: stats.producer_blocked,
+        consumer_blocked: stats.consumer_blocked,
+        seen_full: stats.seen_full,
+        seen_below_watermark: stats.seen_below_watermark,
+    }
+}
+
+/// State every worker thread reads: the queue, the pool, stop flags and the first fatal error.
+struct Shared {
+    queue: HsQueue<Box<HsBatch>>,
+    pool: BatchPool,
+    /// Raised by the caller (Ctrl-C): drafters finish the step in hand and stop.
+    interrupt: Arc<AtomicBool>,
+    /// Raised when the drafters are done: producers stop filling.
+    producers_stop: AtomicBool,
+    /// Producers still running; the last one to finish closes the queue so the drafters drain it.
+    live_producers: AtomicU32,
+    fatal: Mutex<Option<RunError>>,
+    fatal_raised: AtomicBool,
+    /// Per producer, the position after the newest batch a drafter has taken: where a resumed run restarts.
+    consumed: Mutex<Vec<u64>>,
+    producer_errors: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    fn fail(&self, error: RunError) {
+        let mut fatal = self.fatal.lock().unwrap_or_else(PoisonError::into_inner);
+        if fatal.is_none() {
+            *fatal = Some(error);
+        }
+        self.fatal_raised.store(true, Ordering::Release);
+        self.queue.close();
+    }
+
+    fn should_stop(&self) -> bool {
+        self.interrupt.load(Ordering::Acquire) || self.fatal_raised.load(Ordering::Acquire)
+    }
+
+    fn producer_finished(&self) {
+        if self.live_producers.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.queue.close();
+        }
+    }
+}
+
+/// The replica every drafter starts from: fresh, `--init` weights, or a resumed checkpoint.
+struct Start {
+    state: FlatState,
+    step: u64,
+    data_positions: Option<Vec<u64>>,
+}
+
+fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> {
+    let mut state = FlatState::init(&plan.model, options.init_seed);
+    if let Some(dir) = &options.resume {
+        let checkpoint = load_checkpoint(dir, &plan.model)?;
+        if checkpoint.state.plan_name != plan.name {
+            return Err(RunError::Resume {
+                dir: dir.clone(),
+                reason: format!(
+                    "it was written by pipeline `{}`, this is `{}`",
+                    checkpoint.state.plan_name, plan.name
+                ),
+            });
+        }
+        let producers = plan.target.placement.workers.len();
+        if checkpoint.state.data_positions.len() != producers {
+            return Err(RunError::Resume {
+                dir: dir.clone(),
+                reason: format!(
+                    "it has data positions for {} producers, the plan has {producers}",
+                    checkpoint.state.data_positions.len()
+                ),
+            });
+        }
+        state.params = checkpoint.params;
+        state.exp_avg = checkpoint.exp_avg;
+        state.exp_avg_sq = checkpoint.exp_avg_sq;
+        state.step = checkpoint.state.optimizer_step;
+        return Ok(Start {
+            state,
+            step: checkpoint.state.step,
+            data_positions: Some(checkpoint.state.data_positions),
+        });
+    }
+    if let Some(file) = &options.init {
+        state.params = load_weights(file, &plan.model)?;
+    }
+    Ok(Start { state, step: 0, data_positions: None })
+}
+
+/// Runs `plan` until its step limit, the end of its data, a fault, or `interrupt`; status lines go to `out`.
+///
+/// # Errors
+/// [`RunError`] when the plan cannot run here, a source or checkpoint cannot be opened, a producer or drafter
+/// fails, or the loss stays non-finite. A run stopped by an error still writes its summary when it can.
+pub fn run(
+    plan: &Plan,
+    options: &RunOptions,
+    interrupt: Arc<AtomicBool>,
+    out: impl Write + Send,
+) -> Result<RunOutcome, RunError> {
+    if let Some(Device::Gpu(ordinal)) =
+        plan.drafter.placement.workers.iter().copied().find(|d| *d != Device::Cpu)
+    {
+        return Err(RunError::Unsupported(format!(
+            "drafter stage `{}` is placed on gpu {ordinal}; `draftpipe run` trains on the CPU backend only \
+             (the CUDA backend is exercised by scripts/gpu-check.sh); place the drafter `on cpu` or `on cpu xN`",
+            plan.drafter.name
+        )));
+    }
+    let start = starting_state(plan, options)?;
+    let step_limit = options.steps.or(plan.drafter.steps);
+
+    let mut sources = open_sources(plan)?;
+    if let Some(positions) = &start.data_positions {
+        for (source, position) in sources.iter_mut().zip(positions) {
+            source.seek(*position)?;
+        }
+    }
+    let producers: Vec<Producer> = sources.into_iter().map(Producer::new).collect();
+    let queue_seed = plan_seed(plan) ^ start.step;
+    let shared = Arc::new(Shared {
+        queue: HsQueue::new(QueueConfig::from_spec(&plan.queue, queue_seed))?,
+        pool: BatchPool::for_plan(plan)?,
+        interrupt,
+        producers_stop: AtomicBool::new(false),
+        live_producers: AtomicU32::new(producers.len() as u32),
+        fatal: Mutex::new(None),
+        fatal_raised: AtomicBool::new(false),
+        consumed: Mutex::new(
+            start
+                .data_positions
+                .clone()
+                .unwrap_or_else(|| (0..producers.len() as u64).collect()),
+        ),
+        producer_errors: Mutex::new(Vec::new()),
+    });
+
+    let drafters = plan.drafter.placement.workers.len();
+    let telemetry = Arc::new(Telemetry::new(producers.len(), drafters, options.trace.is_some()));
+    let mut reporter_config = ReporterConfig::new(
+        plan.name.clone(),
+        Duration::from_millis(plan.telemetry.every_ms),
+        plan.queue.capacity,
+        plan.queue.min_ready,
+    );
+    reporter_config.mode = options.output;
+    reporter_config.total_steps = step_limit;
+    reporter_config.run_dir = options.run_dir.clone();
+    reporter_config.trace_path = options.trace.clone();
+    let reporter = Reporter::new(reporter_config, Arc::clone(&telemetry), out)?;
+
+    let reporter_stop = AtomicBool::new(false);
+    let group = Arc::new(AllReduce::new(drafters, plan.model.parameters));
+    let nonfinite_limit = options.max_nonfinite_in_row.max(1);
+    let producer_recorders = (0..producers.len())
+        .map(|worker| telemetry.producer(worker))
+        .collect::<Result<Vec<_>, _>>()?;
+    let drafter_recorders =
+        (0..drafters).map(|worker| telemetry.drafter(worker)).collect::<Result<Vec<_>, _>>()?;
+    let outcome = std::thread::scope(|scope| -> Result<_, RunError> {
+        let producer_handles: Vec<_> = producers
+            .into_iter()
+            .zip(producer_recorders)
+            .enumerate()
+            .map(|(worker, (producer, recorder))| {
+                let shared = Arc::clone(&shared);
+                let keep_going = options.keep_going;
+                std::thread::Builder::new()
+                    .name(format!("producer-{worker}"))
+                    .spawn_scoped(scope, move || {
+                        producer::run(worker, producer, &shared, &recorder, keep_going)
+                    })
+                    .expect("spawning a producer thread")
+            })
+            .collect();
+        let drafter_handles: Vec<_> = drafter_recorders
+            .into_iter()
+            .enumerate()
+            .map(|(worker, recorder)| {
+                let context = drafter::DrafterContext {
+                    worker,
+                    plan,
+                    options,
+                    shared: Arc::clone(&shared),
+                    group: Arc::clone(&group),
+                    recorder,
+                    state: start.state.clone(),
+                    first_step: start.step,
+                    step_limit,
+                    nonfinite_limit,
+                };
+                std::thread::Builder::new()
+                    .name(format!("drafter-{worker}"))
+                    .spawn_scoped(scope, move || drafter::run(context))
+                    .expect("spawning a drafter thread")
+            })
+            .collect();
+        let telemetry_thread = {
+            let (shared, reporter_stop) = (&shared, &reporter_stop);
+            let mut reporter = reporter;
+            scope.spawn(move || {
+                reporter
+                    .run(reporter_stop, || queue_snapshot(shared.queue.stats()))
+                    .map(|()| reporter)
+            })
+        };
+
+        let finished: Vec<drafter::Finished> = drafter_handles
+            .into_iter()
+            .map(|handle| handle.join().expect("a drafter thread panicked"))
+            .collect();
+        shared.producers_stop.store(true, Ordering::Release);
+        shared.queue.close();
+        for handle in producer_handles {
+            handle.join().expect("a producer thread panicked");
+        }
+        reporter_stop.store(true, Ordering::Release);
+        let reporter = telemetry_thread.join().expect("the telemetry thread panicked")?;
+        let stop = finished.iter().map(|f| f.stop).next().unwrap_or(StopReason::SourcesExhausted);
+        let step = finished.iter().map(|f| f.step).max().unwrap_or(start.step);
+        Ok((stop, step, reporter))
+    });
+    let (stop, step, reporter) = outcome?;
+    let summary = reporter.finish(&queue_snapshot(shared.queue.stats()))?;
+    if let Some(error) = shared.fatal.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        return Err(error);
+    }
+    let diagnosis = Diagnosis::from_summary(&summary);
+    let producer_errors =
+        std::mem::take(&mut *shared.producer_errors.lock().unwrap_or_else(PoisonError::into_inner));
+    Ok(RunOutcome { stop, step, summary, diagnosis, producer_errors })
+}
+
+/// The seed the plan's randomness derives from (the synthetic source's seed; 0 for file sources).
+fn plan_seed(plan: &Plan) -> u64 {
+    match plan.target.source {
+        draftpipe_compiler::plan::SourceSpec::Synthetic { seed, .. } => seed,
+        draftpipe_compiler::plan::SourceSpec::Safetensors { .. } => 0,
+    }
+}
