@@ -94,6 +94,11 @@ pub enum SourceSpec {
         /// Largest sequence length (exclusive).
         max_len: usize,
     },
+    /// Recorded hidden states read from safetensors files.
+    Safetensors {
+        /// Glob pattern of the files, e.g. `data/*.safetensors`.
+        pattern: String,
+    },
 }
 
 /// How consumers choose the next item.
@@ -305,7 +310,8 @@ pub struct DeviceMemory {
     pub gradients: u64,
     /// AdamW first and second moments.
     pub optimizer_state: u64,
-    /// Activations and loss workspace of the largest bucket (one workspace per bucket is kept).
+    /// Activations and loss workspace, sized for the bucket that needs the most and shared by all buckets
+    /// (a worker runs one step at a time); one per worker on the device.
     pub workspaces: u64,
     /// Hidden-state buffer pool (capacity × largest item) on the devices that hold it.
     pub hs_pool: u64,
