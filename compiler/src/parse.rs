@@ -160,7 +160,9 @@ impl Lower {
         let span: Span = pair.as_span().into();
         let count = pair.as_str()[1..].parse::<u64>().ok();
         if count.is_none() {
-            self.errors.push(Diagnostic::error(span, "worker count is too large").label("does not fit in 64 bits"));
+            self.errors.push(Diagnostic::error(span, "worker count is too large")
+                    .label("does not fit in 64 bits")
+                    .help("write `cpu xN` with a small N"));
         }
         (count, span)
     }
@@ -333,6 +335,7 @@ impl Lower {
                     let at = body_start + i - 1;
                     self.errors.push(
                         Diagnostic::error(Span::new(at, at + 1 + c.len_utf8()), format!("unknown escape `\\{c}`"))
+                            .label("unknown escape")
                             .help("strings know the escapes \\\", \\\\, \\n and \\t"),
                     );
                 }

@@ -2,7 +2,9 @@
 //! so that one run reports a syntax error in every broken top-level section, not only the first.
 //!
 //! Recovery splits the text before every line that starts (in column 1) with a letter, the conventional start
-//! of a top-level section, and parses each piece on its own with the `single_section` rule.
+//! of a top-level section, and parses each piece on its own. A piece's error is more local than the
+//! whole-file one (an unclosed block fails at its own end, not deep inside the next section), so piece errors
+//! are reported; the whole-file error only when no piece fails on its own.
 
 use pest::Parser as _;
 use pest::error::{Error, ErrorVariant, InputLocation};
@@ -13,19 +15,14 @@ use crate::span::Span;
 
 /// Every syntax error found in `source`, given the error of the whole-file parse.
 pub(crate) fn recover(source: &str, whole_file: &Error<Rule>) -> Vec<Diagnostic> {
-    let first = to_diagnostic(source, 0, whole_file);
-    let mut found: Vec<Diagnostic> = section_starts(source)
+    let found: Vec<Diagnostic> = section_starts(source)
         .windows(2)
         .filter_map(|w| {
-            let chunk = &source[w[0]..w[1]];
-            PipeParser::parse(Rule::single_section, chunk).err().map(|e| to_diagnostic(chunk, w[0], &e))
+            let piece = &source[w[0]..w[1]];
+            PipeParser::parse(Rule::file, piece).err().map(|e| to_diagnostic(source, w[0], &e))
         })
         .collect();
-    // The whole-file error is authoritative; keep the piecewise ones only where they add a new position.
-    found.retain(|d| d.span.start != first.span.start);
-    found.push(first);
-    found.sort_by_key(|d| d.span.start);
-    found
+    if found.is_empty() { vec![to_diagnostic(source, 0, whole_file)] } else { found }
 }
 
 /// Byte offsets where top-level sections start, with `0` first and `source.len()` last.
@@ -42,13 +39,18 @@ fn section_starts(source: &str) -> Vec<usize> {
     starts
 }
 
-fn to_diagnostic(chunk: &str, base: usize, error: &Error<Rule>) -> Diagnostic {
-    let pos = match error.location {
-        InputLocation::Pos(p) => p,
-        InputLocation::Span((start, _)) => start,
-    };
-    let found = token_at(chunk, pos);
-    let span = Span::new(base + pos, base + pos + found.len());
+/// The diagnostic for `error`, raised while parsing the piece of `source` that starts at byte `base`.
+fn to_diagnostic(source: &str, base: usize, error: &Error<Rule>) -> Diagnostic {
+    let pos = base
+        + match error.location {
+            InputLocation::Pos(p) => p,
+            InputLocation::Span((start, _)) => start,
+        };
+    if let Some(missing) = missing_value(source, pos) {
+        return missing;
+    }
+    let found = token_at(source, pos);
+    let span = Span::new(pos, pos + found.len());
     let found_text = if found.is_empty() { "end of input".to_owned() } else { format!("`{found}`") };
     let positives: &[Rule] = match &error.variant {
         ErrorVariant::ParsingError { positives, .. } => positives,
@@ -61,11 +63,33 @@ fn to_diagnostic(chunk: &str, base: usize, error: &Error<Rule>) -> Diagnostic {
         [] => format!("unexpected {found_text}"),
         names => format!("expected {}, found {found_text}", one_of(names)),
     };
-    let diagnostic = Diagnostic::error(span, message).label("unexpected here");
-    match help_for(positives) {
-        Some(help) => diagnostic.help(help),
-        None => diagnostic,
+    Diagnostic::error(span, message).label("unexpected here").help(help_for(positives))
+}
+
+/// `key =` followed by the next `other = ...` parses as `key = other` and fails at the second `=`; say what
+/// actually happened: `key` has no value.
+fn missing_value(source: &str, pos: usize) -> Option<Diagnostic> {
+    if !source[pos..].starts_with('=') {
+        return None;
     }
+    let is_word = |c: char| c.is_alphanumeric() || c == '_';
+    let before = source[..pos].trim_end();
+    let next_key = before.trim_end_matches(is_word);
+    if next_key.len() == before.len() {
+        return None;
+    }
+    let first_eq = next_key.trim_end();
+    let key_part = first_eq.strip_suffix('=')?.trim_end();
+    let key = &key_part[key_part.trim_end_matches(is_word).len()..];
+    if key.is_empty() {
+        return None;
+    }
+    let eq = first_eq.len() - 1;
+    Some(
+        Diagnostic::error(Span::new(eq, eq + 1), format!("missing value for `{key}`"))
+            .label("no value after `=`")
+            .help(VALUE_HELP),
+    )
 }
 
 /// The word, number or single character at `pos` (empty at the end of input).
@@ -118,7 +142,7 @@ fn describe(rule: Rule) -> &'static str {
         Rule::rbracket => "`]`",
         Rule::comma => "`,`",
         Rule::equals => "`=`",
-        Rule::file | Rule::single_section | Rule::WHITESPACE | Rule::COMMENT | Rule::ident_char => "a .pipe file",
+        Rule::file | Rule::WHITESPACE | Rule::COMMENT | Rule::ident_char => "a .pipe file",
     }
 }
 
@@ -130,7 +154,15 @@ fn one_of(names: &[&str]) -> String {
     }
 }
 
-fn help_for(positives: &[Rule]) -> Option<&'static str> {
+const VALUE_HELP: &str = "a value is a number (`16`, `1e-3`), a size (`141GiB`), a duration (`1s`), a string, \
+                          a range (`64..512`), a list (`[1, 2]`), a tuple (`(0.9, 0.95)`), a name or a call \
+                          (`mlp(hidden = 256)`)";
+
+fn help_for(positives: &[Rule]) -> &'static str {
+    help_for_rules(positives).unwrap_or("the syntax is described in docs/language.md")
+}
+
+fn help_for_rules(positives: &[Rule]) -> Option<&'static str> {
     let has = |r: Rule| positives.contains(&r);
     if has(Rule::pipeline_decl) || has(Rule::unknown_section) {
         Some(
@@ -138,16 +170,19 @@ fn help_for(positives: &[Rule]) -> Option<&'static str> {
              `queue NAME from TARGET to DRAFTER { }`, `drafter NAME on DEVICES { }` and `telemetry { }`",
         )
     } else if has(Rule::value) {
-        Some(
-            "a value is a number (`16`, `1e-3`), a size (`141GiB`), a duration (`1s`), a string, a range \
-             (`64..512`), a list (`[1, 2]`), a tuple (`(0.9, 0.95)`), a name or a call (`mlp(hidden = 256)`)",
-        )
+        Some(VALUE_HELP)
+    } else if has(Rule::string) || has(Rule::string_inner) {
+        Some("strings are written in double quotes on one line, e.g. \"runs/trace.json\"")
     } else if has(Rule::equals) {
         Some("settings are written `key = value`")
     } else if has(Rule::placement) || has(Rule::device_class) {
         Some("stages run `on cpu`, `on cpu x2` (two workers) or `on gpu 0..4` (one worker per GPU)")
     } else if has(Rule::entry) || has(Rule::rbrace) {
         Some("a block holds `key = value` settings, one after another, and ends with `}`")
+    } else if has(Rule::comma) {
+        Some("separate arguments and elements with `,`")
+    } else if has(Rule::kw_on) || has(Rule::kw_from) || has(Rule::kw_to) || has(Rule::ident) {
+        Some("headers read `target NAME on DEVICES`, `queue NAME from TARGET to DRAFTER`, `drafter NAME on DEVICES`")
     } else {
         None
     }

@@ -4,7 +4,7 @@
 use crate::ast::{DevicesSection, PlacementExpr, Value, ValueKind};
 use crate::check::values;
 use crate::diagnostic::Diagnostic;
-use crate::plan::{DeclaredDevice, Device, Placement};
+use crate::plan::{Device, Placement};
 use crate::span::Span;
 
 type Errs = Vec<Diagnostic>;
@@ -13,9 +13,10 @@ type Errs = Vec<Diagnostic>;
 /// huge worker list).
 pub const MAX_DEVICES: usize = 1024;
 
-/// A declared device and the declaration it came from.
+/// A declared device, its memory (`None` when the declaration's memory has errors) and the declaration.
 pub(crate) struct Declared {
-    pub device: DeclaredDevice,
+    pub device: Device,
+    pub memory_bytes: Option<u64>,
     pub span: Span,
 }
 
@@ -28,7 +29,7 @@ pub(crate) fn check_devices(section: &DevicesSection, errs: &mut Errs) -> Vec<De
             decl.class.span.join(decl.ids.as_ref().map_or(decl.class.span, |v| v.span)),
             errs,
         );
-        let memory = f.required("memory", "80GiB", errs).and_then(|v| values::size_bytes(errs, "memory", v));
+        let memory = f.required("memory", "80GiB").and_then(|v| values::size_bytes(errs, "memory", v));
         f.finish(errs);
         let devices = match (decl.class.name.as_str(), &decl.ids) {
             ("cpu", None) => Some(vec![Device::Cpu]),
@@ -42,9 +43,10 @@ pub(crate) fn check_devices(section: &DevicesSection, errs: &mut Errs) -> Vec<De
             }
             (_, Some(ids)) => gpu_ids(errs, ids).map(|ids| ids.into_iter().map(Device::Gpu).collect()),
         };
-        let (Some(devices), Some(memory_bytes)) = (devices, memory) else { continue };
+        // Devices stay declared even when their memory has errors, so their use is not reported as well.
+        let Some(devices) = devices else { continue };
         for device in devices {
-            if let Some(first) = declared.iter().find(|d| d.device.device == device) {
+            if let Some(first) = declared.iter().find(|d| d.device == device) {
                 errs.push(
                     Diagnostic::error(decl.span, format!("{} is declared twice", device_name(device)))
                         .label("declared again")
@@ -53,7 +55,7 @@ pub(crate) fn check_devices(section: &DevicesSection, errs: &mut Errs) -> Vec<De
                 );
                 continue;
             }
-            declared.push(Declared { device: DeclaredDevice { device, memory_bytes }, span: decl.span });
+            declared.push(Declared { device, memory_bytes: memory, span: decl.span });
         }
     }
     declared
@@ -74,7 +76,8 @@ pub(crate) fn check_placement(p: &PlacementExpr, errs: &mut Errs) -> Option<Plac
                     if n == 0 || n as usize > MAX_DEVICES {
                         errs.push(
                             Diagnostic::error(span, format!("worker count must lie in 1..={MAX_DEVICES}, found {n}"))
-                                .label("out of range"),
+                                .label("out of range")
+                                .help("write `cpu` for one worker or `cpu xN` for N workers"),
                         );
                         return None;
                     }
@@ -107,7 +110,7 @@ fn gpu_ids(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
         values::count(errs, "gpu", v, 0).and_then(|n| match u32::try_from(n) {
             Ok(id) => Some(id),
             Err(_) => {
-                values::out_of_range(errs, "gpu", v, "ordinals must fit in 32 bits", n);
+                values::out_of_range(errs, "gpu", v, "ordinals must fit in 32 bits", n, "GPU ordinals count from 0");
                 None
             }
         })
@@ -125,7 +128,8 @@ fn gpu_ids(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
                 return None;
             }
             if (b - a) as usize > MAX_DEVICES {
-                values::out_of_range(errs, "gpu", value, &format!("ranges hold at most {MAX_DEVICES} devices"), b - a);
+                let rule = format!("ranges hold at most {MAX_DEVICES} devices");
+                values::out_of_range(errs, "gpu", value, &rule, b - a, "use a shorter range");
                 return None;
             }
             (a..b).collect()
@@ -134,7 +138,8 @@ fn gpu_ids(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
             let ids: Vec<Option<u32>> = items.iter().map(|v| ordinal(errs, v)).collect();
             let ids: Vec<u32> = ids.into_iter().collect::<Option<_>>()?;
             if ids.is_empty() || ids.len() > MAX_DEVICES {
-                values::out_of_range(errs, "gpu", value, &format!("lists hold 1..={MAX_DEVICES} devices"), ids.len());
+                let rule = format!("lists hold 1..={MAX_DEVICES} devices");
+                values::out_of_range(errs, "gpu", value, &rule, ids.len(), "list at least one GPU");
                 return None;
             }
             for (i, id) in ids.iter().enumerate() {
@@ -181,11 +186,11 @@ pub(crate) fn check_device_use(
         }
         let Some(declared) = declared else { continue };
         let missing: Vec<u32> = gpus(placement)
-            .filter(|g| !declared.iter().any(|d| d.device.device == Device::Gpu(*g)))
+            .filter(|g| !declared.iter().any(|d| d.device == Device::Gpu(*g)))
             .collect();
         if !missing.is_empty() {
             let known: Vec<u32> =
-                declared.iter().filter_map(|d| if let Device::Gpu(g) = d.device.device { Some(g) } else { None }).collect();
+                declared.iter().filter_map(|d| if let Device::Gpu(g) = d.device { Some(g) } else { None }).collect();
             let known = if known.is_empty() { "no GPUs are declared".to_owned() } else { format!("declared: {}", gpu_list(&known)) };
             errs.push(
                 Diagnostic::error(*span, format!("{kind} `{name}` uses {} that {} not declared", gpu_list(&missing), verb(&missing)))

@@ -14,6 +14,8 @@ pub(crate) struct Fields<'a> {
     owner: Span,
     entries: Vec<&'a Entry>,
     known: Vec<&'static str>,
+    /// Required keys not given, with an example value; reported by `finish`.
+    missing: Vec<(&'static str, String)>,
 }
 
 impl<'a> Fields<'a> {
@@ -32,7 +34,7 @@ impl<'a> Fields<'a> {
                 None => firsts.push(entry),
             }
         }
-        Self { context, owner, entries: firsts, known: Vec::new() }
+        Self { context, owner, entries: firsts, known: Vec::new(), missing: Vec::new() }
     }
 
     /// The value of `key`, when given.
@@ -41,32 +43,42 @@ impl<'a> Fields<'a> {
         self.entries.iter().find(|e| e.key.name == key).map(|e| &e.value)
     }
 
-    /// The value of `key`; an error suggesting `key = example` when it is missing.
-    pub(crate) fn required(
-        &mut self,
-        key: &'static str,
-        example: &str,
-        errs: &mut Vec<Diagnostic>,
-    ) -> Option<&'a Value> {
+    /// The value of `key`; when it is missing, `finish` reports it, suggesting `key = example`.
+    pub(crate) fn required(&mut self, key: &'static str, example: &str) -> Option<&'a Value> {
         let value = self.optional(key);
         if value.is_none() {
-            errs.push(
-                Diagnostic::error(self.owner, format!("missing required key `{key}` in {}", self.context))
-                    .label(format!("needs `{key}`"))
-                    .help(format!("add `{key} = {example}`")),
-            );
+            self.missing.push((key, example.to_owned()));
         }
         value
     }
 
-    /// Reports every key no check asked for.
+    /// Reports every key no check asked for, and every missing required key, except that a misspelt key
+    /// close to a missing one is reported once, as the misspelling.
     pub(crate) fn finish(self, errs: &mut Vec<Diagnostic>) {
+        let mut explained: Vec<&str> = Vec::new();
         for entry in &self.entries {
-            if !self.known.contains(&entry.key.name.as_str()) {
+            if self.known.contains(&entry.key.name.as_str()) {
+                continue;
+            }
+            let mut help = suggest::help(&entry.key.name, "valid keys are", &self.known);
+            if let Some(best) = suggest::closest(&entry.key.name, self.known.iter().copied())
+                && self.missing.iter().any(|(k, _)| *k == best)
+            {
+                explained.push(best);
+                help = format!("did you mean `{best}`? (`{best}` is required)");
+            }
+            errs.push(
+                Diagnostic::error(entry.key.span, format!("unknown key `{}` in {}", entry.key.name, self.context))
+                    .label("unknown key")
+                    .help(help),
+            );
+        }
+        for (key, example) in &self.missing {
+            if !explained.contains(key) {
                 errs.push(
-                    Diagnostic::error(entry.key.span, format!("unknown key `{}` in {}", entry.key.name, self.context))
-                        .label("unknown key")
-                        .help(suggest::help(&entry.key.name, "valid keys are", &self.known)),
+                    Diagnostic::error(self.owner, format!("missing required key `{key}` in {}", self.context))
+                        .label(format!("needs `{key}`"))
+                        .help(format!("add `{key} = {example}`")),
                 );
             }
         }

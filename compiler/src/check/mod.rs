@@ -124,8 +124,12 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     let buckets = cost::bucket_plans(&target, &queue, &spec).ok_or_else(|| too_large("cost per step"))?;
     let memory = cost::device_memory(&drafter.placement, &spec, &buckets, &drafter.loss, queue.capacity)
         .ok_or_else(|| too_large("memory plan"))?;
-    let declared: Vec<(DeclaredDevice, Span)> =
-        declared.unwrap_or_default().into_iter().map(|d| (d.device, d.span)).collect();
+    // No error was recorded, so every declared memory was read.
+    let declared: Vec<(DeclaredDevice, Span)> = declared
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|d| Some((DeclaredDevice { device: d.device, memory_bytes: d.memory_bytes? }, d.span)))
+        .collect();
     check_memory(&memory, &declared, drafter_section, &mut errs);
     if !errs.is_empty() {
         return Err(errs);
@@ -285,25 +289,41 @@ fn check_buckets_against_target(t: &stages::TargetParts, q: &stages::QueueParts,
     }
 }
 
-/// Every declared device's memory holds the plan's use of it.
+/// Every declared device's memory holds the plan's use of it. Devices that fail the same way (same needs, same
+/// capacity) share one error.
 fn check_memory(
     memory: &[crate::plan::DeviceMemory],
     declared: &[(DeclaredDevice, Span)],
     drafter: &StageSection,
     errs: &mut Errs,
 ) {
+    let mut over: Vec<(&crate::plan::DeviceMemory, &DeclaredDevice, Span, Vec<String>)> = Vec::new();
     for need in memory {
         let Some((have, decl_span)) = declared.iter().find(|(d, _)| d.device == need.device) else { continue };
-        let total = need.total();
-        if total <= have.memory_bytes {
+        if need.total() <= have.memory_bytes {
             continue;
         }
-        let device = device_name(need.device);
+        let same = |(n, h, _, _): &&mut (&crate::plan::DeviceMemory, &DeclaredDevice, Span, Vec<String>)| {
+            h.memory_bytes == have.memory_bytes
+                && (n.parameters, n.gradients, n.optimizer_state, n.workspaces, n.hs_pool)
+                    == (need.parameters, need.gradients, need.optimizer_state, need.workspaces, need.hs_pool)
+        };
+        match over.iter_mut().find(same) {
+            Some(group) => group.3.push(device_name(need.device)),
+            None => over.push((need, have, *decl_span, vec![device_name(need.device)])),
+        }
+    }
+    for (need, have, decl_span, names) in over {
+        let total = need.total();
+        let (device, has) = match names.as_slice() {
+            [one] => (one.clone(), "which has"),
+            many => (format!("each of {}", many.join(", ")), "which have"),
+        };
         errs.push(
             Diagnostic::error(
                 drafter.placement.span,
                 format!(
-                    "drafter `{}` needs {} on {device}, which has {} (over by {})",
+                    "drafter `{}` needs {} on {device}, {has} {} (over by {})",
                     drafter.name.name,
                     format_bytes(total),
                     format_bytes(have.memory_bytes),
@@ -311,7 +331,7 @@ fn check_memory(
                 ),
             )
             .label("does not fit")
-            .related(*decl_span, format!("{device} declared"))
+            .related(decl_span, format!("{} declared", names.join(", ")))
             .help(format!(
                 "needed: parameters {} + gradients {} + optimizer state {} + workspaces {} + hs pool {}; \
                  shrink the queue capacity, the buckets or the model",

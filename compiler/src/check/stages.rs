@@ -37,14 +37,14 @@ pub(crate) struct TargetParts {
 pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetParts {
     let context = format!("target `{}`", section.name.name);
     let mut f = Fields::new(&section.block.entries, context, section.header, errs);
-    let hidden = f.required("hidden", "4096", errs).and_then(|v| values::count_in(errs, "hidden", v, 1, MAX_DIM));
-    let tap_layers = f.required("tap_layers", "[1, 18, 35]", errs).and_then(|v| tap_layers(errs, v));
-    let vocab = f.required("vocab", "151936", errs).and_then(|v| values::count_in(errs, "vocab", v, 2, MAX_DIM));
+    let hidden = f.required("hidden", "4096").and_then(|v| values::count_in(errs, "hidden", v, 1, MAX_DIM));
+    let tap_layers = f.required("tap_layers", "[1, 18, 35]").and_then(|v| tap_layers(errs, v));
+    let vocab = f.required("vocab", "151936").and_then(|v| values::count_in(errs, "vocab", v, 2, MAX_DIM));
     let batch_tokens = f
-        .required("batch_tokens", "16384", errs)
+        .required("batch_tokens", "16384")
         .and_then(|v| values::count_in(errs, "batch_tokens", v, 1, MAX_DIM).map(|n| (n, v.span)));
     let mut lengths = None;
-    let source = f.required("source", "synthetic(seed = 1, lengths = 64..512)", errs).and_then(|v| {
+    let source = f.required("source", "synthetic(seed = 1, lengths = 64..512)").and_then(|v| {
         let call = values::call(errs, "source", v, &["synthetic", "safetensors"], "synthetic(seed = 1, lengths = 64..512)")?;
         source(errs, call, &mut lengths)
     });
@@ -56,7 +56,8 @@ fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
     let items = values::list(errs, "tap_layers", value)?;
     if items.is_empty() || items.len() as u64 > MAX_REPEATS {
         let rule = format!("must name 1 to {MAX_REPEATS} layers");
-        out_of_range(errs, "tap_layers", value, &rule, format!("{} layers", items.len()));
+        let found = format!("{} layers", items.len());
+        out_of_range(errs, "tap_layers", value, &rule, found, "for example `tap_layers = [1, 18, 35]`");
         return None;
     }
     let mut layers = Vec::with_capacity(items.len());
@@ -67,7 +68,7 @@ fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
             continue;
         };
         let Ok(layer) = u32::try_from(layer) else {
-            out_of_range(errs, "tap_layers", item, "entries must fit in 32 bits", layer);
+            out_of_range(errs, "tap_layers", item, "entries must fit in 32 bits", layer, "layers count from 0");
             ok = false;
             continue;
         };
@@ -88,15 +89,15 @@ fn source(errs: &mut Errs, call: &Call, lengths: &mut Option<(usize, usize, Span
     let context = format!("`{}(...)`", call.name.name);
     let mut f = Fields::new(&call.args, context, call.span, errs);
     let spec = if call.name.name == "synthetic" {
-        let seed = f.required("seed", "1", errs).and_then(|v| values::count(errs, "seed", v, 0));
-        let range = f.required("lengths", "64..512", errs).and_then(|v| length_range(errs, v));
+        let seed = f.required("seed", "1").and_then(|v| values::count(errs, "seed", v, 0));
+        let range = f.required("lengths", "64..512").and_then(|v| length_range(errs, v));
         if let Some((min_len, max_len)) = range {
             *lengths = f.optional("lengths").map(|v| (min_len, max_len, v.span));
         }
         Some(SourceSpec::Synthetic { seed: seed? as u64, min_len: range?.0, max_len: range?.1 })
     } else {
         let pattern = f
-            .required("path", "\"data/*.safetensors\"", errs)
+            .required("path", "\"data/*.safetensors\"")
             .and_then(|v| values::nonempty_string(errs, "path", v));
         pattern.map(|p| SourceSpec::Safetensors { pattern: p.to_owned() })
     };
@@ -129,7 +130,7 @@ pub(crate) struct QueueParts {
 pub(crate) fn check_queue(section: &QueueSection, errs: &mut Errs) -> QueueParts {
     let context = format!("queue `{}`", section.name.name);
     let mut f = Fields::new(&section.block.entries, context, section.header, errs);
-    let capacity = f.required("capacity", "16", errs).and_then(|v| values::count_in(errs, "capacity", v, 1, MAX_CAPACITY));
+    let capacity = f.required("capacity", "16").and_then(|v| values::count_in(errs, "capacity", v, 1, MAX_CAPACITY));
     let min_ready = match f.optional("min_ready") {
         None => Some(DEFAULT_MIN_READY),
         Some(v) => values::count(errs, "min_ready", v, 0).and_then(|m| match capacity {
@@ -144,7 +145,7 @@ pub(crate) fn check_queue(section: &QueueSection, errs: &mut Errs) -> QueueParts
             _ => Some(m),
         }),
     };
-    let buckets = f.required("buckets", "[128, 256, 512]", errs).and_then(|v| buckets(errs, v).map(|b| (b, v.span)));
+    let buckets = f.required("buckets", "[128, 256, 512]").and_then(|v| buckets(errs, v).map(|b| (b, v.span)));
     let pull_options = [
         ("random_in_bucket", PullPolicy::RandomInBucket),
         ("round_robin", PullPolicy::RoundRobin),
@@ -222,7 +223,7 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
     let mut f = Fields::new(&section.block.entries, context, section.header, errs);
     let example = "mlp(hidden = 1024, blocks = 2, intermediate = 2816, heads = 4)";
     let model = f
-        .required("model", example, errs)
+        .required("model", example)
         .and_then(|v| values::call(errs, "model", v, &["mlp"], example))
         .and_then(|c| mlp(errs, c));
     let loss = match f.optional("loss") {
@@ -253,7 +254,7 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
 fn mlp(errs: &mut Errs, call: &Call) -> Option<MlpDims> {
     let mut f = Fields::new(&call.args, "`mlp(...)`".to_owned(), call.span, errs);
     let mut dim = |key: &'static str, example: &str, max: u64, errs: &mut Errs| {
-        f.required(key, example, errs).and_then(|v| values::count_in(errs, key, v, 1, max))
+        f.required(key, example).and_then(|v| values::count_in(errs, key, v, 1, max))
     };
     let hidden = dim("hidden", "1024", MAX_DIM, errs);
     let blocks = dim("blocks", "2", MAX_REPEATS, errs);
@@ -267,7 +268,7 @@ fn loss(errs: &mut Errs, call: &Call) -> Option<LossSpec> {
     let mut f = Fields::new(&call.args, "`cross_entropy(...)`".to_owned(), call.span, errs);
     let head_decay = match f.optional("head_decay") {
         None => Some(DEFAULT_HEAD_DECAY as f64),
-        Some(v) => values::real_where(errs, "head_decay", v, "must lie in (0, 1]", |x| x > 0.0 && x <= 1.0),
+        Some(v) => values::real_where(errs, "head_decay", v, ("must lie in (0, 1]", "0.8"), |x| x > 0.0 && x <= 1.0),
     };
     let chunk_tokens = match f.optional("chunk_tokens") {
         None => Some(DEFAULT_CHUNK_TOKENS),
@@ -286,23 +287,23 @@ fn adamw(errs: &mut Errs, call: &Call) -> Option<AdamWSpec> {
     let defaults = adamw_defaults();
     let mut f = Fields::new(&call.args, "`adamw(...)`".to_owned(), call.span, errs);
     let positive = |x: f64| x > 0.0 && x.is_finite() && (x as f32) > 0.0;
-    let lr = f.optional("lr").map_or(Some(defaults.lr as f64), |v| values::real_where(errs, "lr", v, "must be positive", positive));
+    let lr = f.optional("lr").map_or(Some(defaults.lr as f64), |v| values::real_where(errs, "lr", v, ("must be positive", "1e-3"), positive));
     let betas = match f.optional("betas") {
         None => Some((defaults.beta1, defaults.beta2)),
         Some(v) => values::tuple(errs, "betas", v, 2, "(0.9, 0.999)").and_then(|items| {
             let unit = |x: f64| (0.0..1.0).contains(&x);
-            let b1 = values::real_where(errs, "betas", &items[0], "must lie in [0, 1)", unit);
-            let b2 = values::real_where(errs, "betas", &items[1], "must lie in [0, 1)", unit);
+            let b1 = values::real_where(errs, "betas", &items[0], ("must lie in [0, 1)", "(0.9, 0.999)"), unit);
+            let b2 = values::real_where(errs, "betas", &items[1], ("must lie in [0, 1)", "(0.9, 0.999)"), unit);
             Some((b1? as f32, b2? as f32))
         }),
     };
-    let eps = f.optional("eps").map_or(Some(defaults.eps as f64), |v| values::real_where(errs, "eps", v, "must be positive", positive));
+    let eps = f.optional("eps").map_or(Some(defaults.eps as f64), |v| values::real_where(errs, "eps", v, ("must be positive", "1e-8"), positive));
     let weight_decay = f.optional("weight_decay").map_or(Some(defaults.weight_decay as f64), |v| {
-        values::real_where(errs, "weight_decay", v, "must be non-negative", |x| x >= 0.0 && x.is_finite())
+        values::real_where(errs, "weight_decay", v, ("must be non-negative", "0.01"), |x| x >= 0.0 && x.is_finite())
     });
     let clip_grad_norm = match f.optional("clip_grad_norm") {
         None => Some(None),
-        Some(v) => values::real_where(errs, "clip_grad_norm", v, "must be positive", positive).map(|x| Some(x as f32)),
+        Some(v) => values::real_where(errs, "clip_grad_norm", v, ("must be positive", "1.0"), positive).map(|x| Some(x as f32)),
     };
     f.finish(errs);
     let (beta1, beta2) = betas?;

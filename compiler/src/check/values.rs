@@ -41,9 +41,16 @@ fn mismatch(errs: &mut Errs, key: &str, value: &Value, expected: &str, example: 
     }
 }
 
-/// Records that `value` is out of range: `"`{key}` {rule}, found {found}"`.
-pub(crate) fn out_of_range(errs: &mut Errs, key: &str, value: &Value, rule: &str, found: impl std::fmt::Display) {
-    errs.push(Diagnostic::error(value.span, format!("`{key}` {rule}, found {found}")).label("out of range"));
+/// Records that `value` is out of range: `"`{key}` {rule}, found {found}"`, with a help line.
+pub(crate) fn out_of_range(
+    errs: &mut Errs,
+    key: &str,
+    value: &Value,
+    rule: &str,
+    found: impl std::fmt::Display,
+    help: &str,
+) {
+    errs.push(Diagnostic::error(value.span, format!("`{key}` {rule}, found {found}")).label("out of range").help(help));
 }
 
 /// An integer literal.
@@ -63,7 +70,7 @@ pub(crate) fn count(errs: &mut Errs, key: &str, value: &Value, min: u64) -> Opti
     match usize::try_from(i) {
         Ok(n) if n as u64 >= min => Some(n),
         _ => {
-            out_of_range(errs, key, value, &format!("must be at least {min}"), i);
+            out_of_range(errs, key, value, &format!("must be at least {min}"), i, &format!("use an integer >= {min}"));
             None
         }
     }
@@ -81,7 +88,7 @@ pub(crate) const MAX_CAPACITY: u64 = 1 << 20;
 pub(crate) fn count_in(errs: &mut Errs, key: &str, value: &Value, min: u64, max: u64) -> Option<usize> {
     let n = count(errs, key, value, min)?;
     if n as u64 > max {
-        out_of_range(errs, key, value, &format!("must be at most {max}"), n);
+        out_of_range(errs, key, value, &format!("must be at most {max}"), n, &format!("use an integer <= {max}"));
         return None;
     }
     Some(n)
@@ -99,13 +106,20 @@ pub(crate) fn real(errs: &mut Errs, key: &str, value: &Value) -> Option<f64> {
     }
 }
 
-/// A real number `x` with `ok(x)`; `rule` says what `ok` means ("must be positive").
-pub(crate) fn real_where(errs: &mut Errs, key: &str, value: &Value, rule: &str, ok: impl Fn(f64) -> bool) -> Option<f64> {
+/// A real number `x` with `ok(x)`; `rule` says what `ok` means ("must be positive"), `example` is a valid
+/// value for the help line.
+pub(crate) fn real_where(
+    errs: &mut Errs,
+    key: &str,
+    value: &Value,
+    (rule, example): (&str, &str),
+    ok: impl Fn(f64) -> bool,
+) -> Option<f64> {
     let x = real(errs, key, value)?;
     if ok(x) {
         Some(x)
     } else {
-        out_of_range(errs, key, value, rule, x);
+        out_of_range(errs, key, value, rule, x, &format!("for example `{key} = {example}`"));
         None
     }
 }
@@ -117,11 +131,10 @@ pub(crate) fn size_bytes(errs: &mut Errs, key: &str, value: &Value) -> Option<u6
         return None;
     };
     let Some((_, scale)) = SIZE_UNITS.iter().find(|(u, _)| *u == unit.name) else {
-        let units: Vec<&str> = SIZE_UNITS.iter().map(|(u, _)| *u).collect();
         errs.push(
             Diagnostic::error(unit.span, format!("`{key}` expects a size unit, found `{}`", unit.name))
                 .label("not a size unit")
-                .help(suggest::help(&unit.name, "size units are", &units)),
+                .help("size units are binary: B, KiB, MiB, GiB, TiB (1GiB = 2^30 bytes)"),
         );
         return None;
     };
@@ -129,7 +142,7 @@ pub(crate) fn size_bytes(errs: &mut Errs, key: &str, value: &Value) -> Option<u6
     if *amount > 0.0 && bytes < u64::MAX as f64 {
         Some(bytes.round() as u64)
     } else {
-        out_of_range(errs, key, value, "must be a positive size", format!("{amount}{}", unit.name));
+        out_of_range(errs, key, value, "must be a positive size", format!("{amount}{}", unit.name), "for example `80GiB`");
         None
     }
 }
@@ -153,7 +166,8 @@ pub(crate) fn duration_ms(errs: &mut Errs, key: &str, value: &Value) -> Option<u
     if (1.0..1e15).contains(&ms) {
         Some(ms as u64)
     } else {
-        out_of_range(errs, key, value, "must be at least 1ms", format!("{amount}{}", unit.name));
+        let found = format!("{amount}{}", unit.name);
+        out_of_range(errs, key, value, "must be at least 1ms", found, "for example `500ms` or `1s`");
         None
     }
 }
@@ -173,7 +187,7 @@ pub(crate) fn string<'v>(errs: &mut Errs, key: &str, value: &'v Value) -> Option
 pub(crate) fn nonempty_string<'v>(errs: &mut Errs, key: &str, value: &'v Value) -> Option<&'v str> {
     let s = string(errs, key, value)?;
     if s.is_empty() {
-        out_of_range(errs, key, value, "must not be empty", "\"\"");
+        out_of_range(errs, key, value, "must not be empty", "\"\"", "write a non-empty string");
         return None;
     }
     Some(s)
