@@ -94,9 +94,9 @@ pub enum SourceSpec {
         /// Largest sequence length (exclusive).
         max_len: usize,
     },
-    /// Hidden-state files: a path or a glob (`*`, `?` in the file-name part).
+    /// Recorded hidden states read from safetensors files.
     Safetensors {
-        /// The path or glob.
+        /// Glob pattern of the files, e.g. `data/*.safetensors`.
         pattern: String,
     },
 }
@@ -253,27 +253,13 @@ pub struct ModelPlan {
 impl MlpSpec {
     /// The closed-form parameter count.
     pub fn parameter_count(&self) -> usize {
-        let MlpSpec {
-            din,
-            hidden: h,
-            blocks,
-            intermediate: i,
-            heads,
-            vocab: v,
-        } = *self;
+        let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *self;
         h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h
     }
 
     /// The flat layout with PyTorch names and `[out, in]` weight shapes.
     pub fn layout(&self) -> Vec<TensorView> {
-        let MlpSpec {
-            din,
-            hidden: h,
-            blocks,
-            intermediate: i,
-            heads,
-            vocab: v,
-        } = *self;
+        let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *self;
         let mut shapes: Vec<(String, Vec<usize>)> = vec![("fc.weight".into(), vec![h, din])];
         for b in 0..blocks {
             shapes.push((format!("blocks.{b}.norm.weight"), vec![h]));
@@ -290,11 +276,7 @@ impl MlpSpec {
         shapes
             .into_iter()
             .map(|(name, shape)| {
-                let view = TensorView {
-                    name,
-                    shape,
-                    offset,
-                };
+                let view = TensorView { name, shape, offset };
                 offset += view.len();
                 view
             })
@@ -328,7 +310,8 @@ pub struct DeviceMemory {
     pub gradients: u64,
     /// AdamW first and second moments.
     pub optimizer_state: u64,
-    /// Activations and loss workspace of the largest bucket (one workspace per bucket is kept).
+    /// Activations and loss workspace, sized for the bucket that needs the most and shared by all buckets
+    /// (a worker runs one step at a time); one per worker on the device.
     pub workspaces: u64,
     /// Hidden-state buffer pool (capacity × largest item) on the devices that hold it.
     pub hs_pool: u64,

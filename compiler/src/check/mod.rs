@@ -1,0 +1,346 @@
+//! Checks: from a syntactically valid AST to a [`Plan`], reporting every semantic error of the file.
+//!
+//! ```text
+//!  AST ──sections (one of each, known names)──▶ per-section checks (stages.rs, devices.rs)
+//!      ──cross-section rules (queue ends, buckets, lengths, devices)──▶ cost model ──memory fits?──▶ Plan
+//! ```
+//!
+//! Each check reads what it can, records what is wrong and goes on; the plan is built only when nothing was
+//! recorded, so a file with errors yields all of them and no plan.
+
+mod devices;
+mod fields;
+mod stages;
+mod suggest;
+mod values;
+
+use crate::ast::{PipelineDecl, PipelineFile, QueueSection, Section, StageSection, TelemetrySection};
+use crate::cost::{self, format_bytes};
+use crate::diagnostic::Diagnostic;
+use crate::plan::{
+    DeclaredDevice, DrafterStage, MlpSpec, ModelPlan, Plan, StepPhase, SyncMode, TargetStage,
+};
+use crate::span::Span;
+
+pub use devices::{MAX_DEVICES, device_name};
+pub use stages::{DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, adamw_defaults};
+
+type Errs = Vec<Diagnostic>;
+
+/// Largest supported parameter count (4 TiB of f32 parameters); it also bounds the cost model's arithmetic.
+pub const MAX_PARAMETERS: u128 = 1 << 40;
+
+const SECTION_KEYWORDS: [&str; 6] = ["pipeline", "devices", "target", "queue", "drafter", "telemetry"];
+
+/// The top-level sections of a file, sorted by kind.
+#[derive(Default)]
+struct Sections<'a> {
+    pipeline: Vec<&'a PipelineDecl>,
+    devices: Vec<&'a crate::ast::DevicesSection>,
+    targets: Vec<&'a StageSection>,
+    queues: Vec<&'a QueueSection>,
+    drafters: Vec<&'a StageSection>,
+    telemetry: Vec<&'a TelemetrySection>,
+}
+
+/// Checks `file` and builds its plan, or returns every error found.
+pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
+    let mut errs = Errs::new();
+    let sections = sort_sections(file, &mut errs);
+    check_unique_names(&sections, &mut errs);
+
+    let name = sections.pipeline.first().map(|p| p.name.value.clone());
+    let declared = sections.devices.first().map(|d| devices::check_devices(d, &mut errs));
+    let telemetry = stages::check_telemetry(sections.telemetry.first().copied(), &mut errs);
+
+    let target = sections.targets.first().map(|s| (s, stages::check_target(s, &mut errs)));
+    let target_placement = sections.targets.first().and_then(|s| devices::check_placement(&s.placement, &mut errs));
+    let drafter = sections.drafters.first().map(|s| (s, stages::check_drafter(s, &mut errs)));
+    let drafter_placement = sections.drafters.first().and_then(|s| devices::check_placement(&s.placement, &mut errs));
+    let queue = sections.queues.first().map(|q| (q, stages::check_queue(q, &mut errs)));
+
+    if let Some((q, _)) = &queue {
+        check_queue_ends(q, &sections, &mut errs);
+    }
+    if let (Some((_, t)), Some((_, q))) = (&target, &queue) {
+        check_buckets_against_target(t, q, &mut errs);
+    }
+    let mut placed = Vec::new();
+    if let (Some(s), Some(p)) = (sections.targets.first(), &target_placement) {
+        placed.push(("target", s.name.name.as_str(), p, s.placement.span));
+    }
+    if let (Some(s), Some(p)) = (sections.drafters.first(), &drafter_placement) {
+        placed.push(("drafter", s.name.name.as_str(), p, s.placement.span));
+    }
+    devices::check_device_use(&placed, declared.as_deref(), &mut errs);
+
+    if !errs.is_empty() {
+        return Err(errs);
+    }
+    // No error was recorded, so every section exists once and every part is present.
+    let (Some(name), Some((target_section, target)), Some((drafter_section, drafter)), Some((queue_section, queue))) =
+        (name, target, drafter, queue)
+    else {
+        return Err(errs);
+    };
+    let target = TargetStage {
+        name: target_section.name.name.clone(),
+        placement: target_placement.ok_or_else(Vec::new)?,
+        hidden: target.hidden.ok_or_else(Vec::new)?,
+        tap_layers: target.tap_layers.ok_or_else(Vec::new)?,
+        vocab: target.vocab.ok_or_else(Vec::new)?,
+        batch_tokens: target.batch_tokens.ok_or_else(Vec::new)?.0,
+        source: target.source.ok_or_else(Vec::new)?,
+    };
+    let queue = stages::queue_spec(queue_section, queue).ok_or_else(Vec::new)?;
+    let dims = drafter.model.ok_or_else(Vec::new)?;
+    let drafter = DrafterStage {
+        name: drafter_section.name.name.clone(),
+        placement: drafter_placement.ok_or_else(Vec::new)?,
+        loss: drafter.loss.ok_or_else(Vec::new)?,
+        optimizer: drafter.optimizer.ok_or_else(Vec::new)?,
+        sync: drafter.sync.ok_or_else(Vec::new)?,
+        launch: drafter.launch.ok_or_else(Vec::new)?,
+        steps: drafter.steps.ok_or_else(Vec::new)?,
+    };
+    let spec = MlpSpec {
+        din: target.hs_width(),
+        hidden: dims.hidden,
+        blocks: dims.blocks,
+        intermediate: dims.intermediate,
+        heads: dims.heads,
+        vocab: target.vocab,
+    };
+    let too_large = |what: &str| {
+        vec![
+            Diagnostic::error(drafter_section.header, format!("the {what} of drafter `{}` is too large", drafter.name))
+                .label("model too large")
+                .help(format!("draftpipe supports models up to {MAX_PARAMETERS} parameters")),
+        ]
+    };
+    if parameter_count_wide(&spec) > MAX_PARAMETERS {
+        return Err(too_large("parameter count"));
+    }
+    let buckets = cost::bucket_plans(&target, &queue, &spec).ok_or_else(|| too_large("cost per step"))?;
+    let memory = cost::device_memory(&drafter.placement, &spec, &buckets, &drafter.loss, queue.capacity)
+        .ok_or_else(|| too_large("memory plan"))?;
+    // No error was recorded, so every declared memory was read.
+    let declared: Vec<(DeclaredDevice, Span)> = declared
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|d| Some((DeclaredDevice { device: d.device, memory_bytes: d.memory_bytes? }, d.span)))
+        .collect();
+    check_memory(&memory, &declared, drafter_section, &mut errs);
+    if !errs.is_empty() {
+        return Err(errs);
+    }
+    let mut schedule = vec![StepPhase::Copy, StepPhase::Forward, StepPhase::Loss, StepPhase::Backward];
+    if drafter.sync == SyncMode::AllReduce && drafter.placement.workers.len() > 1 {
+        schedule.push(StepPhase::AllReduce);
+    }
+    schedule.push(StepPhase::Optimizer);
+    Ok(Plan {
+        name,
+        devices: declared.into_iter().map(|(d, _)| d).collect(),
+        model: ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() },
+        target,
+        queue,
+        drafter,
+        buckets,
+        memory,
+        schedule,
+        telemetry: telemetry.ok_or_else(Vec::new)?,
+    })
+}
+
+/// The closed-form parameter count in `u128`, safe to evaluate before the dimensions are known to fit.
+fn parameter_count_wide(spec: &MlpSpec) -> u128 {
+    let w = |x: usize| x as u128;
+    let (din, h, blocks, i, heads, v) =
+        (w(spec.din), w(spec.hidden), w(spec.blocks), w(spec.intermediate), w(spec.heads), w(spec.vocab));
+    h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h
+}
+
+fn sort_sections<'a>(file: &'a PipelineFile, errs: &mut Errs) -> Sections<'a> {
+    let mut s = Sections::default();
+    for section in &file.sections {
+        match section {
+            Section::Pipeline(p) => s.pipeline.push(p),
+            Section::Devices(d) => s.devices.push(d),
+            Section::Target(t) => s.targets.push(t),
+            Section::Queue(q) => s.queues.push(q),
+            Section::Drafter(d) => s.drafters.push(d),
+            Section::Telemetry(t) => s.telemetry.push(t),
+            Section::Unknown(u) => errs.push(
+                Diagnostic::error(u.keyword.span, format!("unknown section `{}`", u.keyword.name))
+                    .label("unknown section")
+                    .help(suggest::help(&u.keyword.name, "the sections are", &SECTION_KEYWORDS)),
+            ),
+        }
+    }
+    let file_start = Span::new(0, 0);
+    let rules: [(&str, Vec<Span>, bool, &str); 6] = [
+        ("pipeline", s.pipeline.iter().map(|p| p.span).collect(), true, "pipeline \"NAME\""),
+        ("devices", s.devices.iter().map(|d| d.span).collect(), false, ""),
+        ("target", s.targets.iter().map(|t| t.header).collect(), true, "target NAME on cpu { ... }"),
+        ("queue", s.queues.iter().map(|q| q.header).collect(), true, "queue NAME from TARGET to DRAFTER { ... }"),
+        ("drafter", s.drafters.iter().map(|d| d.header).collect(), true, "drafter NAME on cpu { ... }"),
+        ("telemetry", s.telemetry.iter().map(|t| t.header).collect(), false, ""),
+    ];
+    for (keyword, found, required, example) in rules {
+        if found.is_empty() && required {
+            errs.push(
+                Diagnostic::error(file_start, format!("missing `{keyword}` section"))
+                    .label(format!("this file has no `{keyword}`"))
+                    .help(format!("add `{example}`")),
+            );
+        }
+        for extra in found.iter().skip(1) {
+            errs.push(
+                Diagnostic::error(*extra, format!("a pipeline has one `{keyword}` section"))
+                    .label("second one")
+                    .related(found[0], "first one")
+                    .help(format!("merge the two `{keyword}` sections or remove one")),
+            );
+        }
+    }
+    s
+}
+
+/// Targets, queues and drafters share one namespace.
+fn check_unique_names(s: &Sections<'_>, errs: &mut Errs) {
+    let mut seen: Vec<(&str, &crate::ast::Ident)> = Vec::new();
+    let named = s
+        .targets
+        .iter()
+        .map(|t| ("target", &t.name))
+        .chain(s.queues.iter().map(|q| ("queue", &q.name)))
+        .chain(s.drafters.iter().map(|d| ("drafter", &d.name)));
+    let mut named: Vec<_> = named.collect();
+    named.sort_by_key(|(_, ident)| ident.span.start);
+    for (kind, ident) in named {
+        if let Some((first_kind, first)) = seen.iter().find(|(_, i)| i.name == ident.name) {
+            errs.push(
+                Diagnostic::error(ident.span, format!("duplicate stage name `{}`", ident.name))
+                    .label(format!("{kind} named again"))
+                    .related(first.span, format!("{first_kind} `{}` defined", first.name))
+                    .help("give every target, queue and drafter its own name"),
+            );
+        }
+        seen.push((kind, ident));
+    }
+}
+
+/// A queue goes from a target to a drafter.
+fn check_queue_ends(q: &QueueSection, s: &Sections<'_>, errs: &mut Errs) {
+    let kind_of = |name: &str| {
+        if s.targets.iter().any(|t| t.name.name == name) {
+            Some("target")
+        } else if s.drafters.iter().any(|d| d.name.name == name) {
+            Some("drafter")
+        } else if s.queues.iter().any(|q| q.name.name == name) {
+            Some("queue")
+        } else {
+            None
+        }
+    };
+    let stage_names: Vec<&str> =
+        s.targets.iter().chain(&s.drafters).map(|t| t.name.name.as_str()).collect();
+    for (end, wanted, ident) in [("from", "target", &q.from), ("to", "drafter", &q.to)] {
+        match kind_of(&ident.name) {
+            Some(kind) if kind == wanted => {}
+            Some(kind) => errs.push(
+                Diagnostic::error(ident.span, format!("queue `{}` {end} `{}`, which is a {kind}", q.name.name, ident.name))
+                    .label(format!("expected a {wanted} stage"))
+                    .help(format!("a queue goes `from` a target stage `to` a drafter stage; `{end}` must name a {wanted}")),
+            ),
+            None => errs.push(
+                Diagnostic::error(ident.span, format!("queue `{}` {end} `{}`, which names no stage", q.name.name, ident.name))
+                    .label("no such stage")
+                    .help(suggest::help(&ident.name, "the stages are", &stage_names)),
+            ),
+        }
+    }
+}
+
+/// Every bucket fits one item; the source's longest sequence fits the largest bucket.
+fn check_buckets_against_target(t: &stages::TargetParts, q: &stages::QueueParts, errs: &mut Errs) {
+    let Some((buckets, buckets_span)) = &q.buckets else { return };
+    let Some(&largest) = buckets.last() else { return };
+    if let Some((batch_tokens, batch_span)) = t.batch_tokens
+        && largest > batch_tokens
+    {
+        errs.push(
+            Diagnostic::error(*buckets_span, format!("the largest bucket ({largest}) exceeds `batch_tokens` ({batch_tokens})"))
+                .label("does not fit in one queue item")
+                .related(batch_span, "`batch_tokens` set")
+                .help("a queue item holds `batch_tokens` tokens, so every bucket must hold at least one sequence: raise `batch_tokens` or lower the bucket"),
+        );
+    }
+    if let Some((_, max_len, lengths_span)) = t.lengths
+        && max_len - 1 > largest
+    {
+        errs.push(
+            Diagnostic::error(lengths_span, format!("sequences up to {} tokens long fit no bucket (largest is {largest})", max_len - 1))
+                .label("longer than every bucket")
+                .related(*buckets_span, "buckets set")
+                .help(format!("add a bucket of at least {} or shorten `lengths` (the end is excluded)", max_len - 1)),
+        );
+    }
+}
+
+/// Every declared device's memory holds the plan's use of it. Devices that fail the same way (same needs, same
+/// capacity) share one error.
+fn check_memory(
+    memory: &[crate::plan::DeviceMemory],
+    declared: &[(DeclaredDevice, Span)],
+    drafter: &StageSection,
+    errs: &mut Errs,
+) {
+    let mut over: Vec<(&crate::plan::DeviceMemory, &DeclaredDevice, Span, Vec<String>)> = Vec::new();
+    for need in memory {
+        let Some((have, decl_span)) = declared.iter().find(|(d, _)| d.device == need.device) else { continue };
+        if need.total() <= have.memory_bytes {
+            continue;
+        }
+        let same = |(n, h, _, _): &&mut (&crate::plan::DeviceMemory, &DeclaredDevice, Span, Vec<String>)| {
+            h.memory_bytes == have.memory_bytes
+                && (n.parameters, n.gradients, n.optimizer_state, n.workspaces, n.hs_pool)
+                    == (need.parameters, need.gradients, need.optimizer_state, need.workspaces, need.hs_pool)
+        };
+        match over.iter_mut().find(same) {
+            Some(group) => group.3.push(device_name(need.device)),
+            None => over.push((need, have, *decl_span, vec![device_name(need.device)])),
+        }
+    }
+    for (need, have, decl_span, names) in over {
+        let total = need.total();
+        let (device, has) = match names.as_slice() {
+            [one] => (one.clone(), "which has"),
+            many => (format!("each of {}", many.join(", ")), "which have"),
+        };
+        errs.push(
+            Diagnostic::error(
+                drafter.placement.span,
+                format!(
+                    "drafter `{}` needs {} on {device}, {has} {} (over by {})",
+                    drafter.name.name,
+                    format_bytes(total),
+                    format_bytes(have.memory_bytes),
+                    format_bytes(total - have.memory_bytes)
+                ),
+            )
+            .label("does not fit")
+            .related(decl_span, format!("{} declared", names.join(", ")))
+            .help(format!(
+                "needed: parameters {} + gradients {} + optimizer state {} + workspaces {} + hs pool {}; \
+                 shrink the queue capacity, the buckets or the model",
+                format_bytes(need.parameters),
+                format_bytes(need.gradients),
+                format_bytes(need.optimizer_state),
+                format_bytes(need.workspaces),
+                format_bytes(need.hs_pool)
+            )),
+        );
+    }
+}

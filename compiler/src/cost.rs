@@ -1,0 +1,146 @@
+//! The cost model: per-bucket shapes, FLOPs and bytes of one training step, and memory per device.
+//!
+//! Notation: `T` tokens in a step (sequences × padded length of the bucket), `din` the drafter's input width
+//! (target hidden × tapped layers), `H` drafter hidden, `I` intermediate, `L` blocks, `heads`, `V` vocabulary,
+//! `P` the parameter count ([`MlpSpec::parameter_count`]), `C = min(chunk_tokens, T)`. All tensors are f32.
+//!
+//! **Memory per drafter device** (one entry per device; a CPU running `xN` workers holds `N` replicas):
+//! - parameters, gradients: `4·P` bytes each per worker; optimizer state (AdamW `m` and `v`): `8·P`;
+//! - workspaces: activations kept for the backward pass plus the fused-loss chunk,
+//!   `4·(T·A + C·V)` with `A = din + L·(2H + 3I) + H + heads·2H` floats per token (input, per block the norm
+//!   output, gate, up, SwiGLU product and residual, the final norm, per head its output and normed output).
+//!   One workspace, sized for the bucket that needs the most, is shared by every bucket: a worker runs one step
+//!   at a time, so each bucket's graph can address the same buffers;
+//! - hs_pool: `capacity × max item bytes` once per device, an item being `T·(4·din + 4 + 1) + 4·sequences`
+//!   bytes (hidden states, token ids, loss mask, sequence lengths, as in the runtime's `HsBatch`).
+//!
+//! Target devices are not in the memory plan: the frozen target's memory is outside draftpipe's control.
+//!
+//! **FLOPs of one step**: `6·T·(H·din + L·3·I·H + heads·H² + heads·H·V) − 2·T·H·din + 4·T·heads·V + 12·P`
+//! (GEMMs forward and backward, the first layer needs no input gradient, the fused loss's max/exp/sum/gradient
+//! per logit, AdamW's arithmetic per parameter). Norms and SwiGLU are O(T·H) and left out (under 1%).
+//!
+//! **Bytes of one step** (lower bound): `4·(10·P + 2·T·A + 2·T·heads·V)`: parameters read forward and
+//! backward, gradients written, AdamW reading p, g, m, v and writing p, m, v; activations written once and read
+//! once; every logit chunk written once and read once.
+
+use crate::plan::{BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, Placement, QueueSpec, TargetStage};
+
+const F32: u128 = 4;
+
+/// The formulas run in `u128`; a figure that does not fit in `u64` makes the plan impossible (`None`).
+fn fit(x: u128) -> Option<u64> {
+    u64::try_from(x).ok()
+}
+
+fn wide(x: usize) -> u128 {
+    x as u128
+}
+
+/// Activation floats per token kept for the backward pass (`A` above).
+pub fn activation_floats_per_token(spec: &MlpSpec) -> Option<u64> {
+    let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, .. } = *spec;
+    let (din, h, blocks, i, heads) = (wide(din), wide(h), wide(blocks), wide(i), wide(heads));
+    fit(din + blocks * (2 * h + 3 * i) + h + heads * 2 * h)
+}
+
+/// Workspace bytes of one step of `tokens` tokens: activations plus one fused-loss chunk.
+pub fn workspace_bytes(spec: &MlpSpec, tokens: usize, chunk_tokens: usize) -> Option<u64> {
+    let chunk = wide(chunk_tokens.min(tokens));
+    let activations = u128::from(activation_floats_per_token(spec)?);
+    fit(F32 * (wide(tokens) * activations + chunk * wide(spec.vocab)))
+}
+
+/// Bytes of one queue item: hidden states, token ids, loss mask and sequence lengths.
+pub fn item_bytes(din: usize, padded_len: usize, sequences: usize) -> Option<u64> {
+    let tokens = wide(padded_len) * wide(sequences);
+    fit(tokens * (F32 * wide(din) + 4 + 1) + 4 * wide(sequences))
+}
+
+/// FLOPs of one training step of `tokens` tokens (formula in the module docs).
+pub fn step_flops(spec: &MlpSpec, tokens: usize) -> Option<u64> {
+    let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *spec;
+    let (din, h, blocks, i, heads, v) = (wide(din), wide(h), wide(blocks), wide(i), wide(heads), wide(v));
+    let (t, p) = (wide(tokens), wide(spec.parameter_count()));
+    let gemm = h * din + blocks * 3 * i * h + heads * h * h + heads * h * v;
+    fit(6 * t * gemm - 2 * t * h * din + 4 * t * heads * v + 12 * p)
+}
+
+/// Bytes one training step moves through memory, a lower bound (formula in the module docs).
+pub fn step_bytes(spec: &MlpSpec, tokens: usize) -> Option<u64> {
+    let (t, p) = (wide(tokens), wide(spec.parameter_count()));
+    let activations = u128::from(activation_floats_per_token(spec)?);
+    fit(F32 * (10 * p + 2 * t * activations + 2 * t * wide(spec.heads) * wide(spec.vocab)))
+}
+
+/// One [`BucketPlan`] per queue bucket: `batch_tokens / padded_len` sequences of the bucket's length.
+pub fn bucket_plans(target: &TargetStage, queue: &QueueSpec, spec: &MlpSpec) -> Option<Vec<BucketPlan>> {
+    queue
+        .buckets
+        .iter()
+        .map(|&padded_len| {
+            let sequences = target.batch_tokens / padded_len;
+            let tokens = sequences * padded_len;
+            Some(BucketPlan {
+                padded_len,
+                sequences,
+                tokens,
+                step_flops: step_flops(spec, tokens)?,
+                step_bytes: step_bytes(spec, tokens)?,
+            })
+        })
+        .collect()
+}
+
+/// Memory on each drafter device, in device order; `None` when a figure (or a device's total) overflows `u64`.
+pub fn device_memory(
+    drafters: &Placement,
+    spec: &MlpSpec,
+    buckets: &[BucketPlan],
+    loss: &LossSpec,
+    capacity: usize,
+) -> Option<Vec<DeviceMemory>> {
+    let params = F32 * wide(spec.parameter_count());
+    let mut workspace = 0;
+    let mut largest_item = 0;
+    for b in buckets {
+        workspace = workspace.max(u128::from(workspace_bytes(spec, b.tokens, loss.chunk_tokens)?));
+        largest_item = largest_item.max(u128::from(item_bytes(spec.din, b.padded_len, b.sequences)?));
+    }
+    let mut devices: Vec<Device> = drafters.workers.clone();
+    devices.sort_unstable();
+    devices.dedup();
+    devices
+        .into_iter()
+        .map(|device| {
+            let replicas = drafters.workers.iter().filter(|d| **d == device).count() as u128;
+            let memory = DeviceMemory {
+                device,
+                parameters: fit(replicas * params)?,
+                gradients: fit(replicas * params)?,
+                optimizer_state: fit(replicas * 2 * params)?,
+                workspaces: fit(replicas * workspace)?,
+                hs_pool: fit(wide(capacity) * largest_item)?,
+            };
+            // `DeviceMemory::total` adds in u64: make sure it cannot overflow.
+            let parts = [memory.parameters, memory.gradients, memory.optimizer_state, memory.workspaces, memory.hs_pool];
+            fit(parts.iter().map(|&x| u128::from(x)).sum()).map(|_| memory)
+        })
+        .collect()
+}
+/// `1.50 GiB`, `12.0 MiB`, `512 B`: binary units, three significant figures.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{bytes} B"),
+        _ if value >= 100.0 => format!("{value:.0} {}", UNITS[unit]),
+        _ if value >= 10.0 => format!("{value:.1} {}", UNITS[unit]),
+        _ => format!("{value:.2} {}", UNITS[unit]),
+    }
+}

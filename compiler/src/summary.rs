@@ -1,0 +1,154 @@
+//! A readable summary of a [`Plan`]: what `draftpipe compile --emit text` prints.
+
+use std::fmt::{self, Write as _};
+
+use crate::check::device_name;
+use crate::cost::format_bytes;
+use crate::plan::{Device, Placement, Plan, SourceSpec};
+
+/// Displays a plan as a summary: stages, devices, queue, model size, memory per device, cost per bucket.
+///
+/// # Examples
+///
+/// ```no_run
+/// # fn show(plan: &draftpipe_compiler::Plan) {
+/// println!("{}", draftpipe_compiler::summary::Summary(plan));
+/// # }
+/// ```
+pub struct Summary<'a>(pub &'a Plan);
+
+impl fmt::Display for Summary<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plan = self.0;
+        let (t, q, d, m) = (&plan.target, &plan.queue, &plan.drafter, &plan.model);
+        writeln!(f, "pipeline \"{}\"", plan.name)?;
+        let source = match &t.source {
+            SourceSpec::Synthetic { seed, min_len, max_len } => {
+                format!("synthetic (seed {seed}, lengths {min_len}..{max_len})")
+            }
+            SourceSpec::Safetensors { pattern } => format!("safetensors `{pattern}`"),
+        };
+        writeln!(f, "\nstages")?;
+        writeln!(
+            f,
+            "  target  {:<12} on {:<16} hidden {} × {} taps = {} per token, vocab {}, {} tokens per item, {source}",
+            t.name,
+            placement(&t.placement),
+            t.hidden,
+            t.tap_layers.len(),
+            t.hs_width(),
+            t.vocab,
+            t.batch_tokens
+        )?;
+        let steps = d.steps.map_or("no step limit".to_owned(), |s| format!("{s} steps"));
+        writeln!(
+            f,
+            "  drafter {:<12} on {:<16} sync {:?}, launch {:?}, {steps}",
+            d.name,
+            placement(&d.placement),
+            d.sync,
+            d.launch
+        )?;
+        writeln!(
+            f,
+            "\nqueue {} ({} → {}): capacity {}, min_ready {}, pull {:?}, buckets {:?}",
+            q.name, q.from, q.to, q.capacity, q.min_ready, q.pull, q.buckets
+        )?;
+        let s = &m.spec;
+        writeln!(
+            f,
+            "\nmodel mlp: din {}, hidden {}, {} blocks, intermediate {}, {} heads, vocab {}: {} parameters ({})",
+            s.din,
+            s.hidden,
+            s.blocks,
+            s.intermediate,
+            s.heads,
+            s.vocab,
+            group_digits(m.parameters as u64),
+            format_bytes(m.parameters as u64 * 4)
+        )?;
+        let o = &d.optimizer;
+        let clip = o.clip_grad_norm.map_or("none".to_owned(), |c| c.to_string());
+        writeln!(
+            f,
+            "  loss cross_entropy(head_decay {}, chunk_tokens {}); adamw(lr {:e}, betas ({}, {}), eps {:e}, \
+             weight_decay {}, clip_grad_norm {clip})",
+            d.loss.head_decay, d.loss.chunk_tokens, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay
+        )?;
+        writeln!(f, "\nmemory per device")?;
+        writeln!(
+            f,
+            "  {:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            "device", "parameters", "gradients", "optimizer", "workspaces", "hs pool", "total", "declared"
+        )?;
+        for mem in &plan.memory {
+            let declared =
+                plan.devices.iter().find(|dd| dd.device == mem.device).map_or("-".to_owned(), |dd| format_bytes(dd.memory_bytes));
+            writeln!(
+                f,
+                "  {:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+                device_name(mem.device),
+                format_bytes(mem.parameters),
+                format_bytes(mem.gradients),
+                format_bytes(mem.optimizer_state),
+                format_bytes(mem.workspaces),
+                format_bytes(mem.hs_pool),
+                format_bytes(mem.total()),
+                declared
+            )?;
+        }
+        writeln!(f, "\ncost per step")?;
+        writeln!(f, "  {:>8} {:>9} {:>8} {:>12} {:>12}", "bucket", "sequences", "tokens", "GFLOP", "GB moved")?;
+        for b in &plan.buckets {
+            writeln!(
+                f,
+                "  {:>8} {:>9} {:>8} {:>12.1} {:>12.2}",
+                b.padded_len,
+                b.sequences,
+                b.tokens,
+                b.step_flops as f64 / 1e9,
+                b.step_bytes as f64 / 1e9
+            )?;
+        }
+        let phases: Vec<String> = plan.schedule.iter().map(|p| format!("{p:?}")).collect();
+        writeln!(f, "\nstep schedule: {}", phases.join(" → "))?;
+        let trace = plan.telemetry.trace.as_deref().map_or(String::new(), |t| format!(", trace to {t}"));
+        write!(f, "telemetry: every {} ms{trace}", plan.telemetry.every_ms)
+    }
+}
+
+/// `cpu x2`, `gpu 5..8`, `gpu [0, 2]`.
+fn placement(p: &Placement) -> String {
+    let gpus: Vec<u32> = p.workers.iter().filter_map(|d| if let Device::Gpu(g) = d { Some(*g) } else { None }).collect();
+    if gpus.is_empty() {
+        return match p.workers.len() {
+            1 => "cpu".to_owned(),
+            n => format!("cpu x{n}"),
+        };
+    }
+    let contiguous = gpus.windows(2).all(|w| w[1] == w[0] + 1);
+    match (gpus.len(), contiguous) {
+        (1, _) => format!("gpu {}", gpus[0]),
+        (n, true) => format!("gpu {}..{}", gpus[0], gpus[0] + n as u32),
+        _ => {
+            let mut s = String::from("gpu [");
+            for (i, g) in gpus.iter().enumerate() {
+                let _ = write!(s, "{}{g}", if i == 0 { "" } else { ", " });
+            }
+            s + "]"
+        }
+    }
+}
+
+/// `189,530,112`.
+fn group_digits(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
