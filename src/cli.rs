@@ -25,6 +25,10 @@ pub enum Command {
     Check(CheckArgs),
     /// Compile a `.pipe` file and print its plan (stages, queue, model, memory per device, cost per step).
     Compile(CompileArgs),
+    /// Run a pipeline: producers, queue and drafters, with status lines, a diagnosis and checkpoints.
+    Run(RunArgs),
+    /// Explain a finished run from its run directory (which side was the bottleneck, where the time went).
+    Diagnose(DiagnoseArgs),
 }
 
 impl Command {
@@ -33,6 +37,8 @@ impl Command {
         match self {
             Command::Check(args) => commands::check::run(&args),
             Command::Compile(args) => commands::compile::run(&args),
+            Command::Run(args) => commands::run::run(&args),
+            Command::Diagnose(args) => commands::diagnose::run(&args),
         }
     }
 }
@@ -54,6 +60,55 @@ pub struct CompileArgs {
     /// Output format: a readable summary, or the full plan as JSON.
     #[arg(long, value_enum, default_value_t = Emit::Text)]
     pub emit: Emit,
+}
+
+/// Arguments of `draftpipe run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The `.pipe` file to run.
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    /// Stop after this many training steps (overrides the file's `steps`).
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+    /// Write checkpoints to this directory (every `--save-every` steps and at the end).
+    #[arg(long, value_name = "DIR")]
+    pub save: Option<PathBuf>,
+    /// Checkpoint period in steps, with `--save`.
+    #[arg(long, value_name = "N", default_value_t = 100, requires = "save")]
+    pub save_every: u64,
+    /// Continue exactly from a checkpoint directory written by `--save`.
+    #[arg(long, value_name = "DIR", conflicts_with = "init")]
+    pub resume: Option<PathBuf>,
+    /// Start from the weights in this `model.safetensors` (fresh optimizer state).
+    #[arg(long, value_name = "FILE")]
+    pub init: Option<PathBuf>,
+    /// Write status lines as JSON objects, one per line.
+    #[arg(long)]
+    pub json: bool,
+    /// Directory for `status.jsonl` and `summary.json` [default: runs/<pipeline name>].
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+    /// When a producer fails, report it and continue with the others.
+    #[arg(long)]
+    pub keep_going: bool,
+    /// Stop after this many steps in a row with a non-finite loss or gradient.
+    #[arg(long, value_name = "K", default_value_t = draftpipe_runtime::pipeline::DEFAULT_MAX_NONFINITE_IN_ROW)]
+    pub max_nonfinite: u32,
+    /// Seed of the drafter's initial weights.
+    #[arg(long, value_name = "SEED", default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Arguments of `draftpipe diagnose`.
+#[derive(Debug, Args)]
+pub struct DiagnoseArgs {
+    /// A run directory written by `draftpipe run` (holds `summary.json`).
+    #[arg(value_name = "RUN_DIR")]
+    pub run_dir: PathBuf,
+    /// Print the diagnosis as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Output formats of `draftpipe compile`.

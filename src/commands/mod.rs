@@ -2,6 +2,8 @@
 
 pub mod check;
 pub mod compile;
+pub mod diagnose;
+pub mod run;
 
 use std::process::ExitCode;
 
@@ -11,4 +13,12 @@ pub const EXIT_INVALID: u8 = 1;
 /// `ExitCode` for a failed command.
 pub fn invalid() -> ExitCode {
     ExitCode::from(EXIT_INVALID)
+}
+
+/// Prints an error and its causes, `error:` first and one `Caused by:` line per cause.
+pub fn report(error: &anyhow::Error) {
+    eprintln!("error: {error}");
+    for cause in error.chain().skip(1) {
+        eprintln!("  Caused by: {cause}");
+    }
 }
