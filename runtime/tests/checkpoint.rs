@@ -60,7 +60,8 @@ fn save(
 #[test]
 fn a_checkpoint_round_trips_bit_exactly() {
     let model = small_model(24, 8, 40);
-    let dir = temp_dir("ckpt-roundtrip").join("ckpt");
+    let root = temp_dir("ckpt-roundtrip");
+    let dir = root.join("ckpt");
     let data = buffers(model.parameters, 1);
     save(&dir, &model, &data, 7);
     assert_same(&load_checkpoint(&dir, &model).unwrap(), &data, 7);
@@ -83,7 +84,8 @@ fn a_checkpoint_round_trips_bit_exactly() {
 #[test]
 fn the_files_carry_the_plan_names_and_shapes_for_pytorch() {
     let model = small_model(24, 8, 40);
-    let dir = temp_dir("ckpt-format").join("ckpt");
+    let root = temp_dir("ckpt-format");
+    let dir = root.join("ckpt");
     let data = buffers(model.parameters, 2);
     save(&dir, &model, &data, 3);
     let bytes = std::fs::read(dir.join(MODEL_FILE)).unwrap();
@@ -118,7 +120,8 @@ fn the_files_carry_the_plan_names_and_shapes_for_pytorch() {
 #[test]
 fn saving_again_replaces_the_previous_checkpoint() {
     let model = small_model(16, 8, 20);
-    let dir = temp_dir("ckpt-replace").join("ckpt");
+    let root = temp_dir("ckpt-replace");
+    let dir = root.join("ckpt");
     save(&dir, &model, &buffers(model.parameters, 3), 1);
     let newer = buffers(model.parameters, 4);
     save(&dir, &model, &newer, 2);
@@ -128,7 +131,8 @@ fn saving_again_replaces_the_previous_checkpoint() {
 #[test]
 fn a_write_interrupted_before_the_renames_leaves_the_previous_checkpoint() {
     let model = small_model(16, 8, 20);
-    let dir = temp_dir("ckpt-interrupt-stage").join("ckpt");
+    let root = temp_dir("ckpt-interrupt-stage");
+    let dir = root.join("ckpt");
     let old = buffers(model.parameters, 5);
     save(&dir, &model, &old, 10);
     let new = buffers(model.parameters, 6);
@@ -152,7 +156,8 @@ fn a_write_interrupted_before_the_renames_leaves_the_previous_checkpoint() {
 #[test]
 fn a_write_interrupted_between_the_renames_falls_back_to_the_previous_checkpoint() {
     let model = small_model(16, 8, 20);
-    let dir = temp_dir("ckpt-interrupt-rename").join("ckpt");
+    let root = temp_dir("ckpt-interrupt-rename");
+    let dir = root.join("ckpt");
     let old = buffers(model.parameters, 7);
     save(&dir, &model, &old, 20);
     let new = buffers(model.parameters, 8);
@@ -195,7 +200,8 @@ fn directories_that_are_not_checkpoints_are_left_alone() {
 #[test]
 fn a_checkpoint_for_another_model_or_with_wrong_buffers_is_refused() {
     let model = small_model(16, 8, 20);
-    let dir = temp_dir("ckpt-mismatch").join("ckpt");
+    let root = temp_dir("ckpt-mismatch");
+    let dir = root.join("ckpt");
     let data = buffers(model.parameters, 11);
     save(&dir, &model, &data, 1);
     let wider = small_model(16, 12, 20);
@@ -279,7 +285,8 @@ fn weights_from_pytorch_load_in_half_precision_and_missing_or_extra_tensors_are_
 #[test]
 fn truncated_checkpoint_files_and_bad_state_are_reported() {
     let model = small_model(16, 8, 20);
-    let dir = temp_dir("ckpt-corrupt").join("ckpt");
+    let root = temp_dir("ckpt-corrupt");
+    let dir = root.join("ckpt");
     save(&dir, &model, &buffers(model.parameters, 12), 1);
     let optimizer = dir.join(OPTIMIZER_FILE);
     let bytes = std::fs::read(&optimizer).unwrap();

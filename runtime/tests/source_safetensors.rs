@@ -229,7 +229,8 @@ fn plan_dir_sequences(dir: &Path) -> Result<usize, String> {
 
 /// Opens `tensors` as a one-file dataset and returns the file error.
 fn file_error(name: &str, tensors: &[Tensor]) -> (TensorFileError, String) {
-    let path = temp_dir(&format!("st-err-{name}")).join("bad.safetensors");
+    let root = temp_dir(&format!("st-err-{name}"));
+    let path = root.join("bad.safetensors");
     write_file(&path, tensors);
     open_error(&path)
 }

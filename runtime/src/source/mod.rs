@@ -12,6 +12,26 @@
 //! (`p % W`) and where to restart it ([`HsSource::seek`]). Each batch belongs to one bucket (its static shape);
 //! the source announces it ([`HsSource::next_bucket`]) before filling, so the producer can take a buffer of the
 //! right shape from the [`BatchPool`] and steady state allocates nothing.
+//!
+//! # Examples
+//!
+//! One producer worker's loop (the queue push and the drafter side are the pipeline's):
+//!
+//! ```no_run
+//! use std::sync::atomic::AtomicBool;
+//! use draftpipe_runtime::source::{open_sources, BatchPool, Producer, SourceError};
+//!
+//! fn produce(plan: &draftpipe_compiler::plan::Plan, stop: &AtomicBool) -> Result<(), SourceError> {
+//!     let pool = BatchPool::for_plan(plan)?;
+//!     let mut producers: Vec<Producer> = open_sources(plan)?.into_iter().map(Producer::new).collect();
+//!     // Resuming: producers[w].source_mut().seek(saved_positions[w])?;
+//!     while let Some(batch) = producers[0].next_batch(&pool, stop)? {
+//!         // push `batch` to the HS queue; the drafter that trains on it calls `pool.give_back(batch)`.
+//!         pool.give_back(batch)?;
+//!     }
+//!     Ok(())
+//! }
+//! ```
 
 pub mod safetensors;
 pub mod synthetic;

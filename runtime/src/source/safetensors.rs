@@ -34,7 +34,7 @@ use crate::tensor_file::{
     is_float_dtype, is_id_dtype, is_mask_dtype,
 };
 
-/// Tensor names the reader looks for.
+/// Hidden-states tensor name.
 pub const HIDDEN_STATES: &str = "hidden_states";
 /// Token ids tensor name.
 pub const INPUT_IDS: &str = "input_ids";

@@ -75,7 +75,7 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
-    /// Uniform in `0..n` (`n > 0`), by the multiply-high method (bias below 2⁻³²for any `n` used here).
+    /// Uniform in `0..n` (`n > 0`) by the multiply-high method; its bias is at most `n / 2⁶⁴`.
     fn below(&mut self, n: usize) -> usize {
         ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
     }

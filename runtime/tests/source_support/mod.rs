@@ -147,10 +147,27 @@ pub fn write_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<f64>)]) 
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
-/// A fresh empty directory under the system temp dir, unique per test name and process.
-pub fn temp_dir(name: &str) -> std::path::PathBuf {
+/// A fresh empty directory under the system temp dir, unique per test name and process, removed on drop.
+pub struct TempDir(std::path::PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Creates a [`TempDir`] named after the test.
+pub fn temp_dir(name: &str) -> TempDir {
     let dir = std::env::temp_dir().join(format!("draftpipe-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
 }
