@@ -7,11 +7,11 @@
 
 pub mod allreduce;
 pub mod batch;
-pub mod queue;
+pub mod checkpoint;
 pub mod cpu;
 pub mod params;
-pub mod checkpoint;
-pub mod source;
-pub mod tensor_file;
-pub mod telemetry;
 pub mod pipeline;
+pub mod queue;
+pub mod source;
+pub mod telemetry;
+pub mod tensor_file;

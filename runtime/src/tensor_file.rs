@@ -346,7 +346,9 @@ pub fn write_f32_tensors(
     let bad_header = |e: String| TensorFileError::file(path, TensorProblem::BadHeader(e));
     let metadata =
         Metadata::new(Some(string_metadata), infos).map_err(|e| bad_header(e.to_string()))?;
-    let mut header = serde_json::to_vec(&metadata).map_err(|e| bad_header(e.to_string()))?;
+    let header = serde_json::to_value(&metadata).map_err(|e| bad_header(e.to_string()))?;
+    let mut header =
+        serde_json::to_vec(&sorted_keys(header)).map_err(|e| bad_header(e.to_string()))?;
     // Pad with spaces to 8 bytes, as the reference writer does, so the data that follows is aligned.
     header.resize(header.len().next_multiple_of(8), b' ');
 
@@ -366,4 +368,22 @@ pub fn write_f32_tensors(
     }
     let file = out.into_inner().map_err(|e| io_err(e.into_error()))?;
     file.sync_all().map_err(io_err)
+}
+
+/// `value` with every object's keys in sorted order. `__metadata__` is a `HashMap`, whose order changes from run
+/// to run; sorted keys make the same tensors always give the same bytes.
+fn sorted_keys(value: serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k, sorted_keys(v)))
+                    .collect(),
+            )
+        }
+        other => other,
+    }
 }

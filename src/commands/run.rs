@@ -36,7 +36,9 @@ pub fn run(args: &RunArgs) -> ExitCode {
             // A second Ctrl-C means the user will not wait for the step in hand.
             std::process::exit(i32::from(EXIT_INTERRUPTED));
         }
-        eprintln!("\ninterrupted: finishing the current step, then saving (Ctrl-C again to quit now)");
+        eprintln!(
+            "\ninterrupted: finishing the current step, then saving (Ctrl-C again to quit now)"
+        );
     });
     if let Err(error) = installed {
         super::report(&anyhow::Error::new(error).context("cannot install the Ctrl-C handler"));
@@ -50,14 +52,22 @@ pub fn run(args: &RunArgs) -> ExitCode {
     options.resume = args.resume.clone();
     options.init = args.init.clone();
     options.output = OutputMode::detect(args.json);
-    options.run_dir =
-        Some(args.run_dir.clone().unwrap_or_else(|| PathBuf::from("runs").join(&plan.name)));
+    options.run_dir = Some(
+        args.run_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("runs").join(&plan.name)),
+    );
     options.keep_going = args.keep_going;
     options.max_nonfinite_in_row = args.max_nonfinite;
     options.init_seed = args.seed;
 
-    let outcome = run_pipeline(&plan, &options, interrupt, std::io::stdout())
-        .with_context(|| format!("pipeline \"{}\" ({}) stopped", plan.name, args.file.display()));
+    let outcome = run_pipeline(&plan, &options, interrupt, std::io::stdout()).with_context(|| {
+        format!(
+            "pipeline \"{}\" ({}) stopped",
+            plan.name,
+            args.file.display()
+        )
+    });
     let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(error) => {
@@ -75,7 +85,10 @@ pub fn run(args: &RunArgs) -> ExitCode {
             println!("run directory: {} (draftpipe diagnose {0})", dir.display());
         }
         if let Some(trace) = &options.trace {
-            println!("trace: {} (open in ui.perfetto.dev or chrome://tracing)", trace.display());
+            println!(
+                "trace: {} (open in ui.perfetto.dev or chrome://tracing)",
+                trace.display()
+            );
         }
         if let Some(dir) = &options.save_dir {
             println!("checkpoint: {} (step {})", dir.display(), outcome.step);

@@ -48,8 +48,12 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         step_limit,
         nonfinite_limit,
     } = context;
-    let mut drafter =
-        CpuDrafter::new(&plan.model, plan.drafter.loss, plan.drafter.optimizer, &plan.buckets);
+    let mut drafter = CpuDrafter::new(
+        &plan.model,
+        plan.drafter.loss,
+        plan.drafter.optimizer,
+        &plan.buckets,
+    );
     let synced = plan.drafter.sync == SyncMode::AllReduce;
     let producers = plan.target.placement.workers.len() as u64;
     let saves = worker == 0 && options.save_dir.is_some();
@@ -73,7 +77,10 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         };
         recorder.lap(DrafterPhase::DataWait, &mut since);
         {
-            let mut consumed = shared.consumed.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut consumed = shared
+                .consumed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             let owner = (batch.source_position % producers) as usize;
             consumed[owner] = consumed[owner].max(batch.source_position + producers);
         }
@@ -111,7 +118,9 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             state.grads[0] = f32::NAN;
         }
         let stop_after = if synced {
-            let outcome = group.mean(&mut state.grads, || limit_reached(step + 1) || shared.should_stop());
+            let outcome = group.mean(&mut state.grads, || {
+                limit_reached(step + 1) || shared.should_stop()
+            });
             recorder.lap(DrafterPhase::AllReduce, &mut since);
             outcome.stop
         } else {
@@ -125,7 +134,10 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             recorder.step_skipped();
             nonfinite_in_row += 1;
             if nonfinite_in_row >= nonfinite_limit {
-                shared.fail(RunError::NonFinite { count: nonfinite_in_row, step });
+                shared.fail(RunError::NonFinite {
+                    count: nonfinite_in_row,
+                    step,
+                });
             }
         } else {
             recorder.step_done(tokens, f64::from(output.loss));
@@ -133,7 +145,9 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         }
         if saves
             && !stop_after
-            && options.save_every.is_some_and(|every| every > 0 && step % every == 0)
+            && options
+                .save_every
+                .is_some_and(|every| every > 0 && step % every == 0)
         {
             save(plan, options, &shared, &state, step);
             recorder.lap(DrafterPhase::Other, &mut since);
@@ -142,7 +156,11 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             if synced && !limit_reached(step) {
                 group.leave();
             }
-            break if limit_reached(step) { StopReason::StepLimit } else { StopReason::Interrupted };
+            break if limit_reached(step) {
+                StopReason::StepLimit
+            } else {
+                StopReason::Interrupted
+            };
         }
     };
     if saves && !shared.fatal_raised.load(Ordering::Acquire) && step > first_step {
@@ -155,7 +173,11 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
 /// have consumed up to now.
 fn save(plan: &Plan, options: &RunOptions, shared: &Shared, state: &FlatState, step: u64) {
     let Some(dir) = &options.save_dir else { return };
-    let data_positions = shared.consumed.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let data_positions = shared
+        .consumed
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
     let training = TrainingState {
         step,
         optimizer_step: state.step,
@@ -163,9 +185,14 @@ fn save(plan: &Plan, options: &RunOptions, shared: &Shared, state: &FlatState, s
         rng_state: vec![options.init_seed],
         data_positions,
     };
-    if let Err(error) =
-        save_checkpoint(dir, &plan.model, &state.params, &state.exp_avg, &state.exp_avg_sq, &training)
-    {
+    if let Err(error) = save_checkpoint(
+        dir,
+        &plan.model,
+        &state.params,
+        &state.exp_avg,
+        &state.exp_avg_sq,
+        &training,
+    ) {
         shared.fail(RunError::Checkpoint(error));
     }
 }

@@ -269,7 +269,11 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
     if let Some(file) = &options.init {
         state.params = load_weights(file, &plan.model)?;
     }
-    Ok(Start { state, step: 0, data_positions: None })
+    Ok(Start {
+        state,
+        step: 0,
+        data_positions: None,
+    })
 }
 
 /// Runs `plan` until its step limit, the end of its data, a fault, or `interrupt`; status lines go to `out`.
@@ -283,8 +287,13 @@ pub fn run(
     interrupt: Arc<AtomicBool>,
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
-    if let Some(Device::Gpu(ordinal)) =
-        plan.drafter.placement.workers.iter().copied().find(|d| *d != Device::Cpu)
+    if let Some(Device::Gpu(ordinal)) = plan
+        .drafter
+        .placement
+        .workers
+        .iter()
+        .copied()
+        .find(|d| *d != Device::Cpu)
     {
         return Err(RunError::Unsupported(format!(
             "drafter stage `{}` is placed on gpu {ordinal}; `draftpipe run` trains on the CPU backend only \
@@ -321,7 +330,11 @@ pub fn run(
     });
 
     let drafters = plan.drafter.placement.workers.len();
-    let telemetry = Arc::new(Telemetry::new(producers.len(), drafters, options.trace.is_some()));
+    let telemetry = Arc::new(Telemetry::new(
+        producers.len(),
+        drafters,
+        options.trace.is_some(),
+    ));
     let mut reporter_config = ReporterConfig::new(
         plan.name.clone(),
         Duration::from_millis(plan.telemetry.every_ms),
@@ -340,8 +353,9 @@ pub fn run(
     let producer_recorders = (0..producers.len())
         .map(|worker| telemetry.producer(worker))
         .collect::<Result<Vec<_>, _>>()?;
-    let drafter_recorders =
-        (0..drafters).map(|worker| telemetry.drafter(worker)).collect::<Result<Vec<_>, _>>()?;
+    let drafter_recorders = (0..drafters)
+        .map(|worker| telemetry.drafter(worker))
+        .collect::<Result<Vec<_>, _>>()?;
     let outcome = std::thread::scope(|scope| -> Result<_, RunError> {
         let producer_handles: Vec<_> = producers
             .into_iter()
@@ -400,20 +414,41 @@ pub fn run(
             handle.join().expect("a producer thread panicked");
         }
         reporter_stop.store(true, Ordering::Release);
-        let reporter = telemetry_thread.join().expect("the telemetry thread panicked")?;
-        let stop = finished.iter().map(|f| f.stop).next().unwrap_or(StopReason::SourcesExhausted);
+        let reporter = telemetry_thread
+            .join()
+            .expect("the telemetry thread panicked")?;
+        let stop = finished
+            .iter()
+            .map(|f| f.stop)
+            .next()
+            .unwrap_or(StopReason::SourcesExhausted);
         let step = finished.iter().map(|f| f.step).max().unwrap_or(start.step);
         Ok((stop, step, reporter))
     });
     let (stop, step, reporter) = outcome?;
     let summary = reporter.finish(&queue_snapshot(shared.queue.stats()))?;
-    if let Some(error) = shared.fatal.lock().unwrap_or_else(PoisonError::into_inner).take() {
+    if let Some(error) = shared
+        .fatal
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()
+    {
         return Err(error);
     }
     let diagnosis = Diagnosis::from_summary(&summary);
-    let producer_errors =
-        std::mem::take(&mut *shared.producer_errors.lock().unwrap_or_else(PoisonError::into_inner));
-    Ok(RunOutcome { stop, step, summary, diagnosis, producer_errors })
+    let producer_errors = std::mem::take(
+        &mut *shared
+            .producer_errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner),
+    );
+    Ok(RunOutcome {
+        stop,
+        step,
+        summary,
+        diagnosis,
+        producer_errors,
+    })
 }
 
 /// The seed the plan's randomness derives from (the synthetic source's seed; 0 for file sources).

@@ -11,7 +11,7 @@
 use std::sync::PoisonError;
 use std::time::Instant;
 
-use super::sync::{Backoff, Condvar, Mutex, Ordering, AtomicUsize};
+use super::sync::{AtomicUsize, Backoff, Condvar, Mutex, Ordering};
 
 /// One group of waiters (all producers, or all consumers) of one queue.
 #[derive(Debug)]
@@ -57,7 +57,10 @@ impl Parker {
                 return Some(done);
             }
             guard = match deadline {
-                None => self.cond.wait(guard).unwrap_or_else(PoisonError::into_inner),
+                None => self
+                    .cond
+                    .wait(guard)
+                    .unwrap_or_else(PoisonError::into_inner),
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {
