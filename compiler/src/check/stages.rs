@@ -94,7 +94,7 @@ fn source(errs: &mut Errs, call: &Call, lengths: &mut Option<(usize, usize, Span
         if let Some((min_len, max_len)) = range {
             *lengths = f.optional("lengths").map(|v| (min_len, max_len, v.span));
         }
-        Some(SourceSpec::Synthetic { seed: seed? as u64, min_len: range?.0, max_len: range?.1 })
+        seed.zip(range).map(|(seed, (min_len, max_len))| SourceSpec::Synthetic { seed: seed as u64, min_len, max_len })
     } else {
         let pattern = f
             .required("path", "\"data/*.safetensors\"")
