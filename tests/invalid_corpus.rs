@@ -21,16 +21,23 @@ fn corpus() -> Vec<PathBuf> {
 #[test]
 fn every_invalid_file_fails_with_its_golden_diagnostics() {
     let files = corpus();
-    assert!(files.len() >= 30, "the corpus must hold at least 30 invalid files, found {}", files.len());
+    assert!(
+        files.len() >= 30,
+        "the corpus must hold at least 30 invalid files, found {}",
+        files.len()
+    );
     let update = std::env::var_os("UPDATE_GOLDEN").is_some();
     let mut mismatches = Vec::new();
     for path in &files {
         let name = path.file_name().unwrap().to_str().unwrap();
         let source = fs::read_to_string(path).unwrap();
-        let diagnostics = match draftpipe_compiler::compile_source(&format!("tests/invalid/{name}"), &source) {
-            Ok(_) => panic!("{name} compiled, but every file in tests/invalid must be rejected"),
-            Err(d) => d,
-        };
+        let diagnostics =
+            match draftpipe_compiler::compile_source(&format!("tests/invalid/{name}"), &source) {
+                Ok(_) => {
+                    panic!("{name} compiled, but every file in tests/invalid must be rejected")
+                }
+                Err(d) => d,
+            };
         assert!(!diagnostics.is_empty());
         let rendered = format!("{diagnostics}\n");
         let golden = path.with_extension("expected");
@@ -38,12 +45,20 @@ fn every_invalid_file_fails_with_its_golden_diagnostics() {
             fs::write(&golden, &rendered).unwrap();
             continue;
         }
-        let expected = fs::read_to_string(&golden).unwrap_or_else(|_| panic!("missing golden {}", golden.display()));
+        let expected = fs::read_to_string(&golden)
+            .unwrap_or_else(|_| panic!("missing golden {}", golden.display()));
         if expected != rendered {
-            mismatches.push(format!("--- {name}: expected\n{expected}--- got\n{rendered}"));
+            mismatches.push(format!(
+                "--- {name}: expected\n{expected}--- got\n{rendered}"
+            ));
         }
     }
-    assert!(mismatches.is_empty(), "{} golden mismatch(es):\n{}", mismatches.len(), mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "{} golden mismatch(es):\n{}",
+        mismatches.len(),
+        mismatches.join("\n")
+    );
 }
 
 #[test]
@@ -58,7 +73,10 @@ fn every_diagnostic_has_a_position_snippet_caret_and_help() {
             assert!(line >= 1 && col >= 1);
         }
         let text = diagnostics.to_string();
-        assert!(text.contains(&format!("--> {name}:")), "{name}: no position in\n{text}");
+        assert!(
+            text.contains(&format!("--> {name}:")),
+            "{name}: no position in\n{text}"
+        );
         assert!(text.contains('^'), "{name}: no caret in\n{text}");
     }
 }

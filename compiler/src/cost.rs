@@ -24,7 +24,9 @@
 //! backward, gradients written, AdamW reading p, g, m, v and writing p, m, v; activations written once and read
 //! once; every logit chunk written once and read once.
 
-use crate::plan::{BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, Placement, QueueSpec, TargetStage};
+use crate::plan::{
+    BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, Placement, QueueSpec, TargetStage,
+};
 
 const F32: u128 = 4;
 
@@ -39,7 +41,14 @@ fn wide(x: usize) -> u128 {
 
 /// Activation floats per token kept for the backward pass (`A` above).
 pub fn activation_floats_per_token(spec: &MlpSpec) -> Option<u64> {
-    let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, .. } = *spec;
+    let MlpSpec {
+        din,
+        hidden: h,
+        blocks,
+        intermediate: i,
+        heads,
+        ..
+    } = *spec;
     let (din, h, blocks, i, heads) = (wide(din), wide(h), wide(blocks), wide(i), wide(heads));
     fit(din + blocks * (2 * h + 3 * i) + h + heads * 2 * h)
 }
@@ -59,8 +68,22 @@ pub fn item_bytes(din: usize, padded_len: usize, sequences: usize) -> Option<u64
 
 /// FLOPs of one training step of `tokens` tokens (formula in the module docs).
 pub fn step_flops(spec: &MlpSpec, tokens: usize) -> Option<u64> {
-    let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *spec;
-    let (din, h, blocks, i, heads, v) = (wide(din), wide(h), wide(blocks), wide(i), wide(heads), wide(v));
+    let MlpSpec {
+        din,
+        hidden: h,
+        blocks,
+        intermediate: i,
+        heads,
+        vocab: v,
+    } = *spec;
+    let (din, h, blocks, i, heads, v) = (
+        wide(din),
+        wide(h),
+        wide(blocks),
+        wide(i),
+        wide(heads),
+        wide(v),
+    );
     let (t, p) = (wide(tokens), wide(spec.parameter_count()));
     let gemm = h * din + blocks * 3 * i * h + heads * h * h + heads * h * v;
     fit(6 * t * gemm - 2 * t * h * din + 4 * t * heads * v + 12 * p)
@@ -74,7 +97,11 @@ pub fn step_bytes(spec: &MlpSpec, tokens: usize) -> Option<u64> {
 }
 
 /// One [`BucketPlan`] per queue bucket: `batch_tokens / padded_len` sequences of the bucket's length.
-pub fn bucket_plans(target: &TargetStage, queue: &QueueSpec, spec: &MlpSpec) -> Option<Vec<BucketPlan>> {
+pub fn bucket_plans(
+    target: &TargetStage,
+    queue: &QueueSpec,
+    spec: &MlpSpec,
+) -> Option<Vec<BucketPlan>> {
     queue
         .buckets
         .iter()
@@ -104,8 +131,13 @@ pub fn device_memory(
     let mut workspace = 0;
     let mut largest_item = 0;
     for b in buckets {
-        workspace = workspace.max(u128::from(workspace_bytes(spec, b.tokens, loss.chunk_tokens)?));
-        largest_item = largest_item.max(u128::from(item_bytes(spec.din, b.padded_len, b.sequences)?));
+        workspace = workspace.max(u128::from(workspace_bytes(
+            spec,
+            b.tokens,
+            loss.chunk_tokens,
+        )?));
+        largest_item =
+            largest_item.max(u128::from(item_bytes(spec.din, b.padded_len, b.sequences)?));
     }
     let mut devices: Vec<Device> = drafters.workers.clone();
     devices.sort_unstable();
@@ -123,7 +155,13 @@ pub fn device_memory(
                 hs_pool: fit(wide(capacity) * largest_item)?,
             };
             // `DeviceMemory::total` adds in u64: make sure it cannot overflow.
-            let parts = [memory.parameters, memory.gradients, memory.optimizer_state, memory.workspaces, memory.hs_pool];
+            let parts = [
+                memory.parameters,
+                memory.gradients,
+                memory.optimizer_state,
+                memory.workspaces,
+                memory.hs_pool,
+            ];
             fit(parts.iter().map(|&x| u128::from(x)).sum()).map(|_| memory)
         })
         .collect()

@@ -34,7 +34,13 @@ pub struct Diagnostic {
 impl Diagnostic {
     /// An error at `span`.
     pub fn error(span: Span, message: impl Into<String>) -> Self {
-        Self { message: message.into(), span, label: None, help: None, related: Vec::new() }
+        Self {
+            message: message.into(),
+            span,
+            label: None,
+            help: None,
+            related: Vec::new(),
+        }
     }
 
     /// Sets the label printed after the carets.
@@ -67,7 +73,11 @@ pub struct Diagnostics {
 impl Diagnostics {
     /// An empty collection for `file_name` with text `source`.
     pub fn new(file_name: &str, source: &str) -> Self {
-        Self { file_name: file_name.to_owned(), source: source.to_owned(), items: Vec::new() }
+        Self {
+            file_name: file_name.to_owned(),
+            source: source.to_owned(),
+            items: Vec::new(),
+        }
     }
 
     /// Adds errors, keeping them ordered by position (stable for errors at the same place).
@@ -107,14 +117,29 @@ impl Diagnostics {
         let (line_start, line) = line_at(&self.source, d.span.start);
         let gutter = " ".repeat(start.line.to_string().len());
         writeln!(f, "error: {}", d.message)?;
-        writeln!(f, "{gutter}--> {}:{}:{}", self.file_name, start.line, start.col)?;
+        writeln!(
+            f,
+            "{gutter}--> {}:{}:{}",
+            self.file_name, start.line, start.col
+        )?;
         writeln!(f, "{gutter} |")?;
         // Tabs would misalign the carets; show them as single spaces.
         writeln!(f, "{} | {}", start.line, line.replace('\t', " "))?;
-        let caret_start = self.source[line_start..d.span.start.max(line_start)].chars().count();
+        let caret_start = self.source[line_start..d.span.start.max(line_start)]
+            .chars()
+            .count();
         let span_end = d.span.end.min(line_start + line.len()).max(d.span.start);
-        let width = self.source.get(d.span.start..span_end).map_or(0, |s| s.chars().count()).max(1);
-        write!(f, "{gutter} | {}{}", " ".repeat(caret_start), "^".repeat(width))?;
+        let width = self
+            .source
+            .get(d.span.start..span_end)
+            .map_or(0, |s| s.chars().count())
+            .max(1);
+        write!(
+            f,
+            "{gutter} | {}{}",
+            " ".repeat(caret_start),
+            "^".repeat(width)
+        )?;
         match &d.label {
             Some(label) => writeln!(f, " {label}")?,
             None => writeln!(f)?,
@@ -124,7 +149,11 @@ impl Diagnostics {
         }
         for (span, note) in &d.related {
             let at = line_col(&self.source, span.start);
-            writeln!(f, "{gutter} = note: {note} at {}:{}:{}", self.file_name, at.line, at.col)?;
+            writeln!(
+                f,
+                "{gutter} = note: {note} at {}:{}:{}",
+                self.file_name, at.line, at.col
+            )?;
         }
         if let Some(help) = &d.help {
             writeln!(f, "{gutter} = help: {help}")?;
@@ -140,7 +169,12 @@ impl fmt::Display for Diagnostics {
             writeln!(f)?;
         }
         let n = self.items.len();
-        write!(f, "error: `{}` has {n} error{}", self.file_name, if n == 1 { "" } else { "s" })
+        write!(
+            f,
+            "error: `{}` has {n} error{}",
+            self.file_name,
+            if n == 1 { "" } else { "s" }
+        )
     }
 }
 
@@ -154,9 +188,11 @@ mod tests {
     fn renders_position_snippet_caret_and_help() {
         let source = "queue hs {\n    capcity = 16\n}\n";
         let mut diags = Diagnostics::new("q.pipe", source);
-        diags.extend([Diagnostic::error(Span::new(15, 22), "unknown key `capcity`")
-            .label("unknown key")
-            .help("did you mean `capacity`?")]);
+        diags.extend([
+            Diagnostic::error(Span::new(15, 22), "unknown key `capcity`")
+                .label("unknown key")
+                .help("did you mean `capacity`?"),
+        ]);
         let expected = "error: unknown key `capcity`\n --> q.pipe:2:5\n  |\n2 |     capcity = 16\n  |     ^^^^^^^ \
                         unknown key\n  |\n  = help: did you mean `capacity`?\n\nerror: `q.pipe` has 1 error";
         assert_eq!(diags.to_string(), expected);
@@ -166,6 +202,9 @@ mod tests {
     fn a_span_at_the_end_of_input_gets_one_caret() {
         let mut diags = Diagnostics::new("e.pipe", "pipeline");
         diags.extend([Diagnostic::error(Span::new(8, 8), "expected a string")]);
-        assert!(diags.to_string().contains("1 | pipeline\n  |         ^\n"), "{diags}");
+        assert!(
+            diags.to_string().contains("1 | pipeline\n  |         ^\n"),
+            "{diags}"
+        );
     }
 }

@@ -42,8 +42,8 @@ mod syntax;
 use std::path::{Path, PathBuf};
 
 pub use check::{
-    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, MAX_DEVICES, MAX_PARAMETERS,
-    adamw_defaults, device_name,
+    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, MAX_DEVICES,
+    MAX_PARAMETERS, adamw_defaults, device_name,
 };
 pub use diagnostic::{Diagnostic, Diagnostics};
 pub use parse::parse;
@@ -72,8 +72,11 @@ pub fn compile_source(file_name: &str, source: &str) -> Result<Plan, Diagnostics
         if errors.is_empty() {
             // A check gave up without recording why: a bug, but the user still gets an error, not silence.
             errors.push(
-                Diagnostic::error(file.span, "internal error: the checks rejected this file without a reason")
-                    .help("please report this file to the draftpipe developers"),
+                Diagnostic::error(
+                    file.span,
+                    "internal error: the checks rejected this file without a reason",
+                )
+                .help("please report this file to the draftpipe developers"),
             );
         }
         let mut diagnostics = Diagnostics::new(file_name, source);
@@ -84,6 +87,9 @@ pub fn compile_source(file_name: &str, source: &str) -> Result<Plan, Diagnostics
 
 /// Reads and compiles a `.pipe` file.
 pub fn compile_file(path: &Path) -> Result<Plan, CompileError> {
-    let source = std::fs::read_to_string(path).map_err(|source| CompileError::Io { path: path.to_owned(), source })?;
+    let source = std::fs::read_to_string(path).map_err(|source| CompileError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
     compile_source(&path.display().to_string(), &source).map_err(CompileError::Invalid)
 }

@@ -83,13 +83,19 @@ impl Lower {
 
     fn parse_pipeline_decl(&mut self, pair: Pair<'_, Rule>) -> PipelineDecl {
         let span = pair.as_span().into();
-        let name = self.parse_string(children(pair, Rule::string).next().expect("grammar: pipeline name"));
+        let name = self.parse_string(
+            children(pair, Rule::string)
+                .next()
+                .expect("grammar: pipeline name"),
+        );
         PipelineDecl { name, span }
     }
 
     fn parse_devices_section(&mut self, pair: Pair<'_, Rule>) -> DevicesSection {
         let span = pair.as_span().into();
-        let decls = children(pair, Rule::device_decl).map(|p| self.parse_device_decl(p)).collect();
+        let decls = children(pair, Rule::device_decl)
+            .map(|p| self.parse_device_decl(p))
+            .collect();
         DevicesSection { decls, span }
     }
 
@@ -153,16 +159,23 @@ impl Lower {
                 _ => {}
             }
         }
-        PlacementExpr { class: class.expect("grammar: device class"), workers, ids, span }
+        PlacementExpr {
+            class: class.expect("grammar: device class"),
+            workers,
+            ids,
+            span,
+        }
     }
 
     fn parse_worker_count(&mut self, pair: Pair<'_, Rule>) -> (Option<u64>, Span) {
         let span: Span = pair.as_span().into();
         let count = pair.as_str()[1..].parse::<u64>().ok();
         if count.is_none() {
-            self.errors.push(Diagnostic::error(span, "worker count is too large")
+            self.errors.push(
+                Diagnostic::error(span, "worker count is too large")
                     .label("does not fit in 64 bits")
-                    .help("write `cpu xN` with a small N"));
+                    .help("write `cpu xN` with a small N"),
+            );
         }
         (count, span)
     }
@@ -183,16 +196,32 @@ impl Lower {
                 _ => {}
             }
         }
-        let [name, from, to]: [Ident; 3] = idents.try_into().expect("grammar: queue NAME from A to B");
-        QueueSection { header: Span::new(span.start, to.span.end), name, from, to, block: block.expect("grammar"), span }
+        let [name, from, to]: [Ident; 3] =
+            idents.try_into().expect("grammar: queue NAME from A to B");
+        QueueSection {
+            header: Span::new(span.start, to.span.end),
+            name,
+            from,
+            to,
+            block: block.expect("grammar"),
+            span,
+        }
     }
 
     fn parse_telemetry_section(&mut self, pair: Pair<'_, Rule>) -> TelemetrySection {
         let span = pair.as_span().into();
         let mut inner = pair.into_inner();
-        let header = inner.next().expect("grammar: telemetry keyword").as_span().into();
+        let header = inner
+            .next()
+            .expect("grammar: telemetry keyword")
+            .as_span()
+            .into();
         let block = self.parse_block(inner.next().expect("grammar: telemetry block"));
-        TelemetrySection { block, header, span }
+        TelemetrySection {
+            block,
+            header,
+            span,
+        }
     }
 
     fn parse_unknown_section(&mut self, pair: Pair<'_, Rule>) -> UnknownSection {
@@ -200,12 +229,18 @@ impl Lower {
         let mut inner = pair.into_inner();
         let keyword = parse_ident(inner.next().expect("grammar: section keyword"));
         let block = self.parse_block(inner.last().expect("grammar: section block"));
-        UnknownSection { keyword, block, span }
+        UnknownSection {
+            keyword,
+            block,
+            span,
+        }
     }
 
     fn parse_block(&mut self, pair: Pair<'_, Rule>) -> Block {
         let span = pair.as_span().into();
-        let entries = children(pair, Rule::entry).map(|p| self.parse_entry(p)).collect();
+        let entries = children(pair, Rule::entry)
+            .map(|p| self.parse_entry(p))
+            .collect();
         Block { entries, span }
     }
 
@@ -222,7 +257,10 @@ impl Lower {
     }
 
     fn parse_value(&mut self, pair: Pair<'_, Rule>) -> Value {
-        let inner = pair.into_inner().next().expect("grammar: value has one alternative");
+        let inner = pair
+            .into_inner()
+            .next()
+            .expect("grammar: value has one alternative");
         self.parse_value_kind(inner)
     }
 
@@ -231,10 +269,14 @@ impl Lower {
         let span: Span = pair.as_span().into();
         if self.depth >= MAX_NESTING {
             self.errors.push(
-                Diagnostic::error(span, "values are nested too deeply")
-                    .help(format!("nest lists, tuples and calls at most {MAX_NESTING} deep")),
+                Diagnostic::error(span, "values are nested too deeply").help(format!(
+                    "nest lists, tuples and calls at most {MAX_NESTING} deep"
+                )),
             );
-            return Value { kind: ValueKind::Invalid, span };
+            return Value {
+                kind: ValueKind::Invalid,
+                span,
+            };
         }
         self.depth += 1;
         let kind = match pair.as_rule() {
@@ -256,22 +298,32 @@ impl Lower {
         let span = pair.as_span().into();
         let mut inner = pair.into_inner();
         let name = parse_ident(inner.next().expect("grammar: call name"));
-        let args = inner.filter(|p| p.as_rule() == Rule::argument).map(|p| self.parse_argument(p)).collect();
+        let args = inner
+            .filter(|p| p.as_rule() == Rule::argument)
+            .map(|p| self.parse_argument(p))
+            .collect();
         Call { name, args, span }
     }
 
     fn parse_tuple(&mut self, pair: Pair<'_, Rule>) -> Vec<Value> {
-        children(pair, Rule::value).map(|p| self.parse_value(p)).collect()
+        children(pair, Rule::value)
+            .map(|p| self.parse_value(p))
+            .collect()
     }
 
     fn parse_list(&mut self, pair: Pair<'_, Rule>) -> Vec<Value> {
-        children(pair, Rule::value).map(|p| self.parse_value(p)).collect()
+        children(pair, Rule::value)
+            .map(|p| self.parse_value(p))
+            .collect()
     }
 
     fn parse_range(&mut self, pair: Pair<'_, Rule>) -> ValueKind {
         let mut bounds = pair.into_inner().map(|p| {
             let span = p.as_span().into();
-            Value { kind: self.parse_number(p), span }
+            Value {
+                kind: self.parse_number(p),
+                span,
+            }
         });
         let start = bounds.next().expect("grammar: range start");
         let end = bounds.next().expect("grammar: range end");
@@ -283,7 +335,10 @@ impl Lower {
         let number = inner.next().expect("grammar: quantity number");
         let unit = self.parse_unit(inner.next().expect("grammar: quantity unit"));
         match self.parse_number(number) {
-            ValueKind::Integer(i) => ValueKind::Quantity { amount: i as f64, unit },
+            ValueKind::Integer(i) => ValueKind::Quantity {
+                amount: i as f64,
+                unit,
+            },
             ValueKind::Float(x) => ValueKind::Quantity { amount: x, unit },
             _ => ValueKind::Invalid,
         }
@@ -300,7 +355,9 @@ impl Lower {
         if text.contains(['.', 'e', 'E']) {
             match text.parse::<f64>() {
                 Ok(x) if x.is_finite() => return ValueKind::Float(x),
-                _ => self.errors.push(Diagnostic::error(span, "number is too large").label("not a finite f64")),
+                _ => self
+                    .errors
+                    .push(Diagnostic::error(span, "number is too large").label("not a finite f64")),
             }
         } else {
             match text.parse::<i64>() {
@@ -334,9 +391,12 @@ impl Lower {
                 Some((i, c)) => {
                     let at = body_start + i - 1;
                     self.errors.push(
-                        Diagnostic::error(Span::new(at, at + 1 + c.len_utf8()), format!("unknown escape `\\{c}`"))
-                            .label("unknown escape")
-                            .help("strings know the escapes \\\", \\\\, \\n and \\t"),
+                        Diagnostic::error(
+                            Span::new(at, at + 1 + c.len_utf8()),
+                            format!("unknown escape `\\{c}`"),
+                        )
+                        .label("unknown escape")
+                        .help("strings know the escapes \\\", \\\\, \\n and \\t"),
                     );
                 }
                 None => {}
@@ -347,7 +407,10 @@ impl Lower {
 }
 
 fn parse_ident(pair: Pair<'_, Rule>) -> Ident {
-    Ident { name: pair.as_str().to_owned(), span: pair.as_span().into() }
+    Ident {
+        name: pair.as_str().to_owned(),
+        span: pair.as_span().into(),
+    }
 }
 
 fn children<'i>(pair: Pair<'i, Rule>, rule: Rule) -> impl Iterator<Item = Pair<'i, Rule>> {

@@ -51,14 +51,19 @@ pub fn line_col(source: &str, offset: usize) -> LineCol {
     let before = &source[..offset];
     let line = before.matches('\n').count() + 1;
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-    LineCol { line, col: source[line_start..offset].chars().count() + 1 }
+    LineCol {
+        line,
+        col: source[line_start..offset].chars().count() + 1,
+    }
 }
 
 /// The full text of the line that holds byte `offset`, without its newline, and the line's start offset.
 pub fn line_at(source: &str, offset: usize) -> (usize, &str) {
     let offset = floor_char_boundary(source, offset);
     let start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
-    let end = source[offset..].find('\n').map_or(source.len(), |i| offset + i);
+    let end = source[offset..]
+        .find('\n')
+        .map_or(source.len(), |i| offset + i);
     (start, source[start..end].trim_end_matches('\r'))
 }
 

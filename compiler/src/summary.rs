@@ -23,7 +23,11 @@ impl fmt::Display for Summary<'_> {
         let (t, q, d, m) = (&plan.target, &plan.queue, &plan.drafter, &plan.model);
         writeln!(f, "pipeline \"{}\"", plan.name)?;
         let source = match &t.source {
-            SourceSpec::Synthetic { seed, min_len, max_len } => {
+            SourceSpec::Synthetic {
+                seed,
+                min_len,
+                max_len,
+            } => {
                 format!("synthetic (seed {seed}, lengths {min_len}..{max_len})")
             }
             SourceSpec::Safetensors { pattern } => format!("safetensors `{pattern}`"),
@@ -40,7 +44,9 @@ impl fmt::Display for Summary<'_> {
             t.vocab,
             t.batch_tokens
         )?;
-        let steps = d.steps.map_or("no step limit".to_owned(), |s| format!("{s} steps"));
+        let steps = d
+            .steps
+            .map_or("no step limit".to_owned(), |s| format!("{s} steps"));
         writeln!(
             f,
             "  drafter {:<12} on {:<16} sync {:?}, launch {:?}, {steps}",
@@ -68,7 +74,9 @@ impl fmt::Display for Summary<'_> {
             format_bytes(m.parameters as u64 * 4)
         )?;
         let o = &d.optimizer;
-        let clip = o.clip_grad_norm.map_or("none".to_owned(), |c| c.to_string());
+        let clip = o
+            .clip_grad_norm
+            .map_or("none".to_owned(), |c| c.to_string());
         writeln!(
             f,
             "  loss cross_entropy(head_decay {}, chunk_tokens {}); adamw(lr {:e}, betas ({}, {}), eps {:e}, \
@@ -79,11 +87,21 @@ impl fmt::Display for Summary<'_> {
         writeln!(
             f,
             "  {:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
-            "device", "parameters", "gradients", "optimizer", "workspaces", "hs pool", "total", "declared"
+            "device",
+            "parameters",
+            "gradients",
+            "optimizer",
+            "workspaces",
+            "hs pool",
+            "total",
+            "declared"
         )?;
         for mem in &plan.memory {
-            let declared =
-                plan.devices.iter().find(|dd| dd.device == mem.device).map_or("-".to_owned(), |dd| format_bytes(dd.memory_bytes));
+            let declared = plan
+                .devices
+                .iter()
+                .find(|dd| dd.device == mem.device)
+                .map_or("-".to_owned(), |dd| format_bytes(dd.memory_bytes));
             writeln!(
                 f,
                 "  {:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
@@ -98,7 +116,11 @@ impl fmt::Display for Summary<'_> {
             )?;
         }
         writeln!(f, "\ncost per step")?;
-        writeln!(f, "  {:>8} {:>9} {:>8} {:>12} {:>12}", "bucket", "sequences", "tokens", "GFLOP", "GB moved")?;
+        writeln!(
+            f,
+            "  {:>8} {:>9} {:>8} {:>12} {:>12}",
+            "bucket", "sequences", "tokens", "GFLOP", "GB moved"
+        )?;
         for b in &plan.buckets {
             writeln!(
                 f,
@@ -112,14 +134,28 @@ impl fmt::Display for Summary<'_> {
         }
         let phases: Vec<String> = plan.schedule.iter().map(|p| format!("{p:?}")).collect();
         writeln!(f, "\nstep schedule: {}", phases.join(" → "))?;
-        let trace = plan.telemetry.trace.as_deref().map_or(String::new(), |t| format!(", trace to {t}"));
+        let trace = plan
+            .telemetry
+            .trace
+            .as_deref()
+            .map_or(String::new(), |t| format!(", trace to {t}"));
         write!(f, "telemetry: every {} ms{trace}", plan.telemetry.every_ms)
     }
 }
 
 /// `cpu x2`, `gpu 5..8`, `gpu [0, 2]`.
 fn placement(p: &Placement) -> String {
-    let gpus: Vec<u32> = p.workers.iter().filter_map(|d| if let Device::Gpu(g) = d { Some(*g) } else { None }).collect();
+    let gpus: Vec<u32> = p
+        .workers
+        .iter()
+        .filter_map(|d| {
+            if let Device::Gpu(g) = d {
+                Some(*g)
+            } else {
+                None
+            }
+        })
+        .collect();
     if gpus.is_empty() {
         return match p.workers.len() {
             1 => "cpu".to_owned(),
@@ -145,7 +181,7 @@ fn group_digits(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

@@ -19,10 +19,16 @@ pub(crate) fn recover(source: &str, whole_file: &Error<Rule>) -> Vec<Diagnostic>
         .windows(2)
         .filter_map(|w| {
             let piece = &source[w[0]..w[1]];
-            PipeParser::parse(Rule::file, piece).err().map(|e| to_diagnostic(source, w[0], &e))
+            PipeParser::parse(Rule::file, piece)
+                .err()
+                .map(|e| to_diagnostic(source, w[0], &e))
         })
         .collect();
-    if found.is_empty() { vec![to_diagnostic(source, 0, whole_file)] } else { found }
+    if found.is_empty() {
+        vec![to_diagnostic(source, 0, whole_file)]
+    } else {
+        found
+    }
 }
 
 /// Byte offsets where top-level sections start, with `0` first and `source.len()` last.
@@ -51,7 +57,11 @@ fn to_diagnostic(source: &str, base: usize, error: &Error<Rule>) -> Diagnostic {
     }
     let found = token_at(source, pos);
     let span = Span::new(pos, pos + found.len());
-    let found_text = if found.is_empty() { "end of input".to_owned() } else { format!("`{found}`") };
+    let found_text = if found.is_empty() {
+        "end of input".to_owned()
+    } else {
+        format!("`{found}`")
+    };
     let positives: &[Rule] = match &error.variant {
         ErrorVariant::ParsingError { positives, .. } => positives,
         ErrorVariant::CustomError { .. } => &[],
@@ -63,7 +73,9 @@ fn to_diagnostic(source: &str, base: usize, error: &Error<Rule>) -> Diagnostic {
         [] => format!("unexpected {found_text}"),
         names => format!("expected {}, found {found_text}", one_of(names)),
     };
-    Diagnostic::error(span, message).label("unexpected here").help(help_for(positives))
+    Diagnostic::error(span, message)
+        .label("unexpected here")
+        .help(help_for(positives))
 }
 
 /// `key =` followed by the next `other = ...` parses as `key = other` and fails at the second `=`; say what
@@ -95,7 +107,11 @@ fn missing_value(source: &str, pos: usize) -> Option<Diagnostic> {
 /// The word, number or single character at `pos` (empty at the end of input).
 fn token_at(chunk: &str, pos: usize) -> &str {
     let rest = chunk.get(pos..).unwrap_or("");
-    let word_len: usize = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').map(char::len_utf8).sum();
+    let word_len: usize = rest
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .map(char::len_utf8)
+        .sum();
     match (word_len, rest.chars().next()) {
         (0, Some(c)) => &rest[..c.len_utf8()],
         (n, _) => &rest[..n],
@@ -182,7 +198,9 @@ fn help_for_rules(positives: &[Rule]) -> Option<&'static str> {
     } else if has(Rule::comma) {
         Some("separate arguments and elements with `,`")
     } else if has(Rule::kw_on) || has(Rule::kw_from) || has(Rule::kw_to) || has(Rule::ident) {
-        Some("headers read `target NAME on DEVICES`, `queue NAME from TARGET to DRAFTER`, `drafter NAME on DEVICES`")
+        Some(
+            "headers read `target NAME on DEVICES`, `queue NAME from TARGET to DRAFTER`, `drafter NAME on DEVICES`",
+        )
     } else {
         None
     }
@@ -194,7 +212,8 @@ mod tests {
 
     #[test]
     fn sections_start_at_column_one_letters() {
-        let src = "pipeline \"p\"\n# c\ntarget t on cpu {\n  hidden = 1\n}\nqueue q from t to d {\n}\n";
+        let src =
+            "pipeline \"p\"\n# c\ntarget t on cpu {\n  hidden = 1\n}\nqueue q from t to d {\n}\n";
         let starts = section_starts(src);
         assert_eq!(&src[starts[1]..starts[1] + 6], "target");
         assert_eq!(&src[starts[2]..starts[2] + 5], "queue");

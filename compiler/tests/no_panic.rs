@@ -3,7 +3,10 @@
 
 use proptest::prelude::*;
 
-const VALID: [&str; 2] = [include_str!("../../pipelines/quickstart.pipe"), include_str!("../../pipelines/dflash-5x3.pipe")];
+const VALID: [&str; 2] = [
+    include_str!("../../pipelines/quickstart.pipe"),
+    include_str!("../../pipelines/dflash-5x3.pipe"),
+];
 
 /// Compiles and, on failure, renders every diagnostic: the two things a user ever does with a file.
 fn compile_and_render(source: &str) {
@@ -13,10 +16,16 @@ fn compile_and_render(source: &str) {
             serde_json::to_string(&plan).expect("plans serialise");
         }
         Err(diagnostics) => {
-            assert!(!diagnostics.is_empty(), "a rejected file has at least one diagnostic");
+            assert!(
+                !diagnostics.is_empty(),
+                "a rejected file has at least one diagnostic"
+            );
             let text = diagnostics.to_string();
             assert!(text.contains("--> fuzz.pipe:"));
-            assert!(!text.contains("internal error"), "a check gave up without a reason:\n{source}\n{text}");
+            assert!(
+                !text.contains("internal error"),
+                "a check gave up without a reason:\n{source}\n{text}"
+            );
         }
     }
 }
@@ -32,24 +41,54 @@ enum Mutation {
 fn mutation() -> impl Strategy<Value = Mutation> {
     // Fragments the grammar cares about, so mutations reach the checks and not only the parser.
     let fragment = prop_oneof![
-        Just("{".to_owned()), Just("}".to_owned()), Just("=".to_owned()), Just("..".to_owned()),
-        Just(",".to_owned()), Just("\"".to_owned()), Just("#".to_owned()), Just("\n".to_owned()),
-        Just("-".to_owned()), Just("0".to_owned()), Just("99999999999999999999".to_owned()),
-        Just("1e308".to_owned()), Just("GiB".to_owned()), Just("gpu 0..4".to_owned()), Just("x0".to_owned()),
-        Just("é".to_owned()), Just("\t".to_owned()), Just("[".to_owned()), Just("(".to_owned()),
-        "[a-z_]{1,8}", "[0-9]{1,12}", any::<String>(),
+        Just("{".to_owned()),
+        Just("}".to_owned()),
+        Just("=".to_owned()),
+        Just("..".to_owned()),
+        Just(",".to_owned()),
+        Just("\"".to_owned()),
+        Just("#".to_owned()),
+        Just("\n".to_owned()),
+        Just("-".to_owned()),
+        Just("0".to_owned()),
+        Just("99999999999999999999".to_owned()),
+        Just("1e308".to_owned()),
+        Just("GiB".to_owned()),
+        Just("gpu 0..4".to_owned()),
+        Just("x0".to_owned()),
+        Just("é".to_owned()),
+        Just("\t".to_owned()),
+        Just("[".to_owned()),
+        Just("(".to_owned()),
+        "[a-z_]{1,8}",
+        "[0-9]{1,12}",
+        any::<String>(),
     ];
     prop_oneof![
         (any::<usize>(), 1usize..12).prop_map(|(at, len)| Mutation::Delete { at, len }),
         (any::<usize>(), fragment.clone()).prop_map(|(at, text)| Mutation::Insert { at, text }),
-        (any::<usize>(), 1usize..6, fragment).prop_map(|(at, len, text)| Mutation::Replace { at, len, text }),
+        (any::<usize>(), 1usize..6, fragment).prop_map(|(at, len, text)| Mutation::Replace {
+            at,
+            len,
+            text
+        }),
     ]
 }
 
 fn apply(source: &str, mutation: &Mutation) -> String {
-    let boundaries: Vec<usize> = source.char_indices().map(|(i, _)| i).chain([source.len()]).collect();
+    let boundaries: Vec<usize> = source
+        .char_indices()
+        .map(|(i, _)| i)
+        .chain([source.len()])
+        .collect();
     let pick = |at: usize| boundaries[at % boundaries.len()];
-    let end_of = |start: usize, len: usize| boundaries.iter().copied().find(|&b| b >= start + len).unwrap_or(source.len());
+    let end_of = |start: usize, len: usize| {
+        boundaries
+            .iter()
+            .copied()
+            .find(|&b| b >= start + len)
+            .unwrap_or(source.len())
+    };
     let mut out = source.to_owned();
     match mutation {
         Mutation::Delete { at, len } => {
@@ -97,9 +136,15 @@ proptest! {
 
 #[test]
 fn deeply_nested_values_are_an_error_not_a_crash() {
-    let source = VALID[0].replace("steps     = 300", &format!("steps = {}1{}", "[".repeat(200), "]".repeat(200)));
+    let source = VALID[0].replace(
+        "steps     = 300",
+        &format!("steps = {}1{}", "[".repeat(200), "]".repeat(200)),
+    );
     let diagnostics = draftpipe_compiler::compile_source("deep.pipe", &source).unwrap_err();
-    assert!(diagnostics.to_string().contains("nested too deeply"), "{diagnostics}");
+    assert!(
+        diagnostics.to_string().contains("nested too deeply"),
+        "{diagnostics}"
+    );
 }
 
 #[test]
@@ -108,5 +153,8 @@ fn huge_dimensions_are_rejected_without_overflow() {
         .replace("hidden = 1024", "hidden = 4294967296")
         .replace("intermediate = 2816", "intermediate = 4294967296");
     let diagnostics = draftpipe_compiler::compile_source("huge.pipe", &source).unwrap_err();
-    assert!(diagnostics.to_string().contains("too large"), "{diagnostics}");
+    assert!(
+        diagnostics.to_string().contains("too large"),
+        "{diagnostics}"
+    );
 }

@@ -26,10 +26,14 @@ pub(crate) fn check_devices(section: &DevicesSection, errs: &mut Errs) -> Vec<De
         let mut f = crate::check::fields::Fields::new(
             &decl.block.entries,
             format!("`{}` declaration", decl.class.name),
-            decl.class.span.join(decl.ids.as_ref().map_or(decl.class.span, |v| v.span)),
+            decl.class
+                .span
+                .join(decl.ids.as_ref().map_or(decl.class.span, |v| v.span)),
             errs,
         );
-        let memory = f.required("memory", "80GiB").and_then(|v| values::size_bytes(errs, "memory", v));
+        let memory = f
+            .required("memory", "80GiB")
+            .and_then(|v| values::size_bytes(errs, "memory", v));
         f.finish(errs);
         let devices = match (decl.class.name.as_str(), &decl.ids) {
             ("cpu", None) => Some(vec![Device::Cpu]),
@@ -41,21 +45,30 @@ pub(crate) fn check_devices(section: &DevicesSection, errs: &mut Errs) -> Vec<De
                 errs.push(gpu_without_ids(decl.class.span));
                 None
             }
-            (_, Some(ids)) => gpu_ids(errs, ids).map(|ids| ids.into_iter().map(Device::Gpu).collect()),
+            (_, Some(ids)) => {
+                gpu_ids(errs, ids).map(|ids| ids.into_iter().map(Device::Gpu).collect())
+            }
         };
         // Devices stay declared even when their memory has errors, so their use is not reported as well.
         let Some(devices) = devices else { continue };
         for device in devices {
             if let Some(first) = declared.iter().find(|d| d.device == device) {
                 errs.push(
-                    Diagnostic::error(decl.span, format!("{} is declared twice", device_name(device)))
-                        .label("declared again")
-                        .related(first.span, "first declared")
-                        .help("declare each device once"),
+                    Diagnostic::error(
+                        decl.span,
+                        format!("{} is declared twice", device_name(device)),
+                    )
+                    .label("declared again")
+                    .related(first.span, "first declared")
+                    .help("declare each device once"),
                 );
                 continue;
             }
-            declared.push(Declared { device, memory_bytes: memory, span: decl.span });
+            declared.push(Declared {
+                device,
+                memory_bytes: memory,
+                span: decl.span,
+            });
         }
     }
     declared
@@ -75,23 +88,31 @@ pub(crate) fn check_placement(p: &PlacementExpr, errs: &mut Errs) -> Option<Plac
                 Some((Some(n), span)) => {
                     if n == 0 || n as usize > MAX_DEVICES {
                         errs.push(
-                            Diagnostic::error(span, format!("worker count must lie in 1..={MAX_DEVICES}, found {n}"))
-                                .label("out of range")
-                                .help("write `cpu` for one worker or `cpu xN` for N workers"),
+                            Diagnostic::error(
+                                span,
+                                format!("worker count must lie in 1..={MAX_DEVICES}, found {n}"),
+                            )
+                            .label("out of range")
+                            .help("write `cpu` for one worker or `cpu xN` for N workers"),
                         );
                         return None;
                     }
                     n as usize
                 }
             };
-            Some(Placement { workers: vec![Device::Cpu; workers] })
+            Some(Placement {
+                workers: vec![Device::Cpu; workers],
+            })
         }
         _ => {
             if let Some((_, span)) = p.workers {
                 errs.push(
-                    Diagnostic::error(span, "a GPU stage runs one worker per GPU, not `xN` workers")
-                        .label("not for `gpu`")
-                        .help("list the GPUs instead, e.g. `gpu 0..2` for two workers"),
+                    Diagnostic::error(
+                        span,
+                        "a GPU stage runs one worker per GPU, not `xN` workers",
+                    )
+                    .label("not for `gpu`")
+                    .help("list the GPUs instead, e.g. `gpu 0..2` for two workers"),
                 );
                 return None;
             }
@@ -99,7 +120,9 @@ pub(crate) fn check_placement(p: &PlacementExpr, errs: &mut Errs) -> Option<Plac
                 errs.push(gpu_without_ids(p.class.span));
                 return None;
             };
-            gpu_ids(errs, ids).map(|ids| Placement { workers: ids.into_iter().map(Device::Gpu).collect() })
+            gpu_ids(errs, ids).map(|ids| Placement {
+                workers: ids.into_iter().map(Device::Gpu).collect(),
+            })
         }
     }
 }
@@ -110,7 +133,14 @@ fn gpu_ids(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
         values::count(errs, "gpu", v, 0).and_then(|n| match u32::try_from(n) {
             Ok(id) => Some(id),
             Err(_) => {
-                values::out_of_range(errs, "gpu", v, "ordinals must fit in 32 bits", n, "GPU ordinals count from 0");
+                values::out_of_range(
+                    errs,
+                    "gpu",
+                    v,
+                    "ordinals must fit in 32 bits",
+                    n,
+                    "GPU ordinals count from 0",
+                );
                 None
             }
         })
@@ -139,7 +169,14 @@ fn gpu_ids(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
             let ids: Vec<u32> = ids.into_iter().collect::<Option<_>>()?;
             if ids.is_empty() || ids.len() > MAX_DEVICES {
                 let rule = format!("lists hold 1..={MAX_DEVICES} devices");
-                values::out_of_range(errs, "gpu", value, &rule, ids.len(), "list at least one GPU");
+                values::out_of_range(
+                    errs,
+                    "gpu",
+                    value,
+                    &rule,
+                    ids.len(),
+                    "list at least one GPU",
+                );
                 return None;
             }
             for (i, id) in ids.iter().enumerate() {
@@ -167,7 +204,9 @@ pub(crate) fn check_device_use(
 ) {
     for (i, (kind, name, placement, span)) in stages.iter().enumerate() {
         for (other_kind, other_name, other, other_span) in &stages[..i] {
-            let shared: Vec<u32> = gpus(placement).filter(|g| gpus(other).any(|o| o == *g)).collect();
+            let shared: Vec<u32> = gpus(placement)
+                .filter(|g| gpus(other).any(|o| o == *g))
+                .collect();
             if !shared.is_empty() {
                 errs.push(
                     Diagnostic::error(
@@ -189,20 +228,47 @@ pub(crate) fn check_device_use(
             .filter(|g| !declared.iter().any(|d| d.device == Device::Gpu(*g)))
             .collect();
         if !missing.is_empty() {
-            let known: Vec<u32> =
-                declared.iter().filter_map(|d| if let Device::Gpu(g) = d.device { Some(g) } else { None }).collect();
-            let known = if known.is_empty() { "no GPUs are declared".to_owned() } else { format!("declared: {}", gpu_list(&known)) };
+            let known: Vec<u32> = declared
+                .iter()
+                .filter_map(|d| {
+                    if let Device::Gpu(g) = d.device {
+                        Some(g)
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            let known = if known.is_empty() {
+                "no GPUs are declared".to_owned()
+            } else {
+                format!("declared: {}", gpu_list(&known))
+            };
             errs.push(
-                Diagnostic::error(*span, format!("{kind} `{name}` uses {} that {} not declared", gpu_list(&missing), verb(&missing)))
-                    .label("outside the declared devices")
-                    .help(format!("{known}; declare the GPU or place the stage on declared ones")),
+                Diagnostic::error(
+                    *span,
+                    format!(
+                        "{kind} `{name}` uses {} that {} not declared",
+                        gpu_list(&missing),
+                        verb(&missing)
+                    ),
+                )
+                .label("outside the declared devices")
+                .help(format!(
+                    "{known}; declare the GPU or place the stage on declared ones"
+                )),
             );
         }
     }
 }
 
 fn gpus(placement: &Placement) -> impl Iterator<Item = u32> + '_ {
-    placement.workers.iter().filter_map(|d| if let Device::Gpu(g) = d { Some(*g) } else { None })
+    placement.workers.iter().filter_map(|d| {
+        if let Device::Gpu(g) = d {
+            Some(*g)
+        } else {
+            None
+        }
+    })
 }
 
 /// "gpu 5" or "gpus 5, 6, 7".
@@ -233,5 +299,7 @@ fn cpu_with_ids(span: Span) -> Diagnostic {
 }
 
 fn gpu_without_ids(span: Span) -> Diagnostic {
-    Diagnostic::error(span, "`gpu` needs device numbers").label("which GPUs?").help("write e.g. `gpu 0`, `gpu 0..4` or `gpu [0, 2]`")
+    Diagnostic::error(span, "`gpu` needs device numbers")
+        .label("which GPUs?")
+        .help("write e.g. `gpu 0`, `gpu 0..4` or `gpu [0, 2]`")
 }

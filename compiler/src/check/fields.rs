@@ -21,26 +21,43 @@ pub(crate) struct Fields<'a> {
 impl<'a> Fields<'a> {
     /// Indexes `entries`, reporting every repeated key. `context` names the owner in messages (e.g.
     /// "queue `hs`"); missing-key errors point at `owner`.
-    pub(crate) fn new(entries: &'a [Entry], context: String, owner: Span, errs: &mut Vec<Diagnostic>) -> Self {
+    pub(crate) fn new(
+        entries: &'a [Entry],
+        context: String,
+        owner: Span,
+        errs: &mut Vec<Diagnostic>,
+    ) -> Self {
         let mut firsts: Vec<&'a Entry> = Vec::with_capacity(entries.len());
         for entry in entries {
             match firsts.iter().find(|e| e.key.name == entry.key.name) {
                 Some(first) => errs.push(
-                    Diagnostic::error(entry.key.span, format!("duplicate key `{}` in {context}", entry.key.name))
-                        .label("set again here")
-                        .related(first.key.span, "first set")
-                        .help("remove one of the two settings"),
+                    Diagnostic::error(
+                        entry.key.span,
+                        format!("duplicate key `{}` in {context}", entry.key.name),
+                    )
+                    .label("set again here")
+                    .related(first.key.span, "first set")
+                    .help("remove one of the two settings"),
                 ),
                 None => firsts.push(entry),
             }
         }
-        Self { context, owner, entries: firsts, known: Vec::new(), missing: Vec::new() }
+        Self {
+            context,
+            owner,
+            entries: firsts,
+            known: Vec::new(),
+            missing: Vec::new(),
+        }
     }
 
     /// The value of `key`, when given.
     pub(crate) fn optional(&mut self, key: &'static str) -> Option<&'a Value> {
         self.known.push(key);
-        self.entries.iter().find(|e| e.key.name == key).map(|e| &e.value)
+        self.entries
+            .iter()
+            .find(|e| e.key.name == key)
+            .map(|e| &e.value)
     }
 
     /// The value of `key`; when it is missing, `finish` reports it, suggesting `key = example`.
@@ -68,17 +85,23 @@ impl<'a> Fields<'a> {
                 help = format!("did you mean `{best}`? (`{best}` is required)");
             }
             errs.push(
-                Diagnostic::error(entry.key.span, format!("unknown key `{}` in {}", entry.key.name, self.context))
-                    .label("unknown key")
-                    .help(help),
+                Diagnostic::error(
+                    entry.key.span,
+                    format!("unknown key `{}` in {}", entry.key.name, self.context),
+                )
+                .label("unknown key")
+                .help(help),
             );
         }
         for (key, example) in &self.missing {
             if !explained.contains(key) {
                 errs.push(
-                    Diagnostic::error(self.owner, format!("missing required key `{key}` in {}", self.context))
-                        .label(format!("needs `{key}`"))
-                        .help(format!("add `{key} = {example}`")),
+                    Diagnostic::error(
+                        self.owner,
+                        format!("missing required key `{key}` in {}", self.context),
+                    )
+                    .label(format!("needs `{key}`"))
+                    .help(format!("add `{key} = {example}`")),
                 );
             }
         }

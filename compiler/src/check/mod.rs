@@ -14,7 +14,9 @@ mod stages;
 mod suggest;
 mod values;
 
-use crate::ast::{PipelineDecl, PipelineFile, QueueSection, Section, StageSection, TelemetrySection};
+use crate::ast::{
+    PipelineDecl, PipelineFile, QueueSection, Section, StageSection, TelemetrySection,
+};
 use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
@@ -23,14 +25,23 @@ use crate::plan::{
 use crate::span::Span;
 
 pub use devices::{MAX_DEVICES, device_name};
-pub use stages::{DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, adamw_defaults};
+pub use stages::{
+    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, adamw_defaults,
+};
 
 type Errs = Vec<Diagnostic>;
 
 /// Largest supported parameter count (4 TiB of f32 parameters); it also bounds the cost model's arithmetic.
 pub const MAX_PARAMETERS: u128 = 1 << 40;
 
-const SECTION_KEYWORDS: [&str; 6] = ["pipeline", "devices", "target", "queue", "drafter", "telemetry"];
+const SECTION_KEYWORDS: [&str; 6] = [
+    "pipeline",
+    "devices",
+    "target",
+    "queue",
+    "drafter",
+    "telemetry",
+];
 
 /// The top-level sections of a file, sorted by kind.
 #[derive(Default)]
@@ -50,14 +61,32 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     check_unique_names(&sections, &mut errs);
 
     let name = sections.pipeline.first().map(|p| p.name.value.clone());
-    let declared = sections.devices.first().map(|d| devices::check_devices(d, &mut errs));
+    let declared = sections
+        .devices
+        .first()
+        .map(|d| devices::check_devices(d, &mut errs));
     let telemetry = stages::check_telemetry(sections.telemetry.first().copied(), &mut errs);
 
-    let target = sections.targets.first().map(|s| (s, stages::check_target(s, &mut errs)));
-    let target_placement = sections.targets.first().and_then(|s| devices::check_placement(&s.placement, &mut errs));
-    let drafter = sections.drafters.first().map(|s| (s, stages::check_drafter(s, &mut errs)));
-    let drafter_placement = sections.drafters.first().and_then(|s| devices::check_placement(&s.placement, &mut errs));
-    let queue = sections.queues.first().map(|q| (q, stages::check_queue(q, &mut errs)));
+    let target = sections
+        .targets
+        .first()
+        .map(|s| (s, stages::check_target(s, &mut errs)));
+    let target_placement = sections
+        .targets
+        .first()
+        .and_then(|s| devices::check_placement(&s.placement, &mut errs));
+    let drafter = sections
+        .drafters
+        .first()
+        .map(|s| (s, stages::check_drafter(s, &mut errs)));
+    let drafter_placement = sections
+        .drafters
+        .first()
+        .and_then(|s| devices::check_placement(&s.placement, &mut errs));
+    let queue = sections
+        .queues
+        .first()
+        .map(|q| (q, stages::check_queue(q, &mut errs)));
 
     if let Some((q, _)) = &queue {
         check_queue_ends(q, &sections, &mut errs);
@@ -78,8 +107,12 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         return Err(errs);
     }
     // No error was recorded, so every section exists once and every part is present.
-    let (Some(name), Some((target_section, target)), Some((drafter_section, drafter)), Some((queue_section, queue))) =
-        (name, target, drafter, queue)
+    let (
+        Some(name),
+        Some((target_section, target)),
+        Some((drafter_section, drafter)),
+        Some((queue_section, queue)),
+    ) = (name, target, drafter, queue)
     else {
         return Err(errs);
     };
@@ -113,28 +146,53 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     };
     let too_large = |what: &str| {
         vec![
-            Diagnostic::error(drafter_section.header, format!("the {what} of drafter `{}` is too large", drafter.name))
-                .label("model too large")
-                .help(format!("draftpipe supports models up to {MAX_PARAMETERS} parameters")),
+            Diagnostic::error(
+                drafter_section.header,
+                format!("the {what} of drafter `{}` is too large", drafter.name),
+            )
+            .label("model too large")
+            .help(format!(
+                "draftpipe supports models up to {MAX_PARAMETERS} parameters"
+            )),
         ]
     };
     if parameter_count_wide(&spec) > MAX_PARAMETERS {
         return Err(too_large("parameter count"));
     }
-    let buckets = cost::bucket_plans(&target, &queue, &spec).ok_or_else(|| too_large("cost per step"))?;
-    let memory = cost::device_memory(&drafter.placement, &spec, &buckets, &drafter.loss, queue.capacity)
-        .ok_or_else(|| too_large("memory plan"))?;
+    let buckets =
+        cost::bucket_plans(&target, &queue, &spec).ok_or_else(|| too_large("cost per step"))?;
+    let memory = cost::device_memory(
+        &drafter.placement,
+        &spec,
+        &buckets,
+        &drafter.loss,
+        queue.capacity,
+    )
+    .ok_or_else(|| too_large("memory plan"))?;
     // No error was recorded, so every declared memory was read.
     let declared: Vec<(DeclaredDevice, Span)> = declared
         .unwrap_or_default()
         .into_iter()
-        .filter_map(|d| Some((DeclaredDevice { device: d.device, memory_bytes: d.memory_bytes? }, d.span)))
+        .filter_map(|d| {
+            Some((
+                DeclaredDevice {
+                    device: d.device,
+                    memory_bytes: d.memory_bytes?,
+                },
+                d.span,
+            ))
+        })
         .collect();
     check_memory(&memory, &declared, drafter_section, &mut errs);
     if !errs.is_empty() {
         return Err(errs);
     }
-    let mut schedule = vec![StepPhase::Copy, StepPhase::Forward, StepPhase::Loss, StepPhase::Backward];
+    let mut schedule = vec![
+        StepPhase::Copy,
+        StepPhase::Forward,
+        StepPhase::Loss,
+        StepPhase::Backward,
+    ];
     if drafter.sync == SyncMode::AllReduce && drafter.placement.workers.len() > 1 {
         schedule.push(StepPhase::AllReduce);
     }
@@ -142,7 +200,11 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     Ok(Plan {
         name,
         devices: declared.into_iter().map(|(d, _)| d).collect(),
-        model: ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() },
+        model: ModelPlan {
+            spec,
+            parameters: spec.parameter_count(),
+            layout: spec.layout(),
+        },
         target,
         queue,
         drafter,
@@ -156,8 +218,14 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
 /// The closed-form parameter count in `u128`, safe to evaluate before the dimensions are known to fit.
 fn parameter_count_wide(spec: &MlpSpec) -> u128 {
     let w = |x: usize| x as u128;
-    let (din, h, blocks, i, heads, v) =
-        (w(spec.din), w(spec.hidden), w(spec.blocks), w(spec.intermediate), w(spec.heads), w(spec.vocab));
+    let (din, h, blocks, i, heads, v) = (
+        w(spec.din),
+        w(spec.hidden),
+        w(spec.blocks),
+        w(spec.intermediate),
+        w(spec.heads),
+        w(spec.vocab),
+    );
     h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h
 }
 
@@ -172,20 +240,57 @@ fn sort_sections<'a>(file: &'a PipelineFile, errs: &mut Errs) -> Sections<'a> {
             Section::Drafter(d) => s.drafters.push(d),
             Section::Telemetry(t) => s.telemetry.push(t),
             Section::Unknown(u) => errs.push(
-                Diagnostic::error(u.keyword.span, format!("unknown section `{}`", u.keyword.name))
-                    .label("unknown section")
-                    .help(suggest::help(&u.keyword.name, "the sections are", &SECTION_KEYWORDS)),
+                Diagnostic::error(
+                    u.keyword.span,
+                    format!("unknown section `{}`", u.keyword.name),
+                )
+                .label("unknown section")
+                .help(suggest::help(
+                    &u.keyword.name,
+                    "the sections are",
+                    &SECTION_KEYWORDS,
+                )),
             ),
         }
     }
     let file_start = Span::new(0, 0);
     let rules: [(&str, Vec<Span>, bool, &str); 6] = [
-        ("pipeline", s.pipeline.iter().map(|p| p.span).collect(), true, "pipeline \"NAME\""),
-        ("devices", s.devices.iter().map(|d| d.span).collect(), false, ""),
-        ("target", s.targets.iter().map(|t| t.header).collect(), true, "target NAME on cpu { ... }"),
-        ("queue", s.queues.iter().map(|q| q.header).collect(), true, "queue NAME from TARGET to DRAFTER { ... }"),
-        ("drafter", s.drafters.iter().map(|d| d.header).collect(), true, "drafter NAME on cpu { ... }"),
-        ("telemetry", s.telemetry.iter().map(|t| t.header).collect(), false, ""),
+        (
+            "pipeline",
+            s.pipeline.iter().map(|p| p.span).collect(),
+            true,
+            "pipeline \"NAME\"",
+        ),
+        (
+            "devices",
+            s.devices.iter().map(|d| d.span).collect(),
+            false,
+            "",
+        ),
+        (
+            "target",
+            s.targets.iter().map(|t| t.header).collect(),
+            true,
+            "target NAME on cpu { ... }",
+        ),
+        (
+            "queue",
+            s.queues.iter().map(|q| q.header).collect(),
+            true,
+            "queue NAME from TARGET to DRAFTER { ... }",
+        ),
+        (
+            "drafter",
+            s.drafters.iter().map(|d| d.header).collect(),
+            true,
+            "drafter NAME on cpu { ... }",
+        ),
+        (
+            "telemetry",
+            s.telemetry.iter().map(|t| t.header).collect(),
+            false,
+            "",
+        ),
     ];
     for (keyword, found, required, example) in rules {
         if found.is_empty() && required {
@@ -244,8 +349,12 @@ fn check_queue_ends(q: &QueueSection, s: &Sections<'_>, errs: &mut Errs) {
             None
         }
     };
-    let stage_names: Vec<&str> =
-        s.targets.iter().chain(&s.drafters).map(|t| t.name.name.as_str()).collect();
+    let stage_names: Vec<&str> = s
+        .targets
+        .iter()
+        .chain(&s.drafters)
+        .map(|t| t.name.name.as_str())
+        .collect();
     for (end, wanted, ident) in [("from", "target", &q.from), ("to", "drafter", &q.to)] {
         match kind_of(&ident.name) {
             Some(kind) if kind == wanted => {}
@@ -265,8 +374,12 @@ fn check_queue_ends(q: &QueueSection, s: &Sections<'_>, errs: &mut Errs) {
 
 /// Every bucket fits one item; the source's longest sequence fits the largest bucket.
 fn check_buckets_against_target(t: &stages::TargetParts, q: &stages::QueueParts, errs: &mut Errs) {
-    let Some((buckets, buckets_span)) = &q.buckets else { return };
-    let Some(&largest) = buckets.last() else { return };
+    let Some((buckets, buckets_span)) = &q.buckets else {
+        return;
+    };
+    let Some(&largest) = buckets.last() else {
+        return;
+    };
     if let Some((batch_tokens, batch_span)) = t.batch_tokens
         && largest > batch_tokens
     {
@@ -281,10 +394,19 @@ fn check_buckets_against_target(t: &stages::TargetParts, q: &stages::QueueParts,
         && max_len - 1 > largest
     {
         errs.push(
-            Diagnostic::error(lengths_span, format!("sequences up to {} tokens long fit no bucket (largest is {largest})", max_len - 1))
-                .label("longer than every bucket")
-                .related(*buckets_span, "buckets set")
-                .help(format!("add a bucket of at least {} or shorten `lengths` (the end is excluded)", max_len - 1)),
+            Diagnostic::error(
+                lengths_span,
+                format!(
+                    "sequences up to {} tokens long fit no bucket (largest is {largest})",
+                    max_len - 1
+                ),
+            )
+            .label("longer than every bucket")
+            .related(*buckets_span, "buckets set")
+            .help(format!(
+                "add a bucket of at least {} or shorten `lengths` (the end is excluded)",
+                max_len - 1
+            )),
         );
     }
 }
@@ -297,16 +419,39 @@ fn check_memory(
     drafter: &StageSection,
     errs: &mut Errs,
 ) {
-    let mut over: Vec<(&crate::plan::DeviceMemory, &DeclaredDevice, Span, Vec<String>)> = Vec::new();
+    let mut over: Vec<(
+        &crate::plan::DeviceMemory,
+        &DeclaredDevice,
+        Span,
+        Vec<String>,
+    )> = Vec::new();
     for need in memory {
-        let Some((have, decl_span)) = declared.iter().find(|(d, _)| d.device == need.device) else { continue };
+        let Some((have, decl_span)) = declared.iter().find(|(d, _)| d.device == need.device) else {
+            continue;
+        };
         if need.total() <= have.memory_bytes {
             continue;
         }
-        let same = |(n, h, _, _): &&mut (&crate::plan::DeviceMemory, &DeclaredDevice, Span, Vec<String>)| {
+        let same = |(n, h, _, _): &&mut (
+            &crate::plan::DeviceMemory,
+            &DeclaredDevice,
+            Span,
+            Vec<String>,
+        )| {
             h.memory_bytes == have.memory_bytes
-                && (n.parameters, n.gradients, n.optimizer_state, n.workspaces, n.hs_pool)
-                    == (need.parameters, need.gradients, need.optimizer_state, need.workspaces, need.hs_pool)
+                && (
+                    n.parameters,
+                    n.gradients,
+                    n.optimizer_state,
+                    n.workspaces,
+                    n.hs_pool,
+                ) == (
+                    need.parameters,
+                    need.gradients,
+                    need.optimizer_state,
+                    need.workspaces,
+                    need.hs_pool,
+                )
         };
         match over.iter_mut().find(same) {
             Some(group) => group.3.push(device_name(need.device)),

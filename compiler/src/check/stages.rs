@@ -37,19 +37,40 @@ pub(crate) struct TargetParts {
 pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetParts {
     let context = format!("target `{}`", section.name.name);
     let mut f = Fields::new(&section.block.entries, context, section.header, errs);
-    let hidden = f.required("hidden", "4096").and_then(|v| values::count_in(errs, "hidden", v, 1, MAX_DIM));
-    let tap_layers = f.required("tap_layers", "[1, 18, 35]").and_then(|v| tap_layers(errs, v));
-    let vocab = f.required("vocab", "151936").and_then(|v| values::count_in(errs, "vocab", v, 2, MAX_DIM));
+    let hidden = f
+        .required("hidden", "4096")
+        .and_then(|v| values::count_in(errs, "hidden", v, 1, MAX_DIM));
+    let tap_layers = f
+        .required("tap_layers", "[1, 18, 35]")
+        .and_then(|v| tap_layers(errs, v));
+    let vocab = f
+        .required("vocab", "151936")
+        .and_then(|v| values::count_in(errs, "vocab", v, 2, MAX_DIM));
     let batch_tokens = f
         .required("batch_tokens", "16384")
         .and_then(|v| values::count_in(errs, "batch_tokens", v, 1, MAX_DIM).map(|n| (n, v.span)));
     let mut lengths = None;
-    let source = f.required("source", "synthetic(seed = 1, lengths = 64..512)").and_then(|v| {
-        let call = values::call(errs, "source", v, &["synthetic", "safetensors"], "synthetic(seed = 1, lengths = 64..512)")?;
-        source(errs, call, &mut lengths)
-    });
+    let source = f
+        .required("source", "synthetic(seed = 1, lengths = 64..512)")
+        .and_then(|v| {
+            let call = values::call(
+                errs,
+                "source",
+                v,
+                &["synthetic", "safetensors"],
+                "synthetic(seed = 1, lengths = 64..512)",
+            )?;
+            source(errs, call, &mut lengths)
+        });
     f.finish(errs);
-    TargetParts { hidden, tap_layers, vocab, batch_tokens, source, lengths }
+    TargetParts {
+        hidden,
+        tap_layers,
+        vocab,
+        batch_tokens,
+        source,
+        lengths,
+    }
 }
 
 fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
@@ -57,7 +78,14 @@ fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
     if items.is_empty() || items.len() as u64 > MAX_REPEATS {
         let rule = format!("must name 1 to {MAX_REPEATS} layers");
         let found = format!("{} layers", items.len());
-        out_of_range(errs, "tap_layers", value, &rule, found, "for example `tap_layers = [1, 18, 35]`");
+        out_of_range(
+            errs,
+            "tap_layers",
+            value,
+            &rule,
+            found,
+            "for example `tap_layers = [1, 18, 35]`",
+        );
         return None;
     }
     let mut layers = Vec::with_capacity(items.len());
@@ -68,7 +96,14 @@ fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
             continue;
         };
         let Ok(layer) = u32::try_from(layer) else {
-            out_of_range(errs, "tap_layers", item, "entries must fit in 32 bits", layer, "layers count from 0");
+            out_of_range(
+                errs,
+                "tap_layers",
+                item,
+                "entries must fit in 32 bits",
+                layer,
+                "layers count from 0",
+            );
             ok = false;
             continue;
         };
@@ -85,21 +120,36 @@ fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
     ok.then_some(layers)
 }
 
-fn source(errs: &mut Errs, call: &Call, lengths: &mut Option<(usize, usize, Span)>) -> Option<SourceSpec> {
+fn source(
+    errs: &mut Errs,
+    call: &Call,
+    lengths: &mut Option<(usize, usize, Span)>,
+) -> Option<SourceSpec> {
     let context = format!("`{}(...)`", call.name.name);
     let mut f = Fields::new(&call.args, context, call.span, errs);
     let spec = if call.name.name == "synthetic" {
-        let seed = f.required("seed", "1").and_then(|v| values::count(errs, "seed", v, 0));
-        let range = f.required("lengths", "64..512").and_then(|v| length_range(errs, v));
+        let seed = f
+            .required("seed", "1")
+            .and_then(|v| values::count(errs, "seed", v, 0));
+        let range = f
+            .required("lengths", "64..512")
+            .and_then(|v| length_range(errs, v));
         if let Some((min_len, max_len)) = range {
             *lengths = f.optional("lengths").map(|v| (min_len, max_len, v.span));
         }
-        seed.zip(range).map(|(seed, (min_len, max_len))| SourceSpec::Synthetic { seed: seed as u64, min_len, max_len })
+        seed.zip(range)
+            .map(|(seed, (min_len, max_len))| SourceSpec::Synthetic {
+                seed: seed as u64,
+                min_len,
+                max_len,
+            })
     } else {
         let pattern = f
             .required("path", "\"data/*.safetensors\"")
             .and_then(|v| values::nonempty_string(errs, "path", v));
-        pattern.map(|p| SourceSpec::Safetensors { pattern: p.to_owned() })
+        pattern.map(|p| SourceSpec::Safetensors {
+            pattern: p.to_owned(),
+        })
     };
     f.finish(errs);
     spec
@@ -110,9 +160,14 @@ fn length_range(errs: &mut Errs, value: &Value) -> Option<(usize, usize)> {
     let (start, end) = values::int_range(errs, "lengths", value)?;
     if start < 1 || end <= start {
         errs.push(
-            Diagnostic::error(value.span, format!("`lengths` must be a non-empty range of positive lengths, found {start}..{end}"))
-                .label("empty or non-positive")
-                .help("write `min..max` with 1 <= min < max (max is excluded)"),
+            Diagnostic::error(
+                value.span,
+                format!(
+                    "`lengths` must be a non-empty range of positive lengths, found {start}..{end}"
+                ),
+            )
+            .label("empty or non-positive")
+            .help("write `min..max` with 1 <= min < max (max is excluded)"),
         );
         return None;
     }
@@ -130,22 +185,29 @@ pub(crate) struct QueueParts {
 pub(crate) fn check_queue(section: &QueueSection, errs: &mut Errs) -> QueueParts {
     let context = format!("queue `{}`", section.name.name);
     let mut f = Fields::new(&section.block.entries, context, section.header, errs);
-    let capacity = f.required("capacity", "16").and_then(|v| values::count_in(errs, "capacity", v, 1, MAX_CAPACITY));
+    let capacity = f
+        .required("capacity", "16")
+        .and_then(|v| values::count_in(errs, "capacity", v, 1, MAX_CAPACITY));
     let min_ready = match f.optional("min_ready") {
         None => Some(DEFAULT_MIN_READY),
         Some(v) => values::count(errs, "min_ready", v, 0).and_then(|m| match capacity {
             Some(c) if m > c => {
                 errs.push(
-                    Diagnostic::error(v.span, format!("`min_ready` ({m}) is larger than `capacity` ({c})"))
-                        .label("can never be reached")
-                        .help("consumers would wait forever: make `min_ready` at most `capacity`"),
+                    Diagnostic::error(
+                        v.span,
+                        format!("`min_ready` ({m}) is larger than `capacity` ({c})"),
+                    )
+                    .label("can never be reached")
+                    .help("consumers would wait forever: make `min_ready` at most `capacity`"),
                 );
                 None
             }
             _ => Some(m),
         }),
     };
-    let buckets = f.required("buckets", "[128, 256, 512]").and_then(|v| buckets(errs, v).map(|b| (b, v.span)));
+    let buckets = f
+        .required("buckets", "[128, 256, 512]")
+        .and_then(|v| buckets(errs, v).map(|b| (b, v.span)));
     let pull_options = [
         ("random_in_bucket", PullPolicy::RandomInBucket),
         ("round_robin", PullPolicy::RoundRobin),
@@ -156,7 +218,12 @@ pub(crate) fn check_queue(section: &QueueSection, errs: &mut Errs) -> QueueParts
         Some(v) => values::choice(errs, "pull", v, &pull_options),
     };
     f.finish(errs);
-    QueueParts { capacity, min_ready, buckets, pull }
+    QueueParts {
+        capacity,
+        min_ready,
+        buckets,
+        pull,
+    }
 }
 
 /// A non-empty, strictly increasing list of positive lengths.
@@ -170,15 +237,24 @@ fn buckets(errs: &mut Errs, value: &Value) -> Option<Vec<usize>> {
         );
         return None;
     }
-    let parsed: Vec<Option<usize>> = items.iter().map(|v| values::count_in(errs, "buckets", v, 1, MAX_DIM)).collect();
+    let parsed: Vec<Option<usize>> = items
+        .iter()
+        .map(|v| values::count_in(errs, "buckets", v, 1, MAX_DIM))
+        .collect();
     let bounds: Vec<usize> = parsed.into_iter().collect::<Option<_>>()?;
     let mut ok = true;
     for (i, pair) in bounds.windows(2).enumerate() {
         if pair[1] <= pair[0] {
             errs.push(
-                Diagnostic::error(items[i + 1].span, format!("`buckets` must be strictly increasing: {} follows {}", pair[1], pair[0]))
-                    .label("not larger than the bucket before")
-                    .help("sort the bounds and remove repeats"),
+                Diagnostic::error(
+                    items[i + 1].span,
+                    format!(
+                        "`buckets` must be strictly increasing: {} follows {}",
+                        pair[1], pair[0]
+                    ),
+                )
+                .label("not larger than the bucket before")
+                .help("sort the bounds and remove repeats"),
             );
             ok = false;
         }
@@ -227,83 +303,164 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         .and_then(|v| values::call(errs, "model", v, &["mlp"], example))
         .and_then(|c| mlp(errs, c));
     let loss = match f.optional("loss") {
-        None => Some(LossSpec { head_decay: DEFAULT_HEAD_DECAY, chunk_tokens: DEFAULT_CHUNK_TOKENS }),
-        Some(v) => values::call(errs, "loss", v, &["cross_entropy"], "cross_entropy(head_decay = 0.8)")
-            .and_then(|c| loss(errs, c)),
+        None => Some(LossSpec {
+            head_decay: DEFAULT_HEAD_DECAY,
+            chunk_tokens: DEFAULT_CHUNK_TOKENS,
+        }),
+        Some(v) => values::call(
+            errs,
+            "loss",
+            v,
+            &["cross_entropy"],
+            "cross_entropy(head_decay = 0.8)",
+        )
+        .and_then(|c| loss(errs, c)),
     };
     let optimizer = match f.optional("optimizer") {
         None => Some(adamw_defaults()),
-        Some(v) => values::call(errs, "optimizer", v, &["adamw"], "adamw(lr = 1e-3)").and_then(|c| adamw(errs, c)),
+        Some(v) => values::call(errs, "optimizer", v, &["adamw"], "adamw(lr = 1e-3)")
+            .and_then(|c| adamw(errs, c)),
     };
     let sync = match f.optional("sync") {
         None => Some(SyncMode::AllReduce),
-        Some(v) => values::choice(errs, "sync", v, &[("allreduce", SyncMode::AllReduce), ("none", SyncMode::None)]),
+        Some(v) => values::choice(
+            errs,
+            "sync",
+            v,
+            &[("allreduce", SyncMode::AllReduce), ("none", SyncMode::None)],
+        ),
     };
     let launch = match f.optional("launch") {
         None => Some(LaunchMode::Graph),
-        Some(v) => values::choice(errs, "launch", v, &[("graph", LaunchMode::Graph), ("eager", LaunchMode::Eager)]),
+        Some(v) => values::choice(
+            errs,
+            "launch",
+            v,
+            &[("graph", LaunchMode::Graph), ("eager", LaunchMode::Eager)],
+        ),
     };
     let steps = match f.optional("steps") {
         None => Some(None),
         Some(v) => values::count(errs, "steps", v, 1).map(|n| Some(n as u64)),
     };
     f.finish(errs);
-    DrafterParts { model, loss, optimizer, sync, launch, steps }
+    DrafterParts {
+        model,
+        loss,
+        optimizer,
+        sync,
+        launch,
+        steps,
+    }
 }
 
 fn mlp(errs: &mut Errs, call: &Call) -> Option<MlpDims> {
     let mut f = Fields::new(&call.args, "`mlp(...)`".to_owned(), call.span, errs);
     let mut dim = |key: &'static str, example: &str, max: u64, errs: &mut Errs| {
-        f.required(key, example).and_then(|v| values::count_in(errs, key, v, 1, max))
+        f.required(key, example)
+            .and_then(|v| values::count_in(errs, key, v, 1, max))
     };
     let hidden = dim("hidden", "1024", MAX_DIM, errs);
     let blocks = dim("blocks", "2", MAX_REPEATS, errs);
     let intermediate = dim("intermediate", "2816", MAX_DIM, errs);
     let heads = dim("heads", "4", MAX_REPEATS, errs);
     f.finish(errs);
-    Some(MlpDims { hidden: hidden?, blocks: blocks?, intermediate: intermediate?, heads: heads? })
+    Some(MlpDims {
+        hidden: hidden?,
+        blocks: blocks?,
+        intermediate: intermediate?,
+        heads: heads?,
+    })
 }
 
 fn loss(errs: &mut Errs, call: &Call) -> Option<LossSpec> {
-    let mut f = Fields::new(&call.args, "`cross_entropy(...)`".to_owned(), call.span, errs);
+    let mut f = Fields::new(
+        &call.args,
+        "`cross_entropy(...)`".to_owned(),
+        call.span,
+        errs,
+    );
     let head_decay = match f.optional("head_decay") {
         None => Some(DEFAULT_HEAD_DECAY as f64),
-        Some(v) => values::real_where(errs, "head_decay", v, ("must lie in (0, 1]", "0.8"), |x| x > 0.0 && x <= 1.0),
+        Some(v) => values::real_where(errs, "head_decay", v, ("must lie in (0, 1]", "0.8"), |x| {
+            x > 0.0 && x <= 1.0
+        }),
     };
     let chunk_tokens = match f.optional("chunk_tokens") {
         None => Some(DEFAULT_CHUNK_TOKENS),
         Some(v) => values::count_in(errs, "chunk_tokens", v, 1, MAX_DIM),
     };
     f.finish(errs);
-    Some(LossSpec { head_decay: head_decay? as f32, chunk_tokens: chunk_tokens? })
+    Some(LossSpec {
+        head_decay: head_decay? as f32,
+        chunk_tokens: chunk_tokens?,
+    })
 }
 
 /// PyTorch's `torch.optim.AdamW` defaults, no gradient clipping.
 pub fn adamw_defaults() -> AdamWSpec {
-    AdamWSpec { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, clip_grad_norm: None }
+    AdamWSpec {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        clip_grad_norm: None,
+    }
 }
 
 fn adamw(errs: &mut Errs, call: &Call) -> Option<AdamWSpec> {
     let defaults = adamw_defaults();
     let mut f = Fields::new(&call.args, "`adamw(...)`".to_owned(), call.span, errs);
     let positive = |x: f64| x > 0.0 && x.is_finite() && (x as f32) > 0.0;
-    let lr = f.optional("lr").map_or(Some(defaults.lr as f64), |v| values::real_where(errs, "lr", v, ("must be positive", "1e-3"), positive));
+    let lr = f.optional("lr").map_or(Some(defaults.lr as f64), |v| {
+        values::real_where(errs, "lr", v, ("must be positive", "1e-3"), positive)
+    });
     let betas = match f.optional("betas") {
         None => Some((defaults.beta1, defaults.beta2)),
         Some(v) => values::tuple(errs, "betas", v, 2, "(0.9, 0.999)").and_then(|items| {
             let unit = |x: f64| (0.0..1.0).contains(&x);
-            let b1 = values::real_where(errs, "betas", &items[0], ("must lie in [0, 1)", "(0.9, 0.999)"), unit);
-            let b2 = values::real_where(errs, "betas", &items[1], ("must lie in [0, 1)", "(0.9, 0.999)"), unit);
+            let b1 = values::real_where(
+                errs,
+                "betas",
+                &items[0],
+                ("must lie in [0, 1)", "(0.9, 0.999)"),
+                unit,
+            );
+            let b2 = values::real_where(
+                errs,
+                "betas",
+                &items[1],
+                ("must lie in [0, 1)", "(0.9, 0.999)"),
+                unit,
+            );
             Some((b1? as f32, b2? as f32))
         }),
     };
-    let eps = f.optional("eps").map_or(Some(defaults.eps as f64), |v| values::real_where(errs, "eps", v, ("must be positive", "1e-8"), positive));
-    let weight_decay = f.optional("weight_decay").map_or(Some(defaults.weight_decay as f64), |v| {
-        values::real_where(errs, "weight_decay", v, ("must be non-negative", "0.01"), |x| x >= 0.0 && x.is_finite())
+    let eps = f.optional("eps").map_or(Some(defaults.eps as f64), |v| {
+        values::real_where(errs, "eps", v, ("must be positive", "1e-8"), positive)
     });
+    let weight_decay = f
+        .optional("weight_decay")
+        .map_or(Some(defaults.weight_decay as f64), |v| {
+            values::real_where(
+                errs,
+                "weight_decay",
+                v,
+                ("must be non-negative", "0.01"),
+                |x| x >= 0.0 && x.is_finite(),
+            )
+        });
     let clip_grad_norm = match f.optional("clip_grad_norm") {
         None => Some(None),
-        Some(v) => values::real_where(errs, "clip_grad_norm", v, ("must be positive", "1.0"), positive).map(|x| Some(x as f32)),
+        Some(v) => values::real_where(
+            errs,
+            "clip_grad_norm",
+            v,
+            ("must be positive", "1.0"),
+            positive,
+        )
+        .map(|x| Some(x as f32)),
     };
     f.finish(errs);
     let (beta1, beta2) = betas?;
@@ -318,16 +475,32 @@ fn adamw(errs: &mut Errs, call: &Call) -> Option<AdamWSpec> {
 }
 
 /// Telemetry settings; defaults when the section is absent.
-pub(crate) fn check_telemetry(section: Option<&TelemetrySection>, errs: &mut Errs) -> Option<TelemetrySpec> {
+pub(crate) fn check_telemetry(
+    section: Option<&TelemetrySection>,
+    errs: &mut Errs,
+) -> Option<TelemetrySpec> {
     let Some(section) = section else {
-        return Some(TelemetrySpec { every_ms: DEFAULT_EVERY_MS, trace: None });
+        return Some(TelemetrySpec {
+            every_ms: DEFAULT_EVERY_MS,
+            trace: None,
+        });
     };
-    let mut f = Fields::new(&section.block.entries, "`telemetry`".to_owned(), section.header, errs);
-    let every_ms = f.optional("every").map_or(Some(DEFAULT_EVERY_MS), |v| values::duration_ms(errs, "every", v));
+    let mut f = Fields::new(
+        &section.block.entries,
+        "`telemetry`".to_owned(),
+        section.header,
+        errs,
+    );
+    let every_ms = f.optional("every").map_or(Some(DEFAULT_EVERY_MS), |v| {
+        values::duration_ms(errs, "every", v)
+    });
     let trace = match f.optional("trace") {
         None => Some(None),
         Some(v) => values::nonempty_string(errs, "trace", v).map(|s| Some(s.to_owned())),
     };
     f.finish(errs);
-    Some(TelemetrySpec { every_ms: every_ms?, trace: trace? })
+    Some(TelemetrySpec {
+        every_ms: every_ms?,
+        trace: trace?,
+    })
 }

@@ -1,7 +1,10 @@
 //! "Did you mean" suggestions by edit distance.
 
 /// The candidate closest to `word`, when it is close enough to be a plausible typo.
-pub(crate) fn closest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+pub(crate) fn closest<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
     let limit = (word.chars().count() / 3).max(1);
     candidates
         .into_iter()
@@ -12,10 +15,17 @@ pub(crate) fn closest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a s
 }
 
 /// `", did you mean `X`?"`-style help text, or a list of the valid words when none is close.
-pub(crate) fn help<'a>(word: &str, what: &str, candidates: &[&'a str]) -> String {
+pub(crate) fn help(word: &str, what: &str, candidates: &[&str]) -> String {
     match closest(word, candidates.iter().copied()) {
         Some(best) => format!("did you mean `{best}`?"),
-        None => format!("{what}: {}", candidates.iter().map(|c| format!("`{c}`")).collect::<Vec<_>>().join(", ")),
+        None => format!(
+            "{what}: {}",
+            candidates
+                .iter()
+                .map(|c| format!("`{c}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
 }
 
@@ -48,7 +58,10 @@ mod tests {
 
     #[test]
     fn suggests_only_close_words() {
-        assert_eq!(closest("capcity", ["capacity", "min_ready"]), Some("capacity"));
+        assert_eq!(
+            closest("capcity", ["capacity", "min_ready"]),
+            Some("capacity")
+        );
         assert_eq!(closest("zzz", ["capacity", "min_ready"]), None);
     }
 }

@@ -8,7 +8,13 @@ use crate::diagnostic::Diagnostic;
 type Errs = Vec<Diagnostic>;
 
 /// Byte multipliers of the size units.
-const SIZE_UNITS: [(&str, u64); 5] = [("B", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40)];
+const SIZE_UNITS: [(&str, u64); 5] = [
+    ("B", 1),
+    ("KiB", 1 << 10),
+    ("MiB", 1 << 20),
+    ("GiB", 1 << 30),
+    ("TiB", 1 << 40),
+];
 /// Millisecond multipliers of the duration units.
 const DURATION_UNITS: [(&str, f64); 3] = [("ms", 1.0), ("s", 1e3), ("m", 60e3)];
 
@@ -17,8 +23,12 @@ fn describe(kind: &ValueKind) -> &'static str {
     match kind {
         ValueKind::Integer(_) => "an integer",
         ValueKind::Float(_) => "a float",
-        ValueKind::Quantity { unit, .. } if SIZE_UNITS.iter().any(|(u, _)| *u == unit.name) => "a size",
-        ValueKind::Quantity { unit, .. } if DURATION_UNITS.iter().any(|(u, _)| *u == unit.name) => "a duration",
+        ValueKind::Quantity { unit, .. } if SIZE_UNITS.iter().any(|(u, _)| *u == unit.name) => {
+            "a size"
+        }
+        ValueKind::Quantity { unit, .. } if DURATION_UNITS.iter().any(|(u, _)| *u == unit.name) => {
+            "a duration"
+        }
         ValueKind::Quantity { .. } => "a number with a unit",
         ValueKind::Str(_) => "a string",
         ValueKind::Range(..) => "a range",
@@ -34,9 +44,15 @@ fn describe(kind: &ValueKind) -> &'static str {
 fn mismatch(errs: &mut Errs, key: &str, value: &Value, expected: &str, example: &str) {
     if value.kind != ValueKind::Invalid {
         errs.push(
-            Diagnostic::error(value.span, format!("`{key}` expects {expected}, found {}", describe(&value.kind)))
-                .label(format!("expected {expected}"))
-                .help(format!("for example `{key} = {example}`")),
+            Diagnostic::error(
+                value.span,
+                format!(
+                    "`{key}` expects {expected}, found {}",
+                    describe(&value.kind)
+                ),
+            )
+            .label(format!("expected {expected}"))
+            .help(format!("for example `{key} = {example}`")),
         );
     }
 }
@@ -50,7 +66,11 @@ pub(crate) fn out_of_range(
     found: impl std::fmt::Display,
     help: &str,
 ) {
-    errs.push(Diagnostic::error(value.span, format!("`{key}` {rule}, found {found}")).label("out of range").help(help));
+    errs.push(
+        Diagnostic::error(value.span, format!("`{key}` {rule}, found {found}"))
+            .label("out of range")
+            .help(help),
+    );
 }
 
 /// An integer literal.
@@ -70,7 +90,14 @@ pub(crate) fn count(errs: &mut Errs, key: &str, value: &Value, min: u64) -> Opti
     match usize::try_from(i) {
         Ok(n) if n as u64 >= min => Some(n),
         _ => {
-            out_of_range(errs, key, value, &format!("must be at least {min}"), i, &format!("use an integer >= {min}"));
+            out_of_range(
+                errs,
+                key,
+                value,
+                &format!("must be at least {min}"),
+                i,
+                &format!("use an integer >= {min}"),
+            );
             None
         }
     }
@@ -85,10 +112,23 @@ pub(crate) const MAX_REPEATS: u64 = 1024;
 pub(crate) const MAX_CAPACITY: u64 = 1 << 20;
 
 /// An integer in `min..=max`.
-pub(crate) fn count_in(errs: &mut Errs, key: &str, value: &Value, min: u64, max: u64) -> Option<usize> {
+pub(crate) fn count_in(
+    errs: &mut Errs,
+    key: &str,
+    value: &Value,
+    min: u64,
+    max: u64,
+) -> Option<usize> {
     let n = count(errs, key, value, min)?;
     if n as u64 > max {
-        out_of_range(errs, key, value, &format!("must be at most {max}"), n, &format!("use an integer <= {max}"));
+        out_of_range(
+            errs,
+            key,
+            value,
+            &format!("must be at most {max}"),
+            n,
+            &format!("use an integer <= {max}"),
+        );
         return None;
     }
     Some(n)
@@ -119,7 +159,14 @@ pub(crate) fn real_where(
     if ok(x) {
         Some(x)
     } else {
-        out_of_range(errs, key, value, rule, x, &format!("for example `{key} = {example}`"));
+        out_of_range(
+            errs,
+            key,
+            value,
+            rule,
+            x,
+            &format!("for example `{key} = {example}`"),
+        );
         None
     }
 }
@@ -132,9 +179,12 @@ pub(crate) fn size_bytes(errs: &mut Errs, key: &str, value: &Value) -> Option<u6
     };
     let Some((_, scale)) = SIZE_UNITS.iter().find(|(u, _)| *u == unit.name) else {
         errs.push(
-            Diagnostic::error(unit.span, format!("`{key}` expects a size unit, found `{}`", unit.name))
-                .label("not a size unit")
-                .help("size units are binary: B, KiB, MiB, GiB, TiB (1GiB = 2^30 bytes)"),
+            Diagnostic::error(
+                unit.span,
+                format!("`{key}` expects a size unit, found `{}`", unit.name),
+            )
+            .label("not a size unit")
+            .help("size units are binary: B, KiB, MiB, GiB, TiB (1GiB = 2^30 bytes)"),
         );
         return None;
     };
@@ -142,7 +192,14 @@ pub(crate) fn size_bytes(errs: &mut Errs, key: &str, value: &Value) -> Option<u6
     if *amount > 0.0 && bytes < u64::MAX as f64 {
         Some(bytes.round() as u64)
     } else {
-        out_of_range(errs, key, value, "must be a positive size", format!("{amount}{}", unit.name), "for example `80GiB`");
+        out_of_range(
+            errs,
+            key,
+            value,
+            "must be a positive size",
+            format!("{amount}{}", unit.name),
+            "for example `80GiB`",
+        );
         None
     }
 }
@@ -156,9 +213,12 @@ pub(crate) fn duration_ms(errs: &mut Errs, key: &str, value: &Value) -> Option<u
     let Some((_, scale)) = DURATION_UNITS.iter().find(|(u, _)| *u == unit.name) else {
         let units: Vec<&str> = DURATION_UNITS.iter().map(|(u, _)| *u).collect();
         errs.push(
-            Diagnostic::error(unit.span, format!("`{key}` expects a duration unit, found `{}`", unit.name))
-                .label("not a duration unit")
-                .help(suggest::help(&unit.name, "duration units are", &units)),
+            Diagnostic::error(
+                unit.span,
+                format!("`{key}` expects a duration unit, found `{}`", unit.name),
+            )
+            .label("not a duration unit")
+            .help(suggest::help(&unit.name, "duration units are", &units)),
         );
         return None;
     };
@@ -167,7 +227,14 @@ pub(crate) fn duration_ms(errs: &mut Errs, key: &str, value: &Value) -> Option<u
         Some(ms as u64)
     } else {
         let found = format!("{amount}{}", unit.name);
-        out_of_range(errs, key, value, "must be at least 1ms", found, "for example `500ms` or `1s`");
+        out_of_range(
+            errs,
+            key,
+            value,
+            "must be at least 1ms",
+            found,
+            "for example `500ms` or `1s`",
+        );
         None
     }
 }
@@ -187,7 +254,14 @@ pub(crate) fn string<'v>(errs: &mut Errs, key: &str, value: &'v Value) -> Option
 pub(crate) fn nonempty_string<'v>(errs: &mut Errs, key: &str, value: &'v Value) -> Option<&'v str> {
     let s = string(errs, key, value)?;
     if s.is_empty() {
-        out_of_range(errs, key, value, "must not be empty", "\"\"", "write a non-empty string");
+        out_of_range(
+            errs,
+            key,
+            value,
+            "must not be empty",
+            "\"\"",
+            "write a non-empty string",
+        );
         return None;
     }
     Some(s)
@@ -216,14 +290,23 @@ pub(crate) fn list<'v>(errs: &mut Errs, key: &str, value: &'v Value) -> Option<&
 }
 
 /// A tuple literal with exactly `n` elements.
-pub(crate) fn tuple<'v>(errs: &mut Errs, key: &str, value: &'v Value, n: usize, example: &str) -> Option<&'v [Value]> {
+pub(crate) fn tuple<'v>(
+    errs: &mut Errs,
+    key: &str,
+    value: &'v Value,
+    n: usize,
+    example: &str,
+) -> Option<&'v [Value]> {
     match &value.kind {
         ValueKind::Tuple(items) if items.len() == n => Some(items),
         ValueKind::Tuple(items) => {
             errs.push(
-                Diagnostic::error(value.span, format!("`{key}` expects {n} elements, found {}", items.len()))
-                    .label(format!("expected {n} elements"))
-                    .help(format!("for example `{key} = {example}`")),
+                Diagnostic::error(
+                    value.span,
+                    format!("`{key}` expects {n} elements, found {}", items.len()),
+                )
+                .label(format!("expected {n} elements"))
+                .help(format!("for example `{key} = {example}`")),
             );
             None
         }
@@ -235,10 +318,21 @@ pub(crate) fn tuple<'v>(errs: &mut Errs, key: &str, value: &'v Value, n: usize, 
 }
 
 /// A bare name out of `options`, mapped to its meaning.
-pub(crate) fn choice<T: Copy>(errs: &mut Errs, key: &str, value: &Value, options: &[(&str, T)]) -> Option<T> {
+pub(crate) fn choice<T: Copy>(
+    errs: &mut Errs,
+    key: &str,
+    value: &Value,
+    options: &[(&str, T)],
+) -> Option<T> {
     let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
     let ValueKind::Ident(name) = &value.kind else {
-        mismatch(errs, key, value, &format!("one of {}", names.join(", ")), names[0]);
+        mismatch(
+            errs,
+            key,
+            value,
+            &format!("one of {}", names.join(", ")),
+            names[0],
+        );
         return None;
     };
     match options.iter().find(|(n, _)| n == name) {
@@ -255,7 +349,13 @@ pub(crate) fn choice<T: Copy>(errs: &mut Errs, key: &str, value: &Value, options
 }
 
 /// A call to one of the functions in `names`.
-pub(crate) fn call<'v>(errs: &mut Errs, key: &str, value: &'v Value, names: &[&str], example: &str) -> Option<&'v Call> {
+pub(crate) fn call<'v>(
+    errs: &mut Errs,
+    key: &str,
+    value: &'v Value,
+    names: &[&str],
+    example: &str,
+) -> Option<&'v Call> {
     let ValueKind::Call(call) = &value.kind else {
         mismatch(errs, key, value, "a call", example);
         return None;
@@ -264,9 +364,12 @@ pub(crate) fn call<'v>(errs: &mut Errs, key: &str, value: &'v Value, names: &[&s
         return Some(call);
     }
     errs.push(
-        Diagnostic::error(call.name.span, format!("unknown `{key}` kind `{}`", call.name.name))
-            .label("unknown here")
-            .help(suggest::help(&call.name.name, "the kinds are", names)),
+        Diagnostic::error(
+            call.name.span,
+            format!("unknown `{key}` kind `{}`", call.name.name),
+        )
+        .label("unknown here")
+        .help(suggest::help(&call.name.name, "the kinds are", names)),
     );
     None
 }
