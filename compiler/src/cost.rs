@@ -182,3 +182,32 @@ pub fn format_bytes(bytes: u64) -> String {
         _ => format!("{value:.2} {}", UNITS[unit]),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_print_in_binary_units_with_three_figures() {
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(1536), "1.50 KiB");
+        assert_eq!(format_bytes(19 << 20), "19.0 MiB");
+        assert_eq!(format_bytes(141 << 30), "141 GiB");
+        assert_eq!(format_bytes(u64::MAX), "16777216 TiB");
+    }
+
+    #[test]
+    fn overflowing_figures_are_none_not_wrapped() {
+        let spec = MlpSpec {
+            din: 1 << 32,
+            hidden: 1 << 32,
+            blocks: 1,
+            intermediate: 1,
+            heads: 1,
+            vocab: 2,
+        };
+        assert_eq!(item_bytes(1 << 40, 1 << 20, 1 << 10), None);
+        assert!(activation_floats_per_token(&spec).is_some());
+        assert_eq!(workspace_bytes(&spec, 1 << 32, 1), None);
+    }
+}

@@ -68,7 +68,17 @@ pub enum CompileError {
 /// Parses and checks `source`, returning its plan or all of its errors. `file_name` appears in diagnostics.
 pub fn compile_source(file_name: &str, source: &str) -> Result<Plan, Diagnostics> {
     let file = parse(file_name, source)?;
-    check::check(&file).map_err(|errors| {
+    check::check(&file).map_err(|mut errors| {
+        if errors.is_empty() {
+            // A check gave up without recording why: a bug, but the user still gets an error, not silence.
+            errors.push(
+                Diagnostic::error(
+                    file.span,
+                    "internal error: the checks rejected this file without a reason",
+                )
+                .help("please report this file to the draftpipe developers"),
+            );
+        }
         let mut diagnostics = Diagnostics::new(file_name, source);
         diagnostics.extend(errors);
         diagnostics

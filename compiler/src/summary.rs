@@ -4,7 +4,7 @@ use std::fmt::{self, Write as _};
 
 use crate::check::device_name;
 use crate::cost::format_bytes;
-use crate::plan::{Device, Placement, Plan, SourceSpec};
+use crate::plan::{Device, LaunchMode, Placement, Plan, PullPolicy, SourceSpec, SyncMode};
 
 /// Displays a plan as a summary: stages, devices, queue, model size, memory per device, cost per bucket.
 ///
@@ -49,16 +49,32 @@ impl fmt::Display for Summary<'_> {
             .map_or("no step limit".to_owned(), |s| format!("{s} steps"));
         writeln!(
             f,
-            "  drafter {:<12} on {:<16} sync {:?}, launch {:?}, {steps}",
+            "  drafter {:<12} on {:<16} sync {}, launch {}, {steps}",
             d.name,
             placement(&d.placement),
-            d.sync,
-            d.launch
+            match d.sync {
+                SyncMode::AllReduce => "allreduce",
+                SyncMode::None => "none",
+            },
+            match d.launch {
+                LaunchMode::Graph => "graph",
+                LaunchMode::Eager => "eager",
+            }
         )?;
         writeln!(
             f,
-            "\nqueue {} ({} → {}): capacity {}, min_ready {}, pull {:?}, buckets {:?}",
-            q.name, q.from, q.to, q.capacity, q.min_ready, q.pull, q.buckets
+            "\nqueue {} ({} → {}): capacity {}, min_ready {}, pull {}, buckets {:?}",
+            q.name,
+            q.from,
+            q.to,
+            q.capacity,
+            q.min_ready,
+            match q.pull {
+                PullPolicy::RandomInBucket => "random_in_bucket",
+                PullPolicy::RoundRobin => "round_robin",
+                PullPolicy::Fifo => "fifo",
+            },
+            q.buckets
         )?;
         let s = &m.spec;
         writeln!(
@@ -181,7 +197,7 @@ fn group_digits(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

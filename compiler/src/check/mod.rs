@@ -19,9 +19,7 @@ use crate::ast::{
 };
 use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
-use crate::plan::{
-    DeclaredDevice, DrafterStage, MlpSpec, ModelPlan, Plan, StepPhase, SyncMode, TargetStage,
-};
+use crate::plan::{DeclaredDevice, MlpSpec, ModelPlan, Plan, StepPhase, SyncMode};
 use crate::span::Span;
 
 pub use devices::{MAX_DEVICES, device_name};
@@ -106,35 +104,31 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     if !errs.is_empty() {
         return Err(errs);
     }
-    // No error was recorded, so every section exists once and every part is present.
+    // No error was recorded, so every section exists once and every part is present; a `None` here is a
+    // check that failed without saying why, which `compile_source` turns into an internal error.
+    let drafter_section = sections.drafters.first().copied();
+    let stages = (
+        name,
+        target
+            .zip(target_placement)
+            .and_then(|((s, t), p)| stages::target_stage(s, t, p)),
+        queue.and_then(|(s, q)| stages::queue_spec(s, q)),
+        drafter
+            .zip(drafter_placement)
+            .and_then(|((s, d), p)| stages::drafter_stage(s, d, p)),
+        drafter_section,
+        telemetry,
+    );
     let (
         Some(name),
-        Some((target_section, target)),
-        Some((drafter_section, drafter)),
-        Some((queue_section, queue)),
-    ) = (name, target, drafter, queue)
+        Some(target),
+        Some(queue),
+        Some((drafter, dims)),
+        Some(drafter_section),
+        Some(telemetry),
+    ) = stages
     else {
         return Err(errs);
-    };
-    let target = TargetStage {
-        name: target_section.name.name.clone(),
-        placement: target_placement.ok_or_else(Vec::new)?,
-        hidden: target.hidden.ok_or_else(Vec::new)?,
-        tap_layers: target.tap_layers.ok_or_else(Vec::new)?,
-        vocab: target.vocab.ok_or_else(Vec::new)?,
-        batch_tokens: target.batch_tokens.ok_or_else(Vec::new)?.0,
-        source: target.source.ok_or_else(Vec::new)?,
-    };
-    let queue = stages::queue_spec(queue_section, queue).ok_or_else(Vec::new)?;
-    let dims = drafter.model.ok_or_else(Vec::new)?;
-    let drafter = DrafterStage {
-        name: drafter_section.name.name.clone(),
-        placement: drafter_placement.ok_or_else(Vec::new)?,
-        loss: drafter.loss.ok_or_else(Vec::new)?,
-        optimizer: drafter.optimizer.ok_or_else(Vec::new)?,
-        sync: drafter.sync.ok_or_else(Vec::new)?,
-        launch: drafter.launch.ok_or_else(Vec::new)?,
-        steps: drafter.steps.ok_or_else(Vec::new)?,
     };
     let spec = MlpSpec {
         din: target.hs_width(),
@@ -211,7 +205,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         buckets,
         memory,
         schedule,
-        telemetry: telemetry.ok_or_else(Vec::new)?,
+        telemetry,
     })
 }
 

@@ -8,7 +8,8 @@ use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, LaunchMode, LossSpec, PullPolicy, QueueSpec, SourceSpec, SyncMode, TelemetrySpec,
+    AdamWSpec, DrafterStage, LaunchMode, LossSpec, Placement, PullPolicy, QueueSpec, SourceSpec,
+    SyncMode, TargetStage, TelemetrySpec,
 };
 use crate::span::Span;
 
@@ -137,11 +138,12 @@ fn source(
         if let Some((min_len, max_len)) = range {
             *lengths = f.optional("lengths").map(|v| (min_len, max_len, v.span));
         }
-        Some(SourceSpec::Synthetic {
-            seed: seed? as u64,
-            min_len: range?.0,
-            max_len: range?.1,
-        })
+        seed.zip(range)
+            .map(|(seed, (min_len, max_len))| SourceSpec::Synthetic {
+                seed: seed as u64,
+                min_len,
+                max_len,
+            })
     } else {
         let pattern = f
             .required("path", "\"data/*.safetensors\"")
@@ -171,6 +173,23 @@ fn length_range(errs: &mut Errs, value: &Value) -> Option<(usize, usize)> {
         return None;
     }
     Some((start as usize, end as usize))
+}
+
+/// Builds the target stage once its parts and placement are known to be valid.
+pub(crate) fn target_stage(
+    section: &StageSection,
+    parts: TargetParts,
+    placement: Placement,
+) -> Option<TargetStage> {
+    Some(TargetStage {
+        name: section.name.name.clone(),
+        placement,
+        hidden: parts.hidden?,
+        tap_layers: parts.tap_layers?,
+        vocab: parts.vocab?,
+        batch_tokens: parts.batch_tokens?.0,
+        source: parts.source?,
+    })
 }
 
 /// What the queue section yields; `None` fields had errors.
@@ -351,6 +370,24 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         launch,
         steps,
     }
+}
+
+/// Builds the drafter stage (and its model dimensions) once its parts and placement are known to be valid.
+pub(crate) fn drafter_stage(
+    section: &StageSection,
+    parts: DrafterParts,
+    placement: Placement,
+) -> Option<(DrafterStage, MlpDims)> {
+    let stage = DrafterStage {
+        name: section.name.name.clone(),
+        placement,
+        loss: parts.loss?,
+        optimizer: parts.optimizer?,
+        sync: parts.sync?,
+        launch: parts.launch?,
+        steps: parts.steps?,
+    };
+    Some((stage, parts.model?))
 }
 
 fn mlp(errs: &mut Errs, call: &Call) -> Option<MlpDims> {

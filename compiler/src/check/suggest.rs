@@ -15,7 +15,7 @@ pub(crate) fn closest<'a>(
 }
 
 /// `", did you mean `X`?"`-style help text, or a list of the valid words when none is close.
-pub(crate) fn help<'a>(word: &str, what: &str, candidates: &[&'a str]) -> String {
+pub(crate) fn help(word: &str, what: &str, candidates: &[&str]) -> String {
     match closest(word, candidates.iter().copied()) {
         Some(best) => format!("did you mean `{best}`?"),
         None => format!(

@@ -1,0 +1,297 @@
+//! Plan tests: the figures the runtime relies on (parameter count, flat layout, bucket shapes, memory per
+//! device, FLOPs), the documented defaults, and the checks that need a whole plan (memory limits).
+
+use draftpipe_compiler::plan::*;
+use draftpipe_compiler::{compile_source, cost};
+
+const QUICKSTART: &str = include_str!("../../pipelines/quickstart.pipe");
+const DFLASH: &str = include_str!("../../pipelines/dflash-5x3.pipe");
+
+#[test]
+fn dflash_parameter_count_matches_the_closed_formula() {
+    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    // din = 4096 × 3 taps; H = 1024, I = 2816, 2 blocks, 4 heads, V = 151936.
+    let (din, h, i, blocks, heads, v) = (
+        12288usize,
+        1024usize,
+        2816usize,
+        2usize,
+        4usize,
+        151936usize,
+    );
+    let expected = h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h;
+    assert_eq!(expected, 189_664_256);
+    assert_eq!(plan.model.parameters, expected);
+    assert_eq!(
+        plan.model.spec,
+        MlpSpec {
+            din,
+            hidden: h,
+            blocks,
+            intermediate: i,
+            heads,
+            vocab: v
+        }
+    );
+}
+
+#[test]
+fn layout_is_contiguous_with_pytorch_names_and_out_in_shapes() {
+    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    let layout = &plan.model.layout;
+    let names: Vec<&str> = layout.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "fc.weight",
+            "blocks.0.norm.weight",
+            "blocks.0.gate.weight",
+            "blocks.0.up.weight",
+            "blocks.0.down.weight",
+            "blocks.1.norm.weight",
+            "blocks.1.gate.weight",
+            "blocks.1.up.weight",
+            "blocks.1.down.weight",
+            "norm.weight",
+            "heads.0.weight",
+            "heads.1.weight",
+            "heads.2.weight",
+            "heads.3.weight",
+            "lm_head.weight",
+        ]
+    );
+    assert_eq!(layout[0].shape, [1024, 12288]);
+    assert_eq!(layout[2].shape, [2816, 1024]);
+    assert_eq!(layout[4].shape, [1024, 2816]);
+    assert_eq!(layout[14].shape, [151936, 1024]);
+    let mut offset = 0;
+    for view in layout {
+        assert_eq!(view.offset, offset, "{} is not contiguous", view.name);
+        offset += view.len();
+    }
+    assert_eq!(offset, plan.model.parameters);
+}
+
+#[test]
+fn buckets_get_static_shapes() {
+    let plan = compile_source("q.pipe", QUICKSTART).unwrap();
+    let shapes: Vec<(usize, usize, usize)> = plan
+        .buckets
+        .iter()
+        .map(|b| (b.padded_len, b.sequences, b.tokens))
+        .collect();
+    assert_eq!(shapes, [(128, 16, 2048), (256, 8, 2048), (512, 4, 2048)]);
+    // A bucket that does not divide batch_tokens keeps whole sequences only.
+    let odd = QUICKSTART.replace("[128, 256, 512]", "[100, 512]");
+    let plan = compile_source("odd.pipe", &odd).unwrap();
+    assert_eq!(
+        (plan.buckets[0].sequences, plan.buckets[0].tokens),
+        (20, 2000)
+    );
+}
+
+#[test]
+fn quickstart_memory_matches_the_documented_formula() {
+    let plan = compile_source("q.pipe", QUICKSTART).unwrap();
+    let p = 2_491_136u64;
+    assert_eq!(plan.model.parameters as u64, p);
+    // Two CPU workers hold two replicas; activations per token A = din + L(2H + 3I) + H + heads·2H.
+    let a = 384 + 2 * (2 * 256 + 3 * 704) + 256 + 4 * 2 * 256;
+    assert_eq!(a, 7936);
+    let workspace = 4 * (2048 * a + 1024 * 4096);
+    // Largest item: 16 sequences of 128 (hidden states, ids, mask, lengths).
+    let item = 2048 * (4 * 384 + 4 + 1) + 4 * 16;
+    assert_eq!(
+        plan.memory,
+        [DeviceMemory {
+            device: Device::Cpu,
+            parameters: 2 * 4 * p,
+            gradients: 2 * 4 * p,
+            optimizer_state: 2 * 8 * p,
+            workspaces: 2 * workspace,
+            hs_pool: 16 * item,
+        }]
+    );
+}
+
+#[test]
+fn dflash_memory_is_per_drafter_gpu() {
+    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    let devices: Vec<Device> = plan.memory.iter().map(|m| m.device).collect();
+    assert_eq!(devices, [Device::Gpu(5), Device::Gpu(6), Device::Gpu(7)]);
+    let m = &plan.memory[0];
+    let p = 189_664_256u64;
+    assert_eq!(
+        (m.parameters, m.gradients, m.optimizer_state),
+        (4 * p, 4 * p, 8 * p)
+    );
+    let a = 12288 + 2 * (2 * 1024 + 3 * 2816) + 1024 + 4 * 2 * 1024;
+    assert_eq!(m.workspaces, 4 * (16384 * a + 4096 * 151936));
+    assert_eq!(m.hs_pool, 60 * (16384 * (4 * 12288 + 5) + 4 * 16));
+    assert!(m.total() < 141 << 30);
+}
+
+#[test]
+fn step_flops_follow_the_formula() {
+    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    let (t, din, h, i, l, heads, v) = (16384u64, 12288u64, 1024u64, 2816u64, 2u64, 4u64, 151936u64);
+    let p = plan.model.parameters as u64;
+    let forward_gemm = 2 * t * (h * din + l * 3 * i * h + heads * h * h + heads * h * v);
+    let backward_gemm = 2 * forward_gemm - 2 * t * h * din;
+    let expected = forward_gemm + backward_gemm + 4 * t * heads * v + 12 * p;
+    assert!(plan.buckets.iter().all(|b| b.step_flops == expected));
+    assert_eq!(cost::step_flops(&plan.model.spec, 16384), Some(expected));
+}
+
+#[test]
+fn defaults_are_documented_values() {
+    let plan = compile_source("q.pipe", QUICKSTART).unwrap();
+    let o = plan.drafter.optimizer;
+    assert_eq!(
+        (
+            o.lr,
+            o.beta1,
+            o.beta2,
+            o.eps,
+            o.weight_decay,
+            o.clip_grad_norm
+        ),
+        (1e-3, 0.9, 0.999, 1e-8, 0.01, None)
+    );
+    assert_eq!(
+        plan.drafter.loss,
+        LossSpec {
+            head_decay: 0.8,
+            chunk_tokens: 1024
+        }
+    );
+    assert_eq!(
+        (plan.drafter.sync, plan.drafter.launch),
+        (SyncMode::AllReduce, LaunchMode::Graph)
+    );
+    assert_eq!(
+        plan.telemetry,
+        TelemetrySpec {
+            every_ms: 1000,
+            trace: None
+        }
+    );
+    assert_eq!(
+        plan.schedule,
+        [
+            StepPhase::Copy,
+            StepPhase::Forward,
+            StepPhase::Loss,
+            StepPhase::Backward,
+            StepPhase::AllReduce,
+            StepPhase::Optimizer
+        ]
+    );
+    let single = QUICKSTART
+        .replace("on cpu x2", "on cpu")
+        .replace("    loss      = cross_entropy(head_decay = 0.8)\n", "");
+    let plan = compile_source("single.pipe", &single).unwrap();
+    assert_eq!(
+        plan.drafter.loss,
+        LossSpec {
+            head_decay: 1.0,
+            chunk_tokens: 1024
+        }
+    );
+    assert!(
+        !plan.schedule.contains(&StepPhase::AllReduce),
+        "one worker has nothing to all-reduce"
+    );
+}
+
+#[test]
+fn dflash_plan_reads_every_setting() {
+    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    assert_eq!(plan.name, "dflash-qwen3-8b");
+    assert_eq!(plan.devices.len(), 8);
+    assert_eq!(
+        plan.devices[3],
+        DeclaredDevice {
+            device: Device::Gpu(3),
+            memory_bytes: 141 << 30
+        }
+    );
+    assert_eq!(
+        plan.target.placement.workers,
+        (0..5).map(Device::Gpu).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        plan.target.source,
+        SourceSpec::Synthetic {
+            seed: 7,
+            min_len: 256,
+            max_len: 16384
+        }
+    );
+    assert_eq!(plan.queue.buckets, [1024, 2048, 4096, 8192, 16384]);
+    assert_eq!(
+        (plan.queue.capacity, plan.queue.min_ready, plan.queue.pull),
+        (60, 10, PullPolicy::RandomInBucket)
+    );
+    let o = plan.drafter.optimizer;
+    assert_eq!(
+        (o.lr, o.beta1, o.beta2, o.clip_grad_norm),
+        (3e-4, 0.9, 0.95, Some(1.0))
+    );
+    assert_eq!(plan.drafter.loss.chunk_tokens, 4096);
+    assert_eq!(
+        plan.telemetry.trace.as_deref(),
+        Some("runs/dflash/trace.json")
+    );
+}
+
+#[test]
+fn safetensors_sources_skip_the_length_checks() {
+    let source = QUICKSTART.replace(
+        "synthetic(seed = 1, lengths = 64..512)",
+        "safetensors(path = \"hs/*.safetensors\")",
+    );
+    let plan = compile_source("st.pipe", &source).unwrap();
+    assert_eq!(
+        plan.target.source,
+        SourceSpec::Safetensors {
+            pattern: "hs/*.safetensors".into()
+        }
+    );
+}
+
+#[test]
+fn memory_limit_is_exact() {
+    let plan = compile_source("q.pipe", QUICKSTART).unwrap();
+    let total = plan.memory[0].total();
+    let with_cpu = |bytes: u64| {
+        QUICKSTART.replace(
+            "target tiny",
+            &format!("devices {{ cpu {{ memory = {bytes}B }} }}\n\ntarget tiny"),
+        )
+    };
+    let fits = compile_source("fits.pipe", &with_cpu(total)).unwrap();
+    assert_eq!(
+        fits.devices,
+        [DeclaredDevice {
+            device: Device::Cpu,
+            memory_bytes: total
+        }]
+    );
+    let over = compile_source("over.pipe", &with_cpu(total - 1)).unwrap_err();
+    assert_eq!(over.len(), 1);
+    let text = over.to_string();
+    assert!(text.contains("(over by 1 B)"), "{text}");
+    assert!(
+        text.contains("parameters 19.0 MiB + gradients 19.0 MiB + optimizer state 38.0 MiB"),
+        "{text}"
+    );
+}
+
+#[test]
+fn compile_file_reports_io_errors_with_the_path() {
+    let err =
+        draftpipe_compiler::compile_file(std::path::Path::new("/no/such/dir/x.pipe")).unwrap_err();
+    assert!(matches!(err, draftpipe_compiler::CompileError::Io { .. }));
+    assert!(err.to_string().contains("/no/such/dir/x.pipe"));
+}
