@@ -1,0 +1,74 @@
+//! AdamW fused into one pass over the flat parameter buffer, with PyTorch semantics (`torch.optim.AdamW`,
+//! `foreach=False`): decoupled weight decay `p ← p · (1 − lr·wd)`, moments `m ← β1·m + (1−β1)·g`,
+//! `v ← β2·v + (1−β2)·g²`, then `p ← p − (lr / bc1) · m / (sqrt(v) / sqrt(bc2) + eps)`, where `g` is the
+//! gradient times the clip scale.
+
+/// Per-step scalars of AdamW; the bias corrections depend on the step count, so the host computes them.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay β1.
+    pub beta1: f32,
+    /// Second-moment decay β2.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// `lr / (1 − β1^step)`.
+    pub step_size: f32,
+    /// `sqrt(1 − β2^step)`.
+    pub bias_correction2_sqrt: f32,
+}
+
+/// One AdamW update of the elements `chunk · chunk_len ..` up to `min(n, (chunk + 1) · chunk_len)`, with the
+/// gradient scaled by `clip_scale[0]`. Does nothing when `grad_norm[0]` is not finite (a skipped step; the host
+/// then does not advance the step count).
+///
+/// Launch: element range: the GPU uses `chunk_len = 1` (`n` indices), the CPU long chunks.
+///
+/// # Safety
+/// `params`, `grads`, `exp_avg`, `exp_avg_sq` hold `n` elements and do not overlap; `grad_norm` and
+/// `clip_scale` hold one element each.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn adamw_update(
+    params: *mut f32,
+    grads: *const f32,
+    exp_avg: *mut f32,
+    exp_avg_sq: *mut f32,
+    grad_norm: *const f32,
+    clip_scale: *const f32,
+    hyper: AdamWStep,
+    n: usize,
+    chunk_len: usize,
+    chunk: usize,
+) {
+    // SAFETY: the scalars are single elements; `start..end` is inside the four non-overlapping buffers.
+    unsafe {
+        if !(*grad_norm).is_finite() {
+            return;
+        }
+        let clip = *clip_scale;
+        let start = chunk * chunk_len;
+        let end = if start + chunk_len < n {
+            start + chunk_len
+        } else {
+            n
+        };
+        let decay = 1.0 - hyper.lr * hyper.weight_decay;
+        let one_minus_b1 = 1.0 - hyper.beta1;
+        let one_minus_b2 = 1.0 - hyper.beta2;
+        for i in start..end {
+            let g = *grads.add(i) * clip;
+            let m = hyper.beta1 * *exp_avg.add(i) + one_minus_b1 * g;
+            let v = hyper.beta2 * *exp_avg_sq.add(i) + one_minus_b2 * g * g;
+            *exp_avg.add(i) = m;
+            *exp_avg_sq.add(i) = v;
+            let denom = crate::math::sqrt(v) / hyper.bias_correction2_sqrt + hyper.eps;
+            *params.add(i) = *params.add(i) * decay - hyper.step_size * m / denom;
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ w`: forward, input gradient, and the weight gradient as a
+//! deterministic two-pass reduction over rows.
+//!
+//! The forward keeps `1/rms` per row so the backward does not recompute it.
+
+/// RMSNorm forward of one row: `y[row] = x[row] · inv_rms[row] ⊙ weight`, storing `inv_rms[row]`.
+///
+/// Launch: one index per row (`rows` indices).
+///
+/// # Safety
+/// `x` and `y` hold at least `(row + 1) · cols` elements, `weight` `cols`, `inv_rms` `row + 1`; `y` may equal
+/// `x` (in place) but must not overlap it otherwise.
+#[inline(always)]
+pub unsafe fn rmsnorm_forward(
+    x: *const f32,
+    weight: *const f32,
+    y: *mut f32,
+    inv_rms: *mut f32,
+    cols: usize,
+    eps: f32,
+    row: usize,
+) {
+    // SAFETY: the caller guarantees the row lies inside every buffer.
+    unsafe {
+        let x = x.add(row * cols);
+        let y = y.add(row * cols);
+        let mut sum_sq = 0.0f32;
+        for c in 0..cols {
+            let v = *x.add(c);
+            sum_sq += v * v;
+        }
+        let r = crate::math::rsqrt(sum_sq / cols as f32 + eps);
+        *inv_rms.add(row) = r;
+        for c in 0..cols {
+            *y.add(c) = *x.add(c) * r * *weight.add(c);
+        }
+    }
+}
+
+/// RMSNorm input gradient of one row:
+/// `dx = r·(w ⊙ dy) − x · r³/cols · Σ_k w_k dy_k x_k` with `r = inv_rms[row]`; written to `dx` when
+/// `accumulate` is false, added to it when true (a residual stream's gradient).
+///
+/// Launch: one index per row (`rows` indices).
+///
+/// # Safety
+/// `x`, `dy`, `dx` hold at least `(row + 1) · cols` elements, `weight` `cols`, `inv_rms` `row + 1`; `dx` does not
+/// overlap `x`, `dy` or `weight`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rmsnorm_backward_input(
+    x: *const f32,
+    weight: *const f32,
+    inv_rms: *const f32,
+    dy: *const f32,
+    dx: *mut f32,
+    cols: usize,
+    accumulate: bool,
+    row: usize,
+) {
+    // SAFETY: the caller guarantees the row lies inside every buffer and `dx` overlaps no input.
+    unsafe {
+        let x = x.add(row * cols);
+        let dy = dy.add(row * cols);
+        let dx = dx.add(row * cols);
+        let r = *inv_rms.add(row);
+        let mut dot = 0.0f32;
+        for c in 0..cols {
+            dot += *weight.add(c) * *dy.add(c) * *x.add(c);
+        }
+        let coeff = r * r * r * dot / cols as f32;
+        if accumulate {
+            for c in 0..cols {
+                *dx.add(c) += r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff;
+            }
+        } else {
+            for c in 0..cols {
+                *dx.add(c) = r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff;
+            }
+        }
+    }
+}
+
+/// First pass of the RMSNorm weight gradient `dw[c] = Σ_rows dy[r,c] · x[r,c] · inv_rms[r]`: one partial sum
+/// per (chunk of `rows_per_chunk` rows, column), `partials[chunk · cols + col]`.
+///
+/// Launch: `index = chunk · cols + col`, `ceil(rows / rows_per_chunk) · cols` indices (columns fastest, so GPU
+/// threads of a warp read adjacent columns). Finish with [`column_sums`] over the `ceil(rows / rows_per_chunk)`
+/// partial rows. The order of additions is fixed, so the result is bitwise reproducible.
+///
+/// # Safety
+/// `x`, `dy` hold `rows · cols` elements, `inv_rms` `rows`, `partials` `ceil(rows / rows_per_chunk) · cols`;
+/// `rows_per_chunk > 0`; `index` is inside the launch.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rmsnorm_weight_grad_partials(
+    x: *const f32,
+    inv_rms: *const f32,
+    dy: *const f32,
+    partials: *mut f32,
+    rows: usize,
+    cols: usize,
+    rows_per_chunk: usize,
+    index: usize,
+) {
+    let chunk = index / cols;
+    let col = index % cols;
+    let start = chunk * rows_per_chunk;
+    let end = if start + rows_per_chunk < rows {
+        start + rows_per_chunk
+    } else {
+        rows
+    };
+    let mut sum = 0.0f32;
+    // SAFETY: rows in `start..end` are inside `x`, `dy`, `inv_rms`; `index` is inside `partials`.
+    unsafe {
+        for r in start..end {
+            sum += *dy.add(r * cols + col) * *x.add(r * cols + col) * *inv_rms.add(r);
+        }
+        *partials.add(index) = sum;
+    }
+}
+
+/// Sums a row-major `[rows, cols]` matrix over its rows: `out[col] = Σ_r values[r · cols + col]`, in row
+/// order (deterministic). Written to `out` when `accumulate` is false, added to it when true.
+///
+/// Launch: one index per column (`cols` indices).
+///
+/// # Safety
+/// `values` holds `rows · cols` elements and `out` `cols`; `col < cols`.
+#[inline(always)]
+pub unsafe fn column_sums(
+    values: *const f32,
+    out: *mut f32,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+    col: usize,
+) {
+    let mut sum = 0.0f32;
+    // SAFETY: every `r · cols + col` with `r < rows` is inside `values`; `col` is inside `out`.
+    unsafe {
+        for r in 0..rows {
+            sum += *values.add(r * cols + col);
+        }
+        if accumulate {
+            *out.add(col) += sum;
+        } else {
+            *out.add(col) = sum;
+        }
+    }
+}
