@@ -6,3 +6,4 @@
 //! ```
 
 pub mod batch;
+pub mod cuda;

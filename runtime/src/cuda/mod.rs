@@ -1,0 +1,18 @@
+//! The CUDA backend: the drafter kernels' PTX (built from `gpu-kernels` by `build.rs`) run through `cudarc`.
+//!
+//! ```text
+//!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel)
+//!  device discovery (never panics without a driver) ──▶ CudaContext ──▶ streams, flat buffers, launches
+//! ```
+//!
+//! Everything loads at run time (`cudarc` with `dynamic-loading`, CUDA 13.0 library names): a binary built
+//! here runs on a machine without CUDA and answers with [`CudaError::NoDriver`] instead of failing to start.
+//! See `docs/gpu.md` for the PTX build, the checks and the GPU machine script.
+
+mod device;
+mod error;
+mod module;
+
+pub use device::{CudaDeviceInfo, discover_devices, open_device};
+pub use error::CudaError;
+pub use module::{EMBEDDED_PTX, KERNEL_NAMES, KernelModule, embedded_ptx};
