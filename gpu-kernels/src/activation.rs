@@ -31,6 +31,10 @@ pub unsafe fn swiglu_forward(
     chunk_len: usize,
     chunk: usize,
 ) {
+    // A zero divisor means an empty launch; returning keeps the device path free of the division panic.
+    if inter == 0 {
+        return;
+    }
     let (start, end) = chunk_range(n, chunk_len, chunk);
     let mut e = start;
     while e < end {
@@ -71,6 +75,10 @@ pub unsafe fn swiglu_backward(
     chunk_len: usize,
     chunk: usize,
 ) {
+    // A zero divisor means an empty launch; returning keeps the device path free of the division panic.
+    if inter == 0 {
+        return;
+    }
     let (start, end) = chunk_range(n, chunk_len, chunk);
     let mut e = start;
     while e < end {

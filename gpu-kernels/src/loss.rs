@@ -23,6 +23,7 @@ pub const IGNORE_LABEL: i32 = -1;
 /// `input_ids`, `loss_mask` hold `tokens` elements, `seq_lens` `tokens / padded_len`, `labels`
 /// `heads · tokens`; `padded_len > 0`; `index` is inside the launch.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn build_labels(
     input_ids: *const u32,
     loss_mask: *const u8,
@@ -33,6 +34,10 @@ pub unsafe fn build_labels(
     vocab: usize,
     index: usize,
 ) {
+    // A zero divisor means an empty launch; returning keeps the device path free of the division panic.
+    if tokens == 0 || padded_len == 0 {
+        return;
+    }
     let head = index / tokens;
     let t = index % tokens;
     let sequence = t / padded_len;

@@ -105,7 +105,7 @@ fn host_exp(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5;
     let e_r = p * r2 + r + 1.0;
     // Low bits of `shifted` hold n (two's complement); the mantissa's top bit shifts out.
     let scale = f32::from_bits(shifted.to_bits().wrapping_add(127) << 23);

@@ -103,6 +103,10 @@ pub unsafe fn rmsnorm_weight_grad_partials(
     rows_per_chunk: usize,
     index: usize,
 ) {
+    // A zero divisor means an empty launch; returning keeps the device path free of the division panic.
+    if cols == 0 {
+        return;
+    }
     let chunk = index / cols;
     let col = index % cols;
     let start = chunk * rows_per_chunk;
