@@ -8,7 +8,7 @@
 //!
 //! The exported names are the ones `runtime::cuda::KERNEL_NAMES` loads. Element-range bodies run with
 //! `chunk_len = 1`, so `count` is their element count. Flags cross the kernel ABI as `u32` (non-zero is true)
-//! and AdamW's per-step scalars as separate `f32`s, so the host passes only plain `DeviceRepr` values.
+//! and AdamW's per-step scalars through device memory, so the host passes only plain `DeviceRepr` values.
 
 use core::arch::nvptx::{_block_dim_x, _block_idx_x, _thread_idx_x};
 
@@ -257,12 +257,13 @@ pub unsafe extern "ptx-kernel" fn finish_grad_norm(
     for_index(1, |_| unsafe { reduce::finish_grad_norm(partials, count, max_norm, norm, clip_scale) });
 }
 
-/// [`adamw::adamw_update`], one thread per parameter; the [`AdamWStep`] fields arrive as separate scalars.
+/// [`adamw::adamw_update`], one thread per parameter. The per-step scalars are read from device memory
+/// (`hyper` points at one [`AdamWStep`]) so that a captured CUDA graph picks up each step's bias corrections
+/// from a small host-to-device copy instead of baking them in at capture.
 ///
 /// # Safety
-/// As the body with `chunk_len = 1`.
+/// As the body with `chunk_len = 1`; `hyper` points at an initialised [`AdamWStep`].
 #[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn adamw_update(
     params: *mut f32,
     grads: *const f32,
@@ -270,18 +271,11 @@ pub unsafe extern "ptx-kernel" fn adamw_update(
     exp_avg_sq: *mut f32,
     grad_norm: *const f32,
     clip_scale: *const f32,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    weight_decay: f32,
-    step_size: f32,
-    bias_correction2_sqrt: f32,
+    hyper: *const AdamWStep,
     n: usize,
 ) {
-    let hyper = AdamWStep { lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt };
     for_index(n, |e| unsafe {
-        adamw::adamw_update(params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, hyper, n, 1, e)
+        adamw::adamw_update(params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, *hyper, n, 1, e)
     });
 }
 

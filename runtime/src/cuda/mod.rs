@@ -9,10 +9,18 @@
 //! here runs on a machine without CUDA and answers with [`CudaError::NoDriver`] instead of failing to start.
 //! See `docs/gpu.md` for the PTX build, the checks and the GPU machine script.
 
+mod blas;
 mod device;
+mod drafter;
 mod error;
+mod launch;
 mod module;
+mod step;
+mod workspace;
 
+pub use blas::{Gemm, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
+pub use drafter::{CudaDrafter, StepOutcome};
 pub use error::CudaError;
+pub use launch::{BLOCK_THREADS, DevicePtr, Launcher};
 pub use module::{EMBEDDED_PTX, KERNEL_NAMES, KernelModule, embedded_ptx};
