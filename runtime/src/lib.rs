@@ -6,4 +6,6 @@
 //! ```
 
 pub mod batch;
+pub mod cpu;
 pub mod cuda;
+pub mod params;

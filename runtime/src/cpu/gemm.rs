@@ -1,0 +1,101 @@
+//! Row-major matrix products on flat buffers, through `matrixmultiply::sgemm` (the backend `nalgebra` uses for
+//! f32, multi-threaded by the `threading` feature, thread count from `MATMUL_NUM_THREADS`).
+//!
+//! The drafter's tensors are row-major PyTorch `[out, in]` slices of the flat buffers. `sgemm` takes a row and
+//! a column stride per operand, so a transposed operand is the same slice with swapped strides: no copies and
+//! no column-major reinterpretation (which is all `nalgebra`'s `gemm` would add on top of the same call).
+
+/// A read-only row-major matrix, optionally used transposed.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    transposed: bool,
+}
+
+impl<'a> Mat<'a> {
+    /// `data` as a row-major `[rows, cols]` matrix.
+    pub(crate) fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "matrix buffer does not match its shape"
+        );
+        Self {
+            data,
+            rows,
+            cols,
+            transposed: false,
+        }
+    }
+
+    /// The same buffer read as its transpose.
+    pub(crate) fn t(self) -> Self {
+        Self {
+            transposed: !self.transposed,
+            ..self
+        }
+    }
+
+    /// Rows and columns as used (after the transpose).
+    fn shape(&self) -> (usize, usize) {
+        if self.transposed {
+            (self.cols, self.rows)
+        } else {
+            (self.rows, self.cols)
+        }
+    }
+
+    /// Row and column strides as used.
+    fn strides(&self) -> (isize, isize) {
+        if self.transposed {
+            (1, self.cols as isize)
+        } else {
+            (self.cols as isize, 1)
+        }
+    }
+}
+
+/// `c = alpha · a · b + beta · c` with `c` row-major `[a.rows, b.cols]`. With `beta = 0`, `c` is not read (its
+/// previous contents, NaN included, do not matter).
+///
+/// Panics when the shapes do not agree: callers size every buffer from the same bucket shape, so a mismatch is a
+/// bug in this crate, not bad input.
+pub(crate) fn gemm(c: &mut [f32], a: Mat<'_>, b: Mat<'_>, alpha: f32, beta: f32) {
+    let (m, k) = a.shape();
+    let (kb, n) = b.shape();
+    assert_eq!(k, kb, "inner dimensions differ");
+    assert_eq!(
+        c.len(),
+        m * n,
+        "output buffer does not match the product's shape"
+    );
+    let (rsa, csa) = a.strides();
+    let (rsb, csb) = b.strides();
+    // SAFETY: the shape checks above make every strided access fall inside `a.data`, `b.data` and `c`; `c` is a
+    // unique borrow, so it overlaps neither input.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            alpha,
+            a.data.as_ptr(),
+            rsa,
+            csa,
+            b.data.as_ptr(),
+            rsb,
+            csb,
+            beta,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// Floating-point operations of one `gemm` with these shapes (`2·m·k·n`).
+pub fn gemm_flops(m: usize, k: usize, n: usize) -> u64 {
+    2 * (m * k * n) as u64
+}

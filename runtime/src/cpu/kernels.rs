@@ -1,0 +1,411 @@
+//! Safe host launchers for the `draftpipe-gpu-kernels` bodies: each checks buffer lengths against the launch
+//! shape, then calls the kernel for every index of its launch (the host's "grid").
+//!
+//! Element-range kernels run in chunks of [`HOST_CHUNK`] elements so their inner loops vectorise.
+//!
+//! # Panics
+//! Every launcher panics when a buffer is shorter than its shape needs: the step sizes all buffers from one
+//! bucket shape, so a mismatch is a bug, and the check is what makes the `unsafe` kernel calls sound.
+
+use draftpipe_gpu_kernels::{activation, adamw, loss, norm, reduce};
+
+pub use draftpipe_gpu_kernels::adamw::AdamWStep;
+pub use draftpipe_gpu_kernels::loss::IGNORE_LABEL;
+
+/// Elements per call of an element-range kernel on the host.
+pub const HOST_CHUNK: usize = 4096;
+
+/// RMSNorm forward over `rows = x.len() / weight.len()` rows; `y = x / rms ⊙ weight`, `inv_rms[r] = 1/rms`.
+pub fn rmsnorm_forward(x: &[f32], weight: &[f32], y: &mut [f32], inv_rms: &mut [f32], eps: f32) {
+    let cols = weight.len();
+    let rows = inv_rms.len();
+    assert!(
+        x.len() == rows * cols && y.len() == rows * cols,
+        "rmsnorm_forward: buffer sizes"
+    );
+    for row in 0..rows {
+        // SAFETY: the lengths checked above cover every row.
+        unsafe {
+            norm::rmsnorm_forward(
+                x.as_ptr(),
+                weight.as_ptr(),
+                y.as_mut_ptr(),
+                inv_rms.as_mut_ptr(),
+                cols,
+                eps,
+                row,
+            )
+        };
+    }
+}
+
+/// RMSNorm input gradient; `dx = ∂L/∂x` (or `dx += ∂L/∂x` with `accumulate`).
+pub fn rmsnorm_backward_input(
+    x: &[f32],
+    weight: &[f32],
+    inv_rms: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    accumulate: bool,
+) {
+    let cols = weight.len();
+    let rows = inv_rms.len();
+    let n = rows * cols;
+    assert!(
+        x.len() == n && dy.len() == n && dx.len() == n,
+        "rmsnorm_backward_input: buffer sizes"
+    );
+    for row in 0..rows {
+        // SAFETY: the lengths checked above cover every row; `dx` is a unique borrow.
+        unsafe {
+            norm::rmsnorm_backward_input(
+                x.as_ptr(),
+                weight.as_ptr(),
+                inv_rms.as_ptr(),
+                dy.as_ptr(),
+                dx.as_mut_ptr(),
+                cols,
+                accumulate,
+                row,
+            )
+        };
+    }
+}
+
+/// RMSNorm weight gradient `dw[c] = Σ_r dy[r,c]·x[r,c]·inv_rms[r]` by the two-pass reduction, using
+/// `partials` (at least `ceil(rows / rows_per_chunk) · cols` elements) as scratch.
+pub fn rmsnorm_weight_grad(
+    x: &[f32],
+    inv_rms: &[f32],
+    dy: &[f32],
+    dw: &mut [f32],
+    partials: &mut [f32],
+    rows_per_chunk: usize,
+) {
+    let cols = dw.len();
+    let rows = inv_rms.len();
+    assert!(rows_per_chunk > 0, "rmsnorm_weight_grad: empty chunk");
+    let chunks = rows.div_ceil(rows_per_chunk);
+    assert!(
+        x.len() == rows * cols && dy.len() == rows * cols,
+        "rmsnorm_weight_grad: buffer sizes"
+    );
+    assert!(
+        partials.len() >= chunks * cols,
+        "rmsnorm_weight_grad: partials too short"
+    );
+    for index in 0..chunks * cols {
+        // SAFETY: the lengths checked above cover every chunk and column.
+        unsafe {
+            norm::rmsnorm_weight_grad_partials(
+                x.as_ptr(),
+                inv_rms.as_ptr(),
+                dy.as_ptr(),
+                partials.as_mut_ptr(),
+                rows,
+                cols,
+                rows_per_chunk,
+                index,
+            )
+        };
+    }
+    for col in 0..cols {
+        // SAFETY: `partials` holds `chunks · cols` elements, `dw` `cols`.
+        unsafe { norm::column_sums(partials.as_ptr(), dw.as_mut_ptr(), chunks, cols, false, col) };
+    }
+}
+
+/// SwiGLU forward: `act = silu(gate) ⊙ up` from `[gate | up]` rows of width `2 · inter`.
+pub fn swiglu_forward(gate_up: &[f32], act: &mut [f32], inter: usize) {
+    let n = act.len();
+    assert_eq!(gate_up.len(), 2 * n, "swiglu_forward: buffer sizes");
+    for chunk in 0..n.div_ceil(HOST_CHUNK) {
+        // SAFETY: sizes checked above; the kernel clips the last chunk to `n`.
+        unsafe {
+            activation::swiglu_forward(
+                gate_up.as_ptr(),
+                act.as_mut_ptr(),
+                inter,
+                n,
+                HOST_CHUNK,
+                chunk,
+            )
+        };
+    }
+}
+
+/// SwiGLU backward into the `[dgate | dup]` rows of `dgate_up`.
+pub fn swiglu_backward(gate_up: &[f32], dact: &[f32], dgate_up: &mut [f32], inter: usize) {
+    let n = dact.len();
+    assert!(
+        gate_up.len() == 2 * n && dgate_up.len() == 2 * n,
+        "swiglu_backward: buffer sizes"
+    );
+    for chunk in 0..n.div_ceil(HOST_CHUNK) {
+        // SAFETY: sizes checked above; `dgate_up` is a unique borrow.
+        unsafe {
+            activation::swiglu_backward(
+                gate_up.as_ptr(),
+                dact.as_ptr(),
+                dgate_up.as_mut_ptr(),
+                inter,
+                n,
+                HOST_CHUNK,
+                chunk,
+            )
+        };
+    }
+}
+
+/// Head residual forward `h = z + silu(a)`.
+pub fn head_residual_forward(z: &[f32], a: &[f32], h: &mut [f32]) {
+    let n = h.len();
+    assert!(
+        z.len() == n && a.len() == n,
+        "head_residual_forward: buffer sizes"
+    );
+    for chunk in 0..n.div_ceil(HOST_CHUNK) {
+        // SAFETY: sizes checked above; `h` is a unique borrow.
+        unsafe {
+            activation::head_residual_forward(
+                z.as_ptr(),
+                a.as_ptr(),
+                h.as_mut_ptr(),
+                n,
+                HOST_CHUNK,
+                chunk,
+            )
+        };
+    }
+}
+
+/// Head residual backward, in place: `dh ← dh · silu'(a)` (the gradient with respect to `a`) and `dz += dh`.
+pub fn head_residual_backward(a: &[f32], dh: &mut [f32], dz: &mut [f32]) {
+    let n = a.len();
+    assert!(
+        dh.len() == n && dz.len() == n,
+        "head_residual_backward: buffer sizes"
+    );
+    let dh = dh.as_mut_ptr();
+    for chunk in 0..n.div_ceil(HOST_CHUNK) {
+        // SAFETY: sizes checked above; `da` is `dh` itself, which the kernel allows; `dz` is a unique borrow.
+        unsafe {
+            activation::head_residual_backward(
+                a.as_ptr(),
+                dh,
+                dh,
+                dz.as_mut_ptr(),
+                n,
+                HOST_CHUNK,
+                chunk,
+            )
+        };
+    }
+}
+
+/// Labels of every head, `labels[j · tokens + t]` (see [`loss::build_labels`]).
+pub fn build_labels(
+    input_ids: &[u32],
+    loss_mask: &[u8],
+    seq_lens: &[u32],
+    labels: &mut [i32],
+    padded_len: usize,
+    vocab: usize,
+) {
+    let tokens = input_ids.len();
+    assert!(
+        padded_len > 0 && tokens == seq_lens.len() * padded_len,
+        "build_labels: shape"
+    );
+    assert!(
+        loss_mask.len() == tokens && labels.len().is_multiple_of(tokens.max(1)),
+        "build_labels: buffer sizes"
+    );
+    for index in 0..labels.len() {
+        // SAFETY: sizes checked above; `index < heads · tokens`.
+        unsafe {
+            loss::build_labels(
+                input_ids.as_ptr(),
+                loss_mask.as_ptr(),
+                seq_lens.as_ptr(),
+                labels.as_mut_ptr(),
+                padded_len,
+                tokens,
+                vocab,
+                index,
+            )
+        };
+    }
+}
+
+/// Valid-label counts and loss scales of every head.
+pub fn head_loss_scales(labels: &[i32], head_decay: f32, counts: &mut [u32], scales: &mut [f32]) {
+    let heads = counts.len();
+    assert!(
+        scales.len() == heads && heads > 0 && labels.len().is_multiple_of(heads),
+        "head_loss_scales: buffer sizes"
+    );
+    let tokens = labels.len() / heads;
+    for head in 0..heads {
+        // SAFETY: sizes checked above.
+        unsafe {
+            loss::head_loss_scales(
+                labels.as_ptr(),
+                tokens,
+                heads,
+                head_decay,
+                counts.as_mut_ptr(),
+                scales.as_mut_ptr(),
+                head,
+            )
+        };
+    }
+}
+
+/// Fused cross-entropy over the rows of a logits chunk `[rows, vocab]`: per-row scaled loss into `row_loss`,
+/// the scaled logits gradient in place. Labels must be `< vocab` or negative (ignored).
+pub fn vocab_loss(
+    logits: &mut [f32],
+    labels: &[i32],
+    scale: f32,
+    row_loss: &mut [f32],
+    vocab: usize,
+) {
+    let rows = labels.len();
+    assert!(
+        vocab > 0 && logits.len() == rows * vocab && row_loss.len() == rows,
+        "vocab_loss: buffer sizes"
+    );
+    assert!(
+        labels.iter().all(|&l| l < vocab as i32),
+        "vocab_loss: label out of range"
+    );
+    for row in 0..rows {
+        // SAFETY: sizes and label range checked above.
+        unsafe {
+            loss::vocab_loss_row(
+                logits.as_mut_ptr(),
+                labels.as_ptr(),
+                &scale,
+                row_loss.as_mut_ptr(),
+                vocab,
+                row,
+            )
+        };
+    }
+}
+
+/// Deterministic sum of `values` through `partials` (at least `ceil(n / chunk_len)` elements).
+pub fn sum(values: &[f32], chunk_len: usize, partials: &mut [f32]) -> f32 {
+    let chunks = values.len().div_ceil(chunk_len);
+    assert!(
+        chunk_len > 0 && partials.len() >= chunks,
+        "sum: partials too short"
+    );
+    for chunk in 0..chunks {
+        // SAFETY: sizes checked above.
+        unsafe {
+            reduce::sum_partials(
+                values.as_ptr(),
+                values.len(),
+                chunk_len,
+                partials.as_mut_ptr(),
+                chunk,
+            )
+        };
+    }
+    let mut total = 0.0;
+    // SAFETY: `partials` holds `chunks` elements.
+    unsafe { reduce::finish_sum(partials.as_ptr(), chunks, &mut total) };
+    total
+}
+
+/// Global L2 norm of `values` and the clip scale for `max_norm` (`≤ 0`: no clipping), by the deterministic
+/// two-pass reduction through `partials` (at least `ceil(n / chunk_len)` elements).
+pub fn grad_norm(
+    values: &[f32],
+    chunk_len: usize,
+    partials: &mut [f32],
+    max_norm: f32,
+) -> (f32, f32) {
+    let chunks = values.len().div_ceil(chunk_len);
+    assert!(
+        chunk_len > 0 && partials.len() >= chunks,
+        "grad_norm: partials too short"
+    );
+    for chunk in 0..chunks {
+        // SAFETY: sizes checked above.
+        unsafe {
+            reduce::sum_squares_partials(
+                values.as_ptr(),
+                values.len(),
+                chunk_len,
+                partials.as_mut_ptr(),
+                chunk,
+            )
+        };
+    }
+    let (mut norm, mut scale) = (0.0, 0.0);
+    // SAFETY: `partials` holds `chunks` elements; the outputs are locals.
+    unsafe { reduce::finish_grad_norm(partials.as_ptr(), chunks, max_norm, &mut norm, &mut scale) };
+    (norm, scale)
+}
+
+/// One fused AdamW pass over all parameters; a no-op when `grad_norm` is not finite.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_update(
+    params: &mut [f32],
+    grads: &[f32],
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+    grad_norm: f32,
+    clip_scale: f32,
+    hyper: AdamWStep,
+) {
+    let n = params.len();
+    assert!(
+        grads.len() == n && exp_avg.len() == n && exp_avg_sq.len() == n,
+        "adamw_update: buffer sizes"
+    );
+    for chunk in 0..n.div_ceil(HOST_CHUNK) {
+        // SAFETY: sizes checked above; the three mutable buffers are distinct unique borrows.
+        unsafe {
+            adamw::adamw_update(
+                params.as_mut_ptr(),
+                grads.as_ptr(),
+                exp_avg.as_mut_ptr(),
+                exp_avg_sq.as_mut_ptr(),
+                &grad_norm,
+                &clip_scale,
+                hyper,
+                n,
+                HOST_CHUNK,
+                chunk,
+            )
+        };
+    }
+}
+
+/// The AdamW scalars of step `step` (1-based, after incrementing), bias corrections computed in f64 as PyTorch
+/// does in Python floats.
+pub fn adamw_step_scalars(
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    step: u64,
+) -> AdamWStep {
+    let t = step as f64;
+    let bc1 = 1.0 - (beta1 as f64).powf(t);
+    let bc2 = 1.0 - (beta2 as f64).powf(t);
+    AdamWStep {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step_size: (lr as f64 / bc1) as f32,
+        bias_correction2_sqrt: bc2.sqrt() as f32,
+    }
+}
