@@ -25,6 +25,7 @@ use super::step::{ParamOffsets, StepPlan, StepShape};
 use super::workspace::{ADAMW_STEP_FLOATS, Activations, FlatBuffers, InputSlot};
 use super::{CudaError, KernelModule, open_device};
 use crate::batch::HsBatch;
+use crate::params::FlatState;
 
 /// What one finished step reports (read back one step after its launch).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,7 +103,8 @@ fn check_len(what: &'static str, got: usize, expected: usize) -> Result<(), Cuda
 
 impl CudaDrafter {
     /// A drafter on device `device_ordinal` for `model`, with workspaces for every bucket in `buckets`.
-    /// Parameters start at zero: load them with [`CudaDrafter::upload_state`].
+    /// Parameters start at zero: load them with [`CudaDrafter::upload_state`]. Mirrors
+    /// [`CpuDrafter::new`](crate::cpu::CpuDrafter::new), plus the launch mode (graph per bucket or eager).
     pub fn new(
         device_ordinal: usize,
         model: &ModelPlan,
@@ -173,45 +175,50 @@ impl CudaDrafter {
         Ok(drafter)
     }
 
-    /// Copies parameters, AdamW moments and the step count to the device (waits for it: not a step-path call).
-    pub fn upload_state(&mut self, params: &[f32], exp_avg: &[f32], exp_avg_sq: &[f32], step: u64) -> Result<(), CudaError> {
+    /// Copies `state`'s parameters, AdamW moments and step count to the device (waits for it: not a step-path
+    /// call). Gradients are not copied: every step overwrites them.
+    pub fn upload_state(&mut self, state: &FlatState) -> Result<(), CudaError> {
         let n = self.model.parameters;
-        check_len("params", params.len(), n)?;
-        check_len("exp_avg", exp_avg.len(), n)?;
-        check_len("exp_avg_sq", exp_avg_sq.len(), n)?;
+        check_len("params", state.params.len(), n)?;
+        check_len("exp_avg", state.exp_avg.len(), n)?;
+        check_len("exp_avg_sq", state.exp_avg_sq.len(), n)?;
         self.compute.synchronize()?;
         // SAFETY: each destination holds `n` f32s; the copies are synchronous.
         unsafe {
-            driver::memcpy_htod_sync(self.flat.params.ptr(), params)?;
-            driver::memcpy_htod_sync(self.flat.exp_avg.ptr(), exp_avg)?;
-            driver::memcpy_htod_sync(self.flat.exp_avg_sq.ptr(), exp_avg_sq)?;
+            driver::memcpy_htod_sync(self.flat.params.ptr(), &state.params)?;
+            driver::memcpy_htod_sync(self.flat.exp_avg.ptr(), &state.exp_avg)?;
+            driver::memcpy_htod_sync(self.flat.exp_avg_sq.ptr(), &state.exp_avg_sq)?;
         }
-        self.applied_steps = step;
+        self.applied_steps = state.step;
         Ok(())
     }
 
-    /// Copies parameters, gradients and AdamW moments back after all launched steps finish; returns the step
-    /// count (applied AdamW steps).
-    pub fn download_state(
-        &mut self,
-        params: &mut [f32],
-        grads: &mut [f32],
-        exp_avg: &mut [f32],
-        exp_avg_sq: &mut [f32],
-    ) -> Result<u64, CudaError> {
+    /// Copies parameters, gradients, AdamW moments and the applied step
+    /// count into `state`. [`CudaError::StepInFlight`] until [`CudaDrafter::finish`] has collected the last
+    /// step (whose outcome would otherwise be lost).
+    pub fn download_state(&mut self, state: &mut FlatState) -> Result<(), CudaError> {
+        if self.in_flight.is_some() {
+            return Err(CudaError::StepInFlight);
+        }
         let n = self.model.parameters;
-        for (what, len) in [("params", params.len()), ("grads", grads.len()), ("exp_avg", exp_avg.len()), ("exp_avg_sq", exp_avg_sq.len())] {
+        for (what, len) in [
+            ("params", state.params.len()),
+            ("grads", state.grads.len()),
+            ("exp_avg", state.exp_avg.len()),
+            ("exp_avg_sq", state.exp_avg_sq.len()),
+        ] {
             check_len(what, len, n)?;
         }
         self.compute.synchronize()?;
         // SAFETY: each source holds `n` f32s; the copies are synchronous after the stream drained.
         unsafe {
-            driver::memcpy_dtoh_sync(params, self.flat.params.ptr())?;
-            driver::memcpy_dtoh_sync(grads, self.flat.grads.ptr())?;
-            driver::memcpy_dtoh_sync(exp_avg, self.flat.exp_avg.ptr())?;
-            driver::memcpy_dtoh_sync(exp_avg_sq, self.flat.exp_avg_sq.ptr())?;
+            driver::memcpy_dtoh_sync(&mut state.params, self.flat.params.ptr())?;
+            driver::memcpy_dtoh_sync(&mut state.grads, self.flat.grads.ptr())?;
+            driver::memcpy_dtoh_sync(&mut state.exp_avg, self.flat.exp_avg.ptr())?;
+            driver::memcpy_dtoh_sync(&mut state.exp_avg_sq, self.flat.exp_avg_sq.ptr())?;
         }
-        Ok(self.applied_steps)
+        state.step = self.applied_steps;
+        Ok(())
     }
 
     fn bucket_of(&self, batch: &HsBatch) -> Result<usize, CudaError> {

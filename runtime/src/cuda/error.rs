@@ -58,6 +58,9 @@ pub enum CudaError {
     /// The model layout lacks a tensor the CUDA step needs, or has it with another shape.
     #[error("model layout: tensor {0} missing or mis-shaped")]
     Layout(String),
+    /// A step's outcome is still to be collected with `finish()`.
+    #[error("a step is in flight: call finish() first")]
+    StepInFlight,
     /// Stream capture produced no graph.
     #[error("stream capture produced no graph")]
     EmptyCapture,
