@@ -22,11 +22,18 @@ const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 const CUDA_ARCH: &str = "sm_90";
 
 fn main() {
-    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let manifest_dir =
+        PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let kernels_dir = manifest_dir.join("../gpu-kernels");
-    println!("cargo:rerun-if-changed={}", kernels_dir.join("src").display());
-    println!("cargo:rerun-if-changed={}", kernels_dir.join("ptx-linker.sh").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        kernels_dir.join("src").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        kernels_dir.join("ptx-linker.sh").display()
+    );
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=DRAFTPIPE_NO_PTX");
 
@@ -51,7 +58,8 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
     if env::var_os("DRAFTPIPE_NO_PTX").is_some_and(|v| !v.is_empty() && v != "0") {
         return Err(Unavailable("DRAFTPIPE_NO_PTX is set".into()));
     }
-    let rustup = find_rustup().ok_or_else(|| Unavailable("rustup not found on PATH or in CARGO_HOME".into()))?;
+    let rustup = find_rustup()
+        .ok_or_else(|| Unavailable("rustup not found on PATH or in CARGO_HOME".into()))?;
     let sysroot = nightly_sysroot(&rustup)?;
     if !sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         return Err(Unavailable(
@@ -66,15 +74,27 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
         ));
     }
 
-    let kernels_dir = kernels_dir.canonicalize().expect("gpu-kernels directory exists");
+    let kernels_dir = kernels_dir
+        .canonicalize()
+        .expect("gpu-kernels directory exists");
     let crate_dir = out_dir.join("ptx-crate");
     fs::create_dir_all(&crate_dir).expect("create OUT_DIR/ptx-crate");
-    fs::write(crate_dir.join("Cargo.toml"), ptx_manifest(&kernels_dir)).expect("write the PTX crate manifest");
+    fs::write(crate_dir.join("Cargo.toml"), ptx_manifest(&kernels_dir))
+        .expect("write the PTX crate manifest");
 
     let target_dir = out_dir.join("ptx-target");
     let mut cargo = Command::new(&rustup);
     cargo
-        .args(["run", "nightly", "cargo", "build", "--release", "--offline", "--quiet", "-Zbuild-std=core"])
+        .args([
+            "run",
+            "nightly",
+            "cargo",
+            "build",
+            "--release",
+            "--offline",
+            "--quiet",
+            "-Zbuild-std=core",
+        ])
         .args(["--target", NVPTX_TARGET])
         .arg("--manifest-path")
         .arg(crate_dir.join("Cargo.toml"))
@@ -82,8 +102,14 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
         .arg(&target_dir)
         .env_clear()
         .envs(env::vars_os().filter(|(key, _)| inherited(key.to_str().unwrap_or(""))))
-        .env("CARGO_TARGET_NVPTX64_NVIDIA_CUDA_LINKER", kernels_dir.join("ptx-linker.sh"))
-        .env("CARGO_TARGET_NVPTX64_NVIDIA_CUDA_RUSTFLAGS", format!("-Ctarget-cpu={CUDA_ARCH}"))
+        .env(
+            "CARGO_TARGET_NVPTX64_NVIDIA_CUDA_LINKER",
+            kernels_dir.join("ptx-linker.sh"),
+        )
+        .env(
+            "CARGO_TARGET_NVPTX64_NVIDIA_CUDA_RUSTFLAGS",
+            format!("-Ctarget-cpu={CUDA_ARCH}"),
+        )
         .env("DRAFTPIPE_LLVM_BIN", &llvm_bin)
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped());
@@ -96,9 +122,12 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let built = target_dir.join(NVPTX_TARGET).join("release/draftpipe_gpu_kernels.ptx");
+    let built = target_dir
+        .join(NVPTX_TARGET)
+        .join("release/draftpipe_gpu_kernels.ptx");
     let embedded = out_dir.join("draftpipe_kernels.ptx");
-    fs::copy(&built, &embedded).unwrap_or_else(|e| panic!("copy {} to OUT_DIR: {e}", built.display()));
+    fs::copy(&built, &embedded)
+        .unwrap_or_else(|e| panic!("copy {} to OUT_DIR: {e}", built.display()));
     Ok(embedded)
 }
 
@@ -106,11 +135,16 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
 /// machines have two cores). Everything else (RUSTC, RUSTFLAGS, CARGO_TARGET_DIR, RUSTUP_TOOLCHAIN, ...) would
 /// point the nested build at the outer build's toolchain, flags or directories.
 fn inherited(key: &str) -> bool {
-    matches!(key, "PATH" | "HOME" | "CARGO_HOME" | "RUSTUP_HOME" | "TMPDIR" | "CARGO_MAKEFLAGS")
+    matches!(
+        key,
+        "PATH" | "HOME" | "CARGO_HOME" | "RUSTUP_HOME" | "TMPDIR" | "CARGO_MAKEFLAGS"
+    )
 }
 
 fn find_rustup() -> Option<PathBuf> {
-    let on_path = env::var_os("PATH").into_iter().flat_map(|p| env::split_paths(&p).collect::<Vec<_>>());
+    let on_path = env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| env::split_paths(&p).collect::<Vec<_>>());
     let cargo_home = env::var_os("CARGO_HOME")
         .map(PathBuf::from)
         .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
@@ -133,7 +167,9 @@ fn nightly_sysroot(rustup: &Path) -> Result<PathBuf, Unavailable> {
             String::from_utf8_lossy(&output.stderr).trim()
         )));
     }
-    Ok(PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+    Ok(PathBuf::from(
+        String::from_utf8_lossy(&output.stdout).trim(),
+    ))
 }
 
 /// A standalone manifest over the gpu-kernels sources: a cdylib (so rustc calls our linker, which writes PTX),

@@ -45,7 +45,9 @@ pub unsafe extern "ptx-kernel" fn rmsnorm_forward(
     eps: f32,
     rows: usize,
 ) {
-    for_index(rows, |row| unsafe { norm::rmsnorm_forward(x, weight, y, inv_rms, cols, eps, row) });
+    for_index(rows, |row| unsafe {
+        norm::rmsnorm_forward(x, weight, y, inv_rms, cols, eps, row)
+    });
 }
 
 /// [`norm::rmsnorm_backward_input`], one thread per row.
@@ -84,7 +86,16 @@ pub unsafe extern "ptx-kernel" fn rmsnorm_weight_grad_partials(
     count: usize,
 ) {
     for_index(count, |index| unsafe {
-        norm::rmsnorm_weight_grad_partials(x, inv_rms, dy, partials, rows, cols, rows_per_chunk, index)
+        norm::rmsnorm_weight_grad_partials(
+            x,
+            inv_rms,
+            dy,
+            partials,
+            rows,
+            cols,
+            rows_per_chunk,
+            index,
+        )
     });
 }
 
@@ -100,7 +111,9 @@ pub unsafe extern "ptx-kernel" fn column_sums(
     cols: usize,
     accumulate: u32,
 ) {
-    for_index(cols, |col| unsafe { norm::column_sums(values, out, rows, cols, accumulate != 0, col) });
+    for_index(cols, |col| unsafe {
+        norm::column_sums(values, out, rows, cols, accumulate != 0, col)
+    });
 }
 
 /// [`activation::swiglu_forward`], one thread per element of `[rows, inter]` (`n = rows · inter`).
@@ -108,8 +121,15 @@ pub unsafe extern "ptx-kernel" fn column_sums(
 /// # Safety
 /// As the body with `chunk_len = 1`.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn swiglu_forward(gate_up: *const f32, act: *mut f32, inter: usize, n: usize) {
-    for_index(n, |e| unsafe { activation::swiglu_forward(gate_up, act, inter, n, 1, e) });
+pub unsafe extern "ptx-kernel" fn swiglu_forward(
+    gate_up: *const f32,
+    act: *mut f32,
+    inter: usize,
+    n: usize,
+) {
+    for_index(n, |e| unsafe {
+        activation::swiglu_forward(gate_up, act, inter, n, 1, e)
+    });
 }
 
 /// [`activation::swiglu_backward`], one thread per element of `[rows, inter]`.
@@ -124,7 +144,9 @@ pub unsafe extern "ptx-kernel" fn swiglu_backward(
     inter: usize,
     n: usize,
 ) {
-    for_index(n, |e| unsafe { activation::swiglu_backward(gate_up, dact, dgate_up, inter, n, 1, e) });
+    for_index(n, |e| unsafe {
+        activation::swiglu_backward(gate_up, dact, dgate_up, inter, n, 1, e)
+    });
 }
 
 /// [`activation::head_residual_forward`], one thread per element.
@@ -132,8 +154,15 @@ pub unsafe extern "ptx-kernel" fn swiglu_backward(
 /// # Safety
 /// As the body with `chunk_len = 1`.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn head_residual_forward(z: *const f32, a: *const f32, h: *mut f32, n: usize) {
-    for_index(n, |e| unsafe { activation::head_residual_forward(z, a, h, n, 1, e) });
+pub unsafe extern "ptx-kernel" fn head_residual_forward(
+    z: *const f32,
+    a: *const f32,
+    h: *mut f32,
+    n: usize,
+) {
+    for_index(n, |e| unsafe {
+        activation::head_residual_forward(z, a, h, n, 1, e)
+    });
 }
 
 /// [`activation::head_residual_backward`], one thread per element.
@@ -148,7 +177,9 @@ pub unsafe extern "ptx-kernel" fn head_residual_backward(
     dz: *mut f32,
     n: usize,
 ) {
-    for_index(n, |e| unsafe { activation::head_residual_backward(a, dh, da, dz, n, 1, e) });
+    for_index(n, |e| unsafe {
+        activation::head_residual_backward(a, dh, da, dz, n, 1, e)
+    });
 }
 
 /// [`loss::build_labels`], `heads · tokens` threads.
@@ -167,7 +198,9 @@ pub unsafe extern "ptx-kernel" fn build_labels(
     count: usize,
 ) {
     for_index(count, |index| unsafe {
-        loss::build_labels(input_ids, loss_mask, seq_lens, labels, padded_len, tokens, vocab, index)
+        loss::build_labels(
+            input_ids, loss_mask, seq_lens, labels, padded_len, tokens, vocab, index,
+        )
     });
 }
 
@@ -184,7 +217,9 @@ pub unsafe extern "ptx-kernel" fn head_loss_scales(
     counts: *mut u32,
     scales: *mut f32,
 ) {
-    for_index(heads, |head| unsafe { loss::head_loss_scales(labels, tokens, heads, head_decay, counts, scales, head) });
+    for_index(heads, |head| unsafe {
+        loss::head_loss_scales(labels, tokens, heads, head_decay, counts, scales, head)
+    });
 }
 
 /// [`loss::vocab_loss_row`], one thread per token row of the chunk.
@@ -200,7 +235,9 @@ pub unsafe extern "ptx-kernel" fn vocab_loss_row(
     vocab: usize,
     rows: usize,
 ) {
-    for_index(rows, |row| unsafe { loss::vocab_loss_row(logits, labels, scale, row_loss, vocab, row) });
+    for_index(rows, |row| unsafe {
+        loss::vocab_loss_row(logits, labels, scale, row_loss, vocab, row)
+    });
 }
 
 /// [`reduce::sum_partials`], one thread per chunk (`ceil(n / chunk_len)` threads).
@@ -215,7 +252,9 @@ pub unsafe extern "ptx-kernel" fn sum_partials(
     partials: *mut f32,
     chunks: usize,
 ) {
-    for_index(chunks, |chunk| unsafe { reduce::sum_partials(values, n, chunk_len, partials, chunk) });
+    for_index(chunks, |chunk| unsafe {
+        reduce::sum_partials(values, n, chunk_len, partials, chunk)
+    });
 }
 
 /// [`reduce::sum_squares_partials`], one thread per chunk.
@@ -230,7 +269,9 @@ pub unsafe extern "ptx-kernel" fn sum_squares_partials(
     partials: *mut f32,
     chunks: usize,
 ) {
-    for_index(chunks, |chunk| unsafe { reduce::sum_squares_partials(values, n, chunk_len, partials, chunk) });
+    for_index(chunks, |chunk| unsafe {
+        reduce::sum_squares_partials(values, n, chunk_len, partials, chunk)
+    });
 }
 
 /// [`reduce::finish_sum`], one thread.
@@ -254,7 +295,9 @@ pub unsafe extern "ptx-kernel" fn finish_grad_norm(
     norm: *mut f32,
     clip_scale: *mut f32,
 ) {
-    for_index(1, |_| unsafe { reduce::finish_grad_norm(partials, count, max_norm, norm, clip_scale) });
+    for_index(1, |_| unsafe {
+        reduce::finish_grad_norm(partials, count, max_norm, norm, clip_scale)
+    });
 }
 
 /// [`adamw::adamw_update`], one thread per parameter. The per-step scalars are read from device memory
@@ -275,7 +318,9 @@ pub unsafe extern "ptx-kernel" fn adamw_update(
     n: usize,
 ) {
     for_index(n, |e| unsafe {
-        adamw::adamw_update(params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, *hyper, n, 1, e)
+        adamw::adamw_update(
+            params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, *hyper, n, 1, e,
+        )
     });
 }
 

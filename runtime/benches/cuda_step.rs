@@ -16,7 +16,9 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, result as driver};
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan};
 use draftpipe_runtime::batch::HsBatch;
-use draftpipe_runtime::cuda::{CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device};
+use draftpipe_runtime::cuda::{
+    CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
+};
 use draftpipe_runtime::params::FlatState;
 
 const REPS: usize = 15;
@@ -34,8 +36,12 @@ fn alloc(stream: &Arc<CudaStream>, n: usize, value: f32) -> (CudaSlice<f32>, Dev
 
 /// Median milliseconds of `work` between two events on `stream`.
 fn time_ms(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, mut work: impl FnMut()) -> f64 {
-    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
-    let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+    let start = ctx
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event");
+    let stop = ctx
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event");
     work();
     let samples = (0..REPS)
         .map(|_| {
@@ -62,17 +68,34 @@ fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let hyper_host = [1e-4f32, 0.9, 0.95, 1e-8, 0.01, 1e-3, 0.3];
     let hyper_slice = s.clone_htod(&hyper_host).expect("hyper");
     let (hyper, _) = hyper_slice.device_ptr(&s);
-    let adamw_ms = time_ms(ctx, &s, || k.adamw_update((p, g, m, v), (norm, clip, hyper), n).expect("adamw"));
+    let adamw_ms = time_ms(ctx, &s, || {
+        k.adamw_update((p, g, m, v), (norm, clip, hyper), n)
+            .expect("adamw")
+    });
     let (_dst, dst) = alloc(&s, 7 * n, 0.0);
     let (_src, src) = alloc(&s, 7 * n, 1.0);
     let copy_bytes = 7 * n * 4 / 2;
     // SAFETY: both buffers hold `7n` f32s; half of that is copied so reads + writes equal AdamW's 28 B/element.
-    let copy_ms = time_ms(ctx, &s, || unsafe { driver::memcpy_dtod_async(dst, src, copy_bytes, s.cu_stream()) }.expect("copy"));
+    let copy_ms = time_ms(ctx, &s, || {
+        unsafe { driver::memcpy_dtod_async(dst, src, copy_bytes, s.cu_stream()) }.expect("copy")
+    });
     let adamw_gbs = (n * 28) as f64 / adamw_ms / 1e6;
     let copy_gbs = (2 * copy_bytes) as f64 / copy_ms / 1e6;
-    rows.push(Row("AdamW, 64 Mi params (28 B/param)".into(), format!("{adamw_gbs:.0} GB/s ({adamw_ms:.3} ms)"), "".into()));
-    rows.push(Row("D2D copy, same bytes".into(), format!("{copy_gbs:.0} GB/s ({copy_ms:.3} ms)"), "".into()));
-    rows.push(Row("AdamW / copy".into(), format!("{:.1} %", 100.0 * adamw_gbs / copy_gbs), "≥ 85 %".into()));
+    rows.push(Row(
+        "AdamW, 64 Mi params (28 B/param)".into(),
+        format!("{adamw_gbs:.0} GB/s ({adamw_ms:.3} ms)"),
+        "".into(),
+    ));
+    rows.push(Row(
+        "D2D copy, same bytes".into(),
+        format!("{copy_gbs:.0} GB/s ({copy_ms:.3} ms)"),
+        "".into(),
+    ));
+    rows.push(Row(
+        "AdamW / copy".into(),
+        format!("{:.1} %", 100.0 * adamw_gbs / copy_gbs),
+        "≥ 85 %".into(),
+    ));
 }
 
 fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
@@ -91,14 +114,31 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
     let run = |rows_per_chunk: usize, logits: DevicePtr| {
         for start in (0..t).step_by(rows_per_chunk) {
             let r = rows_per_chunk.min(t - start);
-            let (hrow, at) = (hs + (start * h * 4) as u64, |p: DevicePtr, e: usize| p + (e * 4) as u64);
+            let (hrow, at) = (hs + (start * h * 4) as u64, |p: DevicePtr, e: usize| {
+                p + (e * 4) as u64
+            });
             // SAFETY: every buffer above holds the shapes used here.
             unsafe {
-                gemm.row_major((Op::N, hrow), (Op::T, lm), logits, (r, v, h), 1.0, 0.0).expect("logits");
-                k.vocab_loss_row((logits, at(labels, start), scale, at(row_loss, start)), r, v).expect("loss");
-                gemm.row_major((Op::N, logits), (Op::N, lm), at(dh, start * h), (r, h, v), 1.0, 0.0).expect("dh");
+                gemm.row_major((Op::N, hrow), (Op::T, lm), logits, (r, v, h), 1.0, 0.0)
+                    .expect("logits");
+                k.vocab_loss_row(
+                    (logits, at(labels, start), scale, at(row_loss, start)),
+                    r,
+                    v,
+                )
+                .expect("loss");
+                gemm.row_major(
+                    (Op::N, logits),
+                    (Op::N, lm),
+                    at(dh, start * h),
+                    (r, h, v),
+                    1.0,
+                    0.0,
+                )
+                .expect("dh");
                 let beta = if start == 0 { 0.0 } else { 1.0 };
-                gemm.row_major((Op::T, logits), (Op::N, hrow), dlm, (v, h, r), 1.0, beta).expect("dlm");
+                gemm.row_major((Op::T, logits), (Op::N, hrow), dlm, (v, h, r), 1.0, beta)
+                    .expect("dlm");
             }
         }
     };
@@ -116,17 +156,51 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
         format!("{fused_ms:.1} ms, logits {:.2} GiB", gib(chunk * v)),
         "".into(),
     ));
-    rows.push(Row("materialised logits, same".into(), format!("{full_ms:.1} ms, logits {:.2} GiB", gib(t * v)), "".into()));
+    rows.push(Row(
+        "materialised logits, same".into(),
+        format!("{full_ms:.1} ms, logits {:.2} GiB", gib(t * v)),
+        "".into(),
+    ));
 }
 
 fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
-    let spec = MlpSpec { din: 3 * 4096, hidden: 1024, blocks: 2, intermediate: 2816, heads: 4, vocab: 151936 };
-    let model = ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() };
-    let loss = LossSpec { head_decay: 0.8, chunk_tokens: 4096 };
-    let adamw = AdamWSpec { lr: 3e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01, clip_grad_norm: Some(1.0) };
-    let bucket = BucketPlan { padded_len: 4096, sequences: 4, tokens: 16384, step_flops: 0, step_bytes: 0 };
-    let mut drafter = CudaDrafter::new(0, &model, loss, adamw, &[bucket.clone()], launch).expect("drafter");
-    drafter.upload_state(&FlatState::init(&model, 1)).expect("upload");
+    let spec = MlpSpec {
+        din: 3 * 4096,
+        hidden: 1024,
+        blocks: 2,
+        intermediate: 2816,
+        heads: 4,
+        vocab: 151936,
+    };
+    let model = ModelPlan {
+        spec,
+        parameters: spec.parameter_count(),
+        layout: spec.layout(),
+    };
+    let loss = LossSpec {
+        head_decay: 0.8,
+        chunk_tokens: 4096,
+    };
+    let adamw = AdamWSpec {
+        lr: 3e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        clip_grad_norm: Some(1.0),
+    };
+    let bucket = BucketPlan {
+        padded_len: 4096,
+        sequences: 4,
+        tokens: 16384,
+        step_flops: 0,
+        step_bytes: 0,
+    };
+    let mut drafter =
+        CudaDrafter::new(0, &model, loss, adamw, std::slice::from_ref(&bucket), launch).expect("drafter");
+    drafter
+        .upload_state(&FlatState::init(&model, 1))
+        .expect("upload");
     let mut batch = HsBatch::zeroed(bucket.padded_len, bucket.sequences, spec.din);
     for (i, v) in batch.hs.iter_mut().enumerate() {
         *v = ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
@@ -160,8 +234,16 @@ fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
     let name = format!("dflash-5x3 step, {launch:?}, 16384 tokens");
     let tokens_s = (bucket.tokens * measured) as f64 / wall_s;
     let busy = 100.0 * device_s / wall_s;
-    let target = if launch == LaunchMode::Graph { "≥ 97 %, ≤ 20 µs" } else { "" };
-    rows.push(Row(name, format!("{tokens_s:.0} tok/s, busy {busy:.1} %, host {host_us:.1} µs/step"), target.into()));
+    let target = if launch == LaunchMode::Graph {
+        "≥ 97 %, ≤ 20 µs"
+    } else {
+        ""
+    };
+    rows.push(Row(
+        name,
+        format!("{tokens_s:.0} tok/s, busy {busy:.1} %, host {host_us:.1} µs/step"),
+        target.into(),
+    ));
 }
 
 fn main() {
@@ -181,7 +263,10 @@ fn main() {
     dflash_step(LaunchMode::Eager, &mut rows);
     dflash_step(LaunchMode::Graph, &mut rows);
     let d = &devices[0];
-    println!("\n{} (sm_{}{}), medians of {REPS} runs (steps: 6 after 2 warm-up)", d.name, d.compute_capability.0, d.compute_capability.1);
+    println!(
+        "\n{} (sm_{}{}), medians of {REPS} runs (steps: 6 after 2 warm-up)",
+        d.name, d.compute_capability.0, d.compute_capability.1
+    );
     println!("| measure | result | target |\n| --- | --- | --- |");
     for Row(what, result, target) in rows {
         println!("| {what} | {result} | {target} |");

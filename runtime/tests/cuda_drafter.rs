@@ -17,12 +17,39 @@ use rand::rngs::Xoshiro256PlusPlus;
 const STEPS: usize = 20;
 
 fn setup() -> (ModelPlan, LossSpec, AdamWSpec, Vec<BucketPlan>) {
-    let spec = MlpSpec { din: 64, hidden: 48, blocks: 2, intermediate: 96, heads: 3, vocab: 257 };
-    let model = ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() };
+    let spec = MlpSpec {
+        din: 64,
+        hidden: 48,
+        blocks: 2,
+        intermediate: 96,
+        heads: 3,
+        vocab: 257,
+    };
+    let model = ModelPlan {
+        spec,
+        parameters: spec.parameter_count(),
+        layout: spec.layout(),
+    };
     // 48-token chunks over 128 tokens: the last chunk is partial.
-    let loss = LossSpec { head_decay: 0.8, chunk_tokens: 48 };
-    let adamw = AdamWSpec { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01, clip_grad_norm: Some(1.0) };
-    let bucket = BucketPlan { padded_len: 32, sequences: 4, tokens: 128, step_flops: 0, step_bytes: 0 };
+    let loss = LossSpec {
+        head_decay: 0.8,
+        chunk_tokens: 48,
+    };
+    let adamw = AdamWSpec {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        clip_grad_norm: Some(1.0),
+    };
+    let bucket = BucketPlan {
+        padded_len: 32,
+        sequences: 4,
+        tokens: 128,
+        step_flops: 0,
+        step_bytes: 0,
+    };
     (model, loss, adamw, vec![bucket])
 }
 
@@ -42,7 +69,8 @@ fn batch(rng: &mut Xoshiro256PlusPlus, spec: &MlpSpec) -> HsBatch {
                 rng.random_range(0..spec.vocab as u32)
             } else {
                 let prev = &b.hs[(t - 1) * spec.din..][..4];
-                prev.iter().fold(0u32, |acc, &v| acc * 2 + u32::from(v > 0.0))
+                prev.iter()
+                    .fold(0u32, |acc, &v| acc * 2 + u32::from(v > 0.0))
             };
             b.loss_mask[t] = 1;
         }
@@ -52,7 +80,8 @@ fn batch(rng: &mut Xoshiro256PlusPlus, spec: &MlpSpec) -> HsBatch {
 
 fn cuda_losses(launch: LaunchMode, init: &FlatState, batches: &[HsBatch]) -> (Vec<f32>, FlatState) {
     let (model, loss, adamw, buckets) = setup();
-    let mut drafter = CudaDrafter::new(0, &model, loss, adamw, &buckets, launch).expect("CUDA drafter");
+    let mut drafter =
+        CudaDrafter::new(0, &model, loss, adamw, &buckets, launch).expect("CUDA drafter");
     drafter.upload_state(init).expect("upload");
     let mut losses = Vec::new();
     for b in batches {
@@ -90,9 +119,18 @@ fn twenty_steps_follow_the_cpu_loss_curve_and_graph_equals_eager() {
     let (eager, _) = cuda_losses(LaunchMode::Eager, &init, &batches);
     assert_eq!(graph.len(), STEPS, "one outcome per step");
     for (i, ((&g, &e), &c)) in graph.iter().zip(&eager).zip(&cpu_losses).enumerate() {
-        assert!((g - c).abs() <= 2e-3 * c.abs(), "step {i}: cuda {g} vs cpu {c} (seed {seed})");
-        assert!((g - e).abs() <= 1e-6 * e.abs(), "step {i}: graph {g} vs eager {e} (seed {seed})");
+        assert!(
+            (g - c).abs() <= 2e-3 * c.abs(),
+            "step {i}: cuda {g} vs cpu {c} (seed {seed})"
+        );
+        assert!(
+            (g - e).abs() <= 1e-6 * e.abs(),
+            "step {i}: graph {g} vs eager {e} (seed {seed})"
+        );
     }
-    assert!(cpu_losses[STEPS - 1] < 0.7 * cpu_losses[0], "the task is learnable (measured on the CPU: 5.7 → 3.1): {cpu_losses:?} (seed {seed})");
+    assert!(
+        cpu_losses[STEPS - 1] < 0.7 * cpu_losses[0],
+        "the task is learnable (measured on the CPU: 5.7 → 3.1): {cpu_losses:?} (seed {seed})"
+    );
     assert_eq!(graph_state.step, state.step, "applied AdamW steps");
 }

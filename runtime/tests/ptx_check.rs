@@ -29,7 +29,10 @@ fn find_ptxas() -> Option<PathBuf> {
     if installed.is_file() {
         return Some(installed);
     }
-    let on_path = Command::new("ptxas").arg("--version").output().is_ok_and(|o| o.status.success());
+    let on_path = Command::new("ptxas")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
     on_path.then(|| PathBuf::from("ptxas"))
 }
 
@@ -56,12 +59,18 @@ fn parse_resources(report: &str) -> Vec<KernelResources> {
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or_default().to_owned();
-            current = Some(KernelResources { name, ..Default::default() });
+            current = Some(KernelResources {
+                name,
+                ..Default::default()
+            });
         } else if let Some(kernel) = current.as_mut() {
             if line.contains("bytes stack frame") {
-                kernel.stack_frame_bytes = number_before(line, "bytes stack frame").unwrap_or(u32::MAX);
-                kernel.spill_store_bytes = number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
-                kernel.spill_load_bytes = number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
+                kernel.stack_frame_bytes =
+                    number_before(line, "bytes stack frame").unwrap_or(u32::MAX);
+                kernel.spill_store_bytes =
+                    number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
+                kernel.spill_load_bytes =
+                    number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
             } else if line.contains("Used ") && line.contains(" registers") {
                 kernel.registers = number_before(line, "registers").unwrap_or(u32::MAX);
                 kernels.extend(current.take());
@@ -75,14 +84,22 @@ fn parse_resources(report: &str) -> Vec<KernelResources> {
 fn every_kernel_assembles_for_sm90_without_spills() {
     let ptx = match EMBEDDED_PTX {
         Ok(ptx) => ptx,
-        Err(reason) => return skip_or_fail(&format!("the runtime was built without PTX: {reason}")),
+        Err(reason) => {
+            return skip_or_fail(&format!("the runtime was built without PTX: {reason}"));
+        }
     };
     let Some(ptxas) = find_ptxas() else {
         return skip_or_fail("ptxas not found (run scripts/install-ptxas.sh or set PTXAS)");
     };
 
-    let undefined: Vec<&str> = ptx.lines().filter(|l| l.starts_with(".extern .func")).collect();
-    assert!(undefined.is_empty(), "the PTX calls undefined functions: {undefined:?}");
+    let undefined: Vec<&str> = ptx
+        .lines()
+        .filter(|l| l.starts_with(".extern .func"))
+        .collect();
+    assert!(
+        undefined.is_empty(),
+        "the PTX calls undefined functions: {undefined:?}"
+    );
     for name in KERNEL_NAMES {
         assert!(
             ptx.contains(&format!(".visible .entry {name}(")),
@@ -100,13 +117,27 @@ fn every_kernel_assembles_for_sm90_without_spills() {
         .output()
         .unwrap_or_else(|e| panic!("run {}: {e}", ptxas.display()));
     std::fs::remove_dir_all(&dir).ok();
-    let report = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert!(output.status.success(), "ptxas rejected the PTX:\n{report}");
-    assert!(!report.to_lowercase().contains("error"), "ptxas reported errors:\n{report}");
+    assert!(
+        !report.to_lowercase().contains("error"),
+        "ptxas reported errors:\n{report}"
+    );
 
     let kernels = parse_resources(&report);
-    assert_eq!(kernels.len(), KERNEL_NAMES.len(), "ptxas reported other entry points than expected:\n{report}");
-    eprintln!("{:<36} {:>9} {:>7} {:>7}", "kernel (sm_90)", "registers", "stack", "spills");
+    assert_eq!(
+        kernels.len(),
+        KERNEL_NAMES.len(),
+        "ptxas reported other entry points than expected:\n{report}"
+    );
+    eprintln!(
+        "{:<36} {:>9} {:>7} {:>7}",
+        "kernel (sm_90)", "registers", "stack", "spills"
+    );
     for k in &kernels {
         eprintln!(
             "{:<36} {:>9} {:>7} {:>7}",
@@ -120,7 +151,10 @@ fn every_kernel_assembles_for_sm90_without_spills() {
         .iter()
         .filter(|k| k.stack_frame_bytes != 0 || k.spill_store_bytes != 0 || k.spill_load_bytes != 0)
         .collect();
-    assert!(heavy.is_empty(), "kernels with a stack frame or spills: {heavy:?}");
+    assert!(
+        heavy.is_empty(),
+        "kernels with a stack frame or spills: {heavy:?}"
+    );
 }
 
 #[test]
@@ -133,7 +167,13 @@ fn parser_reads_ptxas_verbose_output() {
     assert_eq!(kernels.len(), 1);
     let k = &kernels[0];
     assert_eq!(
-        (k.name.as_str(), k.registers, k.stack_frame_bytes, k.spill_store_bytes, k.spill_load_bytes),
+        (
+            k.name.as_str(),
+            k.registers,
+            k.stack_frame_bytes,
+            k.spill_store_bytes,
+            k.spill_load_bytes
+        ),
         ("adamw", 24, 16, 4, 8)
     );
 }

@@ -58,10 +58,17 @@ impl Gemm {
         let workspace = Buffer::<u8>::zeros(&stream, CUBLAS_WORKSPACE_BYTES)?;
         // SAFETY: the workspace lives as long as the handle (both owned by `Gemm`) and is used on its stream.
         unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), workspace.ptr() as *mut _, CUBLAS_WORKSPACE_BYTES)
-                .result()?;
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.ptr() as *mut _,
+                CUBLAS_WORKSPACE_BYTES,
+            )
+            .result()?;
         }
-        Ok(Self { blas, _workspace: workspace })
+        Ok(Self {
+            blas,
+            _workspace: workspace,
+        })
     }
 
     /// Row-major `C[m, n] = alpha · op_a(A)·op_b(B) + beta · C`, where `A` is stored `[m, k]` (`[k, m]` when

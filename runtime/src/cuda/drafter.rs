@@ -98,7 +98,15 @@ pub struct CudaDrafter {
 }
 
 fn check_len(what: &'static str, got: usize, expected: usize) -> Result<(), CudaError> {
-    if got == expected { Ok(()) } else { Err(CudaError::LengthMismatch { what, got, expected }) }
+    if got == expected {
+        Ok(())
+    } else {
+        Err(CudaError::LengthMismatch {
+            what,
+            got,
+            expected,
+        })
+    }
 }
 
 impl CudaDrafter {
@@ -224,8 +232,16 @@ impl CudaDrafter {
     fn bucket_of(&self, batch: &HsBatch) -> Result<usize, CudaError> {
         self.buckets
             .iter()
-            .position(|b| b.padded_len == batch.padded_len && b.sequences == batch.sequences && batch.din == self.model.spec.din)
-            .ok_or(CudaError::NoSuchBucket { padded_len: batch.padded_len, sequences: batch.sequences, din: batch.din })
+            .position(|b| {
+                b.padded_len == batch.padded_len
+                    && b.sequences == batch.sequences
+                    && batch.din == self.model.spec.din
+            })
+            .ok_or(CudaError::NoSuchBucket {
+                padded_len: batch.padded_len,
+                sequences: batch.sequences,
+                din: batch.din,
+            })
     }
 
     /// Copies `batch` into pinned memory and starts its upload on the copy stream, into the input slot the
@@ -248,10 +264,26 @@ impl CudaDrafter {
         // SAFETY: sources are pinned and stay untouched until `slot_free[slot]` (recorded after the step that
         // reads this slot); destinations hold the bucket's largest shape.
         unsafe {
-            driver::memcpy_htod_async(input.hs.ptr(), &pinned.hs.as_slice()?[..batch.hs.len()], stream)?;
-            driver::memcpy_htod_async(input.input_ids.ptr(), &pinned.input_ids.as_slice()?[..tokens], stream)?;
-            driver::memcpy_htod_async(input.seq_lens.ptr(), &pinned.seq_lens.as_slice()?[..batch.sequences], stream)?;
-            driver::memcpy_htod_async(input.loss_mask.ptr(), &pinned.loss_mask.as_slice()?[..tokens], stream)?;
+            driver::memcpy_htod_async(
+                input.hs.ptr(),
+                &pinned.hs.as_slice()?[..batch.hs.len()],
+                stream,
+            )?;
+            driver::memcpy_htod_async(
+                input.input_ids.ptr(),
+                &pinned.input_ids.as_slice()?[..tokens],
+                stream,
+            )?;
+            driver::memcpy_htod_async(
+                input.seq_lens.ptr(),
+                &pinned.seq_lens.as_slice()?[..batch.sequences],
+                stream,
+            )?;
+            driver::memcpy_htod_async(
+                input.loss_mask.ptr(),
+                &pinned.loss_mask.as_slice()?[..tokens],
+                stream,
+            )?;
         }
         self.copied[slot].record(&self.copy)?;
         self.staged = Some(Staged { bucket, slot });
@@ -276,11 +308,26 @@ impl CudaDrafter {
     /// non-finite gradient norm, is only known one step later; the step after it then uses a bias correction one
     /// step ahead).
     fn adamw_scalars(&self) -> [f32; ADAMW_STEP_FLOATS] {
-        let AdamWSpec { lr, beta1, beta2, eps, weight_decay, .. } = self.adamw;
+        let AdamWSpec {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            ..
+        } = self.adamw;
         let step = (self.applied_steps + u64::from(self.in_flight.is_some()) + 1) as i32;
         let bias1 = 1.0 - f64::from(beta1).powi(step);
         let bias2 = 1.0 - f64::from(beta2).powi(step);
-        [lr, beta1, beta2, eps, weight_decay, (f64::from(lr) / bias1) as f32, bias2.sqrt() as f32]
+        [
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            (f64::from(lr) / bias1) as f32,
+            bias2.sqrt() as f32,
+        ]
     }
 
     /// Launches the step of the staged batch and returns the previous step's outcome, if there was one.
@@ -294,7 +341,10 @@ impl CudaDrafter {
         // SAFETY: `hyper` holds seven f32s; a pageable source is staged by the driver before this call returns.
         unsafe { driver::memcpy_htod_async(self.flat.hyper.ptr(), &scalars, compute.cu_stream()) }?;
         self.start[ring].record(&compute)?;
-        let shape = StepShape { padded_len: self.buckets[bucket].padded_len, sequences: self.buckets[bucket].sequences };
+        let shape = StepShape {
+            padded_len: self.buckets[bucket].padded_len,
+            sequences: self.buckets[bucket].sequences,
+        };
         match self.launch {
             LaunchMode::Eager => self.step_plan().enqueue(shape, &self.inputs[slot])?,
             LaunchMode::Graph => {
@@ -309,17 +359,28 @@ impl CudaDrafter {
         self.slot_free[slot].record(&compute)?;
         let readback = &mut self.readback[ring];
         // SAFETY: `scalars` holds three f32s; the pinned destination is read only after `done[ring]`.
-        unsafe { driver::memcpy_dtoh_async(readback.as_mut_slice()?, self.flat.scalars.ptr(), compute.cu_stream()) }?;
+        unsafe {
+            driver::memcpy_dtoh_async(
+                readback.as_mut_slice()?,
+                self.flat.scalars.ptr(),
+                compute.cu_stream(),
+            )
+        }?;
         self.done[ring].record(&compute)?;
         let host_us = begin.elapsed().as_secs_f32() * 1e6;
-        let previous = self.in_flight.replace(InFlight { index: self.launched, ring, host_us });
+        let previous = self.in_flight.replace(InFlight {
+            index: self.launched,
+            ring,
+            host_us,
+        });
         self.launched += 1;
         previous.map(|p| self.collect(p)).transpose()
     }
 
     /// Captures one step of `shape` reading input slot `slot` into a graph (first step of a bucket only).
     fn capture(&self, shape: StepShape, slot: usize) -> Result<CudaGraph, CudaError> {
-        self.compute.begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        self.compute
+            .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let enqueued = self.step_plan().enqueue(shape, &self.inputs[slot]);
         let graph = self.compute.end_capture(CUgraphInstantiate_flags(0));
         enqueued?;
@@ -332,12 +393,22 @@ impl CudaDrafter {
     fn collect(&mut self, step: InFlight) -> Result<StepOutcome, CudaError> {
         self.done[step.ring].synchronize()?;
         let [grad_norm, _clip, loss] = <[f32; 3]>::try_from(self.readback[step.ring].as_slice()?)
-            .map_err(|_| CudaError::LengthMismatch { what: "readback", got: 0, expected: 3 })?;
+            .map_err(|_| CudaError::LengthMismatch {
+            what: "readback",
+            got: 0,
+            expected: 3,
+        })?;
         if grad_norm.is_finite() {
             self.applied_steps += 1;
         }
         let device_ms = self.start[step.ring].elapsed_ms(&self.stop[step.ring])?;
-        Ok(StepOutcome { index: step.index, loss, grad_norm, device_ms, host_us: step.host_us })
+        Ok(StepOutcome {
+            index: step.index,
+            loss,
+            grad_norm,
+            device_ms,
+            host_us: step.host_us,
+        })
     }
 
     /// Waits for the last launched step and returns its outcome.

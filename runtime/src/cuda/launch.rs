@@ -17,7 +17,11 @@ pub type DevicePtr = CUdeviceptr;
 fn config(count: usize) -> Result<LaunchConfig, CudaError> {
     let blocks = count.div_ceil(BLOCK_THREADS as usize);
     let blocks = u32::try_from(blocks.max(1)).map_err(|_| CudaError::LaunchTooLarge(count))?;
-    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 })
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
 
 /// The kernels of one [`KernelModule`] bound to a stream.
@@ -92,7 +96,12 @@ impl Launcher {
         cols: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
-        launch!(self, rmsnorm_forward, rows, [x, weight, y, inv_rms, cols, eps, rows])
+        launch!(
+            self,
+            rmsnorm_forward,
+            rows,
+            [x, weight, y, inv_rms, cols, eps, rows]
+        )
     }
 
     /// Input gradient of RMSNorm (`dx = …`, or `dx += …` when `accumulate`).
@@ -105,7 +114,12 @@ impl Launcher {
         accumulate: bool,
     ) -> Result<(), CudaError> {
         let accumulate = u32::from(accumulate);
-        launch!(self, rmsnorm_backward_input, rows, [x, weight, inv_rms, dy, dx, cols, accumulate, rows])
+        launch!(
+            self,
+            rmsnorm_backward_input,
+            rows,
+            [x, weight, inv_rms, dy, dx, cols, accumulate, rows]
+        )
     }
 
     /// First pass of the RMSNorm weight gradient: `ceil(rows / rows_per_chunk) · cols` partials.
@@ -118,7 +132,12 @@ impl Launcher {
         rows_per_chunk: usize,
     ) -> Result<(), CudaError> {
         let count = rows.div_ceil(rows_per_chunk) * cols;
-        launch!(self, rmsnorm_weight_grad_partials, count, [x, inv_rms, dy, partials, rows, cols, rows_per_chunk, count])
+        launch!(
+            self,
+            rmsnorm_weight_grad_partials,
+            count,
+            [x, inv_rms, dy, partials, rows, cols, rows_per_chunk, count]
+        )
     }
 
     /// Column sums of a `[rows, cols]` matrix into `out` (added when `accumulate`).
@@ -131,11 +150,22 @@ impl Launcher {
         accumulate: bool,
     ) -> Result<(), CudaError> {
         let accumulate = u32::from(accumulate);
-        launch!(self, column_sums, cols, [values, out, rows, cols, accumulate])
+        launch!(
+            self,
+            column_sums,
+            cols,
+            [values, out, rows, cols, accumulate]
+        )
     }
 
     /// `act = silu(gate) ⊙ up` from rows `[gate | up]` of `gate_up` (`rows · inter` outputs).
-    pub fn swiglu_forward(&self, gate_up: DevicePtr, act: DevicePtr, rows: usize, inter: usize) -> Result<(), CudaError> {
+    pub fn swiglu_forward(
+        &self,
+        gate_up: DevicePtr,
+        act: DevicePtr,
+        rows: usize,
+        inter: usize,
+    ) -> Result<(), CudaError> {
         let n = rows * inter;
         launch!(self, swiglu_forward, n, [gate_up, act, inter, n])
     }
@@ -148,11 +178,22 @@ impl Launcher {
         inter: usize,
     ) -> Result<(), CudaError> {
         let n = rows * inter;
-        launch!(self, swiglu_backward, n, [gate_up, dact, dgate_up, inter, n])
+        launch!(
+            self,
+            swiglu_backward,
+            n,
+            [gate_up, dact, dgate_up, inter, n]
+        )
     }
 
     /// `h = z + silu(a)` over `n` elements.
-    pub fn head_residual_forward(&self, z: DevicePtr, a: DevicePtr, h: DevicePtr, n: usize) -> Result<(), CudaError> {
+    pub fn head_residual_forward(
+        &self,
+        z: DevicePtr,
+        a: DevicePtr,
+        h: DevicePtr,
+        n: usize,
+    ) -> Result<(), CudaError> {
         launch!(self, head_residual_forward, n, [z, a, h, n])
     }
 
@@ -176,7 +217,14 @@ impl Launcher {
         vocab: usize,
     ) -> Result<(), CudaError> {
         let count = heads * tokens;
-        launch!(self, build_labels, count, [input_ids, loss_mask, seq_lens, labels, padded_len, tokens, vocab, count])
+        launch!(
+            self,
+            build_labels,
+            count,
+            [
+                input_ids, loss_mask, seq_lens, labels, padded_len, tokens, vocab, count
+            ]
+        )
     }
 
     /// Valid-label counts and loss scales per head.
@@ -187,7 +235,12 @@ impl Launcher {
         heads: usize,
         head_decay: f32,
     ) -> Result<(), CudaError> {
-        launch!(self, head_loss_scales, heads, [labels, tokens, heads, head_decay, counts, scales])
+        launch!(
+            self,
+            head_loss_scales,
+            heads,
+            [labels, tokens, heads, head_decay, counts, scales]
+        )
     }
 
     /// Fused cross-entropy over `rows` logits rows of width `vocab`, gradient written in place.
@@ -197,13 +250,29 @@ impl Launcher {
         rows: usize,
         vocab: usize,
     ) -> Result<(), CudaError> {
-        launch!(self, vocab_loss_row, rows, [logits, labels, scale, row_loss, vocab, rows])
+        launch!(
+            self,
+            vocab_loss_row,
+            rows,
+            [logits, labels, scale, row_loss, vocab, rows]
+        )
     }
 
     /// Partial sums of `n` values in chunks of `chunk_len` (`ceil(n / chunk_len)` partials).
-    pub fn sum_partials(&self, values: DevicePtr, partials: DevicePtr, n: usize, chunk_len: usize) -> Result<(), CudaError> {
+    pub fn sum_partials(
+        &self,
+        values: DevicePtr,
+        partials: DevicePtr,
+        n: usize,
+        chunk_len: usize,
+    ) -> Result<(), CudaError> {
         let chunks = n.div_ceil(chunk_len);
-        launch!(self, sum_partials, chunks, [values, n, chunk_len, partials, chunks])
+        launch!(
+            self,
+            sum_partials,
+            chunks,
+            [values, n, chunk_len, partials, chunks]
+        )
     }
 
     /// Partial sums of squares of `n` values in chunks of `chunk_len`.
@@ -215,11 +284,21 @@ impl Launcher {
         chunk_len: usize,
     ) -> Result<(), CudaError> {
         let chunks = n.div_ceil(chunk_len);
-        launch!(self, sum_squares_partials, chunks, [values, n, chunk_len, partials, chunks])
+        launch!(
+            self,
+            sum_squares_partials,
+            chunks,
+            [values, n, chunk_len, partials, chunks]
+        )
     }
 
     /// `out[0] = Σ partials[..count]`, in order.
-    pub fn finish_sum(&self, partials: DevicePtr, count: usize, out: DevicePtr) -> Result<(), CudaError> {
+    pub fn finish_sum(
+        &self,
+        partials: DevicePtr,
+        count: usize,
+        out: DevicePtr,
+    ) -> Result<(), CudaError> {
         launch!(self, finish_sum, 1, [partials, count, out])
     }
 
@@ -230,7 +309,12 @@ impl Launcher {
         count: usize,
         max_norm: f32,
     ) -> Result<(), CudaError> {
-        launch!(self, finish_grad_norm, 1, [partials, count, max_norm, norm, clip_scale])
+        launch!(
+            self,
+            finish_grad_norm,
+            1,
+            [partials, count, max_norm, norm, clip_scale]
+        )
     }
 
     /// One fused AdamW update of `n` parameters; `hyper` holds the step's `AdamWStep` on the device.
@@ -240,6 +324,13 @@ impl Launcher {
         (grad_norm, clip_scale, hyper): (DevicePtr, DevicePtr, DevicePtr),
         n: usize,
     ) -> Result<(), CudaError> {
-        launch!(self, adamw_update, n, [params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, hyper, n])
+        launch!(
+            self,
+            adamw_update,
+            n,
+            [
+                params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, hyper, n
+            ]
+        )
     }
 }

@@ -47,7 +47,11 @@ impl KernelModule {
         let module = ctx.load_module(Ptx::from_src(embedded_ptx()?))?;
         let functions = KERNEL_NAMES
             .iter()
-            .map(|&name| module.load_function(name).map_err(|_| CudaError::MissingKernel(name)))
+            .map(|&name| {
+                module
+                    .load_function(name)
+                    .map_err(|_| CudaError::MissingKernel(name))
+            })
             .collect::<Result<_, _>>()?;
         Ok(Self { functions })
     }

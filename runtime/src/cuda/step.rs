@@ -50,12 +50,21 @@ impl ParamOffsets {
                 _ => Err(CudaError::Layout(name)),
             }
         };
-        let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab } = *spec;
+        let MlpSpec {
+            din,
+            hidden: h,
+            blocks,
+            intermediate: i,
+            heads,
+            vocab,
+        } = *spec;
         let blocks = (0..blocks)
             .map(|b| {
                 let gate_up = find(format!("blocks.{b}.gate.weight"), &[i, h])?;
                 if find(format!("blocks.{b}.up.weight"), &[i, h])? != gate_up + i * h {
-                    return Err(CudaError::Layout(format!("blocks.{b}.up.weight (must follow gate.weight)")));
+                    return Err(CudaError::Layout(format!(
+                        "blocks.{b}.up.weight (must follow gate.weight)"
+                    )));
                 }
                 Ok(BlockOffsets {
                     norm: find(format!("blocks.{b}.norm.weight"), &[h])?,
@@ -68,7 +77,9 @@ impl ParamOffsets {
             fc: find("fc.weight".into(), &[h, din])?,
             blocks,
             norm: find("norm.weight".into(), &[h])?,
-            heads: (0..heads).map(|j| find(format!("heads.{j}.weight"), &[h, h])).collect::<Result<_, _>>()?,
+            heads: (0..heads)
+                .map(|j| find(format!("heads.{j}.weight"), &[h, h]))
+                .collect::<Result<_, _>>()?,
             lm_head: find("lm_head.weight".into(), &[vocab, h])?,
         })
     }
@@ -113,7 +124,14 @@ impl StepPlan<'_> {
         // The residual-stream gradient and the heads' contributions to dz start from zero every step.
         let stream = self.kernels.stream().cu_stream();
         // SAFETY: `dz` holds at least `tokens · hidden` f32s; the memset is ordered on the step's stream.
-        unsafe { driver::memset_d8_async(self.act.dz.ptr(), 0, tokens * self.spec.hidden * F32, stream) }?;
+        unsafe {
+            driver::memset_d8_async(
+                self.act.dz.ptr(),
+                0,
+                tokens * self.spec.hidden * F32,
+                stream,
+            )
+        }?;
         self.loss_and_heads(shape, input)?;
         self.backward(tokens, input)?;
         self.optimizer()
@@ -143,9 +161,20 @@ impl StepPlan<'_> {
     }
 
     fn forward(&self, t: usize, input: &InputSlot) -> Result<(), CudaError> {
-        let MlpSpec { din, hidden: h, intermediate: i, .. } = *self.spec;
+        let MlpSpec {
+            din,
+            hidden: h,
+            intermediate: i,
+            ..
+        } = *self.spec;
         let a = self.act;
-        self.mm((Op::N, input.hs.ptr()), (Op::T, self.param(self.offsets.fc)), a.xs.ptr(), (t, h, din), 0.0)?;
+        self.mm(
+            (Op::N, input.hs.ptr()),
+            (Op::T, self.param(self.offsets.fc)),
+            a.xs.ptr(),
+            (t, h, din),
+            0.0,
+        )?;
         for (b, block) in self.offsets.blocks.iter().enumerate() {
             let x = a.xs.at(b * t * h);
             let next = a.xs.at((b + 1) * t * h);
@@ -153,84 +182,245 @@ impl StepPlan<'_> {
             let gate_up = a.gate_up.at(b * t * 2 * i);
             let act = a.act.at(b * t * i);
             let k = self.kernels;
-            k.rmsnorm_forward((x, self.param(block.norm), u, a.inv_rms.at(b * t)), t, h, RMS_EPS)?;
-            self.mm((Op::N, u), (Op::T, self.param(block.gate_up)), gate_up, (t, 2 * i, h), 0.0)?;
+            k.rmsnorm_forward(
+                (x, self.param(block.norm), u, a.inv_rms.at(b * t)),
+                t,
+                h,
+                RMS_EPS,
+            )?;
+            self.mm(
+                (Op::N, u),
+                (Op::T, self.param(block.gate_up)),
+                gate_up,
+                (t, 2 * i, h),
+                0.0,
+            )?;
             k.swiglu_forward(gate_up, act, t, i)?;
             // x_{b+1} = x_b + act · downᵀ: copy the residual, then accumulate the product into it.
             // SAFETY: both ranges lie inside `xs` and do not overlap.
             unsafe { driver::memcpy_dtod_async(next, x, t * h * F32, k.stream().cu_stream()) }?;
-            self.mm((Op::N, act), (Op::T, self.param(block.down)), next, (t, h, i), 1.0)?;
+            self.mm(
+                (Op::N, act),
+                (Op::T, self.param(block.down)),
+                next,
+                (t, h, i),
+                1.0,
+            )?;
         }
         let blocks = self.offsets.blocks.len();
         let last = a.xs.at(blocks * t * h);
-        self.kernels.rmsnorm_forward((last, self.param(self.offsets.norm), a.z.ptr(), a.inv_rms.at(blocks * t)), t, h, RMS_EPS)
+        self.kernels.rmsnorm_forward(
+            (
+                last,
+                self.param(self.offsets.norm),
+                a.z.ptr(),
+                a.inv_rms.at(blocks * t),
+            ),
+            t,
+            h,
+            RMS_EPS,
+        )
     }
 
     /// Heads, fused loss and the heads' backward, one head at a time (one head's activations live at once).
     fn loss_and_heads(&self, shape: StepShape, input: &InputSlot) -> Result<(), CudaError> {
-        let MlpSpec { hidden: h, heads, vocab: v, .. } = *self.spec;
+        let MlpSpec {
+            hidden: h,
+            heads,
+            vocab: v,
+            ..
+        } = *self.spec;
         let t = shape.padded_len * shape.sequences;
         let (a, k) = (self.act, self.kernels);
         k.build_labels(
-            (input.input_ids.ptr(), input.loss_mask.ptr(), input.seq_lens.ptr(), a.labels.ptr()),
+            (
+                input.input_ids.ptr(),
+                input.loss_mask.ptr(),
+                input.seq_lens.ptr(),
+                a.labels.ptr(),
+            ),
             shape.padded_len,
             t,
             heads,
             v,
         )?;
-        k.head_loss_scales((a.labels.ptr(), a.counts.ptr(), a.scales.ptr()), t, heads, self.loss.head_decay)?;
+        k.head_loss_scales(
+            (a.labels.ptr(), a.counts.ptr(), a.scales.ptr()),
+            t,
+            heads,
+            self.loss.head_decay,
+        )?;
         let chunk = self.loss.chunk_tokens.clamp(1, t);
         let lm = self.param(self.offsets.lm_head);
         let dlm = self.grad(self.offsets.lm_head);
         for (j, &w) in self.offsets.heads.iter().enumerate() {
-            self.mm((Op::N, a.z.ptr()), (Op::T, self.param(w)), a.head_a.ptr(), (t, h, h), 0.0)?;
+            self.mm(
+                (Op::N, a.z.ptr()),
+                (Op::T, self.param(w)),
+                a.head_a.ptr(),
+                (t, h, h),
+                0.0,
+            )?;
             k.head_residual_forward(a.z.ptr(), a.head_a.ptr(), a.head_h.ptr(), t * h)?;
             for start in (0..t).step_by(chunk) {
                 let rows = chunk.min(t - start);
                 let h_rows = a.head_h.at(start * h);
-                self.mm((Op::N, h_rows), (Op::T, lm), a.logits.ptr(), (rows, v, h), 0.0)?;
+                self.mm(
+                    (Op::N, h_rows),
+                    (Op::T, lm),
+                    a.logits.ptr(),
+                    (rows, v, h),
+                    0.0,
+                )?;
                 let row = j * t + start;
-                k.vocab_loss_row((a.logits.ptr(), a.labels.at(row), a.scales.at(j), a.row_loss.at(row)), rows, v)?;
-                self.mm((Op::N, a.logits.ptr()), (Op::N, lm), a.head_dh.at(start * h), (rows, h, v), 0.0)?;
+                k.vocab_loss_row(
+                    (
+                        a.logits.ptr(),
+                        a.labels.at(row),
+                        a.scales.at(j),
+                        a.row_loss.at(row),
+                    ),
+                    rows,
+                    v,
+                )?;
+                self.mm(
+                    (Op::N, a.logits.ptr()),
+                    (Op::N, lm),
+                    a.head_dh.at(start * h),
+                    (rows, h, v),
+                    0.0,
+                )?;
                 let beta = if j == 0 && start == 0 { 0.0 } else { 1.0 };
-                self.mm((Op::T, a.logits.ptr()), (Op::N, h_rows), dlm, (v, h, rows), beta)?;
+                self.mm(
+                    (Op::T, a.logits.ptr()),
+                    (Op::N, h_rows),
+                    dlm,
+                    (v, h, rows),
+                    beta,
+                )?;
             }
             // In place: head_dh becomes da; dz collects dh (identity path) here and da·Wⱼ just below.
-            k.head_residual_backward((a.head_a.ptr(), a.head_dh.ptr(), a.head_dh.ptr(), a.dz.ptr()), t * h)?;
-            self.mm((Op::N, a.head_dh.ptr()), (Op::N, self.param(w)), a.dz.ptr(), (t, h, h), 1.0)?;
-            self.mm((Op::T, a.head_dh.ptr()), (Op::N, a.z.ptr()), self.grad(w), (h, h, t), 0.0)?;
+            k.head_residual_backward(
+                (a.head_a.ptr(), a.head_dh.ptr(), a.head_dh.ptr(), a.dz.ptr()),
+                t * h,
+            )?;
+            self.mm(
+                (Op::N, a.head_dh.ptr()),
+                (Op::N, self.param(w)),
+                a.dz.ptr(),
+                (t, h, h),
+                1.0,
+            )?;
+            self.mm(
+                (Op::T, a.head_dh.ptr()),
+                (Op::N, a.z.ptr()),
+                self.grad(w),
+                (h, h, t),
+                0.0,
+            )?;
         }
-        k.sum_partials(a.row_loss.ptr(), a.loss_partials.ptr(), heads * t, REDUCE_CHUNK)?;
-        k.finish_sum(a.loss_partials.ptr(), (heads * t).div_ceil(REDUCE_CHUNK), self.flat.scalars.at(2))
+        k.sum_partials(
+            a.row_loss.ptr(),
+            a.loss_partials.ptr(),
+            heads * t,
+            REDUCE_CHUNK,
+        )?;
+        k.finish_sum(
+            a.loss_partials.ptr(),
+            (heads * t).div_ceil(REDUCE_CHUNK),
+            self.flat.scalars.at(2),
+        )
     }
 
     /// `dx (+)= rmsnorm'(x; dy)` and the norm weight's gradient.
-    fn norm_backward(&self, (x, inv_rms, dy): (DevicePtr, DevicePtr, DevicePtr), weight: usize, t: usize, accumulate: bool) -> Result<(), CudaError> {
+    fn norm_backward(
+        &self,
+        (x, inv_rms, dy): (DevicePtr, DevicePtr, DevicePtr),
+        weight: usize,
+        t: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
         let (a, k, h) = (self.act, self.kernels, self.spec.hidden);
-        k.rmsnorm_backward_input((x, self.param(weight), inv_rms, dy, a.dx.ptr()), t, h, accumulate)?;
-        k.rmsnorm_weight_grad_partials((x, inv_rms, dy, a.norm_partials.ptr()), t, h, NORM_ROWS_PER_CHUNK)?;
-        k.column_sums(a.norm_partials.ptr(), self.grad(weight), t.div_ceil(NORM_ROWS_PER_CHUNK), h, false)
+        k.rmsnorm_backward_input(
+            (x, self.param(weight), inv_rms, dy, a.dx.ptr()),
+            t,
+            h,
+            accumulate,
+        )?;
+        k.rmsnorm_weight_grad_partials(
+            (x, inv_rms, dy, a.norm_partials.ptr()),
+            t,
+            h,
+            NORM_ROWS_PER_CHUNK,
+        )?;
+        k.column_sums(
+            a.norm_partials.ptr(),
+            self.grad(weight),
+            t.div_ceil(NORM_ROWS_PER_CHUNK),
+            h,
+            false,
+        )
     }
 
     fn backward(&self, t: usize, input: &InputSlot) -> Result<(), CudaError> {
-        let MlpSpec { din, hidden: h, intermediate: i, .. } = *self.spec;
+        let MlpSpec {
+            din,
+            hidden: h,
+            intermediate: i,
+            ..
+        } = *self.spec;
         let a = self.act;
         let blocks = self.offsets.blocks.len();
-        let last = (a.xs.at(blocks * t * h), a.inv_rms.at(blocks * t), a.dz.ptr());
+        let last = (
+            a.xs.at(blocks * t * h),
+            a.inv_rms.at(blocks * t),
+            a.dz.ptr(),
+        );
         self.norm_backward(last, self.offsets.norm, t, false)?;
         for (b, block) in self.offsets.blocks.iter().enumerate().rev() {
             let act = a.act.at(b * t * i);
             let gate_up = a.gate_up.at(b * t * 2 * i);
             let u = a.us.at(b * t * h);
-            self.mm((Op::N, a.dx.ptr()), (Op::N, self.param(block.down)), a.dact.ptr(), (t, i, h), 0.0)?;
-            self.mm((Op::T, a.dx.ptr()), (Op::N, act), self.grad(block.down), (h, i, t), 0.0)?;
-            self.kernels.swiglu_backward((gate_up, a.dact.ptr(), a.dgate_up.ptr()), t, i)?;
-            self.mm((Op::N, a.dgate_up.ptr()), (Op::N, self.param(block.gate_up)), a.du.ptr(), (t, h, 2 * i), 0.0)?;
-            self.mm((Op::T, a.dgate_up.ptr()), (Op::N, u), self.grad(block.gate_up), (2 * i, h, t), 0.0)?;
+            self.mm(
+                (Op::N, a.dx.ptr()),
+                (Op::N, self.param(block.down)),
+                a.dact.ptr(),
+                (t, i, h),
+                0.0,
+            )?;
+            self.mm(
+                (Op::T, a.dx.ptr()),
+                (Op::N, act),
+                self.grad(block.down),
+                (h, i, t),
+                0.0,
+            )?;
+            self.kernels
+                .swiglu_backward((gate_up, a.dact.ptr(), a.dgate_up.ptr()), t, i)?;
+            self.mm(
+                (Op::N, a.dgate_up.ptr()),
+                (Op::N, self.param(block.gate_up)),
+                a.du.ptr(),
+                (t, h, 2 * i),
+                0.0,
+            )?;
+            self.mm(
+                (Op::T, a.dgate_up.ptr()),
+                (Op::N, u),
+                self.grad(block.gate_up),
+                (2 * i, h, t),
+                0.0,
+            )?;
             let norm_in = (a.xs.at(b * t * h), a.inv_rms.at(b * t), a.du.ptr());
             self.norm_backward(norm_in, block.norm, t, true)?;
         }
-        self.mm((Op::T, a.dx.ptr()), (Op::N, input.hs.ptr()), self.grad(self.offsets.fc), (h, din, t), 0.0)
+        self.mm(
+            (Op::T, a.dx.ptr()),
+            (Op::N, input.hs.ptr()),
+            self.grad(self.offsets.fc),
+            (h, din, t),
+            0.0,
+        )
     }
 
     fn optimizer(&self) -> Result<(), CudaError> {
@@ -238,9 +428,18 @@ impl StepPlan<'_> {
         let n = f.params.len();
         k.sum_squares_partials(f.grads.ptr(), f.norm_partials.ptr(), n, REDUCE_CHUNK)?;
         let max_norm = self.adamw.clip_grad_norm.unwrap_or(0.0);
-        k.finish_grad_norm((f.norm_partials.ptr(), f.scalars.at(0), f.scalars.at(1)), n.div_ceil(REDUCE_CHUNK), max_norm)?;
+        k.finish_grad_norm(
+            (f.norm_partials.ptr(), f.scalars.at(0), f.scalars.at(1)),
+            n.div_ceil(REDUCE_CHUNK),
+            max_norm,
+        )?;
         k.adamw_update(
-            (f.params.ptr(), f.grads.ptr(), f.exp_avg.ptr(), f.exp_avg_sq.ptr()),
+            (
+                f.params.ptr(),
+                f.grads.ptr(),
+                f.exp_avg.ptr(),
+                f.exp_avg_sq.ptr(),
+            ),
             (f.scalars.at(0), f.scalars.at(1), f.hyper.ptr()),
             n,
         )

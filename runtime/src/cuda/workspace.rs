@@ -96,7 +96,12 @@ pub struct InputSlot {
 
 impl InputSlot {
     /// A slot for up to `tokens` tokens of `sequences` sequences.
-    pub fn new(stream: &Arc<CudaStream>, tokens: usize, sequences: usize, din: usize) -> Result<Self, CudaError> {
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        sequences: usize,
+        din: usize,
+    ) -> Result<Self, CudaError> {
         Ok(Self {
             hs: Buffer::zeros(stream, tokens * din)?,
             input_ids: Buffer::zeros(stream, tokens)?,
@@ -155,8 +160,19 @@ pub struct Activations {
 
 impl Activations {
     /// Buffers for steps of up to `tokens` tokens.
-    pub fn new(stream: &Arc<CudaStream>, spec: &MlpSpec, tokens: usize, chunk_tokens: usize) -> Result<Self, CudaError> {
-        let (t, h, i, b, j) = (tokens, spec.hidden, spec.intermediate, spec.blocks, spec.heads);
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        spec: &MlpSpec,
+        tokens: usize,
+        chunk_tokens: usize,
+    ) -> Result<Self, CudaError> {
+        let (t, h, i, b, j) = (
+            tokens,
+            spec.hidden,
+            spec.intermediate,
+            spec.blocks,
+            spec.heads,
+        );
         let f = |len: usize| Buffer::<f32>::zeros(stream, len);
         Ok(Self {
             xs: f((b + 1) * t * h)?,
@@ -168,7 +184,7 @@ impl Activations {
             head_a: f(t * h)?,
             head_h: f(t * h)?,
             head_dh: f(t * h)?,
-            logits: f(chunk_tokens.min(t) * spec.vocab)?,
+            logits: f(chunk_tokens.clamp(1, t.max(1)) * spec.vocab)?,
             labels: Buffer::zeros(stream, j * t)?,
             counts: Buffer::zeros(stream, j)?,
             scales: f(j)?,

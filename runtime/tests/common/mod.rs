@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr as _, DeviceRepr, ValidAsZeroBits,
+};
 use draftpipe_runtime::cuda::{DevicePtr, discover_devices, open_device};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
@@ -53,7 +55,10 @@ pub fn poisoned(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePt
 }
 
 /// Synchronises `stream` and copies `slice` back.
-pub fn download<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(stream: &Arc<CudaStream>, slice: &CudaSlice<T>) -> Vec<T> {
+pub fn download<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
+    stream: &Arc<CudaStream>,
+    slice: &CudaSlice<T>,
+) -> Vec<T> {
     stream.synchronize().expect("synchronise");
     stream.clone_dtoh(slice).expect("download")
 }
