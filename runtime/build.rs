@@ -10,8 +10,9 @@
 //! `DRAFTPIPE_NO_PTX=1`, the runtime builds without PTX, a `cargo:warning` says why, and the CUDA backend answers
 //! "built without GPU kernels: <reason>". When the tools are there, a kernel that fails to build fails the build.
 //!
-//! The nested cargo runs on a generated manifest in `OUT_DIR` (no workspace, its own target dir), so it never
-//! waits on the outer build's locks and inherits nothing from the outer build's environment but the essentials.
+//! The nested cargo runs on a generated manifest (no workspace, its own target dir under the outer target dir),
+//! so it never waits on the outer build's locks and inherits nothing from the outer build's environment but the
+//! essentials. The PTX is copied into `OUT_DIR` and embedded from there.
 
 use std::env;
 use std::fs;
@@ -77,12 +78,17 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
     let kernels_dir = kernels_dir
         .canonicalize()
         .expect("gpu-kernels directory exists");
-    let crate_dir = out_dir.join("ptx-crate");
-    fs::create_dir_all(&crate_dir).expect("create OUT_DIR/ptx-crate");
-    fs::write(crate_dir.join("Cargo.toml"), ptx_manifest(&kernels_dir))
-        .expect("write the PTX crate manifest");
+    let work_dir = shared_work_dir(out_dir);
+    let crate_dir = work_dir.join("crate");
+    fs::create_dir_all(&crate_dir).expect("create the PTX crate directory");
+    let manifest = ptx_manifest(&kernels_dir);
+    let manifest_path = crate_dir.join("Cargo.toml");
+    // Rewriting an identical manifest would only make the nested cargo rebuild.
+    if fs::read_to_string(&manifest_path).ok().as_deref() != Some(manifest.as_str()) {
+        fs::write(&manifest_path, manifest).expect("write the PTX crate manifest");
+    }
 
-    let target_dir = out_dir.join("ptx-target");
+    let target_dir = work_dir.join("target");
     let mut cargo = Command::new(&rustup);
     cargo
         .args([
@@ -129,6 +135,21 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
     fs::copy(&built, &embedded)
         .unwrap_or_else(|e| panic!("copy {} to OUT_DIR: {e}", built.display()));
     Ok(embedded)
+}
+
+/// Where the nested build lives: `<target>/draftpipe-ptx`, shared by the dev, test and bench profiles of the
+/// outer build (all build the same release PTX, and building `core` for nvptx is most of the time), or inside
+/// `OUT_DIR` when it does not have cargo's usual `<target>/<profile>/build/<pkg>/out` shape. The nested cargo
+/// locks that directory itself, so two outer builds at once wait for each other instead of clashing.
+fn shared_work_dir(out_dir: &Path) -> PathBuf {
+    let in_build_dir = out_dir
+        .parent()
+        .and_then(Path::parent)
+        .is_some_and(|p| p.ends_with("build"));
+    match out_dir.ancestors().nth(4) {
+        Some(target) if in_build_dir => target.join("draftpipe-ptx"),
+        _ => out_dir.join("ptx"),
+    }
 }
 
 /// The environment the nested cargo keeps: where tools live, temp space, and the outer jobserver (the build

@@ -196,8 +196,15 @@ fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
         step_flops: 0,
         step_bytes: 0,
     };
-    let mut drafter =
-        CudaDrafter::new(0, &model, loss, adamw, std::slice::from_ref(&bucket), launch).expect("drafter");
+    let mut drafter = CudaDrafter::new(
+        0,
+        &model,
+        loss,
+        adamw,
+        std::slice::from_ref(&bucket),
+        launch,
+    )
+    .expect("drafter");
     drafter
         .upload_state(&FlatState::init(&model, 1))
         .expect("upload");
