@@ -78,3 +78,10 @@ fn embedded_ptx_accessor_reports_the_build_reason() {
         (a, b) => panic!("accessors disagree: {:?} vs {:?}", a.is_ok(), b.is_ok()),
     }
 }
+
+#[test]
+fn drafters_can_move_to_their_own_threads() {
+    fn assert_send<T: Send>() {}
+    assert_send::<CudaDrafter>();
+    assert_send::<draftpipe_runtime::cuda::GradientAllReduce>();
+}

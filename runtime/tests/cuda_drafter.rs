@@ -9,7 +9,7 @@ use common::{gpu_or_skip, rng};
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan};
 use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::cpu::CpuDrafter;
-use draftpipe_runtime::cuda::CudaDrafter;
+use draftpipe_runtime::cuda::{CudaDrafter, GradientAllReduce};
 use draftpipe_runtime::params::FlatState;
 use rand::RngExt;
 use rand::rngs::Xoshiro256PlusPlus;
@@ -133,4 +133,60 @@ fn twenty_steps_follow_the_cpu_loss_curve_and_graph_equals_eager() {
         "the task is learnable (measured on the CPU: 5.7 → 3.1): {cpu_losses:?} (seed {seed})"
     );
     assert_eq!(graph_state.step, state.step, "applied AdamW steps");
+}
+
+/// Replicas on every device, fed the same batches, average identical gradients: each must follow the single
+/// drafter's losses (with one device this checks that the NCCL call is captured and is the identity).
+#[test]
+fn all_reduced_replicas_follow_the_single_drafter() {
+    let test = "all_reduced_replicas_follow_the_single_drafter";
+    if gpu_or_skip(test).is_none() {
+        return;
+    }
+    let devices = draftpipe_runtime::cuda::discover_devices().expect("devices");
+    let ordinals: Vec<usize> = devices.iter().map(|d| d.ordinal).collect();
+    let comms = match GradientAllReduce::for_devices(&ordinals) {
+        Ok(comms) => comms,
+        Err(e) => return eprintln!("{test} skipped: {e}"),
+    };
+    let (model, loss, adamw, buckets) = setup();
+    let (mut r, seed) = rng();
+    let batches: Vec<HsBatch> = (0..5).map(|_| batch(&mut r, &model.spec)).collect();
+    let init = FlatState::init(&model, seed);
+    let (single, _) = cuda_losses(LaunchMode::Graph, &init, &batches);
+    let replicas: Vec<Vec<f32>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ordinals
+            .iter()
+            .zip(comms)
+            .map(|(&ordinal, comm)| {
+                let (model, batches, init, buckets) = (&model, &batches, &init, &buckets);
+                scope.spawn(move || {
+                    let mut d =
+                        CudaDrafter::new(ordinal, model, loss, adamw, buckets, LaunchMode::Graph)
+                            .expect("drafter");
+                    d.attach_all_reduce(comm).expect("attach");
+                    d.upload_state(init).expect("upload");
+                    let mut losses = Vec::new();
+                    for b in batches {
+                        d.stage(b).expect("stage");
+                        losses.extend(d.step().expect("step").map(|o| o.loss));
+                    }
+                    losses.extend(d.finish().expect("finish").map(|o| o.loss));
+                    losses
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("replica thread"))
+            .collect()
+    });
+    for (rank, losses) in replicas.iter().enumerate() {
+        for (i, (&got, &want)) in losses.iter().zip(&single).enumerate() {
+            assert!(
+                (got - want).abs() <= 1e-6 * want.abs(),
+                "rank {rank} step {i}: {got} vs {want} (seed {seed})"
+            );
+        }
+    }
 }

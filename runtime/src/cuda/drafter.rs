@@ -23,7 +23,7 @@ use super::blas::Gemm;
 use super::launch::Launcher;
 use super::step::{ParamOffsets, StepPlan, StepShape};
 use super::workspace::{ADAMW_STEP_FLOATS, Activations, FlatBuffers, InputSlot};
-use super::{CudaError, KernelModule, open_device};
+use super::{CudaError, GradientAllReduce, KernelModule, open_device};
 use crate::batch::HsBatch;
 use crate::params::FlatState;
 
@@ -57,6 +57,13 @@ struct InFlight {
     host_us: f32,
 }
 
+/// A captured step. `CudaGraph` holds raw driver handles and so is not `Send`, but a graph exec may be launched
+/// from any thread (cudarc binds the context on launch); the drafter owning it uses it from one thread at a time.
+struct StepGraph(CudaGraph);
+
+// SAFETY: see above; the graph is only reached through `&mut CudaDrafter` or its owner's thread.
+unsafe impl Send for StepGraph {}
+
 /// Pinned host staging for one input slot (write-combined: the host only writes it).
 #[derive(Debug)]
 struct PinnedInput {
@@ -85,7 +92,7 @@ pub struct CudaDrafter {
     pinned: [PinnedInput; 2],
     copied: [CudaEvent; 2],
     slot_free: [CudaEvent; 2],
-    graphs: HashMap<(usize, usize), CudaGraph>,
+    graphs: HashMap<(usize, usize), StepGraph>,
     readback: [PinnedHostSlice<f32>; 2],
     start: [CudaEvent; 2],
     stop: [CudaEvent; 2],
@@ -95,6 +102,7 @@ pub struct CudaDrafter {
     in_flight: Option<InFlight>,
     launched: u64,
     applied_steps: u64,
+    all_reduce: Option<GradientAllReduce>,
 }
 
 fn check_len(what: &'static str, got: usize, expected: usize) -> Result<(), CudaError> {
@@ -178,6 +186,7 @@ impl CudaDrafter {
             in_flight: None,
             launched: 0,
             applied_steps: 0,
+            all_reduce: None,
         };
         drafter.compute.synchronize()?;
         Ok(drafter)
@@ -226,6 +235,27 @@ impl CudaDrafter {
             driver::memcpy_dtoh_sync(&mut state.exp_avg_sq, self.flat.exp_avg_sq.ptr())?;
         }
         state.step = self.applied_steps;
+        Ok(())
+    }
+
+    /// Averages the gradients with the other replicas of `all_reduce`'s group every step (data parallelism).
+    /// Must come before the first step, since graphs capture it; [`CudaError::LateAllReduce`] otherwise.
+    ///
+    /// # Examples
+    /// ```no_run
+    /// # use draftpipe_runtime::cuda::{CudaDrafter, CudaError, GradientAllReduce};
+    /// # fn demo(mut drafters: Vec<CudaDrafter>) -> Result<(), CudaError> {
+    /// let comms = GradientAllReduce::for_devices(&[0, 1])?;
+    /// for (drafter, comm) in drafters.iter_mut().zip(comms) {
+    ///     drafter.attach_all_reduce(comm)?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn attach_all_reduce(&mut self, all_reduce: GradientAllReduce) -> Result<(), CudaError> {
+        if self.launched > 0 {
+            return Err(CudaError::LateAllReduce);
+        }
+        self.all_reduce = Some(all_reduce);
         Ok(())
     }
 
@@ -301,6 +331,7 @@ impl CudaDrafter {
             gemm: &self.gemm,
             flat: &self.flat,
             act: &self.act,
+            all_reduce: self.all_reduce.as_ref(),
         }
     }
 
@@ -350,9 +381,9 @@ impl CudaDrafter {
             LaunchMode::Graph => {
                 if !self.graphs.contains_key(&(bucket, slot)) {
                     let graph = self.capture(shape, slot)?;
-                    self.graphs.insert((bucket, slot), graph);
+                    self.graphs.insert((bucket, slot), StepGraph(graph));
                 }
-                self.graphs[&(bucket, slot)].launch()?;
+                self.graphs[&(bucket, slot)].0.launch()?;
             }
         }
         self.stop[ring].record(&compute)?;

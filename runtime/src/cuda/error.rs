@@ -26,6 +26,15 @@ pub enum CudaError {
     /// cuBLAS (`libcublas.so.13`) could not be loaded.
     #[error("cuBLAS not found (libcublas.so.13 could not be loaded)")]
     NoCublas,
+    /// NCCL (`libnccl.so`) could not be loaded.
+    #[error("NCCL not found (libnccl could not be loaded)")]
+    NoNccl,
+    /// An NCCL call failed.
+    #[error("NCCL error: {0}")]
+    Nccl(String),
+    /// The all-reduce must be attached before the first step (graphs capture it).
+    #[error("gradient all-reduce attached after the first step")]
+    LateAllReduce,
     /// A launch needs more blocks than a grid can hold.
     #[error("a launch over {0} indices exceeds the grid limit")]
     LaunchTooLarge(usize),

@@ -9,6 +9,7 @@
 //! here runs on a machine without CUDA and answers with [`CudaError::NoDriver`] instead of failing to start.
 //! See `docs/gpu.md` for the PTX build, the checks and the GPU machine script.
 
+mod allreduce;
 mod blas;
 mod device;
 mod drafter;
@@ -18,6 +19,7 @@ mod module;
 mod step;
 mod workspace;
 
+pub use allreduce::GradientAllReduce;
 pub use blas::{Gemm, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
 pub use drafter::{CudaDrafter, StepOutcome};

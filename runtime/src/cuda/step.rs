@@ -7,16 +7,17 @@
 //!  per head a = z·Wⱼᵀ, h = z + silu(a); per chunk: logits = h·lmᵀ → fused CE (grad in place) → dh, dlm
 //!           da = dh·silu'(a), dz += dh + da·Wⱼ, dWⱼ = daᵀ·z
 //!  backward final norm, then per block (reverse): down, SwiGLU, gate/up, norm
+//!  sync     NCCL average of the flat gradient buffer over replicas (when attached)
 //!  update   loss total; grad norm (two-pass) and clip scale; fused AdamW
 //! ```
 
 use cudarc::driver::result as driver;
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, TensorView};
 
-use super::CudaError;
 use super::blas::{Gemm, Op};
 use super::launch::{DevicePtr, Launcher};
 use super::workspace::{Activations, FlatBuffers, InputSlot, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+use super::{CudaError, GradientAllReduce};
 
 /// RMSNorm epsilon of the model (issue 4).
 pub const RMS_EPS: f32 = 1e-6;
@@ -103,6 +104,8 @@ pub struct StepPlan<'a> {
     pub flat: &'a FlatBuffers,
     /// Activations and scratch.
     pub act: &'a Activations,
+    /// Gradient average over replicas, between backward and the optimizer (none with one replica).
+    pub all_reduce: Option<&'a GradientAllReduce>,
 }
 
 /// Shape of the step: tokens and how they split into sequences.
@@ -134,6 +137,12 @@ impl StepPlan<'_> {
         }?;
         self.loss_and_heads(shape, input)?;
         self.backward(tokens, input)?;
+        if let Some(all_reduce) = self.all_reduce {
+            // SAFETY: `grads` holds every parameter's gradient; every replica enqueues the same step.
+            unsafe {
+                all_reduce.enqueue_average(self.flat.grads.ptr(), self.flat.grads.len(), stream)
+            }?;
+        }
         self.optimizer()
     }
 
