@@ -34,6 +34,13 @@ fn alloc(stream: &Arc<CudaStream>, n: usize, value: f32) -> (CudaSlice<f32>, Dev
     (slice, ptr)
 }
 
+/// Zeroed device memory (contents irrelevant, or overwritten before use), without a host-side copy.
+fn zeros(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePtr) {
+    let slice = stream.alloc_zeros::<f32>(n).expect("allocate");
+    let (ptr, _) = slice.device_ptr(stream);
+    (slice, ptr)
+}
+
 /// Median milliseconds of `work` between two events on `stream`.
 fn time_ms(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, mut work: impl FnMut()) -> f64 {
     let start = ctx
@@ -61,8 +68,8 @@ fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let n = 64 << 20;
     let (_p, p) = alloc(&s, n, 0.5);
     let (_g, g) = alloc(&s, n, 1e-3);
-    let (_m, m) = alloc(&s, n, 0.0);
-    let (_v, v) = alloc(&s, n, 0.0);
+    let (_m, m) = zeros(&s, n);
+    let (_v, v) = zeros(&s, n);
     let (_norm, norm) = alloc(&s, 1, 1.0);
     let (_clip, clip) = alloc(&s, 1, 1.0);
     let hyper_host = [1e-4f32, 0.9, 0.95, 1e-8, 0.01, 1e-3, 0.3];
@@ -72,8 +79,8 @@ fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
         k.adamw_update((p, g, m, v), (norm, clip, hyper), n)
             .expect("adamw")
     });
-    let (_dst, dst) = alloc(&s, 7 * n, 0.0);
-    let (_src, src) = alloc(&s, 7 * n, 1.0);
+    let (_dst, dst) = zeros(&s, 7 * n);
+    let (_src, src) = zeros(&s, 7 * n);
     let copy_bytes = 7 * n * 4 / 2;
     // SAFETY: both buffers hold `7n` f32s; half of that is copied so reads + writes equal AdamW's 28 B/element.
     let copy_ms = time_ms(ctx, &s, || {
@@ -104,8 +111,8 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
     let (t, h, v, chunk) = (16384usize, 1024usize, 151936usize, 4096usize);
     let (_h, hs) = alloc(&s, t * h, 0.01);
     let (_w, lm) = alloc(&s, v * h, 0.01);
-    let (_dh, dh) = alloc(&s, t * h, 0.0);
-    let (_dw, dlm) = alloc(&s, v * h, 0.0);
+    let (_dh, dh) = zeros(&s, t * h);
+    let (_dw, dlm) = zeros(&s, v * h);
     let labels_host: Vec<i32> = (0..t).map(|i| (i * 7919 % v) as i32).collect();
     let labels_slice = s.clone_htod(&labels_host).expect("labels");
     let (labels, _) = labels_slice.device_ptr(&s);
@@ -143,11 +150,11 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
         }
     };
     let fused_ms = {
-        let (_l, logits) = alloc(&s, chunk * v, 0.0);
+        let (_l, logits) = zeros(&s, chunk * v);
         time_ms(ctx, &s, || run(chunk, logits))
     };
     let full_ms = {
-        let (_l, logits) = alloc(&s, t * v, 0.0);
+        let (_l, logits) = zeros(&s, t * v);
         time_ms(ctx, &s, || run(t, logits))
     };
     let gib = |elems: usize| (elems * 4) as f64 / (1u64 << 30) as f64;
