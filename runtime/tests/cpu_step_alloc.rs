@@ -41,7 +41,14 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-const SPEC: MlpSpec = MlpSpec { din: 48, hidden: 32, blocks: 2, intermediate: 88, heads: 3, vocab: 500 };
+const SPEC: MlpSpec = MlpSpec {
+    din: 48,
+    hidden: 32,
+    blocks: 2,
+    intermediate: 88,
+    heads: 3,
+    vocab: 500,
+};
 
 fn gemm_calls(spec: &MlpSpec, tokens: usize, chunk: usize) -> usize {
     let forward = 1 + 2 * spec.blocks + spec.heads;
@@ -54,11 +61,21 @@ fn gemm_calls(spec: &MlpSpec, tokens: usize, chunk: usize) -> usize {
 fn steady_steps_allocate_only_gemm_packing_and_the_returned_counts() {
     let model = model(SPEC);
     let (padded_len, sequences, chunk) = (32, 4, 48);
-    let optimizer = AdamWSpec { clip_grad_norm: Some(1.0), ..adamw(1e-3) };
-    let mut drafter = CpuDrafter::new(&model, loss(0.8, chunk), optimizer, &[bucket(16, 8), bucket(padded_len, sequences)]);
+    let optimizer = AdamWSpec {
+        clip_grad_norm: Some(1.0),
+        ..adamw(1e-3)
+    };
+    let mut drafter = CpuDrafter::new(
+        &model,
+        loss(0.8, chunk),
+        optimizer,
+        &[bucket(16, 8), bucket(padded_len, sequences)],
+    );
     let mut state = FlatState::init(&model, 0);
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-    let batches: Vec<_> = (0..4).map(|_| random_batch(&mut rng, padded_len, sequences, SPEC.din, SPEC.vocab)).collect();
+    let batches: Vec<_> = (0..4)
+        .map(|_| random_batch(&mut rng, padded_len, sequences, SPEC.din, SPEC.vocab))
+        .collect();
     // First step: the bucket's workspace is allocated here.
     drafter.forward_backward(&mut state, &batches[0]).unwrap();
     drafter.optimizer_step(&mut state);
@@ -70,11 +87,19 @@ fn steady_steps_allocate_only_gemm_packing_and_the_returned_counts() {
         drop(out);
         let step_allocations = ALLOCATIONS.load(Relaxed) - count;
         assert_eq!(step_allocations, expected, "forward_backward allocations");
-        assert_eq!(LIVE_BYTES.load(Relaxed), live, "forward_backward must free all it allocates");
+        assert_eq!(
+            LIVE_BYTES.load(Relaxed),
+            live,
+            "forward_backward must free all it allocates"
+        );
 
         let count = ALLOCATIONS.load(Relaxed);
         let report = drafter.optimizer_step(&mut state);
         assert!(!report.skipped);
-        assert_eq!(ALLOCATIONS.load(Relaxed) - count, 0, "optimizer_step allocations");
+        assert_eq!(
+            ALLOCATIONS.load(Relaxed) - count,
+            0,
+            "optimizer_step allocations"
+        );
     }
 }

@@ -45,17 +45,31 @@ static GLOBAL: PeakTracking = PeakTracking;
 fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materialised_logits() {
     const TOKENS: usize = 8192;
     const VOCAB: usize = 32_000;
-    let spec = MlpSpec { din: 64, hidden: 64, blocks: 1, intermediate: 128, heads: 1, vocab: VOCAB };
+    let spec = MlpSpec {
+        din: 64,
+        hidden: 64,
+        blocks: 1,
+        intermediate: 128,
+        heads: 1,
+        vocab: VOCAB,
+    };
     let model = model(spec);
     let (padded_len, sequences) = (1024, TOKENS / 1024);
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(3);
     let batch = random_batch(&mut rng, padded_len, sequences, spec.din, VOCAB);
     let mut state = FlatState::init(&model, 0);
-    let mut drafter = CpuDrafter::new(&model, loss(0.8, 256), adamw(1e-3), &[bucket(padded_len, sequences)]);
+    let mut drafter = CpuDrafter::new(
+        &model,
+        loss(0.8, 256),
+        adamw(1e-3),
+        &[bucket(padded_len, sequences)],
+    );
 
     let baseline = LIVE.load(Relaxed);
     PEAK.store(baseline, Relaxed);
-    let out = drafter.forward_backward(&mut state, &batch).expect("valid batch");
+    let out = drafter
+        .forward_backward(&mut state, &batch)
+        .expect("valid batch");
     let peak_growth = PEAK.load(Relaxed) - baseline;
     assert!(out.loss.is_finite() && out.loss > 0.0);
 
@@ -66,11 +80,24 @@ fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materia
         materialised as f64 / 1e6,
         100.0 * peak_growth as f64 / materialised as f64
     );
-    let MlpSpec { hidden: h, intermediate: i, blocks: b, heads: j, .. } = spec;
+    let MlpSpec {
+        hidden: h,
+        intermediate: i,
+        blocks: b,
+        heads: j,
+        ..
+    } = spec;
     let (t, c) = (TOKENS, 256);
-    let workspace_floats =
-        t * h * (2 * b + 5 + 3 * j) + 3 * t * i * (b + 1) + t * (b + 1) + 2 * t * j + c * VOCAB + t * h / 64;
+    let workspace_floats = t * h * (2 * b + 5 + 3 * j)
+        + 3 * t * i * (b + 1)
+        + t * (b + 1)
+        + 2 * t * j
+        + c * VOCAB
+        + t * h / 64;
     let bound = workspace_floats * 4 + 4_000_000;
-    assert!(peak_growth <= bound, "peak growth {peak_growth} bytes over the bound {bound}");
+    assert!(
+        peak_growth <= bound,
+        "peak growth {peak_growth} bytes over the bound {bound}"
+    );
     assert!(bound < materialised / 10);
 }

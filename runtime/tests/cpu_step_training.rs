@@ -15,7 +15,14 @@ use draftpipe_runtime::params::FlatState;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
-const SPEC: MlpSpec = MlpSpec { din: 32, hidden: 32, blocks: 1, intermediate: 64, heads: 2, vocab: 16 };
+const SPEC: MlpSpec = MlpSpec {
+    din: 32,
+    hidden: 32,
+    blocks: 1,
+    intermediate: 64,
+    heads: 2,
+    vocab: 16,
+};
 const PADDED_LEN: usize = 16;
 const SEQUENCES: usize = 8;
 
@@ -29,7 +36,11 @@ impl Task {
     fn new(seed: u64) -> Self {
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
         let embeddings = (0..SPEC.heads)
-            .map(|_| (0..SPEC.vocab * SPEC.din).map(|_| rng.random_range(-1.0f32..1.0)).collect())
+            .map(|_| {
+                (0..SPEC.vocab * SPEC.din)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect()
+            })
             .collect();
         Self { rng, embeddings }
     }
@@ -50,10 +61,13 @@ impl Task {
                 for (j, embedding) in self.embeddings.iter().enumerate() {
                     if p + j + 1 < len {
                         let id = batch.input_ids[base + p + j + 1] as usize;
-                        hs.iter_mut().zip(&embedding[id * din..][..din]).for_each(|(h, e)| *h += e);
+                        hs.iter_mut()
+                            .zip(&embedding[id * din..][..din])
+                            .for_each(|(h, e)| *h += e);
                     }
                 }
-                hs.iter_mut().for_each(|h| *h += 0.1 * self.rng.random_range(-1.0f32..1.0));
+                hs.iter_mut()
+                    .for_each(|h| *h += 0.1 * self.rng.random_range(-1.0f32..1.0));
             }
         }
         batch
@@ -63,21 +77,40 @@ impl Task {
 #[test]
 fn loss_falls_below_two_percent_of_its_start_on_a_learnable_task() {
     let model = model(SPEC);
-    let optimizer =
-        AdamWSpec { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, clip_grad_norm: Some(1.0) };
-    let mut drafter = CpuDrafter::new(&model, loss(0.8, 32), optimizer, &[bucket(PADDED_LEN, SEQUENCES)]);
+    let optimizer = AdamWSpec {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        clip_grad_norm: Some(1.0),
+    };
+    let mut drafter = CpuDrafter::new(
+        &model,
+        loss(0.8, 32),
+        optimizer,
+        &[bucket(PADDED_LEN, SEQUENCES)],
+    );
     let mut state = FlatState::init(&model, 42);
     let mut task = Task::new(7);
     let mut losses = Vec::new();
     for _ in 0..150 {
         let batch = task.batch();
-        let out = drafter.forward_backward(&mut state, &batch).expect("valid batch");
+        let out = drafter
+            .forward_backward(&mut state, &batch)
+            .expect("valid batch");
         assert!(out.loss.is_finite());
         assert!(!drafter.optimizer_step(&mut state).skipped);
         losses.push(out.loss);
     }
     let first = losses[0];
     let last: f32 = losses[losses.len() - 10..].iter().sum::<f32>() / 10.0;
-    assert!(first > 0.8 * (SPEC.vocab as f32).ln(), "an untrained drafter starts near ln V, got {first}");
-    assert!(last < 0.02 * first, "loss went from {first} to {last} (last-10 mean)");
+    assert!(
+        first > 0.8 * (SPEC.vocab as f32).ln(),
+        "an untrained drafter starts near ln V, got {first}"
+    );
+    assert!(
+        last < 0.02 * first,
+        "loss went from {first} to {last} (last-10 mean)"
+    );
 }

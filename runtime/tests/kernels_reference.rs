@@ -12,7 +12,9 @@ use rand::{RngExt, SeedableRng};
 const SEEDS: std::ops::Range<u64> = 0..6;
 
 fn normal(rng: &mut Xoshiro256PlusPlus, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| scale * (rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0))).collect()
+    (0..n)
+        .map(|_| scale * (rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0)))
+        .collect()
 }
 
 fn poisoned(n: usize) -> Vec<f32> {
@@ -22,10 +24,19 @@ fn poisoned(n: usize) -> Vec<f32> {
 /// `max |out − ref| / max |ref|`, NaN-aware (a NaN output gives infinity).
 fn normwise(out: &[f32], reference: &[f64]) -> f64 {
     assert_eq!(out.len(), reference.len());
-    let scale = reference.iter().fold(0.0f64, |m, r| m.max(r.abs())).max(f64::MIN_POSITIVE);
+    let scale = reference
+        .iter()
+        .fold(0.0f64, |m, r| m.max(r.abs()))
+        .max(f64::MIN_POSITIVE);
     out.iter()
         .zip(reference)
-        .map(|(&o, r)| if o.is_finite() { (o as f64 - r).abs() } else { f64::INFINITY })
+        .map(|(&o, r)| {
+            if o.is_finite() {
+                (o as f64 - r).abs()
+            } else {
+                f64::INFINITY
+            }
+        })
         .fold(0.0, f64::max)
         / scale
 }
@@ -58,24 +69,46 @@ fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
         let mut partials = poisoned(rows.div_ceil(7) * cols);
         kernels::rmsnorm_weight_grad(&x, &inv, &dy, &mut dw, &mut partials, 7);
 
-        let (mut y_ref, mut dx_ref, mut dw_ref) = (vec![0.0; rows * cols], vec![0.0; rows * cols], vec![0.0; cols]);
+        let (mut y_ref, mut dx_ref, mut dw_ref) = (
+            vec![0.0; rows * cols],
+            vec![0.0; rows * cols],
+            vec![0.0; cols],
+        );
         for r in 0..rows {
             let xr: Vec<f64> = x[r * cols..][..cols].iter().map(|&v| v as f64).collect();
             let ms = xr.iter().map(|v| v * v).sum::<f64>() / cols as f64;
             let ir = 1.0 / (ms + 1e-6).sqrt();
-            let dot: f64 = (0..cols).map(|c| w[c] as f64 * dy[r * cols + c] as f64 * xr[c]).sum();
+            let dot: f64 = (0..cols)
+                .map(|c| w[c] as f64 * dy[r * cols + c] as f64 * xr[c])
+                .sum();
             for c in 0..cols {
                 let g = dy[r * cols + c] as f64;
                 y_ref[r * cols + c] = xr[c] * ir * w[c] as f64;
-                dx_ref[r * cols + c] = ir * w[c] as f64 * g - xr[c] * ir.powi(3) * dot / cols as f64;
+                dx_ref[r * cols + c] =
+                    ir * w[c] as f64 * g - xr[c] * ir.powi(3) * dot / cols as f64;
                 dw_ref[c] += g * xr[c] * ir;
             }
         }
         let acc_ref: Vec<f64> = dx_ref.iter().map(|v| v + 0.5).collect();
-        assert!(normwise(&y, &y_ref) < 2e-6, "seed {seed}: forward {}", normwise(&y, &y_ref));
-        assert!(normwise(&dx, &dx_ref) < 2e-6, "seed {seed}: input grad {}", normwise(&dx, &dx_ref));
-        assert!(normwise(&dx_acc, &acc_ref) < 2e-6, "seed {seed}: accumulated input grad");
-        assert!(normwise(&dw, &dw_ref) < 1e-5, "seed {seed}: weight grad {}", normwise(&dw, &dw_ref));
+        assert!(
+            normwise(&y, &y_ref) < 2e-6,
+            "seed {seed}: forward {}",
+            normwise(&y, &y_ref)
+        );
+        assert!(
+            normwise(&dx, &dx_ref) < 2e-6,
+            "seed {seed}: input grad {}",
+            normwise(&dx, &dx_ref)
+        );
+        assert!(
+            normwise(&dx_acc, &acc_ref) < 2e-6,
+            "seed {seed}: accumulated input grad"
+        );
+        assert!(
+            normwise(&dw, &dw_ref) < 1e-5,
+            "seed {seed}: weight grad {}",
+            normwise(&dw, &dw_ref)
+        );
     }
 }
 
@@ -104,8 +137,16 @@ fn swiglu_forward_and_backward_match_f64() {
                 dgu_ref[2 * t * inter + inter + i] = d * silu(g);
             }
         }
-        assert!(normwise(&act, &act_ref) < 2e-6, "seed {seed}: {}", normwise(&act, &act_ref));
-        assert!(normwise(&dgu, &dgu_ref) < 2e-6, "seed {seed}: {}", normwise(&dgu, &dgu_ref));
+        assert!(
+            normwise(&act, &act_ref) < 2e-6,
+            "seed {seed}: {}",
+            normwise(&act, &act_ref)
+        );
+        assert!(
+            normwise(&dgu, &dgu_ref) < 2e-6,
+            "seed {seed}: {}",
+            normwise(&dgu, &dgu_ref)
+        );
     }
 }
 
@@ -123,7 +164,9 @@ fn head_residual_forward_and_backward_match_f64() {
         let (mut dh, mut dz) = (dh_in.clone(), dz_in.clone());
         kernels::head_residual_backward(&a, &mut dh, &mut dz);
         let h_ref: Vec<f64> = (0..n).map(|e| z[e] as f64 + silu(a[e] as f64)).collect();
-        let da_ref: Vec<f64> = (0..n).map(|e| dh_in[e] as f64 * silu_grad(a[e] as f64)).collect();
+        let da_ref: Vec<f64> = (0..n)
+            .map(|e| dh_in[e] as f64 * silu_grad(a[e] as f64))
+            .collect();
         let dz_ref: Vec<f64> = (0..n).map(|e| dz_in[e] as f64 + dh_in[e] as f64).collect();
         assert!(normwise(&h, &h_ref) < 2e-6, "seed {seed}");
         assert!(normwise(&dh, &da_ref) < 2e-6, "seed {seed}");
@@ -139,8 +182,15 @@ fn fused_vocab_loss_matches_f64_softmax_cross_entropy() {
         let vocab = rng.random_range(2..5000);
         // Large logits: the kernel must subtract the row maximum.
         let logits_in = normal(&mut rng, rows * vocab, 30.0);
-        let labels: Vec<i32> =
-            (0..rows).map(|_| if rng.random_range(0..5) == 0 { -1 } else { rng.random_range(0..vocab as i32) }).collect();
+        let labels: Vec<i32> = (0..rows)
+            .map(|_| {
+                if rng.random_range(0..5) == 0 {
+                    -1
+                } else {
+                    rng.random_range(0..vocab as i32)
+                }
+            })
+            .collect();
         let scale = rng.random_range(0.01f32..2.0);
         let mut logits = logits_in.clone();
         let mut row_loss = poisoned(rows);
@@ -151,7 +201,10 @@ fn fused_vocab_loss_matches_f64_softmax_cross_entropy() {
             if labels[r] < 0 {
                 continue;
             }
-            let row: Vec<f64> = logits_in[r * vocab..][..vocab].iter().map(|&v| v as f64).collect();
+            let row: Vec<f64> = logits_in[r * vocab..][..vocab]
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
             let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let sum: f64 = row.iter().map(|l| (l - max).exp()).sum();
             let label = labels[r] as usize;
@@ -161,8 +214,16 @@ fn fused_vocab_loss_matches_f64_softmax_cross_entropy() {
                 grad_ref[r * vocab + v] = scale as f64 * (p - f64::from(u8::from(v == label)));
             }
         }
-        assert!(normwise(&row_loss, &loss_ref) < 2e-6, "seed {seed}: loss {}", normwise(&row_loss, &loss_ref));
-        assert!(normwise(&logits, &grad_ref) < 2e-6, "seed {seed}: grad {}", normwise(&logits, &grad_ref));
+        assert!(
+            normwise(&row_loss, &loss_ref) < 2e-6,
+            "seed {seed}: loss {}",
+            normwise(&row_loss, &loss_ref)
+        );
+        assert!(
+            normwise(&logits, &grad_ref) < 2e-6,
+            "seed {seed}: grad {}",
+            normwise(&logits, &grad_ref)
+        );
     }
 }
 
@@ -170,12 +231,19 @@ fn fused_vocab_loss_matches_f64_softmax_cross_entropy() {
 fn labels_and_head_scales_follow_the_definition() {
     for seed in SEEDS {
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(40 + seed);
-        let (padded_len, sequences, heads, vocab) = (rng.random_range(1..30), rng.random_range(1..5), 4, 50);
+        let (padded_len, sequences, heads, vocab) =
+            (rng.random_range(1..30), rng.random_range(1..5), 4, 50);
         let tokens = padded_len * sequences;
-        let seq_lens: Vec<u32> = (0..sequences).map(|_| rng.random_range(0..=padded_len as u32)).collect();
+        let seq_lens: Vec<u32> = (0..sequences)
+            .map(|_| rng.random_range(0..=padded_len as u32))
+            .collect();
         // Some ids past the vocabulary: the kernel must ignore them rather than read out of range later.
-        let ids: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..vocab as u32 + 5)).collect();
-        let mask: Vec<u8> = (0..tokens).map(|_| u8::from(rng.random_range(0..4) != 0)).collect();
+        let ids: Vec<u32> = (0..tokens)
+            .map(|_| rng.random_range(0..vocab as u32 + 5))
+            .collect();
+        let mask: Vec<u8> = (0..tokens)
+            .map(|_| u8::from(rng.random_range(0..4) != 0))
+            .collect();
         let mut labels = vec![i32::MIN; heads * tokens];
         kernels::build_labels(&ids, &mask, &seq_lens, &mut labels, padded_len, vocab);
         let (mut counts, mut scales) = (vec![u32::MAX; heads], poisoned(heads));
@@ -188,15 +256,28 @@ fn labels_and_head_scales_follow_the_definition() {
                 let (s, p) = (t / padded_len, t % padded_len);
                 let q = p + j + 1;
                 let position = s * padded_len + q;
-                let expected = (q < seq_lens[s] as usize && mask[position] != 0 && (ids[position] as usize) < vocab)
+                let expected = (q < seq_lens[s] as usize
+                    && mask[position] != 0
+                    && (ids[position] as usize) < vocab)
                     .then(|| ids[position] as i32)
                     .unwrap_or(-1);
-                assert_eq!(labels[j * tokens + t], expected, "seed {seed} head {j} token {t}");
+                assert_eq!(
+                    labels[j * tokens + t],
+                    expected,
+                    "seed {seed} head {j} token {t}"
+                );
                 count += usize::from(expected >= 0);
             }
             assert_eq!(counts[j] as usize, count);
-            let scale_ref = if count == 0 { 0.0 } else { 0.7f64.powi(j as i32) / (total * count as f64) };
-            assert!((scales[j] as f64 - scale_ref).abs() <= 1e-6 * scale_ref, "seed {seed} head {j}");
+            let scale_ref = if count == 0 {
+                0.0
+            } else {
+                0.7f64.powi(j as i32) / (total * count as f64)
+            };
+            assert!(
+                (scales[j] as f64 - scale_ref).abs() <= 1e-6 * scale_ref,
+                "seed {seed} head {j}"
+            );
         }
     }
 }
@@ -212,16 +293,29 @@ fn sums_and_grad_norm_match_f64_and_clip_like_pytorch() {
         let total = kernels::sum(&values, chunk, &mut partials);
         let total_ref: f64 = values.iter().map(|&v| v as f64).sum();
         let abs_sum: f64 = values.iter().map(|&v| (v as f64).abs()).sum();
-        assert!((total as f64 - total_ref).abs() < 1e-6 * abs_sum, "seed {seed}: {total} vs {total_ref}");
+        assert!(
+            (total as f64 - total_ref).abs() < 1e-6 * abs_sum,
+            "seed {seed}: {total} vs {total_ref}"
+        );
 
-        let norm_ref = values.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
+        let norm_ref = values
+            .iter()
+            .map(|&v| v as f64 * v as f64)
+            .sum::<f64>()
+            .sqrt();
         let (norm, no_clip) = kernels::grad_norm(&values, chunk, &mut partials, 0.0);
-        assert!(((norm as f64 - norm_ref) / norm_ref).abs() < 1e-6, "seed {seed}: {norm} vs {norm_ref}");
+        assert!(
+            ((norm as f64 - norm_ref) / norm_ref).abs() < 1e-6,
+            "seed {seed}: {norm} vs {norm_ref}"
+        );
         assert_eq!(no_clip, 1.0);
         let max_norm = (norm_ref / 3.0) as f32;
         let (_, clip) = kernels::grad_norm(&values, chunk, &mut partials, max_norm);
         let clip_ref = max_norm as f64 / (norm_ref + 1e-6);
-        assert!(((clip as f64 - clip_ref) / clip_ref).abs() < 1e-6, "seed {seed}: clip {clip} vs {clip_ref}");
+        assert!(
+            ((clip as f64 - clip_ref) / clip_ref).abs() < 1e-6,
+            "seed {seed}: clip {clip} vs {clip_ref}"
+        );
         let (_, above) = kernels::grad_norm(&values, chunk, &mut partials, (norm_ref * 2.0) as f32);
         assert_eq!(above, 1.0, "a norm under the limit is not scaled");
     }
@@ -231,5 +325,8 @@ fn sums_and_grad_norm_match_f64_and_clip_like_pytorch() {
     let (norm, clip) = kernels::grad_norm(&with_nan, 10, &mut partials, 1.0);
     assert!(norm.is_nan() && clip == 1.0);
     with_nan[17] = f32::INFINITY;
-    assert_eq!(kernels::grad_norm(&with_nan, 10, &mut partials, 1.0).0, f32::INFINITY);
+    assert_eq!(
+        kernels::grad_norm(&with_nan, 10, &mut partials, 1.0).0,
+        f32::INFINITY
+    );
 }
