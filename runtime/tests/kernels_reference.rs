@@ -256,11 +256,10 @@ fn labels_and_head_scales_follow_the_definition() {
                 let (s, p) = (t / padded_len, t % padded_len);
                 let q = p + j + 1;
                 let position = s * padded_len + q;
-                let expected = (q < seq_lens[s] as usize
+                let valid = q < seq_lens[s] as usize
                     && mask[position] != 0
-                    && (ids[position] as usize) < vocab)
-                    .then(|| ids[position] as i32)
-                    .unwrap_or(-1);
+                    && (ids[position] as usize) < vocab;
+                let expected = if valid { ids[position] as i32 } else { -1 };
                 assert_eq!(
                     labels[j * tokens + t],
                     expected,
