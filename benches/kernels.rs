@@ -164,6 +164,7 @@ fn bench_fused_loss(c: &mut Criterion) {
     };
     let (mut row_loss, mut dh, mut d_lm) = (vec![0.0; T], vec![0.0; T * H], vec![0.0; V * H]);
     let mut group = c.benchmark_group("fused_loss");
+    group.sample_size(10);
     group.throughput(Throughput::Elements(T as u64));
     for (name, rows) in [("chunked_256", CHUNK), ("materialised", T)] {
         let before = LIVE.load(Relaxed);
