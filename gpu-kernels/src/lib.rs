@@ -51,6 +51,7 @@
 
 pub mod activation;
 pub mod adamw;
+mod lanes;
 pub mod loss;
 pub mod math;
 pub mod norm;

@@ -10,7 +10,14 @@ use draftpipe_runtime::params::FlatState;
 use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;
 
-const SPEC: MlpSpec = MlpSpec { din: 6, hidden: 4, blocks: 2, intermediate: 5, heads: 3, vocab: 7 };
+const SPEC: MlpSpec = MlpSpec {
+    din: 6,
+    hidden: 4,
+    blocks: 2,
+    intermediate: 5,
+    heads: 3,
+    vocab: 7,
+};
 const DECAY: f32 = 0.8;
 
 #[test]
@@ -27,11 +34,17 @@ fn every_gradient_matches_finite_differences_of_the_f64_reference() {
         // Chunks of 4 tokens over 18 tokens: the last chunk is partial.
         let mut drafter = CpuDrafter::new(&model, loss(DECAY, 4), adamw(1e-3), &[bucket(6, 3)]);
         state.grads.fill(f32::NAN);
-        let out = drafter.forward_backward(&mut state, &batch).expect("valid batch");
+        let out = drafter
+            .forward_backward(&mut state, &batch)
+            .expect("valid batch");
 
         let params64: Vec<f64> = state.params.iter().map(|&p| p as f64).collect();
         let reference = reference_loss(&SPEC, &params64, &batch, DECAY as f64);
-        assert!(((out.loss as f64 - reference) / reference).abs() < 2e-6, "loss {} vs f64 {reference}", out.loss);
+        assert!(
+            ((out.loss as f64 - reference) / reference).abs() < 2e-6,
+            "loss {} vs f64 {reference}",
+            out.loss
+        );
 
         let mut worst = 0.0f64;
         let mut scale = 0.0f64;
@@ -47,7 +60,10 @@ fn every_gradient_matches_finite_differences_of_the_f64_reference() {
             scale = scale.max(fd.abs());
         }
         // Stated bound: every f32 gradient within 1e-4 of the largest gradient of its f64 finite difference.
-        assert!(worst / scale < 1e-4, "seed {seed}: worst gradient error {worst} at scale {scale}");
+        assert!(
+            worst / scale < 1e-4,
+            "seed {seed}: worst gradient error {worst} at scale {scale}"
+        );
     }
 }
 
@@ -56,15 +72,25 @@ fn counts_match_the_label_definition_and_steps_are_deterministic() {
     let model = model(SPEC);
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
     let batch = random_batch(&mut rng, 8, 2, SPEC.din, SPEC.vocab);
-    let mut drafter = CpuDrafter::new(&model, loss(DECAY, 3), adamw(1e-3), &[bucket(4, 4), bucket(8, 2)]);
+    let mut drafter = CpuDrafter::new(
+        &model,
+        loss(DECAY, 3),
+        adamw(1e-3),
+        &[bucket(4, 4), bucket(8, 2)],
+    );
     let mut state = FlatState::init(&model, 1);
     let first = drafter.forward_backward(&mut state, &batch).unwrap();
     let grads = state.grads.clone();
     let second = drafter.forward_backward(&mut state, &batch).unwrap();
     assert_eq!(first.loss.to_bits(), second.loss.to_bits());
-    assert_eq!(grads, state.grads, "same batch and parameters must give bitwise-equal gradients");
+    assert_eq!(
+        grads, state.grads,
+        "same batch and parameters must give bitwise-equal gradients"
+    );
     for j in 0..SPEC.heads {
-        let expected = (0..batch.tokens()).filter(|&t| reference_label(&batch, j, t).is_some()).count();
+        let expected = (0..batch.tokens())
+            .filter(|&t| reference_label(&batch, j, t).is_some())
+            .count();
         assert_eq!(first.valid_labels[j] as usize, expected, "head {j}");
     }
 }
@@ -80,26 +106,47 @@ fn bad_batches_are_typed_errors() {
     let other_shape = random_batch(&mut rng, 5, 3, SPEC.din, SPEC.vocab);
     assert_eq!(
         drafter.forward_backward(&mut state, &other_shape),
-        Err(StepError::NoBucket { padded_len: 5, sequences: 3 })
+        Err(StepError::NoBucket {
+            padded_len: 5,
+            sequences: 3
+        })
     );
     let wrong_din = random_batch(&mut rng, 6, 3, SPEC.din + 1, SPEC.vocab);
-    assert_eq!(drafter.forward_backward(&mut state, &wrong_din), Err(StepError::WrongDin { expected: 6, got: 7 }));
+    assert_eq!(
+        drafter.forward_backward(&mut state, &wrong_din),
+        Err(StepError::WrongDin {
+            expected: 6,
+            got: 7
+        })
+    );
 
     let mut bad_id = good.clone();
     bad_id.input_ids[0] = SPEC.vocab as u32;
-    assert!(matches!(drafter.forward_backward(&mut state, &bad_id), Err(StepError::TokenOutOfRange { .. })));
+    assert!(matches!(
+        drafter.forward_backward(&mut state, &bad_id),
+        Err(StepError::TokenOutOfRange { .. })
+    ));
 
     let mut too_long = good.clone();
     too_long.seq_lens[1] = 7;
-    assert!(matches!(drafter.forward_backward(&mut state, &too_long), Err(StepError::SequenceTooLong { .. })));
+    assert!(matches!(
+        drafter.forward_backward(&mut state, &too_long),
+        Err(StepError::SequenceTooLong { .. })
+    ));
 
     let mut short_hs = good.clone();
     short_hs.hs.pop();
-    assert!(matches!(drafter.forward_backward(&mut state, &short_hs), Err(StepError::BatchBuffer { buffer: "hs", .. })));
+    assert!(matches!(
+        drafter.forward_backward(&mut state, &short_hs),
+        Err(StepError::BatchBuffer { buffer: "hs", .. })
+    ));
 
     let mut small_state = state.clone();
     small_state.params.pop();
-    assert!(matches!(drafter.forward_backward(&mut small_state, &good), Err(StepError::StateSize { .. })));
+    assert!(matches!(
+        drafter.forward_backward(&mut small_state, &good),
+        Err(StepError::StateSize { .. })
+    ));
 
     assert!(drafter.forward_backward(&mut state, &good).is_ok());
 }

@@ -1,7 +1,8 @@
 //! Per-bucket activation and loss buffers, sized once from the bucket's static shape and reused every step.
 //!
 //! Memory per bucket (T tokens, H hidden, I intermediate, B blocks, J heads, C loss chunk, V vocab), in f32:
-//! `T·H·(2B + 3 + 3J) + T·I·3B + T·(B + 1) + C·V + T·J` (+ small partials). The loss part is `C·V`, never `T·V`.
+//! `T·H·(2B + 5 + 3J) + 3·T·I·(B + 1) + T·(B + 1) + 2·T·J + C·V + T·H/64` (+ `T·J/1024`). The loss part is
+//! `C·V + 2·T·J`, never `T·V`.
 
 use draftpipe_compiler::plan::MlpSpec;
 

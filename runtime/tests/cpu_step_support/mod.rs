@@ -4,42 +4,73 @@
 
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
 use draftpipe_runtime::batch::HsBatch;
-use rand::rngs::Xoshiro256PlusPlus;
 use rand::RngExt;
+use rand::rngs::Xoshiro256PlusPlus;
 
 /// A model plan with the canonical layout.
 pub fn model(spec: MlpSpec) -> ModelPlan {
-    ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() }
+    ModelPlan {
+        spec,
+        parameters: spec.parameter_count(),
+        layout: spec.layout(),
+    }
 }
 
 /// A bucket plan for `sequences × padded_len` (costs are not used by the step).
 pub fn bucket(padded_len: usize, sequences: usize) -> BucketPlan {
-    BucketPlan { padded_len, sequences, tokens: padded_len * sequences, step_flops: 0, step_bytes: 0 }
+    BucketPlan {
+        padded_len,
+        sequences,
+        tokens: padded_len * sequences,
+        step_flops: 0,
+        step_bytes: 0,
+    }
 }
 
 /// AdamW without weight decay or clipping.
 pub fn adamw(lr: f32) -> AdamWSpec {
-    AdamWSpec { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip_grad_norm: None }
+    AdamWSpec {
+        lr,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        clip_grad_norm: None,
+    }
 }
 
 /// The loss configuration.
 pub fn loss(head_decay: f32, chunk_tokens: usize) -> LossSpec {
-    LossSpec { head_decay, chunk_tokens }
+    LossSpec {
+        head_decay,
+        chunk_tokens,
+    }
 }
 
 /// A random batch: sequence lengths in `1..=padded_len` (one shorter sequence forced), random ids, a loss
 /// mask with about 10% zeros, Gaussian-ish hidden states, zeros past each sequence's end.
-pub fn random_batch(rng: &mut Xoshiro256PlusPlus, padded_len: usize, sequences: usize, din: usize, vocab: usize) -> HsBatch {
+pub fn random_batch(
+    rng: &mut Xoshiro256PlusPlus,
+    padded_len: usize,
+    sequences: usize,
+    din: usize,
+    vocab: usize,
+) -> HsBatch {
     let mut batch = HsBatch::zeroed(padded_len, sequences, din);
     for s in 0..sequences {
-        let len = if s == 0 { padded_len.saturating_sub(2).max(1) } else { rng.random_range(1..=padded_len) };
+        let len = if s == 0 {
+            padded_len.saturating_sub(2).max(1)
+        } else {
+            rng.random_range(1..=padded_len)
+        };
         batch.seq_lens[s] = len as u32;
         for p in 0..len {
             let t = s * padded_len + p;
             batch.input_ids[t] = rng.random_range(0..vocab as u32);
             batch.loss_mask[t] = u8::from(rng.random_range(0..10) != 0);
             for d in 0..din {
-                batch.hs[t * din + d] = rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0);
+                batch.hs[t * din + d] =
+                    rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0);
             }
         }
     }
@@ -58,7 +89,9 @@ pub fn reference_label(batch: &HsBatch, j: usize, t: usize) -> Option<usize> {
 
 fn matvec_t(w: &[f64], x: &[f64], out_dim: usize) -> Vec<f64> {
     let in_dim = x.len();
-    (0..out_dim).map(|o| (0..in_dim).map(|i| w[o * in_dim + i] * x[i]).sum()).collect()
+    (0..out_dim)
+        .map(|o| (0..in_dim).map(|i| w[o * in_dim + i] * x[i]).sum())
+        .collect()
 }
 
 fn rmsnorm(x: &[f64], w: &[f64]) -> Vec<f64> {
@@ -75,14 +108,28 @@ fn silu(x: f64) -> f64 {
 pub fn reference_loss(spec: &MlpSpec, params: &[f64], batch: &HsBatch, head_decay: f64) -> f64 {
     let layout = spec.layout();
     let p = |name: &str| {
-        let v = layout.iter().find(|v| v.name == name).expect("tensor in layout");
+        let v = layout
+            .iter()
+            .find(|v| v.name == name)
+            .expect("tensor in layout");
         &params[v.range()]
     };
-    let MlpSpec { din, hidden: h, intermediate: i, blocks, heads, vocab, .. } = *spec;
+    let MlpSpec {
+        din,
+        hidden: h,
+        intermediate: i,
+        blocks,
+        heads,
+        vocab,
+        ..
+    } = *spec;
     let mut sums = vec![0.0f64; heads];
     let mut counts = vec![0usize; heads];
     for t in 0..batch.tokens() {
-        let hs: Vec<f64> = batch.hs[t * din..][..din].iter().map(|&v| v as f64).collect();
+        let hs: Vec<f64> = batch.hs[t * din..][..din]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
         let mut x = matvec_t(p("fc.weight"), &hs, h);
         for b in 0..blocks {
             let u = rmsnorm(&x, p(&format!("blocks.{b}.norm.weight")));
@@ -94,7 +141,9 @@ pub fn reference_loss(spec: &MlpSpec, params: &[f64], batch: &HsBatch, head_deca
         }
         let z = rmsnorm(&x, p("norm.weight"));
         for j in 0..heads {
-            let Some(label) = reference_label(batch, j, t) else { continue };
+            let Some(label) = reference_label(batch, j, t) else {
+                continue;
+            };
             let a = matvec_t(p(&format!("heads.{j}.weight")), &z, h);
             let hj: Vec<f64> = z.iter().zip(&a).map(|(z, a)| z + silu(*a)).collect();
             let logits = matvec_t(p("lm_head.weight"), &hj, vocab);
@@ -106,5 +155,9 @@ pub fn reference_loss(spec: &MlpSpec, params: &[f64], batch: &HsBatch, head_deca
     }
     let weights: Vec<f64> = (0..heads).map(|j| head_decay.powi(j as i32)).collect();
     let total: f64 = weights.iter().sum();
-    (0..heads).filter(|&j| counts[j] > 0).map(|j| weights[j] * sums[j] / counts[j] as f64).sum::<f64>() / total
+    (0..heads)
+        .filter(|&j| counts[j] > 0)
+        .map(|j| weights[j] * sums[j] / counts[j] as f64)
+        .sum::<f64>()
+        / total
 }
