@@ -47,10 +47,14 @@
 //! ```
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(asm_experimental_arch))]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx))]
 
 pub mod activation;
 pub mod adamw;
+mod lanes;
 pub mod loss;
 pub mod math;
 pub mod norm;
+#[cfg(target_arch = "nvptx64")]
+mod ptx;
 pub mod reduce;

@@ -134,18 +134,9 @@ pub unsafe fn vocab_loss_row(
             return;
         }
         let label = label as usize;
-        let mut max = f32::NEG_INFINITY;
-        for v in 0..vocab {
-            let l = *logits.add(v);
-            max = if l > max { l } else { max };
-        }
+        let max = crate::lanes::max(logits, vocab);
         let target = *logits.add(label);
-        let mut sum = 0.0f32;
-        for v in 0..vocab {
-            let e = crate::math::exp(*logits.add(v) - max);
-            *logits.add(v) = e;
-            sum += e;
-        }
+        let sum = crate::lanes::exp_shifted_in_place(logits, vocab, max);
         let scale = *scale;
         let factor = scale / sum;
         for v in 0..vocab {

@@ -24,11 +24,7 @@ pub unsafe fn rmsnorm_forward(
     unsafe {
         let x = x.add(row * cols);
         let y = y.add(row * cols);
-        let mut sum_sq = 0.0f32;
-        for c in 0..cols {
-            let v = *x.add(c);
-            sum_sq += v * v;
-        }
+        let sum_sq = crate::lanes::dot2(x, x, cols);
         let r = crate::math::rsqrt(sum_sq / cols as f32 + eps);
         *inv_rms.add(row) = r;
         for c in 0..cols {
@@ -64,10 +60,7 @@ pub unsafe fn rmsnorm_backward_input(
         let dy = dy.add(row * cols);
         let dx = dx.add(row * cols);
         let r = *inv_rms.add(row);
-        let mut dot = 0.0f32;
-        for c in 0..cols {
-            dot += *weight.add(c) * *dy.add(c) * *x.add(c);
-        }
+        let dot = crate::lanes::dot3(weight, dy, x, cols);
         let coeff = r * r * r * dot / cols as f32;
         if accumulate {
             for c in 0..cols {

@@ -9,6 +9,7 @@ pub mod allreduce;
 pub mod batch;
 pub mod checkpoint;
 pub mod cpu;
+pub mod cuda;
 pub mod params;
 pub mod pipeline;
 pub mod queue;

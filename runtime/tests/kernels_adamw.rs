@@ -42,8 +42,8 @@ impl ReferenceAdamW {
         let (lr, b1, b2) = (spec.lr as f64, spec.beta1 as f64, spec.beta2 as f64);
         let bc1 = 1.0 - b1.powi(self.step);
         let bc2 = 1.0 - b2.powi(self.step);
-        for k in 0..self.params.len() {
-            let g = grads[k] as f64 * clip;
+        for (k, &grad) in grads.iter().enumerate() {
+            let g = grad as f64 * clip;
             self.params[k] *= 1.0 - lr * spec.weight_decay as f64;
             self.m[k] = b1 * self.m[k] + (1.0 - b1) * g;
             self.v[k] = b2 * self.v[k] + (1.0 - b2) * g * g;

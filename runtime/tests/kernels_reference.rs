@@ -1,15 +1,28 @@
 //! Every kernel (through its host launcher) against an f64 reference written from its formula, on fresh random
-//! inputs of random sizes, with outputs filled with NaN before each run so a missed element fails.
+//! inputs of random sizes (fresh seeds every run, see `seeds`), with outputs filled with NaN before each run so a missed element fails.
 //!
-//! Stated bounds (normwise: `max |out − ref| / max |ref|`): RMSNorm forward and input gradient 2e-6, weight
-//! gradient 1e-5, SwiGLU and head residual 2e-6 (forward and backward), fused loss row losses and gradients
+//! Stated bounds (normwise: `max |out − ref| / max |ref|`): RMSNorm forward 2e-6, input gradient 2e-6 of its
+//! larger term (the two terms can cancel), weight gradient 1e-5, SwiGLU and head residual 2e-6 (forward and backward), fused loss row losses and gradients
 //! 2e-6, sums and norms 1e-6.
 
 use draftpipe_runtime::cpu::kernels;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
-const SEEDS: std::ops::Range<u64> = 0..6;
+/// Six fresh seeds per run (from the clock), or six from `KERNEL_TEST_SEED` to reproduce a failure; every
+/// assertion message names its seed.
+fn seeds() -> std::ops::Range<u64> {
+    let base = std::env::var("KERNEL_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            now.as_nanos() as u64 % 1_000_000_007
+        });
+    base..base + 6
+}
 
 fn normal(rng: &mut Xoshiro256PlusPlus, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
@@ -41,6 +54,20 @@ fn normwise(out: &[f32], reference: &[f64]) -> f64 {
         / scale
 }
 
+/// `max |out − ref|`, NaN-aware (a NaN output gives infinity).
+fn worst_abs(out: &[f32], reference: &[f64]) -> f64 {
+    out.iter()
+        .zip(reference)
+        .map(|(&o, r)| {
+            if o.is_finite() {
+                (o as f64 - r).abs()
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
 fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }
@@ -52,7 +79,7 @@ fn silu_grad(x: f64) -> f64 {
 
 #[test]
 fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
-    for seed in SEEDS {
+    for seed in seeds() {
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
         let rows = rng.random_range(1..200);
         let cols = rng.random_range(1..300);
@@ -74,6 +101,9 @@ fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
             vec![0.0; rows * cols],
             vec![0.0; cols],
         );
+        // The input gradient is a difference of two terms that can cancel (few columns, one dominant
+        // element), so its error is measured against the larger of the terms, not the difference.
+        let mut dx_term_scale = 0.0f64;
         for r in 0..rows {
             let xr: Vec<f64> = x[r * cols..][..cols].iter().map(|&v| v as f64).collect();
             let ms = xr.iter().map(|v| v * v).sum::<f64>() / cols as f64;
@@ -84,8 +114,10 @@ fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
             for c in 0..cols {
                 let g = dy[r * cols + c] as f64;
                 y_ref[r * cols + c] = xr[c] * ir * w[c] as f64;
-                dx_ref[r * cols + c] =
-                    ir * w[c] as f64 * g - xr[c] * ir.powi(3) * dot / cols as f64;
+                let (direct, through_rms) =
+                    (ir * w[c] as f64 * g, xr[c] * ir.powi(3) * dot / cols as f64);
+                dx_ref[r * cols + c] = direct - through_rms;
+                dx_term_scale = dx_term_scale.max(direct.abs()).max(through_rms.abs());
                 dw_ref[c] += g * xr[c] * ir;
             }
         }
@@ -95,14 +127,12 @@ fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
             "seed {seed}: forward {}",
             normwise(&y, &y_ref)
         );
+        let dx_err = worst_abs(&dx, &dx_ref) / dx_term_scale;
+        assert!(dx_err < 2e-6, "seed {seed}: input grad {dx_err}");
+        let acc_err = worst_abs(&dx_acc, &acc_ref) / (dx_term_scale + 0.5);
         assert!(
-            normwise(&dx, &dx_ref) < 2e-6,
-            "seed {seed}: input grad {}",
-            normwise(&dx, &dx_ref)
-        );
-        assert!(
-            normwise(&dx_acc, &acc_ref) < 2e-6,
-            "seed {seed}: accumulated input grad"
+            acc_err < 2e-6,
+            "seed {seed}: accumulated input grad {acc_err}"
         );
         assert!(
             normwise(&dw, &dw_ref) < 1e-5,
@@ -114,8 +144,8 @@ fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
 
 #[test]
 fn swiglu_forward_and_backward_match_f64() {
-    for seed in SEEDS {
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(10 + seed);
+    for seed in seeds() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed.wrapping_mul(10));
         // Sizes that do not divide the host chunk, so chunks cross rows.
         let rows = rng.random_range(1..40);
         let inter = rng.random_range(1..700);
@@ -152,8 +182,8 @@ fn swiglu_forward_and_backward_match_f64() {
 
 #[test]
 fn head_residual_forward_and_backward_match_f64() {
-    for seed in SEEDS {
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(20 + seed);
+    for seed in seeds() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed.wrapping_mul(20));
         let n = rng.random_range(1..20_000);
         let z = normal(&mut rng, n, 1.0);
         let a = normal(&mut rng, n, 4.0);
@@ -176,8 +206,8 @@ fn head_residual_forward_and_backward_match_f64() {
 
 #[test]
 fn fused_vocab_loss_matches_f64_softmax_cross_entropy() {
-    for seed in SEEDS {
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(30 + seed);
+    for seed in seeds() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed.wrapping_mul(30));
         let rows = rng.random_range(1..50);
         let vocab = rng.random_range(2..5000);
         // Large logits: the kernel must subtract the row maximum.
@@ -229,8 +259,8 @@ fn fused_vocab_loss_matches_f64_softmax_cross_entropy() {
 
 #[test]
 fn labels_and_head_scales_follow_the_definition() {
-    for seed in SEEDS {
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(40 + seed);
+    for seed in seeds() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed.wrapping_mul(40));
         let (padded_len, sequences, heads, vocab) =
             (rng.random_range(1..30), rng.random_range(1..5), 4, 50);
         let tokens = padded_len * sequences;
@@ -256,11 +286,10 @@ fn labels_and_head_scales_follow_the_definition() {
                 let (s, p) = (t / padded_len, t % padded_len);
                 let q = p + j + 1;
                 let position = s * padded_len + q;
-                let expected = (q < seq_lens[s] as usize
+                let valid = q < seq_lens[s] as usize
                     && mask[position] != 0
-                    && (ids[position] as usize) < vocab)
-                    .then(|| ids[position] as i32)
-                    .unwrap_or(-1);
+                    && (ids[position] as usize) < vocab;
+                let expected = if valid { ids[position] as i32 } else { -1 };
                 assert_eq!(
                     labels[j * tokens + t],
                     expected,
@@ -284,8 +313,8 @@ fn labels_and_head_scales_follow_the_definition() {
 
 #[test]
 fn sums_and_grad_norm_match_f64_and_clip_like_pytorch() {
-    for seed in SEEDS {
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(50 + seed);
+    for seed in seeds() {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed.wrapping_mul(50));
         let n = rng.random_range(1..300_000);
         let values = normal(&mut rng, n, 1.0);
         let chunk = rng.random_range(1..5000);

@@ -15,7 +15,7 @@ mod step;
 mod workspace;
 
 pub use gemm::gemm_flops;
-pub use step::RMS_EPS;
+pub use step::{HeadLoss, RMS_EPS, head_loss};
 
 use crate::batch::HsBatch;
 use crate::params::FlatState;

@@ -166,34 +166,95 @@ pub(crate) fn loss(
         v,
     );
     kernels::head_loss_scales(&ws.labels, head_decay, &mut ws.counts, &mut ws.scales);
-    let lm = Mat::new(&params[at.lm_head..][..v * h], v, h);
+    let lm_head = &params[at.lm_head..][..v * h];
     let d_lm = &mut grads[at.lm_head..][..v * h];
-    let chunk = ws.chunk_tokens(v);
-    let mut first = true;
+    let chunk_rows = ws.chunk_tokens(v);
     for (j, head) in ws.heads.iter_mut().enumerate() {
-        let mut start = 0;
-        while start < t {
-            let rows = chunk.min(t - start);
-            let logits = &mut ws.logits[..rows * v];
-            let h_chunk = Mat::new(&head.h[start * h..][..rows * h], rows, h);
-            gemm(logits, h_chunk, lm.t(), 1.0, 0.0);
-            let labels = &ws.labels[j * t + start..][..rows];
-            let row_loss = &mut ws.row_loss[j * t + start..][..rows];
-            kernels::vocab_loss(logits, labels, ws.scales[j], row_loss, v);
-            let dlogits = Mat::new(logits, rows, v);
-            gemm(&mut head.dh[start * h..][..rows * h], dlogits, lm, 1.0, 0.0);
-            gemm(
-                d_lm,
-                dlogits.t(),
-                h_chunk,
-                1.0,
-                if first { 0.0 } else { 1.0 },
-            );
-            first = false;
-            start += rows;
-        }
+        head_loss(
+            HeadLoss {
+                h: &head.h,
+                lm_head,
+                labels: &ws.labels[j * t..][..t],
+                scale: ws.scales[j],
+                hidden: h,
+                vocab: v,
+            },
+            &mut ws.logits[..chunk_rows * v],
+            &mut ws.row_loss[j * t..][..t],
+            &mut head.dh,
+            d_lm,
+            j > 0,
+        );
     }
     kernels::sum(&ws.row_loss, LOSS_SUM_CHUNK, &mut ws.loss_partials)
+}
+
+/// The inputs of one head's fused vocabulary loss.
+#[derive(Clone, Copy)]
+pub struct HeadLoss<'a> {
+    /// The head's output `h`, `[T, H]`.
+    pub h: &'a [f32],
+    /// `lm_head.weight`, `[V, H]`.
+    pub lm_head: &'a [f32],
+    /// The head's labels, `[T]`, negative where ignored.
+    pub labels: &'a [i32],
+    /// The head's loss scale (`decay^j / (Σ decay · count_j)`).
+    pub scale: f32,
+    /// Hidden size `H`.
+    pub hidden: usize,
+    /// Vocabulary size `V`.
+    pub vocab: usize,
+}
+
+/// One head's fused vocabulary loss, `logits.len() / V` tokens at a time: per chunk, one GEMM for the logits,
+/// [`kernels::vocab_loss`] in place, one GEMM for `dh` (overwritten) and one accumulating `d_lm_head` (overwritten
+/// first when `accumulate_lm` is false). Only `logits` is vocabulary-sized: a `[C, V]` chunk, never `[T, V]`
+/// (passing a `[T, V]` buffer gives the materialised variant the benches compare against).
+///
+/// # Panics
+/// When a buffer does not match the shapes in `input` (the step sizes them from one bucket).
+pub fn head_loss(
+    input: HeadLoss<'_>,
+    logits: &mut [f32],
+    row_loss: &mut [f32],
+    dh: &mut [f32],
+    d_lm_head: &mut [f32],
+    accumulate_lm: bool,
+) {
+    let HeadLoss {
+        h: h_all,
+        lm_head,
+        labels,
+        scale,
+        hidden: h,
+        vocab: v,
+    } = input;
+    let t = labels.len();
+    let chunk = logits.len() / v.max(1);
+    assert!(
+        chunk > 0 && h_all.len() == t * h && dh.len() == t * h && row_loss.len() == t,
+        "head_loss: shapes"
+    );
+    let lm = Mat::new(lm_head, v, h);
+    let mut start = 0;
+    while start < t {
+        let rows = chunk.min(t - start);
+        let logits = &mut logits[..rows * v];
+        let h_chunk = Mat::new(&h_all[start * h..][..rows * h], rows, h);
+        gemm(logits, h_chunk, lm.t(), 1.0, 0.0);
+        kernels::vocab_loss(
+            logits,
+            &labels[start..][..rows],
+            scale,
+            &mut row_loss[start..][..rows],
+            v,
+        );
+        let dlogits = Mat::new(logits, rows, v);
+        gemm(&mut dh[start * h..][..rows * h], dlogits, lm, 1.0, 0.0);
+        let beta = if accumulate_lm || start > 0 { 1.0 } else { 0.0 };
+        gemm(d_lm_head, dlogits.t(), h_chunk, 1.0, beta);
+        start += rows;
+    }
 }
 
 /// Backward from the heads' `dh` to every parameter gradient except `lm_head` (written by [`loss`]).

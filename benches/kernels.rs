@@ -1,0 +1,186 @@
+//! Kernel benchmarks on the CPU backend, quickstart dimensions (T = 2048 tokens, H = 256, I = 704, V = 4096,
+//! 2.49 M parameters, the `mlp` drafter with din 384, 2 blocks, 4 heads).
+//!
+//! Each group holds one kernel and a plain `memcpy` that moves the same bytes (half read, half written), both with
+//! `Throughput::Bytes` of the kernel's minimum traffic, so the two GB/s figures of one run sit side by side.
+//! `fused_loss` compares the chunked loss of one head with the variant that materialises all `T × V` logits
+//! (same code, one chunk of T rows), and prints the peak heap of each.
+//!
+//! Run: `cargo bench --bench kernels -- --warm-up-time 1 --measurement-time 3`.
+
+use criterion::{
+    BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime,
+};
+use draftpipe_compiler::plan::MlpSpec;
+use draftpipe_runtime::cpu::{HeadLoss, head_loss, kernels};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+struct PeakTracking;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to `System` unchanged; only tracks sizes.
+unsafe impl GlobalAlloc for PeakTracking {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+        PEAK.fetch_max(live, Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: PeakTracking = PeakTracking;
+
+const T: usize = 2048;
+const H: usize = 256;
+const I: usize = 704;
+const V: usize = 4096;
+const CHUNK: usize = 256;
+
+/// Deterministic values in (-1, 1) from a xorshift sequence.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Benchmarks `kernel` and a memcpy of the same `bytes` in one group.
+fn with_memcpy(c: &mut Criterion, name: &str, bytes: usize, mut kernel: impl FnMut()) {
+    let mut group: BenchmarkGroup<'_, WallTime> = c.benchmark_group(name);
+    group.throughput(Throughput::Bytes(bytes as u64));
+    group.bench_function("kernel", |b| b.iter(&mut kernel));
+    let src = vec![1u8; bytes / 2];
+    let mut dst = vec![0u8; bytes / 2];
+    group.bench_function("memcpy", |b| {
+        b.iter(|| dst.copy_from_slice(black_box(&src)))
+    });
+    group.finish();
+}
+
+fn bench_kernels(c: &mut Criterion) {
+    let spec = MlpSpec {
+        din: 384,
+        hidden: H,
+        blocks: 2,
+        intermediate: I,
+        heads: 4,
+        vocab: V,
+    };
+    let params_len = spec.parameter_count();
+    let f = 4;
+    let x = values(T * H, 1);
+    let w = values(H, 2);
+    let dy = values(T * H, 3);
+    let (mut y, mut inv) = (vec![0.0; T * H], vec![0.0; T]);
+    kernels::rmsnorm_forward(&x, &w, &mut y, &mut inv, 1e-6);
+    with_memcpy(c, "rmsnorm_forward", 2 * T * H * f, || {
+        kernels::rmsnorm_forward(&x, &w, &mut y, &mut inv, 1e-6)
+    });
+    let mut dx = vec![0.0; T * H];
+    with_memcpy(c, "rmsnorm_backward_input", 3 * T * H * f, || {
+        kernels::rmsnorm_backward_input(&x, &w, &inv, &dy, &mut dx, false)
+    });
+    let (mut dw, mut partials) = (vec![0.0; H], vec![0.0; T.div_ceil(64) * H]);
+    with_memcpy(c, "rmsnorm_weight_grad", 2 * T * H * f, || {
+        kernels::rmsnorm_weight_grad(&x, &inv, &dy, &mut dw, &mut partials, 64)
+    });
+
+    let gate_up = values(2 * T * I, 4);
+    let dact = values(T * I, 5);
+    let (mut act, mut dgu) = (vec![0.0; T * I], vec![0.0; 2 * T * I]);
+    with_memcpy(c, "swiglu_forward", 3 * T * I * f, || {
+        kernels::swiglu_forward(&gate_up, &mut act, I)
+    });
+    with_memcpy(c, "swiglu_backward", 5 * T * I * f, || {
+        kernels::swiglu_backward(&gate_up, &dact, &mut dgu, I)
+    });
+
+    let a = values(T * H, 6);
+    let mut h = vec![0.0; T * H];
+    with_memcpy(c, "head_residual_forward", 3 * T * H * f, || {
+        kernels::head_residual_forward(&x, &a, &mut h)
+    });
+    let (mut dh, mut dz) = (values(T * H, 7), vec![0.0; T * H]);
+    with_memcpy(c, "head_residual_backward", 5 * T * H * f, || {
+        kernels::head_residual_backward(&a, &mut dh, &mut dz)
+    });
+
+    let logits_in: Vec<f32> = values(CHUNK * V, 8).iter().map(|v| 8.0 * v).collect();
+    let labels: Vec<i32> = (0..CHUNK as i32).map(|r| (r * 37) % V as i32).collect();
+    let mut logits = logits_in.clone();
+    let mut row_loss = vec![0.0; CHUNK];
+    // Rewriting the chunk each iteration keeps the input fixed; the copy is part of the measured bytes.
+    with_memcpy(c, "vocab_loss_chunk", 4 * CHUNK * V * f, || {
+        logits.copy_from_slice(&logits_in);
+        kernels::vocab_loss(&mut logits, &labels, 0.5, &mut row_loss, V)
+    });
+
+    let grads = values(params_len, 9);
+    let mut norm_partials = vec![0.0; params_len.div_ceil(1 << 14)];
+    with_memcpy(c, "grad_norm", params_len * f, || {
+        black_box(kernels::grad_norm(&grads, 1 << 14, &mut norm_partials, 1.0));
+    });
+    let mut params = values(params_len, 10);
+    let (mut m, mut v) = (vec![0.0; params_len], vec![0.0; params_len]);
+    let hyper = kernels::adamw_step_scalars(1e-4, 0.9, 0.999, 1e-8, 0.01, 10);
+    with_memcpy(c, "adamw", 7 * params_len * f, || {
+        kernels::adamw_update(&mut params, &grads, &mut m, &mut v, 1.0, 1.0, hyper)
+    });
+}
+
+fn bench_fused_loss(c: &mut Criterion) {
+    let h = values(T * H, 11);
+    let lm_head: Vec<f32> = values(V * H, 12).iter().map(|v| v / 16.0).collect();
+    let labels: Vec<i32> = (0..T as i32)
+        .map(|r| {
+            if r % 10 == 0 {
+                -1
+            } else {
+                (r * 131) % V as i32
+            }
+        })
+        .collect();
+    let input = HeadLoss {
+        h: &h,
+        lm_head: &lm_head,
+        labels: &labels,
+        scale: 1.0 / T as f32,
+        hidden: H,
+        vocab: V,
+    };
+    let (mut row_loss, mut dh, mut d_lm) = (vec![0.0; T], vec![0.0; T * H], vec![0.0; V * H]);
+    let mut group = c.benchmark_group("fused_loss");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(T as u64));
+    for (name, rows) in [("chunked_256", CHUNK), ("materialised", T)] {
+        let before = LIVE.load(Relaxed);
+        PEAK.store(before, Relaxed);
+        let mut logits = vec![0.0f32; rows * V];
+        head_loss(input, &mut logits, &mut row_loss, &mut dh, &mut d_lm, false);
+        println!(
+            "fused_loss/{name}: peak heap growth {:.1} MB",
+            (PEAK.load(Relaxed) - before) as f64 / 1e6
+        );
+        group.bench_function(name, |b| {
+            b.iter(|| head_loss(input, &mut logits, &mut row_loss, &mut dh, &mut d_lm, false))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_kernels, bench_fused_loss);
+criterion_main!(benches);

@@ -1,0 +1,207 @@
+//! The whole CPU training step (forward, fused loss, backward, AdamW) at the quickstart dimensions: din 384,
+//! hidden 256, 2 blocks, intermediate 704, 4 heads, vocab 4096, 2048 tokens (4 sequences × 512).
+//!
+//! Groups:
+//! - `step_flops`: the step and the bare sequence of its GEMMs (same shapes and transposes, nothing else), both
+//!   with `Throughput::Elements` = the step's GEMM FLOPs, so the two `elem/s` figures are FLOP/s and their ratio
+//!   is the step's effective FLOP rate as a fraction of the bare GEMM rate, measured in the same run.
+//! - `step_tokens`: the step with `Throughput::Elements` = tokens, i.e. tokens/s.
+//!
+//! Run: `cargo bench --bench step -- --warm-up-time 1 --measurement-time 5` (`MATMUL_NUM_THREADS` sets the GEMM
+//! threads; default: physical cores).
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
+use draftpipe_runtime::batch::HsBatch;
+use draftpipe_runtime::cpu::CpuDrafter;
+use draftpipe_runtime::params::FlatState;
+
+const SPEC: MlpSpec = MlpSpec {
+    din: 384,
+    hidden: 256,
+    blocks: 2,
+    intermediate: 704,
+    heads: 4,
+    vocab: 4096,
+};
+const PADDED_LEN: usize = 512;
+const SEQUENCES: usize = 4;
+const TOKENS: usize = PADDED_LEN * SEQUENCES;
+const CHUNK: usize = 512;
+
+/// One GEMM of the step: `[m, k] · [k, n]`, with whether each operand is stored transposed.
+#[derive(Clone, Copy)]
+struct Shape {
+    m: usize,
+    k: usize,
+    n: usize,
+    a_t: bool,
+    b_t: bool,
+}
+
+const fn g(m: usize, k: usize, n: usize, a_t: bool, b_t: bool) -> Shape {
+    Shape { m, k, n, a_t, b_t }
+}
+
+/// The step's GEMMs in execution order, as `runtime/src/cpu/step.rs` issues them.
+fn step_gemms() -> Vec<Shape> {
+    let MlpSpec {
+        din,
+        hidden: h,
+        blocks,
+        intermediate: i,
+        heads,
+        vocab: v,
+    } = SPEC;
+    let t = TOKENS;
+    let mut list = vec![g(t, din, h, false, true)];
+    for _ in 0..blocks {
+        list.extend([g(t, h, 2 * i, false, true), g(t, i, h, false, true)]);
+    }
+    list.extend((0..heads).map(|_| g(t, h, h, false, true)));
+    for _ in 0..heads {
+        for start in (0..t).step_by(CHUNK) {
+            let c = CHUNK.min(t - start);
+            list.extend([
+                g(c, h, v, false, true),
+                g(c, v, h, false, false),
+                g(v, c, h, true, false),
+            ]);
+        }
+    }
+    for _ in 0..heads {
+        list.extend([g(h, t, h, true, false), g(t, h, h, false, false)]);
+    }
+    for _ in 0..blocks {
+        list.extend([
+            g(h, t, i, true, false),
+            g(t, h, i, false, false),
+            g(2 * i, t, h, true, false),
+            g(t, 2 * i, h, false, false),
+        ]);
+    }
+    list.push(g(h, t, din, true, false));
+    list
+}
+
+fn run_gemms(list: &[Shape], a: &[f32], b: &[f32], c: &mut [f32]) {
+    for s in list {
+        let (rsa, csa) = if s.a_t {
+            (1, s.m as isize)
+        } else {
+            (s.k as isize, 1)
+        };
+        let (rsb, csb) = if s.b_t {
+            (1, s.k as isize)
+        } else {
+            (s.n as isize, 1)
+        };
+        assert!(a.len() >= s.m * s.k && b.len() >= s.k * s.n && c.len() >= s.m * s.n);
+        // SAFETY: the buffers hold at least the operands' elements (checked above); `c` is a unique borrow.
+        unsafe {
+            matrixmultiply::sgemm(
+                s.m,
+                s.k,
+                s.n,
+                1.0,
+                a.as_ptr(),
+                rsa,
+                csa,
+                b.as_ptr(),
+                rsb,
+                csb,
+                0.0,
+                c.as_mut_ptr(),
+                s.n as isize,
+                1,
+            )
+        };
+    }
+}
+
+fn batch() -> HsBatch {
+    let mut batch = HsBatch::zeroed(PADDED_LEN, SEQUENCES, SPEC.din);
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    for (k, v) in batch.hs.iter_mut().enumerate() {
+        *v = ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            * if k % 3 == 0 { 2.0 } else { 1.0 };
+    }
+    for (t, id) in batch.input_ids.iter_mut().enumerate() {
+        *id = (next() % SPEC.vocab as u64) as u32;
+        batch.loss_mask[t] = 1;
+    }
+    batch.seq_lens.fill(PADDED_LEN as u32);
+    batch
+}
+
+fn bench_step(c: &mut Criterion) {
+    let model = ModelPlan {
+        spec: SPEC,
+        parameters: SPEC.parameter_count(),
+        layout: SPEC.layout(),
+    };
+    let bucket = BucketPlan {
+        padded_len: PADDED_LEN,
+        sequences: SEQUENCES,
+        tokens: TOKENS,
+        step_flops: 0,
+        step_bytes: 0,
+    };
+    let optimizer = AdamWSpec {
+        lr: 1e-4,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        clip_grad_norm: Some(1.0),
+    };
+    let loss = LossSpec {
+        head_decay: 0.8,
+        chunk_tokens: CHUNK,
+    };
+    let mut drafter = CpuDrafter::new(&model, loss, optimizer, &[bucket]);
+    let mut state = FlatState::init(&model, 0);
+    let batch = batch();
+    let mut step = || {
+        drafter
+            .forward_backward(&mut state, &batch)
+            .expect("bench batch fits its bucket");
+        drafter.optimizer_step(&mut state);
+    };
+
+    let gemms = step_gemms();
+    let flops: u64 = gemms.iter().map(|s| 2 * (s.m * s.k * s.n) as u64).sum();
+    let largest = |f: fn(&Shape) -> usize| gemms.iter().map(f).max().unwrap_or(0);
+    let a = vec![0.5f32; largest(|s| s.m * s.k)];
+    let b = vec![0.25f32; largest(|s| s.k * s.n)];
+    let mut out = vec![0.0f32; largest(|s| s.m * s.n)];
+    println!(
+        "step: {} GEMMs, {:.2} GFLOP per step",
+        gemms.len(),
+        flops as f64 / 1e9
+    );
+
+    let mut group = c.benchmark_group("step_flops");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(flops));
+    group.bench_function("step", |bench| bench.iter(&mut step));
+    group.bench_function("bare_gemm", |bench| {
+        bench.iter(|| run_gemms(&gemms, &a, &b, &mut out))
+    });
+    group.finish();
+
+    let mut group = c.benchmark_group("step_tokens");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(TOKENS as u64));
+    group.bench_function("step", |bench| bench.iter(&mut step));
+    group.finish();
+}
+
+criterion_group!(benches, bench_step);
+criterion_main!(benches);

@@ -1,0 +1,113 @@
+//! Row-major matrix products through cuBLAS (column-major), on raw device addresses so they can be captured.
+//!
+//! A row-major `[m, n]` matrix is the column-major `[n, m]` matrix of the same bytes, so
+//! `C = op(A)·op(B)` (row-major) is computed as `Cᵀ = op(B)ᵀ·op(A)ᵀ` (column-major) without any copy.
+
+use std::ffi::c_int;
+use std::sync::Arc;
+
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, result};
+use cudarc::driver::CudaStream;
+
+use super::CudaError;
+use super::launch::DevicePtr;
+use super::workspace::Buffer;
+
+/// Whether an operand is used as stored or transposed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// As stored.
+    N,
+    /// Transposed.
+    T,
+}
+
+impl Op {
+    fn cublas(self) -> cublasOperation_t {
+        match self {
+            Op::N => cublasOperation_t::CUBLAS_OP_N,
+            Op::T => cublasOperation_t::CUBLAS_OP_T,
+        }
+    }
+}
+
+/// Bytes of the workspace given to cuBLAS, so it never allocates (which stream capture forbids); NVIDIA
+/// recommends 32 MiB on Hopper.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A cuBLAS handle bound to one stream, with its own workspace.
+#[derive(Debug)]
+pub struct Gemm {
+    blas: CudaBlas,
+    _workspace: Buffer<u8>,
+}
+
+fn dim(value: usize) -> Result<c_int, CudaError> {
+    c_int::try_from(value).map_err(|_| CudaError::GemmTooLarge(value))
+}
+
+impl Gemm {
+    /// A handle on `stream`; [`CudaError::NoCublas`] when `libcublas` cannot be loaded.
+    pub fn new(stream: Arc<CudaStream>) -> Result<Self, CudaError> {
+        // SAFETY: only tries to dlopen the library; without this check cudarc panics on first use.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::NoCublas);
+        }
+        let blas = CudaBlas::new(stream.clone())?;
+        let workspace = Buffer::<u8>::zeros(&stream, CUBLAS_WORKSPACE_BYTES)?;
+        // SAFETY: the workspace lives as long as the handle (both owned by `Gemm`) and is used on its stream.
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.ptr() as *mut _,
+                CUBLAS_WORKSPACE_BYTES,
+            )
+            .result()?;
+        }
+        Ok(Self {
+            blas,
+            _workspace: workspace,
+        })
+    }
+
+    /// Row-major `C[m, n] = alpha · op_a(A)·op_b(B) + beta · C`, where `A` is stored `[m, k]` (`[k, m]` when
+    /// transposed) and `B` `[k, n]` (`[n, k]` when transposed).
+    ///
+    /// # Safety
+    /// The three addresses hold the stated matrices on this handle's device; `C` overlaps neither input.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn row_major(
+        &self,
+        (op_a, a): (Op, DevicePtr),
+        (op_b, b): (Op, DevicePtr),
+        c: DevicePtr,
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        let lda = if op_a == Op::N { k } else { m };
+        let ldb = if op_b == Op::N { n } else { k };
+        // SAFETY: the caller guarantees the buffers; the column-major call below reads Bᵀ-then-Aᵀ as explained
+        // in the module docs, with leading dimensions equal to the stored row lengths.
+        unsafe {
+            result::sgemm(
+                *self.blas.handle(),
+                op_b.cublas(),
+                op_a.cublas(),
+                dim(n)?,
+                dim(m)?,
+                dim(k)?,
+                &alpha,
+                b as *const f32,
+                dim(ldb)?,
+                a as *const f32,
+                dim(lda)?,
+                &beta,
+                c as *mut f32,
+                dim(n)?,
+            )?;
+        }
+        Ok(())
+    }
+}

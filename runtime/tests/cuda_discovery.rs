@@ -1,0 +1,87 @@
+//! Runs everywhere: without a driver the CUDA backend answers with typed errors instead of panicking, and the
+//! embedded-PTX accessors agree with each other.
+
+use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan};
+use draftpipe_runtime::cuda::{
+    CudaDrafter, CudaError, EMBEDDED_PTX, discover_devices, embedded_ptx,
+};
+
+#[test]
+fn no_driver_is_an_error_not_a_panic() {
+    let spec = MlpSpec {
+        din: 8,
+        hidden: 4,
+        blocks: 1,
+        intermediate: 6,
+        heads: 2,
+        vocab: 10,
+    };
+    let model = ModelPlan {
+        spec,
+        parameters: spec.parameter_count(),
+        layout: spec.layout(),
+    };
+    let loss = LossSpec {
+        head_decay: 0.8,
+        chunk_tokens: 4,
+    };
+    let adamw = AdamWSpec {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        clip_grad_norm: None,
+    };
+    let buckets = [BucketPlan {
+        padded_len: 4,
+        sequences: 2,
+        tokens: 8,
+        step_flops: 0,
+        step_bytes: 0,
+    }];
+    match discover_devices() {
+        Err(CudaError::NoDriver) => {
+            let made = CudaDrafter::new(0, &model, loss, adamw, &buckets, LaunchMode::Graph);
+            assert!(
+                matches!(made, Err(CudaError::NoDriver)),
+                "expected NoDriver, got {:?}",
+                made.err()
+            );
+        }
+        Err(other) => panic!("discovery failed with a driver present: {other}"),
+        Ok(devices) => {
+            let made = CudaDrafter::new(
+                devices.len(),
+                &model,
+                loss,
+                adamw,
+                &buckets,
+                LaunchMode::Eager,
+            );
+            assert!(
+                matches!(made, Err(CudaError::NoSuchDevice { .. })),
+                "ordinal past the last device must fail"
+            );
+        }
+    }
+}
+
+#[test]
+fn embedded_ptx_accessor_reports_the_build_reason() {
+    match (EMBEDDED_PTX, embedded_ptx()) {
+        (Ok(ptx), Ok(same)) => assert!(ptx == same && ptx.contains(".target sm_90")),
+        (Err(reason), Err(e)) => assert_eq!(
+            e.to_string(),
+            format!("built without GPU kernels: {reason}")
+        ),
+        (a, b) => panic!("accessors disagree: {:?} vs {:?}", a.is_ok(), b.is_ok()),
+    }
+}
+
+#[test]
+fn drafters_can_move_to_their_own_threads() {
+    fn assert_send<T: Send>() {}
+    assert_send::<CudaDrafter>();
+    assert_send::<draftpipe_runtime::cuda::GradientAllReduce>();
+}

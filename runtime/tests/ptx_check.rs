@@ -1,0 +1,179 @@
+//! Assembles the embedded PTX with NVIDIA's `ptxas` for sm_90, without a GPU.
+//!
+//! Fails on any assembler error, on calls to undefined functions, on a kernel the CUDA backend launches that
+//! the PTX lacks, and on stack frames or register spills in any kernel (every entry point is on the hot path of
+//! a step). Prints the registers per kernel (docs/gpu.md keeps the table).
+//!
+//! `ptxas` comes from `scripts/install-ptxas.sh` (or `PTXAS=/path/to/ptxas`). Without it, or in a build without
+//! PTX, the test prints one line and passes, except under `CI=true`, where either absence is a failure.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use draftpipe_runtime::cuda::{EMBEDDED_PTX, KERNEL_NAMES};
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+fn skip_or_fail(reason: &str) {
+    assert!(!in_ci(), "CI=true but {reason}");
+    eprintln!("ptx_check skipped: {reason}");
+}
+
+fn find_ptxas() -> Option<PathBuf> {
+    if let Some(explicit) = std::env::var_os("PTXAS") {
+        return Some(PathBuf::from(explicit));
+    }
+    let installed = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/ptxas/bin/ptxas");
+    if installed.is_file() {
+        return Some(installed);
+    }
+    let on_path = Command::new("ptxas")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    on_path.then(|| PathBuf::from("ptxas"))
+}
+
+/// What `ptxas -v` reports for one entry point.
+#[derive(Debug, Default)]
+struct KernelResources {
+    name: String,
+    registers: u32,
+    stack_frame_bytes: u32,
+    spill_store_bytes: u32,
+    spill_load_bytes: u32,
+}
+
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let end = line.find(unit)?;
+    line[..end].split_whitespace().last()?.parse().ok()
+}
+
+/// Parses `ptxas -v` output: an entry starts at "Compiling entry function 'NAME'", then its "Function
+/// properties" line gives stack and spills and "Used N registers" closes it.
+fn parse_resources(report: &str) -> Vec<KernelResources> {
+    let mut kernels = Vec::new();
+    let mut current: Option<KernelResources> = None;
+    for line in report.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default().to_owned();
+            current = Some(KernelResources {
+                name,
+                ..Default::default()
+            });
+        } else if let Some(kernel) = current.as_mut() {
+            if line.contains("bytes stack frame") {
+                kernel.stack_frame_bytes =
+                    number_before(line, "bytes stack frame").unwrap_or(u32::MAX);
+                kernel.spill_store_bytes =
+                    number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
+                kernel.spill_load_bytes =
+                    number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
+            } else if line.contains("Used ") && line.contains(" registers") {
+                kernel.registers = number_before(line, "registers").unwrap_or(u32::MAX);
+                kernels.extend(current.take());
+            }
+        }
+    }
+    kernels
+}
+
+#[test]
+fn every_kernel_assembles_for_sm90_without_spills() {
+    let ptx = match EMBEDDED_PTX {
+        Ok(ptx) => ptx,
+        Err(reason) => {
+            return skip_or_fail(&format!("the runtime was built without PTX: {reason}"));
+        }
+    };
+    let Some(ptxas) = find_ptxas() else {
+        return skip_or_fail("ptxas not found (run scripts/install-ptxas.sh or set PTXAS)");
+    };
+
+    let undefined: Vec<&str> = ptx
+        .lines()
+        .filter(|l| l.starts_with(".extern .func"))
+        .collect();
+    assert!(
+        undefined.is_empty(),
+        "the PTX calls undefined functions: {undefined:?}"
+    );
+    for name in KERNEL_NAMES {
+        assert!(
+            ptx.contains(&format!(".visible .entry {name}(")),
+            "kernel {name} is launched by the CUDA backend but missing from the PTX"
+        );
+    }
+
+    let dir = std::env::temp_dir().join(format!("draftpipe-ptx-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create a temp dir");
+    let ptx_path = dir.join("kernels.ptx");
+    std::fs::write(&ptx_path, ptx).expect("write the PTX");
+    let output = Command::new(&ptxas)
+        .args(["-arch=sm_90", "-v", "-o", "/dev/null"])
+        .arg(&ptx_path)
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", ptxas.display()));
+    std::fs::remove_dir_all(&dir).ok();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "ptxas rejected the PTX:\n{report}");
+    assert!(
+        !report.to_lowercase().contains("error"),
+        "ptxas reported errors:\n{report}"
+    );
+
+    let kernels = parse_resources(&report);
+    assert_eq!(
+        kernels.len(),
+        KERNEL_NAMES.len(),
+        "ptxas reported other entry points than expected:\n{report}"
+    );
+    eprintln!(
+        "{:<36} {:>9} {:>7} {:>7}",
+        "kernel (sm_90)", "registers", "stack", "spills"
+    );
+    for k in &kernels {
+        eprintln!(
+            "{:<36} {:>9} {:>7} {:>7}",
+            k.name,
+            k.registers,
+            k.stack_frame_bytes,
+            k.spill_store_bytes + k.spill_load_bytes
+        );
+    }
+    let heavy: Vec<&KernelResources> = kernels
+        .iter()
+        .filter(|k| k.stack_frame_bytes != 0 || k.spill_store_bytes != 0 || k.spill_load_bytes != 0)
+        .collect();
+    assert!(
+        heavy.is_empty(),
+        "kernels with a stack frame or spills: {heavy:?}"
+    );
+}
+
+#[test]
+fn parser_reads_ptxas_verbose_output() {
+    let report = "ptxas info    : Compiling entry function 'adamw' for 'sm_90'\n\
+                  ptxas info    : Function properties for adamw\n    \
+                  16 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads\n\
+                  ptxas info    : Used 24 registers, used 0 barriers, 392 bytes cmem[0]\n";
+    let kernels = parse_resources(report);
+    assert_eq!(kernels.len(), 1);
+    let k = &kernels[0];
+    assert_eq!(
+        (
+            k.name.as_str(),
+            k.registers,
+            k.stack_frame_bytes,
+            k.spill_store_bytes,
+            k.spill_load_bytes
+        ),
+        ("adamw", 24, 16, 4, 8)
+    );
+}
