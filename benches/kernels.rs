@@ -114,9 +114,9 @@ fn bench_kernels(c: &mut Criterion) {
     with_memcpy(c, "head_residual_forward", 3 * T * H * f, || {
         kernels::head_residual_forward(&x, &a, &mut h)
     });
-    let (mut dh, mut dz) = (values(T * H, 7), vec![0.0; T * H]);
+    let (dh, mut da, mut dz) = (values(T * H, 7), vec![0.0; T * H], vec![0.0; T * H]);
     with_memcpy(c, "head_residual_backward", 5 * T * H * f, || {
-        kernels::head_residual_backward(&a, &mut dh, &mut dz)
+        kernels::head_residual_backward(&a, &dh, &mut da, &mut dz)
     });
 
     let logits_in: Vec<f32> = values(CHUNK * V, 8).iter().map(|v| 8.0 * v).collect();

@@ -88,7 +88,7 @@ fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materia
         ..
     } = spec;
     let (t, c) = (TOKENS, 256);
-    let workspace_floats = t * h * (2 * b + 5 + 3 * j)
+    let workspace_floats = t * h * (2 * b + 6 + 3 * j)
         + 3 * t * i * (b + 1)
         + t * (b + 1)
         + 2 * t * j

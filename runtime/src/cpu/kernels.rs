@@ -179,21 +179,23 @@ pub fn head_residual_forward(z: &[f32], a: &[f32], h: &mut [f32]) {
     }
 }
 
-/// Head residual backward, in place: `dh ← dh · silu'(a)` (the gradient with respect to `a`) and `dz += dh`.
-pub fn head_residual_backward(a: &[f32], dh: &mut [f32], dz: &mut [f32]) {
+/// Head residual backward: `da = dh · silu'(a)` (the gradient with respect to `a`) and `dz += dh`.
+///
+/// `da` is a separate buffer although the kernel allows `da = dh`: distinct buffers pass the compiler's runtime
+/// overlap check, so the loop runs vectorised (in place it measured 4× slower).
+pub fn head_residual_backward(a: &[f32], dh: &[f32], da: &mut [f32], dz: &mut [f32]) {
     let n = a.len();
     assert!(
-        dh.len() == n && dz.len() == n,
+        dh.len() == n && da.len() == n && dz.len() == n,
         "head_residual_backward: buffer sizes"
     );
-    let dh = dh.as_mut_ptr();
     for chunk in 0..n.div_ceil(HOST_CHUNK) {
-        // SAFETY: sizes checked above; `da` is `dh` itself, which the kernel allows; `dz` is a unique borrow.
+        // SAFETY: sizes checked above; `da` and `dz` are unique borrows, so they overlap nothing.
         unsafe {
             activation::head_residual_backward(
                 a.as_ptr(),
-                dh,
-                dh,
+                dh.as_ptr(),
+                da.as_mut_ptr(),
                 dz.as_mut_ptr(),
                 n,
                 HOST_CHUNK,

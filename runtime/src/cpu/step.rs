@@ -275,9 +275,9 @@ pub(crate) fn backward(
     let t = ws.tokens;
     let z = Mat::new(&ws.z, t, h);
     ws.dz.fill(0.0);
-    for (head, &offset) in ws.heads.iter_mut().zip(&at.heads) {
-        kernels::head_residual_backward(&head.a, &mut head.dh, &mut ws.dz);
-        let da = Mat::new(&head.dh, t, h);
+    for (head, &offset) in ws.heads.iter().zip(&at.heads) {
+        kernels::head_residual_backward(&head.a, &head.dh, &mut ws.da, &mut ws.dz);
+        let da = Mat::new(&ws.da, t, h);
         gemm(&mut grads[offset..][..h * h], da.t(), z, 1.0, 0.0);
         gemm(
             &mut ws.dz,

@@ -1,7 +1,7 @@
 //! Per-bucket activation and loss buffers, sized once from the bucket's static shape and reused every step.
 //!
 //! Memory per bucket (T tokens, H hidden, I intermediate, B blocks, J heads, C loss chunk, V vocab), in f32:
-//! `T·H·(2B + 5 + 3J) + 3·T·I·(B + 1) + T·(B + 1) + 2·T·J + C·V + T·H/64` (+ `T·J/1024`). The loss part is
+//! `T·H·(2B + 6 + 3J) + 3·T·I·(B + 1) + T·(B + 1) + 2·T·J + C·V + T·H/64` (+ `T·J/1024`). The loss part is
 //! `C·V + 2·T·J`, never `T·V`.
 
 use draftpipe_compiler::plan::MlpSpec;
@@ -63,6 +63,8 @@ pub(crate) struct Workspace {
     pub logits: Vec<f32>,
     /// Gradient with respect to `z`, `[T, H]`.
     pub dz: Vec<f32>,
+    /// Gradient with respect to one head's `a`, `[T, H]` (heads take turns).
+    pub da: Vec<f32>,
     /// Gradient with respect to the residual stream, `[T, H]`.
     pub dx: Vec<f32>,
     /// Gradient with respect to a block's normed input, `[T, H]`.
@@ -114,6 +116,7 @@ impl Workspace {
             loss_partials: vec![0.0; (heads * tokens).div_ceil(LOSS_SUM_CHUNK)],
             logits: vec![0.0; chunk * vocab],
             dz: vec![0.0; th],
+            da: vec![0.0; th],
             dx: vec![0.0; th],
             dnormed: vec![0.0; th],
             dact: vec![0.0; tokens * i],
