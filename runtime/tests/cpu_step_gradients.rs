@@ -149,4 +149,25 @@ fn bad_batches_are_typed_errors() {
     ));
 
     assert!(drafter.forward_backward(&mut state, &good).is_ok());
+
+    let mut empty_drafter = CpuDrafter::new(&model, loss(DECAY, 4), adamw(1e-3), &[bucket(0, 3)]);
+    let empty = draftpipe_runtime::batch::HsBatch::zeroed(0, 3, SPEC.din);
+    assert_eq!(
+        empty_drafter.forward_backward(&mut state, &empty),
+        Err(StepError::EmptyBatch)
+    );
+
+    let no_vocab = MlpSpec { vocab: 0, ..SPEC };
+    let mut bad_model = CpuDrafter::new(
+        &cpu_step_support::model(no_vocab),
+        loss(DECAY, 4),
+        adamw(1e-3),
+        &[bucket(6, 3)],
+    );
+    let mut bad_state = FlatState::init(&cpu_step_support::model(no_vocab), 0);
+    let batch = random_batch(&mut rng, 6, 3, SPEC.din, 1);
+    assert_eq!(
+        bad_model.forward_backward(&mut bad_state, &batch),
+        Err(StepError::Layout)
+    );
 }

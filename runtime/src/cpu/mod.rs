@@ -1,12 +1,12 @@
 //! The CPU backend: one full training step of the `mlp` drafter on the host, on the flat buffers of
-//! [`FlatState`], with one preallocated [`Workspace`](workspace::Workspace) per bucket.
+//! [`FlatState`], with one preallocated workspace per bucket (`workspace.rs`).
 //!
 //! ```text
 //!  HsBatch ──▶ CpuDrafter::forward_backward ──▶ state.grads ──(lead: all-reduce)──▶ CpuDrafter::optimizer_step
 //!              forward │ fused loss │ backward                                       grad norm → clip → AdamW
 //! ```
 //!
-//! Matrix products go through `matrixmultiply` ([`gemm`]); every other operation is a kernel body of
+//! Matrix products go through `matrixmultiply` (`gemm.rs`); every other operation is a kernel body of
 //! `draftpipe-gpu-kernels`, the same source the CUDA backend compiles to PTX ([`kernels`]).
 
 mod gemm;
@@ -119,13 +119,44 @@ pub enum StepError {
         /// The state's buffer length.
         got: usize,
     },
-    /// The model plan's layout is not the canonical `mlp` layout this backend computes with.
-    #[error("model layout differs from the canonical mlp layout")]
+    /// The model plan's layout is not the canonical `mlp` layout this backend computes with, or a dimension
+    /// is zero.
+    #[error("model layout differs from the canonical mlp layout or has an empty dimension")]
     Layout,
+    /// The batch has no tokens.
+    #[error("batch has no tokens")]
+    EmptyBatch,
 }
 
 /// The CPU training step for one model, with one workspace per bucket (allocated on the bucket's first batch,
 /// then reused: no allocation by this crate in steady state).
+///
+/// # Examples
+/// ```
+/// use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
+/// use draftpipe_runtime::{batch::HsBatch, cpu::CpuDrafter, params::FlatState};
+///
+/// let spec = MlpSpec { din: 8, hidden: 8, blocks: 1, intermediate: 16, heads: 2, vocab: 32 };
+/// let model = ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() };
+/// let bucket = BucketPlan { padded_len: 4, sequences: 2, tokens: 8, step_flops: 0, step_bytes: 0 };
+/// let loss = LossSpec { head_decay: 0.8, chunk_tokens: 4 };
+/// let adamw = AdamWSpec { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip_grad_norm: Some(1.0) };
+/// let mut drafter = CpuDrafter::new(&model, loss, adamw, &[bucket]);
+/// let mut state = FlatState::init(&model, 0);
+///
+/// let mut batch = HsBatch::zeroed(4, 2, 8);
+/// batch.seq_lens.fill(4);
+/// batch.loss_mask.fill(1);
+/// batch.input_ids.iter_mut().enumerate().for_each(|(t, id)| *id = t as u32 % 32);
+/// batch.hs.iter_mut().enumerate().for_each(|(k, v)| *v = (k % 5) as f32 - 2.0);
+///
+/// let out = drafter.forward_backward(&mut state, &batch)?;
+/// assert!(out.loss > 0.0);
+/// assert_eq!(out.valid_labels, vec![6, 4]); // two sequences of 4: 3 labels each for head 0, 2 for head 1
+/// let report = drafter.optimizer_step(&mut state);
+/// assert!(!report.skipped && state.step == 1);
+/// # Ok::<(), draftpipe_runtime::cpu::StepError>(())
+/// ```
 pub struct CpuDrafter {
     spec: MlpSpec,
     offsets: Option<Offsets>,
@@ -145,7 +176,20 @@ impl CpuDrafter {
         buckets: &[BucketPlan],
     ) -> Self {
         let spec = model.spec;
-        let canonical = model.layout == spec.layout() && model.parameters == spec.parameter_count();
+        let MlpSpec {
+            din,
+            hidden,
+            blocks: _,
+            intermediate,
+            heads,
+            vocab,
+        } = spec;
+        let non_empty = [din, hidden, intermediate, heads, vocab]
+            .iter()
+            .all(|&d| d > 0);
+        let canonical = non_empty
+            && model.layout == spec.layout()
+            && model.parameters == spec.parameter_count();
         Self {
             spec,
             offsets: if canonical { Offsets::new(&spec) } else { None },
@@ -167,6 +211,9 @@ impl CpuDrafter {
         state: &mut FlatState,
         batch: &HsBatch,
     ) -> Result<StepOutput, StepError> {
+        if self.offsets.is_none() {
+            return Err(StepError::Layout);
+        }
         let bucket = self.validate(state, batch)?;
         let offsets = self.offsets.as_ref().ok_or(StepError::Layout)?;
         let spec = self.spec;
@@ -271,6 +318,9 @@ impl CpuDrafter {
             });
         }
         let tokens = batch.tokens();
+        if tokens == 0 {
+            return Err(StepError::EmptyBatch);
+        }
         let sizes = [
             ("hs", tokens * batch.din, batch.hs.len()),
             ("input_ids", tokens, batch.input_ids.len()),
