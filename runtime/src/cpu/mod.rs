@@ -1,5 +1,5 @@
 //! The CPU backend: one full training step of the `mlp` drafter on the host, on the flat buffers of
-//! [`FlatState`], with one preallocated workspace per bucket (`workspace.rs`).
+//! [`FlatState`], with one preallocated workspace per distinct step size (`workspace.rs`).
 //!
 //! ```text
 //!  HsBatch ──▶ CpuDrafter::forward_backward ──▶ state.grads ──(lead: all-reduce)──▶ CpuDrafter::optimizer_step
@@ -128,8 +128,8 @@ pub enum StepError {
     EmptyBatch,
 }
 
-/// The CPU training step for one model, with one workspace per bucket (allocated on the bucket's first batch,
-/// then reused: no allocation by this crate in steady state).
+/// The CPU training step for one model, with one workspace per distinct step size (allocated on the first batch
+/// of that size, then reused: no allocation by this crate in steady state).
 ///
 /// # Examples
 /// ```
@@ -163,7 +163,10 @@ pub struct CpuDrafter {
     loss: LossSpec,
     optimizer: AdamWSpec,
     buckets: Vec<BucketPlan>,
-    workspaces: Vec<Option<Workspace>>,
+    /// One workspace per distinct token count: a workspace depends only on `T`, and buckets whose
+    /// `sequences × padded_len` agree (every bucket, when `batch_tokens` is a multiple of each) share one, as the
+    /// plan's memory model counts it.
+    workspaces: Vec<Workspace>,
     grad_norm_partials: Vec<f32>,
 }
 
@@ -196,7 +199,7 @@ impl CpuDrafter {
             loss,
             optimizer,
             buckets: buckets.to_vec(),
-            workspaces: buckets.iter().map(|_| None).collect(),
+            workspaces: Vec::with_capacity(buckets.len()),
             grad_norm_partials: vec![0.0; model.parameters.div_ceil(GRAD_NORM_CHUNK)],
         }
     }
@@ -214,11 +217,18 @@ impl CpuDrafter {
         if self.offsets.is_none() {
             return Err(StepError::Layout);
         }
-        let bucket = self.validate(state, batch)?;
+        self.validate(state, batch)?;
         let offsets = self.offsets.as_ref().ok_or(StepError::Layout)?;
         let spec = self.spec;
-        let ws = self.workspaces[bucket]
-            .get_or_insert_with(|| Workspace::new(&spec, batch.tokens(), self.loss.chunk_tokens));
+        let tokens = batch.tokens();
+        let index = match self.workspaces.iter().position(|ws| ws.tokens == tokens) {
+            Some(index) => index,
+            None => {
+                self.workspaces.push(Workspace::new(&spec, tokens, self.loss.chunk_tokens));
+                self.workspaces.len() - 1
+            }
+        };
+        let ws = &mut self.workspaces[index];
 
         let started = Instant::now();
         step::forward(&spec, offsets, &state.params, batch, ws);
@@ -290,8 +300,8 @@ impl CpuDrafter {
         }
     }
 
-    /// Checks `batch` and `state` against the model and buckets; returns the bucket index.
-    fn validate(&self, state: &FlatState, batch: &HsBatch) -> Result<usize, StepError> {
+    /// Checks `batch` and `state` against the model and buckets.
+    fn validate(&self, state: &FlatState, batch: &HsBatch) -> Result<(), StepError> {
         let expected = self.spec.parameter_count();
         for len in [
             state.params.len(),
@@ -303,14 +313,16 @@ impl CpuDrafter {
                 return Err(StepError::StateSize { expected, got: len });
             }
         }
-        let bucket = self
+        if !self
             .buckets
             .iter()
-            .position(|b| b.padded_len == batch.padded_len && b.sequences == batch.sequences)
-            .ok_or(StepError::NoBucket {
+            .any(|b| b.padded_len == batch.padded_len && b.sequences == batch.sequences)
+        {
+            return Err(StepError::NoBucket {
                 padded_len: batch.padded_len,
                 sequences: batch.sequences,
-            })?;
+            });
+        }
         if batch.din != self.spec.din {
             return Err(StepError::WrongDin {
                 expected: self.spec.din,
@@ -356,6 +368,6 @@ impl CpuDrafter {
                 }
             }
         }
-        Ok(bucket)
+        Ok(())
     }
 }
