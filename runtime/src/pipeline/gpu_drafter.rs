@@ -90,6 +90,23 @@ pub(super) fn prepare(plan: &Plan, ordinals: &[usize]) -> Result<Vec<GradientAll
     }
 }
 
+/// One host round of `workers` data-parallel GPU workers before a launch (see the module docs): whether all
+/// of them hold a staged batch and are still in the group, so that each may launch, and the shared decision to
+/// stop after this step (`stop_after`, evaluated once per round).
+fn launch_round(
+    group: &AllReduce,
+    workers: usize,
+    staged: bool,
+    stop_after: impl FnOnce() -> bool,
+) -> (bool, bool) {
+    let mut missing = [if staged { 0.0 } else { 1.0 }];
+    let outcome = group.mean(&mut missing, stop_after);
+    (
+        outcome.participants == workers && missing[0] == 0.0,
+        outcome.stop,
+    )
+}
+
 /// Trains on `device` until the step limit, the end of the data, an interrupt or a fault; worker 0
 /// checkpoints. The same contract as the CPU worker's `run`.
 pub(super) fn run(context: DrafterContext<'_>, device: GpuDevice) -> Finished {
@@ -131,12 +148,6 @@ fn open(context: &DrafterContext<'_>, device: GpuDevice) -> Result<CudaDrafter, 
     Ok(drafter)
 }
 
-/// A launched step whose outcome has not been read yet.
-struct Launched {
-    tokens: u64,
-    at: Instant,
-}
-
 /// One GPU worker's training loop and its bookkeeping.
 struct Training<'a> {
     worker: usize,
@@ -156,7 +167,12 @@ struct Training<'a> {
     step_limit: Option<u64>,
     nonfinite_limit: u32,
     nonfinite_in_row: u32,
-    in_flight: Option<Launched>,
+    /// Tokens of the launched step whose outcome has not been read yet.
+    in_flight: Option<u64>,
+    /// Start of the next host phase.
+    since: Instant,
+    /// End of the latest span recorded on this worker's timeline (see [`Self::record`]).
+    recorded_until: Instant,
 }
 
 impl<'a> Training<'a> {
@@ -191,6 +207,8 @@ impl<'a> Training<'a> {
             nonfinite_limit,
             nonfinite_in_row: 0,
             in_flight: None,
+            since: Instant::now(),
+            recorded_until: Instant::now(),
         }
     }
 
@@ -231,10 +249,27 @@ impl<'a> Training<'a> {
         }
     }
 
-    /// The loop; the host time inside `step()` is not recorded as a phase of its own: it is the launch (a few
+    /// Records `start..end` as `phase`, less any part already recorded. The host's data wait, staging and
+    /// round overlap the step in flight on the device (the overlap staging exists for); clipping keeps this
+    /// worker's phases within its wall time, so busy and wait percentages mean what they mean for the CPU.
+    fn record(&mut self, phase: DrafterPhase, start: Instant, end: Instant) {
+        let start = start.max(self.recorded_until);
+        if end > start {
+            self.recorder.record(phase, start, end);
+            self.recorded_until = end;
+        }
+    }
+
+    /// Records the host's time since the previous phase as `phase`.
+    fn lap(&mut self, phase: DrafterPhase) {
+        let now = Instant::now();
+        self.record(phase, self.since, now);
+        self.since = now;
+    }
+
+    /// The loop. The host time inside `step()` is not recorded as a phase of its own: it is the launch (a few
     /// µs) and the wait for the previous step, whose device time [`Self::account`] records from its events.
     fn train(&mut self) -> Result<StopReason, CudaError> {
-        let mut since = Instant::now();
         loop {
             if self.limit_reached(self.step) {
                 return Ok(StopReason::StepLimit);
@@ -243,7 +278,7 @@ impl<'a> Training<'a> {
                 return Ok(StopReason::Interrupted);
             }
             let batch = self.shared.queue.pop();
-            self.recorder.lap(DrafterPhase::DataWait, &mut since);
+            self.lap(DrafterPhase::DataWait);
             let staged = match batch {
                 Some(batch) => {
                     let staged = self.drafter.stage(&batch);
@@ -256,21 +291,19 @@ impl<'a> Training<'a> {
                 }
                 None => None,
             };
-            self.recorder.lap(DrafterPhase::Copy, &mut since);
+            self.lap(DrafterPhase::Copy);
             let (all_ready, stop_after) = self.round(staged.is_some());
             if self.synced {
-                self.recorder.lap(DrafterPhase::AllReduce, &mut since);
+                self.lap(DrafterPhase::AllReduce);
             }
             let Some((tokens, source_position)) = staged.filter(|_| all_ready) else {
                 return Ok(StopReason::SourcesExhausted);
             };
             self.shared.consume(source_position);
-            let at = Instant::now();
             let outcome = self.drafter.step()?;
-            since = Instant::now();
-            let previous = self.in_flight.replace(Launched { tokens, at });
-            if let Some(done) = outcome.zip(previous) {
-                self.account(done);
+            self.since = Instant::now();
+            if let Some(done) = outcome.zip(self.in_flight.replace(tokens)) {
+                self.account(done, self.since);
             }
             self.step += 1;
 
@@ -282,7 +315,7 @@ impl<'a> Training<'a> {
                     .is_some_and(|every| every > 0 && self.step.is_multiple_of(every))
             {
                 self.checkpoint()?;
-                self.recorder.lap(DrafterPhase::Other, &mut since);
+                self.lap(DrafterPhase::Other);
             }
             if stop_after || self.shared.fatal_raised.load(Ordering::Acquire) {
                 return Ok(if self.limit_reached(self.step) {
@@ -294,30 +327,30 @@ impl<'a> Training<'a> {
         }
     }
 
-    /// The host round before a launch: whether every worker holds a staged batch, and the shared decision to
-    /// stop after this step. See the module docs for why a launch needs every worker's consent.
+    /// Whether to launch (every worker holds a staged batch) and whether to stop after this step.
     fn round(&self, staged: bool) -> (bool, bool) {
         let stop_after = || self.limit_reached(self.step + 1) || self.shared.should_stop();
-        if !self.synced {
-            return (staged, stop_after());
+        if self.synced {
+            let workers = self.plan.drafter.placement.workers.len();
+            launch_round(&self.group, workers, staged, stop_after)
+        } else {
+            (staged, stop_after())
         }
-        let mut missing = [if staged { 0.0 } else { 1.0 }];
-        let outcome = self.group.mean(&mut missing, stop_after);
-        let everyone = outcome.participants == self.plan.drafter.placement.workers.len();
-        (everyone && missing[0] == 0.0, outcome.stop)
     }
 
-    /// Accounts a finished step. The device time is recorded as [`DrafterPhase::Other`]: the backend's events
-    /// bracket the whole step (forward, loss, backward, NCCL all-reduce and AdamW in one graph), and no phase
-    /// names that whole, so the GPU drafter's busy time is right but its split into phases is not measured.
-    /// Skips follow the device: AdamW skips exactly when the gradient norm is not finite.
-    fn account(&mut self, (outcome, launched): (StepOutcome, Launched)) {
+    /// Accounts a finished step whose completion the host saw at `seen`. Its device time (CUDA events) is
+    /// recorded as ending there, not as starting at the launch: a launch queues behind the step in flight, so
+    /// the launch instant says little about when the device began. The span is recorded as
+    /// [`DrafterPhase::Other`]: the events bracket the whole step (forward, loss, backward, NCCL all-reduce and
+    /// AdamW in one graph) and no phase names that whole, so a GPU drafter's busy time is measured but its split
+    /// into forward, loss, backward and optimizer is not. Skips follow the device: AdamW skips exactly when the
+    /// gradient norm is not finite.
+    fn account(&mut self, (outcome, tokens): (StepOutcome, u64), seen: Instant) {
         let device_time = Duration::try_from_secs_f32(outcome.device_ms / 1e3).unwrap_or_default();
-        self.recorder
-            .record_duration(DrafterPhase::Other, launched.at, device_time);
+        let began = seen.checked_sub(device_time).unwrap_or(self.recorded_until);
+        self.record(DrafterPhase::Other, began, seen);
         if outcome.grad_norm.is_finite() {
-            self.recorder
-                .step_done(launched.tokens, f64::from(outcome.loss));
+            self.recorder.step_done(tokens, f64::from(outcome.loss));
             self.nonfinite_in_row = 0;
         } else {
             self.recorder.step_skipped();
@@ -334,7 +367,7 @@ impl<'a> Training<'a> {
     /// Waits for the step in flight, if any, and accounts it.
     fn collect_last(&mut self) -> Result<(), CudaError> {
         if let Some(done) = self.drafter.finish()?.zip(self.in_flight.take()) {
-            self.account(done);
+            self.account(done, Instant::now());
         }
         Ok(())
     }
@@ -351,5 +384,69 @@ impl<'a> Training<'a> {
             self.step,
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use draftpipe_compiler::compile_file;
+
+    use super::*;
+
+    fn plan(file: &str) -> Plan {
+        compile_file(
+            &Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../pipelines")
+                .join(file),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn placements_choose_the_backend() {
+        assert_eq!(ordinals(&plan("quickstart.pipe")).unwrap(), None);
+        let mut dflash = plan("dflash-5x3.pipe");
+        assert_eq!(ordinals(&dflash).unwrap(), Some(vec![5, 6, 7]));
+        dflash.drafter.placement.workers[1] = Device::Cpu;
+        let error = ordinals(&dflash).unwrap_err().to_string();
+        assert!(error.contains("mixes cpu and gpu"), "{error}");
+    }
+
+    /// Runs one round for workers that hold a batch or not (`None`: the worker has left the group).
+    fn round(members: &[Option<bool>]) -> Vec<(bool, bool)> {
+        let group = AllReduce::new(members.len(), ROUND_LEN);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = members
+                .iter()
+                .map(|member| {
+                    let group = &group;
+                    scope.spawn(move || match member {
+                        Some(staged) => Some(launch_round(group, members.len(), *staged, || true)),
+                        None => {
+                            group.leave();
+                            None
+                        }
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().unwrap())
+                .collect()
+        })
+    }
+
+    #[test]
+    fn a_launch_needs_every_worker_ready_and_present() {
+        assert_eq!(round(&[Some(true); 3]), vec![(true, true); 3]);
+        assert_eq!(
+            round(&[Some(true), Some(false), Some(true)]),
+            vec![(false, true); 3]
+        );
+        let after_a_leave = round(&[Some(true), None, Some(true)]);
+        assert_eq!(after_a_leave.len(), 2);
+        assert!(after_a_leave.iter().all(|&(launch, _)| !launch));
     }
 }

@@ -7,10 +7,11 @@
 //! ```
 //!
 //! Producers run one per target worker, drafters one per drafter worker (data-parallel replicas that average
-//! their gradients every step when `sync = allreduce`). The run ends when the step limit is reached, the
-//! sources are exhausted, a fault stops it, or the caller's interrupt flag is raised; in every case the
-//! drafters finish the step in hand, worker 0 writes the final checkpoint (when asked), and the telemetry
-//! writes its summary, so [`Diagnosis`] can explain the run.
+//! their gradients every step when `sync = allreduce`): on the CPU backend (`drafter.rs`), or on the CUDA
+//! backend when the drafter stage is placed on GPUs (`gpu_drafter.rs`, NCCL between the GPUs). The run ends
+//! when the step limit is reached, the sources are exhausted, a fault stops it, or the caller's interrupt flag
+//! is raised; in every case the drafters finish the step in hand, worker 0 writes the final checkpoint (when
+//! asked), and the telemetry writes its summary, so [`Diagnosis`] can explain the run.
 
 mod drafter;
 mod gpu_drafter;
