@@ -303,3 +303,40 @@ fn ctrl_c_finishes_the_step_saves_and_exits_130() {
     let checkpoint = load_checkpoint(&dir.join("ckpt"), &plan.model).unwrap();
     assert!(checkpoint.state.step > 0);
 }
+
+#[test]
+fn a_gpu_drafter_without_a_usable_gpu_is_a_clear_error() {
+    if let Ok(devices) = draftpipe_runtime::cuda::discover_devices()
+        && !devices.is_empty()
+    {
+        eprintln!("skipped: a CUDA device is present, so the GPU drafter would start training");
+        return;
+    }
+    let dir = scratch("gpu-unavailable");
+    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/dflash-5x3.pipe");
+    let output = draftpipe(&["run", pipe.to_str().unwrap()], &dir);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(lines.len() >= 3, "error plus causes expected: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    assert!(
+        lines[1..].iter().all(|l| l.starts_with("  Caused by: ")),
+        "{stderr}"
+    );
+    assert_eq!(
+        lines[1],
+        "  Caused by: drafter stage `drafter` cannot run on gpu 5, 6, 7"
+    );
+    let missing = lines[lines.len() - 1];
+    assert!(
+        [
+            "no CUDA driver found",
+            "built without GPU kernels",
+            "device(s) present"
+        ]
+        .iter()
+        .any(|what| missing.contains(what)),
+        "the last cause should say what is missing: {stderr}"
+    );
+}

@@ -55,7 +55,6 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         &plan.buckets,
     );
     let synced = plan.drafter.sync == SyncMode::AllReduce;
-    let producers = plan.target.placement.workers.len() as u64;
     let saves = worker == 0 && options.save_dir.is_some();
     let limit_reached = |step: u64| step_limit.is_some_and(|limit| step >= limit);
 
@@ -76,14 +75,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             break StopReason::SourcesExhausted;
         };
         recorder.lap(DrafterPhase::DataWait, &mut since);
-        {
-            let mut consumed = shared
-                .consumed
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let owner = (batch.source_position % producers) as usize;
-            consumed[owner] = consumed[owner].max(batch.source_position + producers);
-        }
+        shared.consume(batch.source_position);
         let output = drafter.forward_backward(&mut state, &batch);
         let tokens = batch.tokens() as u64;
         if let Err(error) = shared.pool.give_back(batch) {
@@ -170,8 +162,14 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
 }
 
 /// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions drafters
-/// have consumed up to now.
-fn save(plan: &Plan, options: &RunOptions, shared: &Shared, state: &FlatState, step: u64) {
+/// have consumed up to now. The GPU worker calls it too, on the state it downloads.
+pub(super) fn save(
+    plan: &Plan,
+    options: &RunOptions,
+    shared: &Shared,
+    state: &FlatState,
+    step: u64,
+) {
     let Some(dir) = &options.save_dir else { return };
     let data_positions = shared
         .consumed

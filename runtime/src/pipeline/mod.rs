@@ -7,12 +7,14 @@
 //! ```
 //!
 //! Producers run one per target worker, drafters one per drafter worker (data-parallel replicas that average
-//! their gradients every step when `sync = allreduce`). The run ends when the step limit is reached, the
-//! sources are exhausted, a fault stops it, or the caller's interrupt flag is raised; in every case the
-//! drafters finish the step in hand, worker 0 writes the final checkpoint (when asked), and the telemetry
-//! writes its summary, so [`Diagnosis`] can explain the run.
+//! their gradients every step when `sync = allreduce`): on the CPU backend (`drafter.rs`), or on the CUDA
+//! backend when the drafter stage is placed on GPUs (`gpu_drafter.rs`, NCCL between the GPUs). The run ends
+//! when the step limit is reached, the sources are exhausted, a fault stops it, or the caller's interrupt flag
+//! is raised; in every case the drafters finish the step in hand, worker 0 writes the final checkpoint (when
+//! asked), and the telemetry writes its summary, so [`Diagnosis`] can explain the run.
 
 mod drafter;
+mod gpu_drafter;
 mod producer;
 
 use std::io::Write;
@@ -21,12 +23,13 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use draftpipe_compiler::plan::{Device, Plan};
+use draftpipe_compiler::plan::Plan;
 
 use crate::allreduce::AllReduce;
 use crate::batch::HsBatch;
 use crate::checkpoint::{CheckpointError, load_checkpoint, load_weights};
 use crate::cpu::StepError;
+use crate::cuda::CudaError;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueConfigError, QueueStats, SeqLen};
 use crate::source::{BatchPool, Producer, SourceError, open_sources};
@@ -146,6 +149,28 @@ pub enum RunError {
         #[source]
         source: StepError,
     },
+    /// The drafter stage's GPUs cannot be used (no driver, no such device, no kernels, no NCCL).
+    #[error("drafter stage `{stage}` cannot run on gpu {devices}")]
+    Gpu {
+        /// The drafter stage's name.
+        stage: String,
+        /// The stage's device ordinals.
+        devices: String,
+        /// What is missing.
+        #[source]
+        source: CudaError,
+    },
+    /// A GPU drafter failed while training.
+    #[error("drafter {worker} (gpu {ordinal}) failed")]
+    GpuStep {
+        /// Drafter index.
+        worker: usize,
+        /// Its device.
+        ordinal: usize,
+        /// The cause.
+        #[source]
+        source: CudaError,
+    },
     /// The loss or the gradients stayed non-finite.
     #[error(
         "{count} steps in a row had a non-finite loss or gradient (stopped at step {step}); lower the learning rate or enable clip_grad_norm"
@@ -219,6 +244,14 @@ impl Shared {
         self.interrupt.load(Ordering::Acquire) || self.fatal_raised.load(Ordering::Acquire)
     }
 
+    /// Marks the batch at `source_position` as taken by a drafter: a resumed run restarts after it.
+    fn consume(&self, source_position: u64) {
+        let mut consumed = self.consumed.lock().unwrap_or_else(PoisonError::into_inner);
+        let producers = consumed.len() as u64;
+        let owner = (source_position % producers) as usize;
+        consumed[owner] = consumed[owner].max(source_position + producers);
+    }
+
     fn producer_finished(&self) {
         if self.live_producers.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.queue.close();
@@ -287,20 +320,12 @@ pub fn run(
     interrupt: Arc<AtomicBool>,
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
-    if let Some(Device::Gpu(ordinal)) = plan
-        .drafter
-        .placement
-        .workers
-        .iter()
-        .copied()
-        .find(|d| *d != Device::Cpu)
-    {
-        return Err(RunError::Unsupported(format!(
-            "drafter stage `{}` is placed on gpu {ordinal}; `draftpipe run` trains on the CPU backend only \
-             (the CUDA backend is exercised by scripts/gpu-check.sh); place the drafter `on cpu` or `on cpu xN`",
-            plan.drafter.name
-        )));
+    let gpus = gpu_drafter::ordinals(plan)?;
+    let mut communicators = match &gpus {
+        Some(ordinals) => gpu_drafter::prepare(plan, ordinals)?,
+        None => Vec::new(),
     }
+    .into_iter();
     let start = starting_state(plan, options)?;
     let step_limit = options.steps.or(plan.drafter.steps);
 
@@ -348,7 +373,14 @@ pub fn run(
     let reporter = Reporter::new(reporter_config, Arc::clone(&telemetry), out)?;
 
     let reporter_stop = AtomicBool::new(false);
-    let group = Arc::new(AllReduce::new(drafters, plan.model.parameters));
+    // CPU workers average their gradients through the group; GPU workers average theirs with NCCL and use the
+    // group only to agree, before each launch, that every one of them launches.
+    let group_len = if gpus.is_some() {
+        gpu_drafter::ROUND_LEN
+    } else {
+        plan.model.parameters
+    };
+    let group = Arc::new(AllReduce::new(drafters, group_len));
     let nonfinite_limit = options.max_nonfinite_in_row.max(1);
     let producer_recorders = (0..producers.len())
         .map(|worker| telemetry.producer(worker))
@@ -388,9 +420,16 @@ pub fn run(
                     step_limit,
                     nonfinite_limit,
                 };
+                let gpu = gpus.as_ref().map(|ordinals| gpu_drafter::GpuDevice {
+                    ordinal: ordinals[worker],
+                    all_reduce: communicators.next(),
+                });
                 std::thread::Builder::new()
                     .name(format!("drafter-{worker}"))
-                    .spawn_scoped(scope, move || drafter::run(context))
+                    .spawn_scoped(scope, move || match gpu {
+                        Some(device) => gpu_drafter::run(context, device),
+                        None => drafter::run(context),
+                    })
                     .expect("spawning a drafter thread")
             })
             .collect();
