@@ -335,7 +335,7 @@ impl StagedCheckpoint {
 /// ```no_run
 /// # use draftpipe_runtime::checkpoint::{save_checkpoint, load_checkpoint, TrainingState};
 /// # fn demo(model: &draftpipe_compiler::plan::ModelPlan, p: &[f32], m: &[f32], v: &[f32]) -> Result<(), Box<dyn std::error::Error>> {
-/// let state = TrainingState { step: 100, plan_name: "quickstart".into(), rng_state: vec![7], data_positions: vec![200, 201] };
+/// let state = TrainingState { step: 100, optimizer_step: 98, plan_name: "quickstart".into(), rng_state: vec![7], data_positions: vec![200, 201] };
 /// save_checkpoint("runs/ckpt".as_ref(), model, p, m, v, &state)?;
 /// let restored = load_checkpoint("runs/ckpt".as_ref(), model)?;
 /// assert_eq!(restored.state, state);

@@ -31,6 +31,7 @@ fn buffers(n: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 fn state(step: u64) -> TrainingState {
     TrainingState {
         step,
+        optimizer_step: step.saturating_sub(1),
         plan_name: "quickstart".into(),
         rng_state: vec![step, 42, u64::MAX],
         data_positions: vec![step * 2, step * 2 + 1],

@@ -32,6 +32,7 @@ fn save_step(dir: &std::path::Path, step: u64) {
     let [p, m, v] = buffers_for(step, model.parameters);
     let state = TrainingState {
         step,
+        optimizer_step: step,
         plan_name: "kill".into(),
         rng_state: vec![step],
         data_positions: vec![step],
