@@ -26,13 +26,13 @@ fn plan() -> Plan {
 }
 
 /// A few real batches from the plan's source, to cycle through in the bare loop.
-fn batches(plan: &Plan, count: usize) -> Vec<Box<HsBatch>> {
+fn batches(plan: &Plan, count: usize) -> Vec<HsBatch> {
     let pool = BatchPool::for_plan(plan).expect("pool");
     let mut producer = Producer::new(open_sources(plan).expect("sources").remove(0));
     let stop = AtomicBool::new(false);
     (0..count)
         .map(|_| {
-            producer
+            *producer
                 .next_batch(&pool, &stop)
                 .expect("source")
                 .expect("a batch")
@@ -41,7 +41,7 @@ fn batches(plan: &Plan, count: usize) -> Vec<Box<HsBatch>> {
 }
 
 /// Mean wall time of one bare step (forward, loss, backward, AdamW), after one warm-up step per bucket.
-fn bare_step(plan: &Plan, batches: &[Box<HsBatch>], steps: usize) -> Duration {
+fn bare_step(plan: &Plan, batches: &[HsBatch], steps: usize) -> Duration {
     let mut state = FlatState::init(&plan.model, 0);
     let mut drafter = CpuDrafter::new(
         &plan.model,

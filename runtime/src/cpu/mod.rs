@@ -224,7 +224,8 @@ impl CpuDrafter {
         let index = match self.workspaces.iter().position(|ws| ws.tokens == tokens) {
             Some(index) => index,
             None => {
-                self.workspaces.push(Workspace::new(&spec, tokens, self.loss.chunk_tokens));
+                self.workspaces
+                    .push(Workspace::new(&spec, tokens, self.loss.chunk_tokens));
                 self.workspaces.len() - 1
             }
         };
