@@ -52,24 +52,28 @@
 //! matched to one claim, and the store hands each item to one taker (crossbeam's `ArrayQueue`,
 //! or a `fetch_and` on the slot's `full` bit).
 //!
-//! Memory orderings: the counters use `SeqCst` read-modify-writes. They are release/acquire
-//! pairs, so the consumer that claims on `ready` sees everything the publishing producer wrote
-//! before its increment (the store's own orderings cover the item itself: `ArrayQueue`'s stamps,
-//! or `full`'s Release/Acquire), and they are in the single total order the parking argument
-//! below needs. On x86-64 every read-modify-write is a locked instruction anyway, so `SeqCst`
-//! costs nothing over `AcqRel` there. The store's slot bitmaps use Acquire to claim and Release
-//! to hand over (see `store.rs`); per-bucket depth counters and statistics are `Relaxed` (they
-//! order nothing).
+//! Memory orderings: the counters use `SeqCst` read-modify-writes, which include release/acquire,
+//! so the consumer that claims on `ready` sees everything the publishing producer wrote before
+//! its increment (the store's own orderings cover the item itself: `ArrayQueue`'s stamps, or
+//! `full`'s Release/Acquire). On x86-64 every read-modify-write is a locked instruction anyway,
+//! so `SeqCst` costs nothing over `AcqRel` there. The store's slot bitmaps use Acquire to claim
+//! and Release to hand over (see `store.rs`); per-bucket depth counters and statistics are
+//! `Relaxed` (they order nothing). Each state change that may wake someone (publish, release,
+//! close) is followed by a `SeqCst` fence before the waiter count is read; the parking argument
+//! below rests on those fences.
 //!
 //! Parking (no lost wake-ups, no spinning a core): a waiter spins a short bounded while, then
-//! increments its side's waiter count and re-checks the counters under a mutex before sleeping
-//! on a condition variable; a notifier changes a counter and then reads the waiter count, taking
-//! the mutex only when someone waits. With all of these `SeqCst`, either the waiter's re-check
-//! sees the change or the notifier sees the waiter (the Dekker pattern), and the mutex closes the
-//! gap between re-check and sleep. One publish past the watermark allows one claim and one
-//! release allows one reservation, so each wakes one waiter; every woken waiter re-checks before
-//! sleeping again or timing out, so a wake-up is used or was made unnecessary by another thread.
-//! `close` and drain progress after it wake all. `tests/queue_loom.rs` checks this with loom.
+//! increments its side's waiter count, fences, and re-checks the counters under a mutex before
+//! sleeping on a condition variable; a notifier changes a counter, fences, and then reads the
+//! waiter count, taking the mutex only when someone waits. The two `SeqCst` fences are ordered
+//! one way or the other, so either the waiter's re-check sees the change or the notifier sees the
+//! waiter (the Dekker pattern), and the mutex closes the gap between re-check and sleep. A
+//! publish decides whether to wake drainers by reading the closed bit after its fence: if it
+//! misses a close, the closer's own fence comes later and the closer sees, and wakes, the waiter.
+//! One publish past the watermark allows one claim and one release allows one reservation, so
+//! each wakes one waiter; every woken waiter re-checks before sleeping again or timing out, so a
+//! wake-up is used or was made unnecessary by another thread. `close` and drain progress after it
+//! wake all. `tests/queue_loom.rs` checks this with loom.
 //!
 //! # Examples
 //!
@@ -179,7 +183,7 @@ pub use stats::QueueStats;
 use park::Parker;
 use stats::Counters;
 use store::Store;
-use sync::{AtomicUsize, Ordering};
+use sync::{AtomicUsize, Ordering, fence};
 
 /// What the queue routes an item by: its (longest) sequence length in tokens.
 pub trait SeqLen {
@@ -277,6 +281,7 @@ impl<T> HsQueue<T> {
     /// left without waiting for the watermark. Waiting producers and consumers wake up.
     pub fn close(&self) {
         self.slots.fetch_or(CLOSED, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         self.producers.notify_all();
         self.consumers.notify_all();
     }
@@ -323,6 +328,7 @@ impl<T> HsQueue<T> {
         self.store.insert(bucket, item);
         self.counters.pushes.fetch_add(1, Ordering::Relaxed);
         let ready = self.ready.fetch_add(1, Ordering::SeqCst) + 1;
+        fence(Ordering::SeqCst);
         if ready >= self.watermark {
             self.consumers.notify_one();
         } else if self.is_closed() {
@@ -360,6 +366,7 @@ impl<T> HsQueue<T> {
         let item = self.store.take();
         self.counters.pops.fetch_add(1, Ordering::Relaxed);
         let before = self.slots.fetch_sub(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         self.producers.notify_one();
         if before & CLOSED != 0 {
             // A draining consumer may be waiting for this last in-flight pop to finish.

@@ -2,12 +2,12 @@
 //! (crossbeam's habit), so the code loom explores is the code that ships.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(loom)]
 pub(crate) use loom::sync::{Condvar, Mutex};
 
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Condvar, Mutex};
 
