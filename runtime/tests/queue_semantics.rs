@@ -119,7 +119,10 @@ both!(
 
 fn bad_configs_are_refused<Q: Queue<Item>>() {
     let cases = [
-        (config(0, 0, &[8], PullPolicy::Fifo), QueueConfigError::ZeroCapacity),
+        (
+            config(0, 0, &[8], PullPolicy::Fifo),
+            QueueConfigError::ZeroCapacity,
+        ),
         (
             config(4, 5, &[8], PullPolicy::Fifo),
             QueueConfigError::WatermarkAboveCapacity {
@@ -127,8 +130,14 @@ fn bad_configs_are_refused<Q: Queue<Item>>() {
                 capacity: 4,
             },
         ),
-        (config(4, 1, &[], PullPolicy::Fifo), QueueConfigError::NoBuckets),
-        (config(4, 1, &[0, 8], PullPolicy::Fifo), QueueConfigError::ZeroBucket),
+        (
+            config(4, 1, &[], PullPolicy::Fifo),
+            QueueConfigError::NoBuckets,
+        ),
+        (
+            config(4, 1, &[0, 8], PullPolicy::Fifo),
+            QueueConfigError::ZeroBucket,
+        ),
         (
             config(4, 1, &[8, 8], PullPolicy::RoundRobin),
             QueueConfigError::BucketsNotIncreasing {
@@ -156,7 +165,14 @@ fn too_long_item_comes_back_with_both_numbers<Q: Queue<Item>>() {
         err.to_string(),
         "sequence length 65 is longer than the largest bucket (64)"
     );
-    assert!(matches!(err, PushError::TooLong { len: 65, max: 64, .. }));
+    assert!(matches!(
+        err,
+        PushError::TooLong {
+            len: 65,
+            max: 64,
+            ..
+        }
+    ));
     assert_eq!(err.into_inner(), item(9, 65));
     // The bounds are inclusive: 64 fits the last bucket, 16 the first.
     queue.try_push(item(1, 64)).unwrap();
@@ -202,7 +218,10 @@ fn close_refuses_pushes_and_drains<Q: Queue<Item>>() {
     queue.try_push(item(0, 3)).unwrap();
     queue.try_push(item(1, 13)).unwrap();
     queue.close();
-    assert!(matches!(queue.try_push(item(2, 3)), Err(PushError::Closed(_))));
+    assert!(matches!(
+        queue.try_push(item(2, 3)),
+        Err(PushError::Closed(_))
+    ));
     assert!(matches!(queue.push(item(2, 3)), Err(PushError::Closed(_))));
     let mut ids: Vec<usize> = std::iter::from_fn(|| queue.pop()).map(|i| i.id).collect();
     ids.sort_unstable();
@@ -217,12 +236,17 @@ fn close_refuses_pushes_and_drains<Q: Queue<Item>>() {
 
 fn timeouts_give_up_and_return_the_item<Q: Queue<Item>>() {
     let queue = Q::build(config(1, 1, &[8], PullPolicy::Fifo)).unwrap();
-    queue.push_timeout(item(0, 1), Duration::from_millis(5)).unwrap();
+    queue
+        .push_timeout(item(0, 1), Duration::from_millis(5))
+        .unwrap();
     match queue.push_timeout(item(1, 1), Duration::from_millis(5)) {
         Err(PushError::Timeout(back)) => assert_eq!(back.id, 1),
         other => panic!("expected Timeout, got {other:?}"),
     }
-    assert_eq!(queue.pop_timeout(Duration::from_millis(5)).map(|i| i.id), Ok(0));
+    assert_eq!(
+        queue.pop_timeout(Duration::from_millis(5)).map(|i| i.id),
+        Ok(0)
+    );
     assert_eq!(
         queue.pop_timeout(Duration::from_millis(5)).err(),
         Some(PopError::Timeout)
@@ -235,7 +259,9 @@ fn fifo_takes_oldest_over_all_buckets<Q: Queue<Item>>() {
     for (id, &len) in lens.iter().enumerate() {
         queue.try_push(item(id, len)).unwrap();
     }
-    let ids: Vec<usize> = (0..lens.len()).map(|_| queue.try_pop().unwrap().id).collect();
+    let ids: Vec<usize> = (0..lens.len())
+        .map(|_| queue.try_pop().unwrap().id)
+        .collect();
     assert_eq!(ids, (0..lens.len()).collect::<Vec<_>>());
 }
 
@@ -351,7 +377,11 @@ fn blocked_pop_wakes_at_watermark<Q: Queue<Item> + 'static>() {
     for id in 0..2 {
         queue.push(item(id, 1)).unwrap();
         thread::sleep(Duration::from_millis(10));
-        assert_eq!(popped.load(Ordering::SeqCst), 0, "popped below the watermark");
+        assert_eq!(
+            popped.load(Ordering::SeqCst),
+            0,
+            "popped below the watermark"
+        );
     }
     queue.push(item(2, 1)).unwrap();
     assert_eq!(consumer.join().unwrap(), Some(0));
@@ -446,7 +476,10 @@ fn stats_report_depth_traffic_and_waiting() {
     assert_eq!(queue.try_pop().err(), Some(PopError::Empty));
     queue.try_push(item(0, 3)).unwrap();
     queue.try_push(item(1, 12)).unwrap();
-    assert!(matches!(queue.try_push(item(2, 12)), Err(PushError::Full(_))));
+    assert!(matches!(
+        queue.try_push(item(2, 12)),
+        Err(PushError::Full(_))
+    ));
     assert_eq!(queue.stats().per_bucket, vec![1, 1]);
     assert_eq!(queue.try_pop().map(|i| i.id), Ok(0));
     assert_eq!(queue.try_pop().err(), Some(PopError::BelowWatermark));
@@ -468,7 +501,10 @@ fn stats_report_depth_traffic_and_waiting() {
     assert_eq!(stats.min_ready, 2);
     assert_eq!(stats.seen_full, 1);
     assert!(stats.seen_below_watermark >= 3, "{stats:?}");
-    assert!(stats.consumer_blocked >= Duration::from_millis(5), "{stats:?}");
+    assert!(
+        stats.consumer_blocked >= Duration::from_millis(5),
+        "{stats:?}"
+    );
     let json = serde_json::to_value(&stats).unwrap();
     assert_eq!(json["per_bucket"], serde_json::json!([1, 0]));
     assert_eq!(json["seen_full"], serde_json::json!(1));

@@ -118,10 +118,14 @@ fn run(pull: PullPolicy, producers: u64, consumers: u64, capacity: usize, min_re
                 let mut id = p;
                 while id < ITEMS {
                     ops.pushes_started.fetch_add(1, Ordering::SeqCst);
-                    let item = Box::new(Item { id, len: len_of(id) });
+                    let item = Box::new(Item {
+                        id,
+                        len: len_of(id),
+                    });
                     assert!(queue.push(item).is_ok(), "push failed before close");
                     ops.pushes_done.fetch_add(1, Ordering::SeqCst);
-                    pushed_at[id as usize].store(ops.pops_started.load(Ordering::SeqCst), Ordering::SeqCst);
+                    pushed_at[id as usize]
+                        .store(ops.pops_started.load(Ordering::SeqCst), Ordering::SeqCst);
                     id += producers;
                 }
             })
@@ -159,7 +163,11 @@ fn run(pull: PullPolicy, producers: u64, consumers: u64, capacity: usize, min_re
                     }
                     out.popped_at.push((item.id, ticket));
                     assert_eq!(item.len, len_of(item.id), "item corrupted");
-                    assert!(!out.seen[item.id as usize], "item {} delivered twice", item.id);
+                    assert!(
+                        !out.seen[item.id as usize],
+                        "item {} delivered twice",
+                        item.id
+                    );
                     out.seen[item.id as usize] = true;
                     out.checksum = out.checksum.wrapping_add(mix(item.id));
                     out.count += 1;
@@ -187,13 +195,23 @@ fn run(pull: PullPolicy, producers: u64, consumers: u64, capacity: usize, min_re
     let checksum = outcomes
         .iter()
         .fold(0u64, |sum, o| sum.wrapping_add(o.checksum));
-    assert_eq!(checksum, (0..ITEMS).fold(0u64, |s, id| s.wrapping_add(mix(id))), "{label}");
+    assert_eq!(
+        checksum,
+        (0..ITEMS).fold(0u64, |s, id| s.wrapping_add(mix(id))),
+        "{label}"
+    );
     for id in 0..ITEMS as usize {
         let deliveries = outcomes.iter().filter(|o| o.seen[id]).count();
-        assert_eq!(deliveries, 1, "{label}: item {id} delivered {deliveries} times");
+        assert_eq!(
+            deliveries, 1,
+            "{label}: item {id} delivered {deliveries} times"
+        );
     }
     let max_depth = max_seen_depth.load(Ordering::SeqCst);
-    assert!(max_depth <= capacity, "{label}: depth {max_depth} > capacity");
+    assert!(
+        max_depth <= capacity,
+        "{label}: depth {max_depth} > capacity"
+    );
 
     // Starvation: an item has at most `capacity - 1` items ahead of it (in its bucket, for
     // round-robin, which serves its bucket at least once per round of `BOUNDS.len()` pops).
@@ -212,11 +230,17 @@ fn run(pull: PullPolicy, producers: u64, consumers: u64, capacity: usize, min_re
     };
     if let Some(rounds) = rounds {
         let bound = rounds * (capacity as u64 + slack);
-        assert!(max_age <= bound, "{label}: an item waited {max_age} pops (bound {bound})");
+        assert!(
+            max_age <= bound,
+            "{label}: an item waited {max_age} pops (bound {bound})"
+        );
     }
     for bucket in 0..BOUNDS.len() {
         let served: u64 = outcomes.iter().map(|o| o.served_before_close[bucket]).sum();
-        assert!(served > 0 || cfg!(miri), "{label}: bucket {bucket} never served before close");
+        assert!(
+            served > 0 || cfg!(miri),
+            "{label}: bucket {bucket} never served before close"
+        );
     }
 
     let stats = queue.stats();

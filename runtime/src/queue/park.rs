@@ -63,7 +63,10 @@ impl Parker {
                 return Some(done);
             }
             guard = match deadline {
-                None => self.cond.wait(guard).unwrap_or_else(PoisonError::into_inner),
+                None => self
+                    .cond
+                    .wait(guard)
+                    .unwrap_or_else(PoisonError::into_inner),
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {

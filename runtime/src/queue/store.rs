@@ -102,7 +102,10 @@ impl<T> Store<T> {
                 rng,
             } => round_robin(buckets.len(), cursor, |bucket| {
                 buckets[bucket].take_random(|| {
-                    mix64(rng.fetch_add(GOLDEN_GAMMA, Ordering::Relaxed).wrapping_add(GOLDEN_GAMMA))
+                    mix64(
+                        rng.fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
+                            .wrapping_add(GOLDEN_GAMMA),
+                    )
                 })
             }),
         }
