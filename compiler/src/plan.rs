@@ -248,27 +248,13 @@ pub struct ModelPlan {
 impl MlpSpec {
     /// The closed-form parameter count.
     pub fn parameter_count(&self) -> usize {
-        let MlpSpec {
-            din,
-            hidden: h,
-            blocks,
-            intermediate: i,
-            heads,
-            vocab: v,
-        } = *self;
+        let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *self;
         h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h
     }
 
     /// The flat layout with PyTorch names and `[out, in]` weight shapes.
     pub fn layout(&self) -> Vec<TensorView> {
-        let MlpSpec {
-            din,
-            hidden: h,
-            blocks,
-            intermediate: i,
-            heads,
-            vocab: v,
-        } = *self;
+        let MlpSpec { din, hidden: h, blocks, intermediate: i, heads, vocab: v } = *self;
         let mut shapes: Vec<(String, Vec<usize>)> = vec![("fc.weight".into(), vec![h, din])];
         for b in 0..blocks {
             shapes.push((format!("blocks.{b}.norm.weight"), vec![h]));
@@ -285,11 +271,7 @@ impl MlpSpec {
         shapes
             .into_iter()
             .map(|(name, shape)| {
-                let view = TensorView {
-                    name,
-                    shape,
-                    offset,
-                };
+                let view = TensorView { name, shape, offset };
                 offset += view.len();
                 view
             })
