@@ -328,7 +328,7 @@ fn random_in_bucket_is_uniform_inside_a_bucket<Q: Queue<Item>>() {
     // Which of 8 queued items is taken first, over many seeded queues: each should win about
     // 1/8 of the time. Chi-square with 7 degrees of freedom: 24.3 is the 0.999 quantile.
     const ITEMS: usize = 8;
-    const TRIALS: usize = 4000;
+    const TRIALS: usize = if cfg!(miri) { 400 } else { 4000 };
     let mut wins = [0usize; ITEMS];
     for trial in 0..TRIALS {
         let mut cfg = config(ITEMS, ITEMS, &[100], PullPolicy::RandomInBucket);

@@ -1,22 +1,19 @@
 //! Parking for the slow paths: a waiter count that notifiers read without a lock, and a
 //! `Mutex<()>` + `Condvar` pair that only threads that must sleep (and those that wake them) touch.
 //!
-//! No lost wake-ups (the Dekker argument): a waiter increments `waiters`, issues a `SeqCst`
-//! fence, *then* re-checks the queue state while holding the lock; a notifier changes the state,
-//! issues a `SeqCst` fence, *then* reads `waiters`. The two fences are ordered one way or the
-//! other in the single `SeqCst` order, so either the waiter's re-check sees the new state, or the
-//! notifier sees the waiter. In the second case the notifier takes the lock before notifying, and
-//! the waiter holds that lock from its increment until `Condvar::wait` releases it atomically, so
-//! the notification cannot fall between the re-check and the sleep.
-//!
-//! Fences rather than `SeqCst` accesses alone carry the argument because loom models `SeqCst`
-//! fences but treats `SeqCst` accesses as `AcqRel`; the fence is also the cheapest full barrier
-//! (it stays on the core, unlike an RMW on the shared waiter count).
+//! No lost wake-ups (the Dekker argument): a waiter increments `waiters` *then* re-checks the
+//! queue counters while holding the lock; a notifier changes a counter *then* reads `waiters`,
+//! all four accesses `SeqCst`. In the single total order of `SeqCst` operations, if the re-check
+//! missed the change it came before it, so the notifier's later read comes after the increment
+//! and sees the waiter (a cycle otherwise). The notifier then takes the lock before notifying,
+//! and the waiter holds that lock from its increment until `Condvar::wait` releases it
+//! atomically, so the notification cannot fall between the re-check and the sleep.
+//! [`seqcst_order_point`] marks the two places this order is relied on (a fence under loom).
 
 use std::sync::PoisonError;
 use std::time::Instant;
 
-use super::sync::{AtomicUsize, Backoff, Condvar, Mutex, Ordering, fence};
+use super::sync::{AtomicUsize, Backoff, Condvar, Mutex, Ordering, seqcst_order_point};
 
 /// One group of waiters (all producers, or all consumers) of one queue.
 #[derive(Debug)]
@@ -57,7 +54,7 @@ impl Parker {
         let mut guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             self.waiters.fetch_add(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
+            seqcst_order_point();
             if let Some(done) = attempt() {
                 self.waiters.fetch_sub(1, Ordering::SeqCst);
                 return Some(done);
@@ -84,7 +81,7 @@ impl Parker {
     }
 
     /// Wakes one parked waiter, if any: for a state change that lets exactly one waiter proceed.
-    /// The caller issues [`fence`]`(SeqCst)` between its state change and this call.
+    /// The caller changes the state with a `SeqCst` access, then calls [`seqcst_order_point`].
     pub(crate) fn notify_one(&self) {
         if self.waiters.load(Ordering::SeqCst) != 0 {
             drop(self.lock.lock().unwrap_or_else(PoisonError::into_inner));
@@ -93,7 +90,7 @@ impl Parker {
     }
 
     /// Wakes every parked waiter: for close, and for drain progress after close. The caller
-    /// issues [`fence`]`(SeqCst)` between its state change and this call.
+    /// changes the state with a `SeqCst` access, then calls [`seqcst_order_point`].
     pub(crate) fn notify_all(&self) {
         if self.waiters.load(Ordering::SeqCst) != 0 {
             drop(self.lock.lock().unwrap_or_else(PoisonError::into_inner));
