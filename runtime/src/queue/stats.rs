@@ -13,7 +13,9 @@ use super::sync::{AtomicU64, Ordering};
 pub struct QueueStats {
     /// Items in the queue, counting pushes and pops in flight; never above `capacity`.
     pub depth: usize,
-    /// Published items per bucket, in bucket order.
+    /// Published items per bucket, in bucket order. Each bucket is read on its own, so under
+    /// traffic the sum may briefly differ from `depth` (an item taken from a bucket already read
+    /// while another lands in one not yet read counts twice).
     pub per_bucket: Vec<usize>,
     /// The most items the queue holds.
     pub capacity: usize,
