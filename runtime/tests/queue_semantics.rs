@@ -411,7 +411,11 @@ fn close_releases_blocked_push_and_pop<Q: Queue<Item> + 'static>() {
     full.close();
     starved.close();
     assert_eq!(producer.join().unwrap(), 1, "the refused item comes back");
-    assert_eq!(consumer.join().unwrap(), [2], "close lifts the watermark, then ends the pops");
+    assert_eq!(
+        consumer.join().unwrap(),
+        [2],
+        "close lifts the watermark, then ends the pops"
+    );
 }
 
 /// Counts drops, so leaks and double drops both show.
