@@ -69,11 +69,13 @@
 //! on a condition variable; a notifier changes a counter and then reads the waiter count, taking
 //! the mutex only when someone waits. In the `SeqCst` total order either the waiter's re-check
 //! sees the change or the notifier sees the waiter (the Dekker pattern), and the mutex closes the
-//! gap between re-check and sleep. One publish past the watermark allows one more claim and one
-//! release allows one reservation, so each wakes one waiter; every woken waiter re-checks before
-//! sleeping again or timing out, so a wake-up is used or was made unnecessary by another thread.
-//! `close` wakes all; after it, a publish below the watermark and every release wake all
-//! consumers, since draining ones wait for the last in-flight push or pop to settle.
+//! gap between re-check and sleep. So a publish that finds no waiter registered stops there,
+//! without reading the consumers' counters. One publish past the watermark allows one more
+//! claim and one release allows one reservation, so each wakes one waiter; every woken waiter
+//! re-checks before sleeping again or timing out, so a wake-up is used or was made unnecessary
+//! by another thread. `close` wakes all; after it, a publish below the watermark and every
+//! release wake all consumers, since draining ones wait for the last in-flight push or pop to
+//! settle.
 //! `tests/queue_loom.rs` checks all of this with loom.
 //!
 //! # Examples
@@ -332,6 +334,10 @@ impl<T> HsQueue<T> {
         self.store.insert(bucket, item);
         let published = self.published.fetch_add(1, Ordering::SeqCst) + 1;
         seqcst_order_point();
+        // The common case under load: nobody sleeps, so skip reading the consumers' lines.
+        if !self.consumers.has_waiters() {
+            return;
+        }
         // Claims read after the publish: if they already took the queue back below the watermark,
         // those claimers used the items, and any waiter could not claim anyway.
         let ready = published.saturating_sub(self.claimed.load(Ordering::SeqCst));

@@ -80,6 +80,12 @@ impl Parker {
         }
     }
 
+    /// Whether a waiter is registered. Read after the caller's `SeqCst` state change and
+    /// [`seqcst_order_point`], `false` means no waiter can have missed that change.
+    pub(crate) fn has_waiters(&self) -> bool {
+        self.waiters.load(Ordering::SeqCst) != 0
+    }
+
     /// Wakes one parked waiter, if any: for a state change that lets exactly one waiter proceed.
     /// The caller changes the state with a `SeqCst` access, then calls [`seqcst_order_point`].
     pub(crate) fn notify_one(&self) {
