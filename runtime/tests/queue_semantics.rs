@@ -115,6 +115,7 @@ both!(
     random_in_bucket_is_uniform_inside_a_bucket,
     blocked_push_wakes_on_pop,
     blocked_pop_wakes_at_watermark,
+    close_releases_blocked_push_and_pop,
 );
 
 fn bad_configs_are_refused<Q: Queue<Item>>() {
@@ -328,7 +329,7 @@ fn random_in_bucket_is_uniform_inside_a_bucket<Q: Queue<Item>>() {
     // Which of 8 queued items is taken first, over many seeded queues: each should win about
     // 1/8 of the time. Chi-square with 7 degrees of freedom: 24.3 is the 0.999 quantile.
     const ITEMS: usize = 8;
-    const TRIALS: usize = 4000;
+    const TRIALS: usize = if cfg!(miri) { 400 } else { 4000 };
     let mut wins = [0usize; ITEMS];
     for trial in 0..TRIALS {
         let mut cfg = config(ITEMS, ITEMS, &[100], PullPolicy::RandomInBucket);
@@ -385,6 +386,36 @@ fn blocked_pop_wakes_at_watermark<Q: Queue<Item> + 'static>() {
     }
     queue.push(item(2, 1)).unwrap();
     assert_eq!(consumer.join().unwrap(), Some(0));
+}
+
+fn close_releases_blocked_push_and_pop<Q: Queue<Item> + 'static>() {
+    let full = Arc::new(Q::build(config(1, 1, &[8], PullPolicy::Fifo)).unwrap());
+    full.try_push(item(0, 1)).unwrap();
+    let producer = {
+        let full = Arc::clone(&full);
+        thread::spawn(move || match full.push(item(1, 1)) {
+            Err(PushError::Closed(back)) => back.id,
+            other => panic!("expected Closed, got {other:?}"),
+        })
+    };
+    let starved = Arc::new(Q::build(config(4, 2, &[8], PullPolicy::Fifo)).unwrap());
+    starved.try_push(item(2, 1)).unwrap();
+    let consumer = {
+        let starved = Arc::clone(&starved);
+        thread::spawn(move || {
+            let ids: Vec<usize> = std::iter::from_fn(|| starved.pop()).map(|i| i.id).collect();
+            ids
+        })
+    };
+    thread::sleep(Duration::from_millis(20));
+    full.close();
+    starved.close();
+    assert_eq!(producer.join().unwrap(), 1, "the refused item comes back");
+    assert_eq!(
+        consumer.join().unwrap(),
+        [2],
+        "close lifts the watermark, then ends the pops"
+    );
 }
 
 /// Counts drops, so leaks and double drops both show.

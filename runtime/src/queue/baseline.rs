@@ -2,6 +2,10 @@
 //! policies, close and drain, timeouts) built the plain way, one `Mutex` around per-bucket
 //! `VecDeque`s and two `Condvar`s. Benchmarks and tests run it beside [`HsQueue`](super::HsQueue)
 //! so every speed-up is measured against this, in the same run.
+//!
+//! It is the careful version of the plain design: it counts waiters under the lock and notifies
+//! only when someone waits, because std's `Condvar::notify_one` makes a futex system call even
+//! when nobody sleeps, which would flatter the lock-free queue.
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
@@ -55,6 +59,8 @@ struct State<T> {
     cursor: usize,
     rng: u64,
     closed: bool,
+    waiting_producers: usize,
+    waiting_consumers: usize,
 }
 
 impl<T> State<T> {
@@ -104,6 +110,8 @@ impl<T> MutexQueue<T> {
             cursor: 0,
             rng: config.seed,
             closed: false,
+            waiting_producers: 0,
+            waiting_consumers: 0,
         };
         Ok(Self {
             watermark: config.watermark(),
@@ -139,17 +147,25 @@ impl<T> MutexQueue<T> {
         state.len >= if state.closed { 1 } else { self.watermark }
     }
 
+    /// Takes an item under the lock, then wakes a waiting producer if there is one.
+    fn take(&self, mut state: MutexGuard<'_, State<T>>) -> T {
+        let item = state.take(self.config.pull);
+        let wake = state.waiting_producers > 0;
+        drop(state);
+        if wake {
+            self.not_full.notify_one();
+        }
+        item
+    }
+
     /// Takes an item if one may be taken now.
     ///
     /// # Errors
     /// As [`HsQueue::try_pop`](super::HsQueue::try_pop).
     pub fn try_pop(&self) -> Result<T, PopError> {
-        let mut state = self.lock();
+        let state = self.lock();
         if self.can_take(&state) {
-            let item = state.take(self.config.pull);
-            drop(state);
-            self.not_full.notify_one();
-            return Ok(item);
+            return Ok(self.take(state));
         }
         Err(match (state.closed, state.len) {
             (true, _) => PopError::Closed,
@@ -175,15 +191,18 @@ impl<T> MutexQueue<T> {
         let mut state = self.lock();
         loop {
             if self.can_take(&state) {
-                let item = state.take(self.config.pull);
-                drop(state);
-                self.not_full.notify_one();
-                return Ok(item);
+                return Ok(self.take(state));
             }
             if state.closed {
                 return Err(PopError::Closed);
             }
-            state = wait(&self.ready, state, deadline).ok_or(PopError::Timeout)?;
+            state.waiting_consumers += 1;
+            let (woken, expired) = wait(&self.ready, state, deadline);
+            state = woken;
+            state.waiting_consumers -= 1;
+            if expired {
+                return Err(PopError::Timeout);
+            }
         }
     }
 }
@@ -201,12 +220,13 @@ impl<T: SeqLen> MutexQueue<T> {
         }
     }
 
+    /// Inserts under the lock, then wakes a waiting consumer if the watermark is met.
     fn insert(&self, mut state: MutexGuard<'_, State<T>>, bucket: usize, item: T) {
         let arrival = state.arrivals;
         state.arrivals += 1;
         state.buckets[bucket].push_back((arrival, item));
         state.len += 1;
-        let wake = self.can_take(&state);
+        let wake = state.waiting_consumers > 0 && self.can_take(&state);
         drop(state);
         if wake {
             self.ready.notify_one();
@@ -257,31 +277,39 @@ impl<T: SeqLen> MutexQueue<T> {
                 self.insert(state, bucket, item);
                 return Ok(());
             }
-            state = match wait(&self.not_full, state, deadline) {
-                Some(state) => state,
-                None => return Err(PushError::Timeout(item)),
-            };
+            state.waiting_producers += 1;
+            let (woken, expired) = wait(&self.not_full, state, deadline);
+            state = woken;
+            state.waiting_producers -= 1;
+            if expired {
+                return Err(PushError::Timeout(item));
+            }
         }
     }
 }
 
-/// Waits on `cond` until notified (or spuriously woken), or `None` once `deadline` has passed.
+/// Waits on `cond` until notified (or spuriously woken). With a deadline that has already
+/// passed it does not wait and says so (`true`), so callers re-check their condition first.
 fn wait<'a, S>(
     cond: &Condvar,
     guard: MutexGuard<'a, S>,
     deadline: Option<Instant>,
-) -> Option<MutexGuard<'a, S>> {
+) -> (MutexGuard<'a, S>, bool) {
     match deadline {
-        None => Some(cond.wait(guard).unwrap_or_else(PoisonError::into_inner)),
+        None => (
+            cond.wait(guard).unwrap_or_else(PoisonError::into_inner),
+            false,
+        ),
         Some(deadline) => {
             let now = Instant::now();
             if now >= deadline {
-                return None;
+                return (guard, true);
             }
-            Some(match cond.wait_timeout(guard, deadline - now) {
+            let guard = match cond.wait_timeout(guard, deadline - now) {
                 Ok((guard, _)) => guard,
                 Err(poisoned) => poisoned.into_inner().0,
-            })
+            };
+            (guard, false)
         }
     }
 }

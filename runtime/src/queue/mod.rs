@@ -33,43 +33,50 @@
 //!
 //! # Why the protocol is correct
 //!
-//! Two counters decide every operation before any item moves, and a store per policy (`store.rs`) only
+//! Counters decide every operation before any item moves; a store per policy (`store.rs`) only
 //! places and finds items:
 //!
 //! - `slots` counts reserved capacity: items queued plus pushes and pops in flight. Its top bit
-//!   is the closed flag, so "not closed and below capacity" is checked and the slot claimed by one
+//!   is the closed flag, so "open and below capacity" is checked and the slot reserved by one
 //!   compare-and-swap; no push can reserve after `close` has set the bit.
-//! - `ready` counts published items no consumer has claimed. A consumer claims by a
-//!   compare-and-swap from `r` to `r - 1` that only succeeds when `r ≥ min_ready` (`r ≥ 1` once
-//!   closed), so the watermark check and the claim are one atomic step.
+//! - `published` and `claimed` count items made visible by producers and taken on by consumers
+//!   since creation; `published - claimed` are the items ready to take. A consumer claims by a
+//!   compare-and-swap of `claimed` from `c` to `c + 1`, made only after reading
+//!   `published - c ≥ min_ready` (`≥ 1` once closed); `published` only grows, so the watermark
+//!   held at the instant the swap succeeded, and the check and the claim are one atomic step.
+//!   The two counters are also the statistics' `pushes` and `pops`, so counting costs nothing.
 //!
-//! A push: (1) claim a slot on `slots`; (2) write the item into the store; (3) publish with
-//! `ready += 1`; (4) wake a consumer if that met the watermark. A pop: (1) claim on `ready`;
-//! (2) take an item from the store; (3) release the slot with `slots -= 1`; (4) wake a producer.
-//! Hence `published-but-untaken items ≥ outstanding claims` at every instant, so a claimant's
-//! search of the store always ends, and `items in the store ≤ slots ≤ capacity`, so an insert by
-//! a slot holder always finds room. Exactly-once delivery follows because each published item is
-//! matched to one claim, and the store hands each item to one taker (crossbeam's `ArrayQueue`,
-//! or a `fetch_and` on the slot's `full` bit).
+//! A push: (1) reserve on `slots`; (2) write the item into the store; (3) publish with
+//! `published += 1`; (4) wake a consumer if that met the watermark. A pop: (1) claim on
+//! `claimed`; (2) take an item from the store; (3) release with `slots -= 1`; (4) wake a
+//! producer. Hence `published-but-untaken items ≥ outstanding claims` at every instant, so a
+//! claimant's search of the store always ends, and `items in the store ≤ slots ≤ capacity`, so
+//! an insert by a slot holder always finds room. Exactly-once delivery follows because each
+//! published item is matched to one claim, and the store hands each item to one taker
+//! (crossbeam's `ArrayQueue`, or a `fetch_and` on the slot's `full` bit).
 //!
-//! Memory orderings: the counters use `SeqCst` read-modify-writes. They are release/acquire
-//! pairs, so the consumer that claims on `ready` sees everything the publishing producer wrote
-//! before its increment (the store's own orderings cover the item itself: `ArrayQueue`'s stamps,
-//! or `full`'s Release/Acquire), and they are in the single total order the parking argument
-//! below needs. On x86-64 every read-modify-write is a locked instruction anyway, so `SeqCst`
-//! costs nothing over `AcqRel` there. The store's slot bitmaps use Acquire to claim and Release
-//! to hand over (see `store.rs`); per-bucket depth counters and statistics are `Relaxed` (they
-//! order nothing).
+//! Memory orderings: the counters use `SeqCst`. Their read-modify-writes include
+//! release/acquire, so a consumer whose claim read `published` sees everything the publishing
+//! producer did before its increment (the store's own orderings cover the item itself:
+//! `ArrayQueue`'s stamps, or `full`'s Release/Acquire); and all `SeqCst` accesses form one total
+//! order, which the parking argument below needs. On x86-64 every read-modify-write is a locked
+//! instruction and a `SeqCst` load a plain load, so this costs nothing over `AcqRel`. The slot
+//! bitmaps use Acquire to claim and Release to hand over (see `store.rs`); per-bucket depth
+//! counters and blocked-time statistics are `Relaxed` (they order nothing).
 //!
 //! Parking (no lost wake-ups, no spinning a core): a waiter spins a short bounded while, then
 //! increments its side's waiter count and re-checks the counters under a mutex before sleeping
 //! on a condition variable; a notifier changes a counter and then reads the waiter count, taking
-//! the mutex only when someone waits. With all of these `SeqCst`, either the waiter's re-check
+//! the mutex only when someone waits. In the `SeqCst` total order either the waiter's re-check
 //! sees the change or the notifier sees the waiter (the Dekker pattern), and the mutex closes the
-//! gap between re-check and sleep. One publish past the watermark allows one claim and one
-//! release allows one reservation, so each wakes one waiter; every woken waiter re-checks before
-//! sleeping again or timing out, so a wake-up is used or was made unnecessary by another thread.
-//! `close` and drain progress after it wake all. `tests/queue_loom.rs` checks this with loom.
+//! gap between re-check and sleep. So a publish that finds no waiter registered stops there,
+//! without reading the consumers' counters. One publish past the watermark allows one more
+//! claim and one release allows one reservation, so each wakes one waiter; every woken waiter
+//! re-checks before sleeping again or timing out, so a wake-up is used or was made unnecessary
+//! by another thread. `close` wakes all; after it, a publish below the watermark and every
+//! release wake all consumers, since draining ones wait for the last in-flight push or pop to
+//! settle.
+//! `tests/queue_loom.rs` checks all of this with loom.
 //!
 //! # Examples
 //!
@@ -179,7 +186,7 @@ pub use stats::QueueStats;
 use park::Parker;
 use stats::Counters;
 use store::Store;
-use sync::{AtomicUsize, Ordering};
+use sync::{AtomicU64, AtomicUsize, Ordering, seqcst_order_point};
 
 /// What the queue routes an item by: its (longest) sequence length in tokens.
 pub trait SeqLen {
@@ -197,8 +204,10 @@ pub struct HsQueue<T> {
     watermark: usize,
     /// Reserved capacity (queued items plus pushes and pops in flight), with the [`CLOSED`] bit.
     slots: CachePadded<AtomicUsize>,
-    /// Published items not yet claimed by a consumer.
-    ready: CachePadded<AtomicUsize>,
+    /// Items published since creation (monotone).
+    published: CachePadded<AtomicU64>,
+    /// Items claimed by consumers since creation (monotone, never above `published`).
+    claimed: CachePadded<AtomicU64>,
     store: Store<T>,
     producers: Parker,
     consumers: Parker,
@@ -217,7 +226,7 @@ enum Claim {
     /// The caller holds a claim and must take one item.
     Claimed,
     /// Open, and fewer than the watermark are ready (possibly none).
-    Below { ready: usize },
+    Below { ready: u64 },
     /// Closed, nothing ready, but a push or pop is still in flight.
     Settling,
     /// Closed and drained.
@@ -234,7 +243,8 @@ impl<T> HsQueue<T> {
         Ok(Self {
             watermark: config.watermark(),
             slots: CachePadded::new(AtomicUsize::new(0)),
-            ready: CachePadded::new(AtomicUsize::new(0)),
+            published: CachePadded::new(AtomicU64::new(0)),
+            claimed: CachePadded::new(AtomicU64::new(0)),
             store: Store::new(
                 config.pull,
                 config.buckets.len(),
@@ -277,6 +287,7 @@ impl<T> HsQueue<T> {
     /// left without waiting for the watermark. Waiting producers and consumers wake up.
     pub fn close(&self) {
         self.slots.fetch_or(CLOSED, Ordering::SeqCst);
+        seqcst_order_point();
         self.producers.notify_all();
         self.consumers.notify_all();
     }
@@ -288,8 +299,8 @@ impl<T> HsQueue<T> {
             per_bucket: self.store.depths(),
             capacity: self.config.capacity,
             min_ready: self.config.min_ready,
-            pushes: self.counters.pushes.load(Ordering::Relaxed),
-            pops: self.counters.pops.load(Ordering::Relaxed),
+            pushes: self.published.load(Ordering::Relaxed),
+            pops: self.claimed.load(Ordering::Relaxed),
             producer_blocked: self.counters.producer_blocked(),
             consumer_blocked: self.counters.consumer_blocked(),
             seen_full: self.counters.seen_full.load(Ordering::Relaxed),
@@ -321,9 +332,16 @@ impl<T> HsQueue<T> {
     /// Steps 2–4 of a push, for a producer that holds a reserved slot.
     fn publish(&self, bucket: usize, item: T) {
         self.store.insert(bucket, item);
-        self.counters.pushes.fetch_add(1, Ordering::Relaxed);
-        let ready = self.ready.fetch_add(1, Ordering::SeqCst) + 1;
-        if ready >= self.watermark {
+        let published = self.published.fetch_add(1, Ordering::SeqCst) + 1;
+        seqcst_order_point();
+        // The common case under load: nobody sleeps, so skip reading the consumers' lines.
+        if !self.consumers.has_waiters() {
+            return;
+        }
+        // Claims read after the publish: if they already took the queue back below the watermark,
+        // those claimers used the items, and any waiter could not claim anyway.
+        let ready = published.saturating_sub(self.claimed.load(Ordering::SeqCst));
+        if ready >= self.watermark as u64 {
             self.consumers.notify_one();
         } else if self.is_closed() {
             // Draining consumers wait for any item, or for the last in-flight push to land.
@@ -333,9 +351,12 @@ impl<T> HsQueue<T> {
 
     fn claim(&self) -> Claim {
         let closed = self.is_closed();
-        let need = if closed { 1 } else { self.watermark };
-        let mut ready = self.ready.load(Ordering::SeqCst);
+        let need = if closed { 1 } else { self.watermark as u64 };
+        let mut claimed = self.claimed.load(Ordering::SeqCst);
         loop {
+            // Read after `claimed`, so `published >= claimed` and the difference is a lower
+            // bound on the items ready now: a claim it allows is always backed by an item.
+            let ready = self.published.load(Ordering::SeqCst) - claimed;
             if ready < need {
                 return match (closed, self.len()) {
                     (false, _) => Claim::Below { ready },
@@ -343,14 +364,14 @@ impl<T> HsQueue<T> {
                     (true, _) => Claim::Settling,
                 };
             }
-            match self.ready.compare_exchange_weak(
-                ready,
-                ready - 1,
+            match self.claimed.compare_exchange_weak(
+                claimed,
+                claimed + 1,
                 Ordering::SeqCst,
                 Ordering::SeqCst,
             ) {
                 Ok(_) => return Claim::Claimed,
-                Err(current) => ready = current,
+                Err(current) => claimed = current,
             }
         }
     }
@@ -358,8 +379,8 @@ impl<T> HsQueue<T> {
     /// Steps 2–4 of a pop, for a consumer that holds a claim.
     fn take_claimed(&self) -> T {
         let item = self.store.take();
-        self.counters.pops.fetch_add(1, Ordering::Relaxed);
         let before = self.slots.fetch_sub(1, Ordering::SeqCst);
+        seqcst_order_point();
         self.producers.notify_one();
         if before & CLOSED != 0 {
             // A draining consumer may be waiting for this last in-flight pop to finish.

@@ -3,7 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use crossbeam_utils::CachePadded;
 use serde::Serialize;
 
 use super::sync::{AtomicU64, Ordering};
@@ -14,7 +13,9 @@ use super::sync::{AtomicU64, Ordering};
 pub struct QueueStats {
     /// Items in the queue, counting pushes and pops in flight; never above `capacity`.
     pub depth: usize,
-    /// Published items per bucket, in bucket order.
+    /// Published items per bucket, in bucket order. Each bucket is read on its own, so under
+    /// traffic the sum may briefly differ from `depth` (an item taken from a bucket already read
+    /// while another lands in one not yet read counts twice).
     pub per_bucket: Vec<usize>,
     /// The most items the queue holds.
     pub capacity: usize,
@@ -22,7 +23,7 @@ pub struct QueueStats {
     pub min_ready: usize,
     /// Items pushed since creation.
     pub pushes: u64,
-    /// Items popped since creation.
+    /// Items popped since creation (counted when a consumer claims one).
     pub pops: u64,
     /// Total time producers spent waiting for room (blocking and timed pushes).
     pub producer_blocked: Duration,
@@ -34,11 +35,9 @@ pub struct QueueStats {
     pub seen_below_watermark: u64,
 }
 
-/// The monotone counters behind [`QueueStats`]. The two hot ones sit on their own cache lines,
-/// so producers counting pushes do not contend with consumers counting pops.
+/// The slow-path counters behind [`QueueStats`] (pushes and pops are the queue's own
+/// `published` and `claimed` counters, so the fast paths pay nothing extra for them).
 pub(crate) struct Counters {
-    pub(crate) pushes: CachePadded<AtomicU64>,
-    pub(crate) pops: CachePadded<AtomicU64>,
     producer_blocked_ns: AtomicU64,
     consumer_blocked_ns: AtomicU64,
     pub(crate) seen_full: AtomicU64,
@@ -48,8 +47,6 @@ pub(crate) struct Counters {
 impl Counters {
     pub(crate) fn new() -> Self {
         Self {
-            pushes: CachePadded::new(AtomicU64::new(0)),
-            pops: CachePadded::new(AtomicU64::new(0)),
             producer_blocked_ns: AtomicU64::new(0),
             consumer_blocked_ns: AtomicU64::new(0),
             seen_full: AtomicU64::new(0),

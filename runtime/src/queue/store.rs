@@ -3,8 +3,9 @@
 //! holds a reserved slot, a consumer holds a claim on a published item), so the store only has
 //! to place and find items:
 //!
-//! - `fifo`: one `ArrayQueue` over all buckets (the bucket index rides along for the per-bucket
-//!   depth), so the oldest item overall leaves first.
+//! - `fifo`: one `ArrayQueue` over all buckets, so the oldest item overall leaves first. The
+//!   bucket index rides along; per-bucket depth is `added - removed`, two counters written by
+//!   producers only and consumers only, so the two sides do not bounce one cache line.
 //! - `round_robin`: one `ArrayQueue` per bucket; consumers visit buckets from a shared cursor.
 //! - `random_in_bucket`: per bucket, a slot array with two bitmaps, `used` (a producer owns or
 //!   filled the slot) and `full` (the item is published). A consumer picks the k-th set bit of
@@ -25,7 +26,8 @@ use super::sync::{AtomicU64, AtomicUsize, Backoff, Ordering, UnsafeCell};
 pub(crate) enum Store<T> {
     Fifo {
         items: ArrayQueue<(usize, T)>,
-        per_bucket: Box<[CachePadded<AtomicUsize>]>,
+        added: Box<[CachePadded<AtomicUsize>]>,
+        removed: Box<[CachePadded<AtomicUsize>]>,
     },
     RoundRobin {
         buckets: Box<[ArrayQueue<T>]>,
@@ -43,9 +45,8 @@ impl<T> Store<T> {
         match pull {
             PullPolicy::Fifo => Self::Fifo {
                 items: ArrayQueue::new(capacity),
-                per_bucket: (0..buckets)
-                    .map(|_| CachePadded::new(AtomicUsize::new(0)))
-                    .collect(),
+                added: counters(buckets),
+                removed: counters(buckets),
             },
             PullPolicy::RoundRobin => Self::RoundRobin {
                 buckets: (0..buckets).map(|_| ArrayQueue::new(capacity)).collect(),
@@ -63,10 +64,9 @@ impl<T> Store<T> {
     /// `capacity - 1` other items exist, counting those still being inserted or taken.
     pub(crate) fn insert(&self, bucket: usize, item: T) {
         match self {
-            Self::Fifo { items, per_bucket } => {
+            Self::Fifo { items, added, .. } => {
                 push_with_room(items, (bucket, item));
-                // Ordered before the take's decrement through the publish/claim on `ready`.
-                per_bucket[bucket].fetch_add(1, Ordering::Relaxed);
+                added[bucket].fetch_add(1, Ordering::Relaxed);
             }
             Self::RoundRobin { buckets, .. } => push_with_room(&buckets[bucket], item),
             Self::RandomInBucket { buckets, .. } => buckets[bucket].insert(item),
@@ -88,9 +88,9 @@ impl<T> Store<T> {
 
     fn take_once(&self) -> Option<T> {
         match self {
-            Self::Fifo { items, per_bucket } => {
+            Self::Fifo { items, removed, .. } => {
                 let (bucket, item) = items.pop()?;
-                per_bucket[bucket].fetch_sub(1, Ordering::Relaxed);
+                removed[bucket].fetch_add(1, Ordering::Relaxed);
                 Some(item)
             }
             Self::RoundRobin { buckets, cursor } => {
@@ -115,14 +115,26 @@ impl<T> Store<T> {
     /// not across buckets).
     pub(crate) fn depths(&self) -> Vec<usize> {
         match self {
-            Self::Fifo { per_bucket, .. } => per_bucket
+            Self::Fifo { added, removed, .. } => added
                 .iter()
-                .map(|depth| depth.load(Ordering::Relaxed))
+                .zip(removed.iter())
+                // `removed` first: a removal always follows its addition, so this cannot go
+                // negative except through a stale `added`, which the saturation absorbs.
+                .map(|(added, removed)| {
+                    let removed = removed.load(Ordering::Relaxed);
+                    added.load(Ordering::Relaxed).saturating_sub(removed)
+                })
                 .collect(),
             Self::RoundRobin { buckets, .. } => buckets.iter().map(ArrayQueue::len).collect(),
             Self::RandomInBucket { buckets, .. } => buckets.iter().map(SlotBucket::len).collect(),
         }
     }
+}
+
+fn counters(buckets: usize) -> Box<[CachePadded<AtomicUsize>]> {
+    (0..buckets)
+        .map(|_| CachePadded::new(AtomicUsize::new(0)))
+        .collect()
 }
 
 /// Pushes into an `ArrayQueue` the caller knows has room. `ArrayQueue::push` only fails on a full

@@ -57,3 +57,22 @@ impl Backoff {
         true
     }
 }
+
+/// Marks the point between a `SeqCst` write and a `SeqCst` read of another location on which the
+/// no-lost-wake-up argument rests (see `park.rs`).
+///
+/// In the real build it is empty: the C11 model puts all `SeqCst` accesses in one total order,
+/// which is exactly what the argument uses, and on x86-64 the locked read-modify-write before it
+/// is already a full barrier. Loom treats `SeqCst` accesses as `AcqRel` (its README: a source of
+/// false alarms), but models `SeqCst` fences, so under loom a fence here restores the order the
+/// real build gets. Without it loom reports a (false) deadlock, which shows the models do test
+/// the parking protocol.
+#[cfg(loom)]
+pub(crate) fn seqcst_order_point() {
+    loom::sync::atomic::fence(Ordering::SeqCst);
+}
+
+/// See the loom build's documentation of this function.
+#[cfg(not(loom))]
+#[inline(always)]
+pub(crate) fn seqcst_order_point() {}
