@@ -69,13 +69,13 @@ pub struct RunArgs {
     #[arg(value_name = "FILE")]
     pub file: PathBuf,
     /// Stop after this many training steps (overrides the file's `steps`).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: Option<u64>,
     /// Write checkpoints to this directory (every `--save-every` steps and at the end).
     #[arg(long, value_name = "DIR")]
     pub save: Option<PathBuf>,
     /// Checkpoint period in steps, with `--save`.
-    #[arg(long, value_name = "N", default_value_t = 100, requires = "save")]
+    #[arg(long, value_name = "N", default_value_t = 100, requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     pub save_every: u64,
     /// Continue exactly from a checkpoint directory written by `--save`.
     #[arg(long, value_name = "DIR", conflicts_with = "init")]

@@ -125,10 +125,16 @@ fn the_quickstart_run_lowers_its_loss() {
     let dir = scratch("quickstart");
     let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/quickstart.pipe");
     let steps = QUICKSTART_TEST_STEPS.to_string();
-    let out = draftpipe(&["run", pipe.to_str().unwrap(), "--steps", &steps, "--json"], &dir);
+    let out = draftpipe(
+        &["run", pipe.to_str().unwrap(), "--steps", &steps, "--json"],
+        &dir,
+    );
     assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
     let lines = json_lines(&out);
-    assert_eq!(lines.last().unwrap()["step"].as_u64(), Some(QUICKSTART_TEST_STEPS));
+    assert_eq!(
+        lines.last().unwrap()["step"].as_u64(),
+        Some(QUICKSTART_TEST_STEPS)
+    );
     let summary: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("runs/quickstart/summary.json")).unwrap(),
     )
@@ -137,7 +143,10 @@ fn the_quickstart_run_lowers_its_loss() {
     let last = summary["final_loss"].as_f64().unwrap();
     // The untrained drafter starts near ln(4096) = 8.3. Stated margin: after 30 of the file's 300 steps the loss
     // is at most 90% of the first reported one (measured: 8.47 → 5.64, 67%).
-    assert!(last <= 0.9 * first, "quickstart loss fell only from {first} to {last}");
+    assert!(
+        last <= 0.9 * first,
+        "quickstart loss fell only from {first} to {last}"
+    );
 }
 
 /// Steps of the shortened quickstart run in the tests (the file asks for 300; a few minutes on 2 cores).

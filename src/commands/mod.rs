@@ -15,10 +15,16 @@ pub fn invalid() -> ExitCode {
     ExitCode::from(EXIT_INVALID)
 }
 
-/// Prints an error and its causes, `error:` first and one `Caused by:` line per cause.
+/// Prints an error and its causes, `error:` first and one `Caused by:` line per cause. A cause whose text the
+/// line before already shows (library errors often print their source inline too) is not repeated.
 pub fn report(error: &anyhow::Error) {
-    eprintln!("error: {error}");
+    let mut shown = error.to_string();
+    eprintln!("error: {shown}");
     for cause in error.chain().skip(1) {
-        eprintln!("  Caused by: {cause}");
+        let text = cause.to_string();
+        if !shown.contains(&text) {
+            eprintln!("  Caused by: {text}");
+        }
+        shown = text;
     }
 }

@@ -341,14 +341,14 @@ impl<'a> Training<'a> {
     /// Accounts a finished step whose completion the host saw at `seen`. Its device time (CUDA events) is
     /// recorded as ending there, not as starting at the launch: a launch queues behind the step in flight, so
     /// the launch instant says little about when the device began. The span is recorded as
-    /// [`DrafterPhase::Other`]: the events bracket the whole step (forward, loss, backward, NCCL all-reduce and
-    /// AdamW in one graph) and no phase names that whole, so a GPU drafter's busy time is measured but its split
-    /// into forward, loss, backward and optimizer is not. Skips follow the device: AdamW skips exactly when the
+    /// [`DrafterPhase::DeviceStep`]: the events bracket the whole step (forward, loss, backward, NCCL all-reduce
+    /// and AdamW in one graph), so a GPU drafter's busy time is measured but its split into those phases is not.
+    /// Skips follow the device: AdamW skips exactly when the
     /// gradient norm is not finite.
     fn account(&mut self, (outcome, tokens): (StepOutcome, u64), seen: Instant) {
         let device_time = Duration::try_from_secs_f32(outcome.device_ms / 1e3).unwrap_or_default();
         let began = seen.checked_sub(device_time).unwrap_or(self.recorded_until);
-        self.record(DrafterPhase::Other, began, seen);
+        self.record(DrafterPhase::DeviceStep, began, seen);
         if outcome.grad_norm.is_finite() {
             self.recorder.step_done(tokens, f64::from(outcome.loss));
             self.nonfinite_in_row = 0;

@@ -22,13 +22,16 @@ pub enum DrafterPhase {
     AllReduce,
     /// Fused AdamW step.
     Optimizer,
+    /// A whole step on a GPU, bracketed by CUDA events: forward, loss, backward, all-reduce and AdamW run as one
+    /// graph, so the device time is measured whole and not split into the phases above.
+    DeviceStep,
     /// Anything else inside the step the worker chose to measure (bookkeeping, loss read-back, checkpoints).
     Other,
 }
 
 impl DrafterPhase {
     /// Number of drafter phases (the length of per-phase counter arrays).
-    pub const COUNT: usize = 8;
+    pub const COUNT: usize = 9;
     /// Every phase, in step order; `ALL[p.index()] == p`.
     pub const ALL: [DrafterPhase; Self::COUNT] = [
         Self::DataWait,
@@ -38,6 +41,7 @@ impl DrafterPhase {
         Self::Backward,
         Self::AllReduce,
         Self::Optimizer,
+        Self::DeviceStep,
         Self::Other,
     ];
 
@@ -56,6 +60,7 @@ impl DrafterPhase {
             Self::Backward => "backward",
             Self::AllReduce => "all_reduce",
             Self::Optimizer => "optimizer",
+            Self::DeviceStep => "device_step",
             Self::Other => "other",
         }
     }
@@ -65,7 +70,7 @@ impl DrafterPhase {
     pub fn is_compute(self) -> bool {
         matches!(
             self,
-            Self::Forward | Self::Loss | Self::Backward | Self::Optimizer
+            Self::Forward | Self::Loss | Self::Backward | Self::Optimizer | Self::DeviceStep
         )
     }
 }
