@@ -10,6 +10,8 @@
 //! Run: `cargo bench --bench step -- --warm-up-time 1 --measurement-time 5` (`MATMUL_NUM_THREADS` sets the GEMM
 //! threads; default: physical cores).
 
+use std::time::Instant;
+
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
 use draftpipe_runtime::batch::HsBatch;
@@ -201,7 +203,30 @@ fn bench_step(c: &mut Criterion) {
     group.throughput(Throughput::Elements(TOKENS as u64));
     group.bench_function("step", |bench| bench.iter(&mut step));
     group.finish();
+
+    // The two groups above run minutes apart, and this machine's GEMM rate drifts by more than the target's
+    // margin over minutes; pairs timed back to back give a ratio that drift cannot bias.
+    let mut ratios: Vec<f64> = (0..INTERLEAVED_PAIRS)
+        .map(|_| {
+            let started = Instant::now();
+            step();
+            let step_time = started.elapsed();
+            let started = Instant::now();
+            run_gemms(&gemms, &a, &b, &mut out);
+            started.elapsed().as_secs_f64() / step_time.as_secs_f64()
+        })
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "step rate / bare GEMM rate, {INTERLEAVED_PAIRS} interleaved pairs: median {:.1}% (min {:.1}%, max {:.1}%)",
+        100.0 * ratios[ratios.len() / 2],
+        100.0 * ratios[0],
+        100.0 * ratios[ratios.len() - 1],
+    );
 }
+
+/// Back-to-back (step, bare GEMMs) pairs behind the printed ratio.
+const INTERLEAVED_PAIRS: usize = 9;
 
 criterion_group!(benches, bench_step);
 criterion_main!(benches);
