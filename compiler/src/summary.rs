@@ -178,10 +178,13 @@ fn placement(p: &Placement) -> String {
             n => format!("cpu x{n}"),
         };
     }
-    let contiguous = gpus.windows(2).all(|w| w[1] == w[0] + 1);
+    // u64: ordinals may be as large as u32::MAX, and the range's end is one past the last.
+    let contiguous = gpus
+        .windows(2)
+        .all(|w| u64::from(w[1]) == u64::from(w[0]) + 1);
     match (gpus.len(), contiguous) {
         (1, _) => format!("gpu {}", gpus[0]),
-        (n, true) => format!("gpu {}..{}", gpus[0], gpus[0] + n as u32),
+        (n, true) => format!("gpu {}..{}", gpus[0], u64::from(gpus[0]) + n as u64),
         _ => {
             let mut s = String::from("gpu [");
             for (i, g) in gpus.iter().enumerate() {

@@ -12,8 +12,9 @@ const VALID: [&str; 2] = [
 fn compile_and_render(source: &str) {
     match draftpipe_compiler::compile_source("fuzz.pipe", source) {
         Ok(plan) => {
-            // A plan that compiles must serialise (the CLI's `--emit json`).
+            // A plan that compiles must serialise (the CLI's `--emit json`) and summarise (`--emit text`).
             serde_json::to_string(&plan).expect("plans serialise");
+            let _ = draftpipe_compiler::summary::Summary(&plan).to_string();
         }
         Err(diagnostics) => {
             assert!(
@@ -157,4 +158,21 @@ fn huge_dimensions_are_rejected_without_overflow() {
         diagnostics.to_string().contains("too large"),
         "{diagnostics}"
     );
+}
+
+#[test]
+fn the_summary_of_gpus_at_the_top_of_the_ordinal_range_renders() {
+    let source = include_str!("../../pipelines/dflash-5x3.pipe")
+        .replace(
+            "gpu 0..8 { memory = 141GiB }",
+            "gpu 0..5 { memory = 141GiB }\n    gpu [4294967294, 4294967295] { memory = 141GiB }",
+        )
+        .replace(
+            "drafter drafter on gpu 5..8",
+            "drafter drafter on gpu [4294967294, 4294967295]",
+        );
+    let plan =
+        draftpipe_compiler::compile_source("top.pipe", &source).expect("the edited file is valid");
+    let text = draftpipe_compiler::summary::Summary(&plan).to_string();
+    assert!(text.contains("gpu 4294967294..4294967296"), "{text}");
 }

@@ -100,7 +100,8 @@ pub struct TrainingState {
     pub optimizer_step: u64,
     /// Name of the pipeline that wrote the checkpoint.
     pub plan_name: String,
-    /// RNG state words (seeds or generator states) the pipeline restores, in an order it defines.
+    /// Seeds the run was started with (`draftpipe run` records the drafter's initial-weight seed), for the record:
+    /// every other random choice derives from the plan's seed, the step and the data positions.
     pub rng_state: Vec<u64>,
     /// Per producer worker, the global position of the next batch it must produce.
     pub data_positions: Vec<u64>,

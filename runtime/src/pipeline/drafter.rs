@@ -1,7 +1,7 @@
 //! One drafter thread: pop a batch, train one step on its replica, average gradients, apply AdamW.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use draftpipe_compiler::plan::{Plan, SyncMode};
@@ -57,6 +57,15 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
     let synced = plan.drafter.sync == SyncMode::AllReduce;
     let saves = worker == 0 && options.save_dir.is_some();
     let limit_reached = |step: u64| step_limit.is_some_and(|limit| step >= limit);
+    // Under all-reduce another worker may already hold its next batch when worker 0 saves; the positions of the
+    // last round are the ones the saved weights contain.
+    let positions = |shared: &Shared| {
+        if synced {
+            shared.trained_positions()
+        } else {
+            shared.consumed_positions()
+        }
+    };
 
     let mut step = first_step;
     let mut nonfinite_in_row = 0u32;
@@ -111,6 +120,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         }
         let stop_after = if synced {
             let outcome = group.mean(&mut state.grads, || {
+                shared.mark_trained();
                 limit_reached(step + 1) || shared.should_stop()
             });
             recorder.lap(DrafterPhase::AllReduce, &mut since);
@@ -141,7 +151,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
                 .save_every
                 .is_some_and(|every| every > 0 && step % every == 0)
         {
-            save(plan, options, &shared, &state, step);
+            save(plan, options, &shared, &state, step, positions(&shared));
             recorder.lap(DrafterPhase::Other, &mut since);
         }
         if stop_after || shared.fatal_raised.load(Ordering::Acquire) {
@@ -156,26 +166,22 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         }
     };
     if saves && !shared.fatal_raised.load(Ordering::Acquire) && step > first_step {
-        save(plan, options, &shared, &state, step);
+        save(plan, options, &shared, &state, step, positions(&shared));
     }
     Finished { stop, step }
 }
 
-/// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions drafters
-/// have consumed up to now. The GPU worker calls it too, on the state it downloads.
+/// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions of the
+/// batches its weights contain. The GPU worker calls it too, on the state it downloads.
 pub(super) fn save(
     plan: &Plan,
     options: &RunOptions,
     shared: &Shared,
     state: &FlatState,
     step: u64,
+    data_positions: Vec<u64>,
 ) {
     let Some(dir) = &options.save_dir else { return };
-    let data_positions = shared
-        .consumed
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
     let training = TrainingState {
         step,
         optimizer_step: state.step,

@@ -382,6 +382,7 @@ impl<'a> Training<'a> {
             &self.shared,
             &self.state,
             self.step,
+            self.shared.consumed_positions(),
         );
         Ok(())
     }

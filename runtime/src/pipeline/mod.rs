@@ -195,6 +195,26 @@ pub enum RunError {
     /// Telemetry output failed.
     #[error("telemetry: {0}")]
     Telemetry(#[from] TelemetryError),
+    /// Every producer failed under `--keep-going`: nothing was left to train on.
+    #[error("every producer failed: {0}")]
+    AllProducersFailed(String),
+    /// A worker thread panicked: a bug in draftpipe, not in the input.
+    #[error(
+        "the {0} thread panicked (a bug in draftpipe; please report it with the message above)"
+    )]
+    Panicked(String),
+}
+
+/// Runs `on_panic` if the thread unwinds through it: a panicking worker must still release the threads that
+/// wait for it (the queue, the all-reduce group), or the run would hang instead of failing.
+struct OnPanic<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnPanic<F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            (self.0)();
+        }
+    }
 }
 
 /// Converts the queue's statistics into the telemetry's view of them.
@@ -227,6 +247,9 @@ struct Shared {
     fatal_raised: AtomicBool,
     /// Per producer, the position after the newest batch a drafter has taken: where a resumed run restarts.
     consumed: Mutex<Vec<u64>>,
+    /// `consumed` as it stood when the last all-reduce round completed: every batch it counts is in that round's
+    /// update, and none taken since (a fast worker may already hold its next batch while worker 0 saves).
+    trained: Mutex<Vec<u64>>,
     producer_errors: Mutex<Vec<String>>,
 }
 
@@ -250,6 +273,28 @@ impl Shared {
         let producers = consumed.len() as u64;
         let owner = (source_position % producers) as usize;
         consumed[owner] = consumed[owner].max(source_position + producers);
+    }
+
+    /// The data positions now (see `consumed`).
+    fn consumed_positions(&self) -> Vec<u64> {
+        self.consumed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Records `consumed` as trained; called once per all-reduce round, when every member has its batch.
+    fn mark_trained(&self) {
+        let positions = self.consumed_positions();
+        *self.trained.lock().unwrap_or_else(PoisonError::into_inner) = positions;
+    }
+
+    /// The data positions of the last completed all-reduce round.
+    fn trained_positions(&self) -> Vec<u64> {
+        self.trained
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     fn producer_finished(&self) {
@@ -337,6 +382,10 @@ pub fn run(
     }
     let producers: Vec<Producer> = sources.into_iter().map(Producer::new).collect();
     let queue_seed = plan_seed(plan) ^ start.step;
+    let first_positions = start
+        .data_positions
+        .clone()
+        .unwrap_or_else(|| (0..producers.len() as u64).collect());
     let shared = Arc::new(Shared {
         queue: HsQueue::new(QueueConfig::from_spec(&plan.queue, queue_seed))?,
         pool: BatchPool::for_plan(plan)?,
@@ -345,12 +394,8 @@ pub fn run(
         live_producers: AtomicU32::new(producers.len() as u32),
         fatal: Mutex::new(None),
         fatal_raised: AtomicBool::new(false),
-        consumed: Mutex::new(
-            start
-                .data_positions
-                .clone()
-                .unwrap_or_else(|| (0..producers.len() as u64).collect()),
-        ),
+        consumed: Mutex::new(first_positions.clone()),
+        trained: Mutex::new(first_positions),
         producer_errors: Mutex::new(Vec::new()),
     });
 
@@ -367,7 +412,8 @@ pub fn run(
         plan.queue.min_ready,
     );
     reporter_config.mode = options.output;
-    reporter_config.total_steps = step_limit;
+    // The status line counts the steps of this run, so a resumed run's total is what is left of the limit.
+    reporter_config.total_steps = step_limit.map(|limit| limit.saturating_sub(start.step));
     reporter_config.run_dir = options.run_dir.clone();
     reporter_config.trace_path = options.trace.clone();
     let reporter = Reporter::new(reporter_config, Arc::clone(&telemetry), out)?;
@@ -388,7 +434,7 @@ pub fn run(
     let drafter_recorders = (0..drafters)
         .map(|worker| telemetry.drafter(worker))
         .collect::<Result<Vec<_>, _>>()?;
-    let outcome = std::thread::scope(|scope| -> Result<_, RunError> {
+    let outcome = std::thread::scope(|scope| {
         let producer_handles: Vec<_> = producers
             .into_iter()
             .zip(producer_recorders)
@@ -399,6 +445,10 @@ pub fn run(
                 std::thread::Builder::new()
                     .name(format!("producer-{worker}"))
                     .spawn_scoped(scope, move || {
+                        let _release = OnPanic(|| {
+                            shared.fail(RunError::Panicked(format!("producer {worker}")));
+                            shared.producer_finished();
+                        });
                         producer::run(worker, producer, &shared, &recorder, keep_going)
                     })
                     .expect("spawning a producer thread")
@@ -424,11 +474,18 @@ pub fn run(
                     ordinal: ordinals[worker],
                     all_reduce: communicators.next(),
                 });
+                let (shared, group) = (Arc::clone(&shared), Arc::clone(&group));
                 std::thread::Builder::new()
                     .name(format!("drafter-{worker}"))
-                    .spawn_scoped(scope, move || match gpu {
-                        Some(device) => gpu_drafter::run(context, device),
-                        None => drafter::run(context),
+                    .spawn_scoped(scope, move || {
+                        let _release = OnPanic(|| {
+                            shared.fail(RunError::Panicked(format!("drafter {worker}")));
+                            group.leave();
+                        });
+                        match gpu {
+                            Some(device) => gpu_drafter::run(context, device),
+                            None => drafter::run(context),
+                        }
                     })
                     .expect("spawning a drafter thread")
             })
@@ -437,35 +494,45 @@ pub fn run(
             let (shared, reporter_stop) = (&shared, &reporter_stop);
             let mut reporter = reporter;
             scope.spawn(move || {
-                reporter
-                    .run(reporter_stop, || queue_snapshot(shared.queue.stats()))
-                    .map(|()| reporter)
+                // A reporter that cannot write (say, stdout closed) stops the run rather than leaving it to
+                // train unobserved; the workers see the failure at their next step.
+                match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
+                    Ok(()) => Some(reporter),
+                    Err(error) => {
+                        shared.fail(RunError::Telemetry(error));
+                        None
+                    }
+                }
             })
         };
 
+        // Panics were turned into the run's fatal error by the workers' guards; joining every thread before
+        // acting on any result keeps one failure from leaving the others running.
         let finished: Vec<drafter::Finished> = drafter_handles
             .into_iter()
-            .map(|handle| handle.join().expect("a drafter thread panicked"))
+            .filter_map(|handle| handle.join().ok())
             .collect();
         shared.producers_stop.store(true, Ordering::Release);
         shared.queue.close();
         for handle in producer_handles {
-            handle.join().expect("a producer thread panicked");
+            let _ = handle.join();
         }
         reporter_stop.store(true, Ordering::Release);
-        let reporter = telemetry_thread
-            .join()
-            .expect("the telemetry thread panicked")?;
-        let stop = finished
-            .iter()
-            .map(|f| f.stop)
-            .next()
-            .unwrap_or(StopReason::SourcesExhausted);
+        let reporter = telemetry_thread.join().ok().flatten();
+        let stop = if shared.interrupt.load(Ordering::Acquire) {
+            StopReason::Interrupted
+        } else {
+            finished
+                .iter()
+                .map(|f| f.stop)
+                .next()
+                .unwrap_or(StopReason::SourcesExhausted)
+        };
         let step = finished.iter().map(|f| f.step).max().unwrap_or(start.step);
-        Ok((stop, step, reporter))
+        (stop, step, reporter)
     });
-    let (stop, step, reporter) = outcome?;
-    let summary = reporter.finish(&queue_snapshot(shared.queue.stats()))?;
+    let (stop, step, reporter) = outcome;
+    let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared.queue.stats())));
     if let Some(error) = shared
         .fatal
         .lock()
@@ -474,6 +541,7 @@ pub fn run(
     {
         return Err(error);
     }
+    let summary = summary.ok_or_else(|| RunError::Panicked("telemetry".into()))??;
     let diagnosis = Diagnosis::from_summary(&summary);
     let producer_errors = std::mem::take(
         &mut *shared
@@ -481,6 +549,9 @@ pub fn run(
             .lock()
             .unwrap_or_else(PoisonError::into_inner),
     );
+    if !producer_errors.is_empty() && producer_errors.len() == plan.target.placement.workers.len() {
+        return Err(RunError::AllProducersFailed(producer_errors.join("; ")));
+    }
     Ok(RunOutcome {
         stop,
         step,

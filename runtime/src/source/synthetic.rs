@@ -109,7 +109,7 @@ impl SyntheticTarget {
     pub fn new(seed: u64, vocab: usize, hidden: usize, taps: usize) -> Result<Self, SourceError> {
         if vocab < 2 || vocab > u32::MAX as usize || hidden == 0 || taps == 0 {
             return Err(SourceError::Config(format!(
-                "synthetic target needs 2 ≤ vocab ≤ 2³², hidden ≥ 1, ≥ 1 tap layer (got vocab {vocab}, hidden \
+                "synthetic target needs 2 ≤ vocab < 2³², hidden ≥ 1, ≥ 1 tap layer (got vocab {vocab}, hidden \
                  {hidden}, {taps} taps)"
             )));
         }
