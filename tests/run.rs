@@ -149,6 +149,42 @@ fn the_quickstart_run_lowers_its_loss() {
     );
 }
 
+#[test]
+fn a_diverging_run_skips_non_finite_steps_then_stops_with_a_clear_error() {
+    let dir = scratch("nonfinite");
+    let pipe = tiny_pipe(&dir, 1, 2, "fifo", SYNTHETIC);
+    let diverging = std::fs::read_to_string(&pipe)
+        .unwrap()
+        .replace("adamw(lr = 3e-3)", "adamw(lr = 1e30)");
+    std::fs::write(&pipe, diverging).unwrap();
+    let out = draftpipe(
+        &[
+            "run",
+            pipe.to_str().unwrap(),
+            "--max-nonfinite",
+            "3",
+            "--json",
+        ],
+        &dir,
+    );
+    assert_eq!(out.status.code(), Some(1), "stderr:\n{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(stderr.starts_with("error:"), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains("3 steps in a row had a non-finite loss or gradient"),
+        "stderr:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "stderr:\n{stderr}");
+    // The run still writes its summary, with the skipped steps counted (each drafter counts its own).
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("runs/tiny/summary.json")).unwrap())
+            .unwrap();
+    assert!(
+        summary["skipped_nonfinite"].as_u64().unwrap() >= 3,
+        "{summary}"
+    );
+}
+
 /// Steps of the shortened quickstart run in the tests (the file asks for 300; a few minutes on 2 cores).
 const QUICKSTART_TEST_STEPS: u64 = 30;
 
