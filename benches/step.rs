@@ -143,11 +143,7 @@ fn batch() -> HsBatch {
 }
 
 fn bench_step(c: &mut Criterion) {
-    let model = ModelPlan {
-        spec: SPEC,
-        parameters: SPEC.parameter_count(),
-        layout: SPEC.layout(),
-    };
+    let model = ModelPlan::new(SPEC);
     let bucket = BucketPlan {
         padded_len: PADDED_LEN,
         sequences: SEQUENCES,

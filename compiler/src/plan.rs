@@ -250,6 +250,27 @@ pub struct ModelPlan {
     pub layout: Vec<TensorView>,
 }
 
+impl ModelPlan {
+    /// The plan of `spec`: its closed-form parameter count and canonical flat layout.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use draftpipe_compiler::plan::{MlpSpec, ModelPlan};
+    ///
+    /// let spec = MlpSpec { din: 8, hidden: 4, blocks: 1, intermediate: 6, heads: 2, vocab: 10 };
+    /// let model = ModelPlan::new(spec);
+    /// assert_eq!(model.parameters, model.layout.iter().map(|view| view.len()).sum::<usize>());
+    /// ```
+    pub fn new(spec: MlpSpec) -> Self {
+        Self {
+            spec,
+            parameters: spec.parameter_count(),
+            layout: spec.layout(),
+        }
+    }
+}
+
 impl MlpSpec {
     /// The closed-form parameter count.
     pub fn parameter_count(&self) -> usize {

@@ -179,11 +179,7 @@ fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
         heads: 4,
         vocab: 151936,
     };
-    let model = ModelPlan {
-        spec,
-        parameters: spec.parameter_count(),
-        layout: spec.layout(),
-    };
+    let model = ModelPlan::new(spec);
     let loss = LossSpec {
         head_decay: 0.8,
         chunk_tokens: 4096,

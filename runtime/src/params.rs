@@ -40,7 +40,7 @@ impl FlatState {
     /// use draftpipe_runtime::params::FlatState;
     ///
     /// let spec = MlpSpec { din: 8, hidden: 4, blocks: 1, intermediate: 6, heads: 2, vocab: 10 };
-    /// let model = ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() };
+    /// let model = ModelPlan::new(spec);
     /// let state = FlatState::init(&model, 7);
     /// assert_eq!(state.params.len(), model.parameters);
     /// assert!(state.view("norm.weight").unwrap().iter().all(|&w| w == 1.0));

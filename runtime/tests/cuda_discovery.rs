@@ -16,11 +16,7 @@ fn no_driver_is_an_error_not_a_panic() {
         heads: 2,
         vocab: 10,
     };
-    let model = ModelPlan {
-        spec,
-        parameters: spec.parameter_count(),
-        layout: spec.layout(),
-    };
+    let model = ModelPlan::new(spec);
     let loss = LossSpec {
         head_decay: 0.8,
         chunk_tokens: 4,

@@ -25,11 +25,7 @@ fn setup() -> (ModelPlan, LossSpec, AdamWSpec, Vec<BucketPlan>) {
         heads: 3,
         vocab: 257,
     };
-    let model = ModelPlan {
-        spec,
-        parameters: spec.parameter_count(),
-        layout: spec.layout(),
-    };
+    let model = ModelPlan::new(spec);
     // 48-token chunks over 128 tokens: the last chunk is partial.
     let loss = LossSpec {
         head_decay: 0.8,

@@ -54,11 +54,7 @@ impl ReferenceAdamW {
 }
 
 fn setup(optimizer: AdamWSpec) -> (CpuDrafter, FlatState, ReferenceAdamW) {
-    let model = ModelPlan {
-        spec: SPEC,
-        parameters: SPEC.parameter_count(),
-        layout: SPEC.layout(),
-    };
+    let model = ModelPlan::new(SPEC);
     let loss = draftpipe_compiler::plan::LossSpec {
         head_decay: 0.8,
         chunk_tokens: 8,

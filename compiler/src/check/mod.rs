@@ -194,11 +194,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     Ok(Plan {
         name,
         devices: declared.into_iter().map(|(d, _)| d).collect(),
-        model: ModelPlan {
-            spec,
-            parameters: spec.parameter_count(),
-            layout: spec.layout(),
-        },
+        model: ModelPlan::new(spec),
         target,
         queue,
         drafter,

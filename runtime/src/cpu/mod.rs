@@ -137,7 +137,7 @@ pub enum StepError {
 /// use draftpipe_runtime::{batch::HsBatch, cpu::CpuDrafter, params::FlatState};
 ///
 /// let spec = MlpSpec { din: 8, hidden: 8, blocks: 1, intermediate: 16, heads: 2, vocab: 32 };
-/// let model = ModelPlan { spec, parameters: spec.parameter_count(), layout: spec.layout() };
+/// let model = ModelPlan::new(spec);
 /// let bucket = BucketPlan { padded_len: 4, sequences: 2, tokens: 8, step_flops: 0, step_bytes: 0 };
 /// let loss = LossSpec { head_decay: 0.8, chunk_tokens: 4 };
 /// let adamw = AdamWSpec { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip_grad_norm: Some(1.0) };

@@ -87,6 +87,27 @@ impl<C: Default> Slot<C> {
         Ok(())
     }
 
+    /// Adds `start..end` to `counter` (this slot's counter of phase `phase`) and, when tracing, pushes the span;
+    /// an `end` before `start` counts as zero. The one recording path of drafters and producers alike.
+    fn record(
+        &self,
+        telemetry: &Telemetry,
+        phase: usize,
+        counter: &PhaseCounter,
+        start: Instant,
+        end: Instant,
+    ) {
+        let duration_ns = nanos(end.saturating_duration_since(start));
+        counter.add(duration_ns);
+        if self.spans.is_some() {
+            self.push_span(Span {
+                phase: phase as u8,
+                start_ns: telemetry.since_epoch_ns(start),
+                duration_ns,
+            });
+        }
+    }
+
     fn push_span(&self, span: Span) {
         if let Some(ring) = &self.spans
             && ring.force_push(span).is_some()
@@ -312,16 +333,14 @@ impl DrafterRecorder {
     /// Adds the span `start..end` to `phase` (an `end` before `start` counts as zero).
     pub fn record(&self, phase: DrafterPhase, start: Instant, end: Instant) {
         let slot = self.slot();
-        let duration_ns = nanos(end.saturating_duration_since(start));
-        slot.counters.phases[phase.index()].add(duration_ns);
-        if slot.spans.is_some() {
-            let start_ns = self.telemetry.since_epoch_ns(start);
-            slot.push_span(Span {
-                phase: phase.index() as u8,
-                start_ns,
-                duration_ns,
-            });
-        }
+        let index = phase.index();
+        slot.record(
+            &self.telemetry,
+            index,
+            &slot.counters.phases[index],
+            start,
+            end,
+        );
     }
 
     /// Adds a span of `duration` starting at `start`: for times measured by device events (CUDA event
@@ -383,16 +402,14 @@ impl ProducerRecorder {
     /// Adds the span `start..end` to `phase`.
     pub fn record(&self, phase: ProducerPhase, start: Instant, end: Instant) {
         let slot = self.slot();
-        let duration_ns = nanos(end.saturating_duration_since(start));
-        slot.counters.phases[phase.index()].add(duration_ns);
-        if slot.spans.is_some() {
-            let start_ns = self.telemetry.since_epoch_ns(start);
-            slot.push_span(Span {
-                phase: phase.index() as u8,
-                start_ns,
-                duration_ns,
-            });
-        }
+        let index = phase.index();
+        slot.record(
+            &self.telemetry,
+            index,
+            &slot.counters.phases[index],
+            start,
+            end,
+        );
     }
 
     /// Records `*since..now` as `phase` and moves `*since` to now.

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TelemetryError;
 use super::phase::{DrafterPhase, ProducerPhase};
-use super::recorder::{DrafterCounts, ProducerCounts};
+use super::recorder::{DrafterCounts, PhaseCount, ProducerCounts};
 use super::status::QueueSnapshot;
 
 /// The `format` this build writes and reads; bumped when a field changes meaning.
@@ -32,6 +32,29 @@ pub struct PhaseTotal<P> {
     pub count: u64,
 }
 
+/// Seconds recorded for `phase` in `phases` (0 when absent).
+fn seconds_in<P: PartialEq>(phases: &[PhaseTotal<P>], phase: P) -> f64 {
+    phases
+        .iter()
+        .filter(|p| p.phase == phase)
+        .map(|p| p.total_s)
+        .sum()
+}
+
+/// One total per phase of `all`, read through `count`.
+fn phase_totals<P: Copy>(all: &[P], count: impl Fn(P) -> PhaseCount) -> Vec<PhaseTotal<P>> {
+    all.iter()
+        .map(|&phase| {
+            let c = count(phase);
+            PhaseTotal {
+                phase,
+                total_s: c.total.as_secs_f64(),
+                count: c.count,
+            }
+        })
+        .collect()
+}
+
 /// One drafter's totals.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DrafterSummary {
@@ -48,11 +71,7 @@ pub struct DrafterSummary {
 impl DrafterSummary {
     /// Seconds spent in `phase` (0 when absent).
     pub fn seconds(&self, phase: DrafterPhase) -> f64 {
-        self.phases
-            .iter()
-            .filter(|p| p.phase == phase)
-            .map(|p| p.total_s)
-            .sum()
+        seconds_in(&self.phases, phase)
     }
 
     pub(crate) fn from_counts(counts: &DrafterCounts) -> Self {
@@ -60,17 +79,7 @@ impl DrafterSummary {
             steps: counts.steps,
             tokens: counts.tokens,
             skipped: counts.skipped,
-            phases: DrafterPhase::ALL
-                .iter()
-                .map(|&phase| {
-                    let c = counts.phase(phase);
-                    PhaseTotal {
-                        phase,
-                        total_s: c.total.as_secs_f64(),
-                        count: c.count,
-                    }
-                })
-                .collect(),
+            phases: phase_totals(&DrafterPhase::ALL, |phase| counts.phase(phase)),
         }
     }
 }
@@ -89,28 +98,14 @@ pub struct ProducerSummary {
 impl ProducerSummary {
     /// Seconds spent in `phase` (0 when absent).
     pub fn seconds(&self, phase: ProducerPhase) -> f64 {
-        self.phases
-            .iter()
-            .filter(|p| p.phase == phase)
-            .map(|p| p.total_s)
-            .sum()
+        seconds_in(&self.phases, phase)
     }
 
     pub(crate) fn from_counts(counts: &ProducerCounts) -> Self {
         Self {
             items: counts.items,
             tokens: counts.tokens,
-            phases: ProducerPhase::ALL
-                .iter()
-                .map(|&phase| {
-                    let c = counts.phase(phase);
-                    PhaseTotal {
-                        phase,
-                        total_s: c.total.as_secs_f64(),
-                        count: c.count,
-                    }
-                })
-                .collect(),
+            phases: phase_totals(&ProducerPhase::ALL, |phase| counts.phase(phase)),
         }
     }
 }

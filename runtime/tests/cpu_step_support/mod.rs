@@ -9,11 +9,7 @@ use rand::rngs::Xoshiro256PlusPlus;
 
 /// A model plan with the canonical layout.
 pub fn model(spec: MlpSpec) -> ModelPlan {
-    ModelPlan {
-        spec,
-        parameters: spec.parameter_count(),
-        layout: spec.layout(),
-    }
+    ModelPlan::new(spec)
 }
 
 /// A bucket plan for `sequences × padded_len` (costs are not used by the step).

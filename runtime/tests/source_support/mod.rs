@@ -69,11 +69,7 @@ pub fn plan(
             launch: LaunchMode::Eager,
             steps: None,
         },
-        model: ModelPlan {
-            spec,
-            parameters: spec.parameter_count(),
-            layout: spec.layout(),
-        },
+        model: ModelPlan::new(spec),
         buckets: buckets
             .iter()
             .map(|&padded_len| BucketPlan {
@@ -103,11 +99,7 @@ pub fn small_model(din: usize, hidden: usize, vocab: usize) -> ModelPlan {
         heads: 3,
         vocab,
     };
-    ModelPlan {
-        spec,
-        parameters: spec.parameter_count(),
-        layout: spec.layout(),
-    }
+    ModelPlan::new(spec)
 }
 
 /// Little-endian bytes of a tensor in `dtype` from f64 values (floats rounded, integers truncated).
