@@ -409,3 +409,24 @@ fn a_gpu_drafter_without_a_usable_gpu_is_a_clear_error() {
         "the last cause should say what is missing: {stderr}"
     );
 }
+
+#[test]
+fn a_plan_too_big_for_this_machine_is_a_clear_error_not_an_abort() {
+    let dir = scratch("too-big");
+    let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
+    // About 10¹² parameters: 16 TB with gradients and AdamW state, more than any machine this runs on.
+    let huge = std::fs::read_to_string(&pipe).unwrap().replace(
+        "mlp(hidden = 64, blocks = 1, intermediate = 128, heads = 2)",
+        "mlp(hidden = 32768, blocks = 300, intermediate = 32768, heads = 2)",
+    );
+    std::fs::write(&pipe, huge).unwrap();
+    let out = draftpipe(&["run", pipe.to_str().unwrap()], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr:\n{stderr}");
+    assert!(stderr.starts_with("error:"), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains("TiB of host memory but") && stderr.contains("is available"),
+        "stderr:\n{stderr}"
+    );
+    assert!(!stderr.contains("memory allocation"), "stderr:\n{stderr}");
+}

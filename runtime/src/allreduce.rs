@@ -12,7 +12,8 @@
 //! lockstep never disagree about when to stop — disagreement would leave one of them waiting forever.
 //!
 //! A worker that runs out of data calls [`AllReduce::leave`]; the rounds after that average over the workers
-//! that remain, and a round the leaver was the last to complete finishes at once.
+//! that remain, and a round the leaver was the last to complete finishes at once, with the leaver taking its
+//! stop decision.
 
 use std::sync::{Condvar, Mutex, PoisonError, RwLock};
 
@@ -124,13 +125,14 @@ impl AllReduce {
         outcome
     }
 
-    /// Removes one member for good (it has no more data). Completes the current round if the others are all
-    /// waiting in it.
-    pub fn leave(&self) {
+    /// Removes one member for good (it has no more data, or it failed). Completes the current round if the
+    /// others are all waiting in it; `should_stop` then takes the round's decision, as it would have in
+    /// [`AllReduce::mean`], so a round the leaver completes stops exactly when a full one would.
+    pub fn leave(&self, should_stop: impl FnOnce() -> bool) {
         let mut round = self.round.lock().unwrap_or_else(PoisonError::into_inner);
         round.members = round.members.saturating_sub(1);
         if round.arrived > 0 && round.arrived >= round.members {
-            self.finish_round(&mut round, false);
+            self.finish_round(&mut round, should_stop());
         }
     }
 
@@ -194,32 +196,47 @@ mod tests {
     }
 
     #[test]
-    fn a_leaving_member_releases_the_waiting_ones() {
-        let group = Arc::new(AllReduce::new(2, 4));
-        let waiter = {
-            let group = Arc::clone(&group);
-            std::thread::spawn(move || {
-                let mut grads = vec![2.0; 4];
-                let outcome = group.mean(&mut grads, || true);
-                (grads, outcome)
-            })
-        };
-        while group.round.lock().unwrap().arrived == 0 {
-            std::thread::yield_now();
-        }
-        group.leave();
-        let (grads, outcome) = waiter.join().unwrap();
-        assert_eq!(grads, vec![2.0; 4]);
-        assert_eq!(outcome.participants, 1);
-        assert!(!outcome.stop);
-        let mut alone = vec![3.0; 4];
-        assert_eq!(
-            group.mean(&mut alone, || true),
-            RoundOutcome {
-                stop: true,
-                participants: 1
+    fn a_leaving_member_releases_the_waiting_ones_with_its_stop_decision() {
+        for leaver_stops in [false, true] {
+            let group = Arc::new(AllReduce::new(2, 4));
+            let waiter = {
+                let group = Arc::clone(&group);
+                std::thread::spawn(move || {
+                    let mut grads = vec![2.0; 4];
+                    let outcome = group.mean(&mut grads, || unreachable!("the leaver decides"));
+                    (grads, outcome)
+                })
+            };
+            while group.round.lock().unwrap().arrived == 0 {
+                std::thread::yield_now();
             }
-        );
-        assert_eq!(alone, vec![3.0; 4]);
+            group.leave(|| leaver_stops);
+            let (grads, outcome) = waiter.join().unwrap();
+            assert_eq!(grads, vec![2.0; 4]);
+            assert_eq!(
+                outcome,
+                RoundOutcome {
+                    stop: leaver_stops,
+                    participants: 1
+                }
+            );
+            let mut alone = vec![3.0; 4];
+            assert_eq!(
+                group.mean(&mut alone, || true),
+                RoundOutcome {
+                    stop: true,
+                    participants: 1
+                }
+            );
+            assert_eq!(alone, vec![3.0; 4]);
+        }
+    }
+
+    #[test]
+    fn a_member_leaving_between_rounds_decides_nothing() {
+        let group = AllReduce::new(2, 1);
+        group.leave(|| unreachable!("no round is waiting"));
+        let mut grads = vec![1.0];
+        assert!(!group.mean(&mut grads, || false).stop);
     }
 }

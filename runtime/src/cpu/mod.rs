@@ -38,13 +38,12 @@ pub struct PhaseTimes {
     pub backward: Duration,
 }
 
-/// What one forward/backward pass reports.
-#[derive(Debug, Clone, PartialEq)]
+/// What one forward/backward pass reports (the per-head label counts stay in the drafter:
+/// [`CpuDrafter::valid_labels`], so that a step returns nothing that allocates).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepOutput {
     /// `Σ_j decay^j · CE_j / Σ_j decay^j`, each `CE_j` the mean over the head's valid labels.
     pub loss: f32,
-    /// Valid labels per head (the denominators of the means).
-    pub valid_labels: Vec<u32>,
     /// Phase times.
     pub times: PhaseTimes,
 }
@@ -152,7 +151,7 @@ pub enum StepError {
 ///
 /// let out = drafter.forward_backward(&mut state, &batch)?;
 /// assert!(out.loss > 0.0);
-/// assert_eq!(out.valid_labels, vec![6, 4]); // two sequences of 4: 3 labels each for head 0, 2 for head 1
+/// assert_eq!(drafter.valid_labels(), [6, 4]); // two sequences of 4: 3 labels each for head 0, 2 for head 1
 /// let report = drafter.optimizer_step(&mut state);
 /// assert!(!report.skipped && state.step == 1);
 /// # Ok::<(), draftpipe_runtime::cpu::StepError>(())
@@ -167,6 +166,8 @@ pub struct CpuDrafter {
     /// `sequences × padded_len` agree (every bucket, when `batch_tokens` is a multiple of each) share one, as the
     /// plan's memory model counts it.
     workspaces: Vec<Workspace>,
+    /// The workspace of the last `forward_backward`, whose label counts [`CpuDrafter::valid_labels`] reports.
+    last_workspace: Option<usize>,
     grad_norm_partials: Vec<f32>,
 }
 
@@ -200,6 +201,7 @@ impl CpuDrafter {
             optimizer,
             buckets: buckets.to_vec(),
             workspaces: Vec::with_capacity(buckets.len()),
+            last_workspace: None,
             grad_norm_partials: vec![0.0; model.parameters.div_ceil(GRAD_NORM_CHUNK)],
         }
     }
@@ -229,6 +231,7 @@ impl CpuDrafter {
                 self.workspaces.len() - 1
             }
         };
+        self.last_workspace = Some(index);
         let ws = &mut self.workspaces[index];
 
         let started = Instant::now();
@@ -249,13 +252,19 @@ impl CpuDrafter {
 
         Ok(StepOutput {
             loss,
-            valid_labels: ws.counts.clone(),
             times: PhaseTimes {
                 forward: forward_done - started,
                 loss: loss_done - forward_done,
                 backward: backward_done - loss_done,
             },
         })
+    }
+
+    /// Valid labels per head (the denominators of the loss's means) of the last successful
+    /// [`CpuDrafter::forward_backward`]; empty before the first.
+    pub fn valid_labels(&self) -> &[u32] {
+        self.last_workspace
+            .map_or(&[], |index| &self.workspaces[index].counts)
     }
 
     /// Global gradient norm, clipping and one fused AdamW pass over `state`. Skips the update (and does not

@@ -57,6 +57,12 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
     let synced = plan.drafter.sync == SyncMode::AllReduce;
     let saves = worker == 0 && options.save_dir.is_some();
     let limit_reached = |step: u64| step_limit.is_some_and(|limit| step >= limit);
+    // The decision of an all-reduce round at `step`, taken once by whichever worker completes it: by the last to
+    // arrive in `mean`, or by a worker that leaves when the others are all waiting.
+    let round_decision = |step: u64| {
+        shared.mark_trained();
+        limit_reached(step + 1) || shared.should_stop()
+    };
     // Under all-reduce another worker may already hold its next batch when worker 0 saves; the positions of the
     // last round are the ones the saved weights contain.
     let positions = |shared: &Shared| {
@@ -79,7 +85,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         }
         let Some(batch) = shared.queue.pop() else {
             if synced {
-                group.leave();
+                group.leave(|| round_decision(step));
             }
             break StopReason::SourcesExhausted;
         };
@@ -95,7 +101,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             Err(source) => {
                 shared.fail(RunError::Step { worker, source });
                 if synced {
-                    group.leave();
+                    group.leave(|| shared.should_stop());
                 }
                 break StopReason::Interrupted;
             }
@@ -119,10 +125,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             state.grads[0] = f32::NAN;
         }
         let stop_after = if synced {
-            let outcome = group.mean(&mut state.grads, || {
-                shared.mark_trained();
-                limit_reached(step + 1) || shared.should_stop()
-            });
+            let outcome = group.mean(&mut state.grads, || round_decision(step));
             recorder.lap(DrafterPhase::AllReduce, &mut since);
             outcome.stop
         } else {
@@ -156,7 +159,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         }
         if stop_after || shared.fatal_raised.load(Ordering::Acquire) {
             if synced && !limit_reached(step) {
-                group.leave();
+                group.leave(|| shared.should_stop());
             }
             break if limit_reached(step) {
                 StopReason::StepLimit

@@ -120,7 +120,7 @@ pub(super) fn run(context: DrafterContext<'_>, device: GpuDevice) -> Finished {
                 source,
             });
             if context.plan.drafter.sync == SyncMode::AllReduce {
-                context.group.leave();
+                context.group.leave(|| true);
             }
             Finished {
                 stop: StopReason::Interrupted,
@@ -231,7 +231,7 @@ impl<'a> Training<'a> {
         });
         if self.synced {
             // Leaving once, whatever the reason, shortens the others' next round so they stop before launching.
-            self.group.leave();
+            self.group.leave(|| true);
         }
         if let Err(source) = self.collect_last() {
             self.fail(source);
@@ -426,7 +426,7 @@ mod tests {
                     scope.spawn(move || match member {
                         Some(staged) => Some(launch_round(group, members.len(), *staged, || true)),
                         None => {
-                            group.leave();
+                            group.leave(|| true);
                             None
                         }
                     })

@@ -15,6 +15,9 @@
 
 mod drafter;
 mod gpu_drafter;
+mod host_memory;
+
+pub use host_memory::HostMemoryError;
 mod producer;
 
 use std::io::Write;
@@ -125,6 +128,9 @@ pub enum RunError {
     /// The plan's stages cannot run on this machine.
     #[error("{0}")]
     Unsupported(String),
+    /// The plan does not fit in this machine's memory.
+    #[error(transparent)]
+    HostMemory(#[from] HostMemoryError),
     /// The queue rejected the plan's queue block.
     #[error("queue: {0}")]
     Queue(#[from] QueueConfigError),
@@ -365,6 +371,7 @@ pub fn run(
     interrupt: Arc<AtomicBool>,
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
+    host_memory::check(plan)?;
     let gpus = gpu_drafter::ordinals(plan)?;
     let mut communicators = match &gpus {
         Some(ordinals) => gpu_drafter::prepare(plan, ordinals)?,
@@ -480,7 +487,7 @@ pub fn run(
                     .spawn_scoped(scope, move || {
                         let _release = OnPanic(|| {
                             shared.fail(RunError::Panicked(format!("drafter {worker}")));
-                            group.leave();
+                            group.leave(|| true);
                         });
                         match gpu {
                             Some(device) => gpu_drafter::run(context, device),
