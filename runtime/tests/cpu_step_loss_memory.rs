@@ -41,6 +41,7 @@ unsafe impl GlobalAlloc for PeakTracking {
 #[global_allocator]
 static GLOBAL: PeakTracking = PeakTracking;
 
+#[test]
 fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materialised_logits() {
     const TOKENS: usize = 8192;
     const VOCAB: usize = 32_000;
@@ -99,12 +100,4 @@ fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materia
         "peak growth {peak_growth} bytes over the bound {bound}"
     );
     assert!(bound < materialised / 10);
-}
-
-/// Runs without libtest (`harness = false` in `Cargo.toml`) so that no other thread allocates while counting.
-fn main() {
-    fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materialised_logits();
-    println!(
-        "test fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materialised_logits ... ok"
-    );
 }
