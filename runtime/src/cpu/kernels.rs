@@ -3,6 +3,12 @@
 //!
 //! Element-range kernels run in chunks of [`HOST_CHUNK`] elements so their inner loops vectorise.
 //!
+//! Each launcher is compiled twice from its one body (see [`launcher!`]): for the baseline x86-64 target and for
+//! AVX2 + FMA, picked at run time by what the CPU has. The kernels' `exp`/`rsqrt` polynomials are what bound the
+//! loss and activation kernels, and twice the lanes nearly halve them. Both copies give bit-identical results:
+//! the kernels fix their summation order in code, and Rust never fuses `a * b + c` into an FMA on its own, so the
+//! wider target changes only how many lanes run at once (a test compares the two bit for bit).
+//!
 //! # Panics
 //! Every launcher panics when a buffer is shorter than its shape needs: the step sizes all buffers from one
 //! bucket shape, so a mismatch is a bug, and the check is what makes the `unsafe` kernel calls sound.
@@ -15,6 +21,50 @@ pub use draftpipe_gpu_kernels::loss::IGNORE_LABEL;
 /// Elements per call of an element-range kernel on the host.
 pub const HOST_CHUNK: usize = 4096;
 
+/// Defines a launcher over one body compiled twice: as written for the baseline target, and inside a
+/// `#[target_feature(enable = "avx2,fma")]` copy, where the `#[inline(always)]` kernel bodies vectorise with
+/// 8 lanes. The copy runs when [`simd_available`] says the CPU has both features.
+macro_rules! launcher {
+    (
+        $(#[$attr:meta])*
+        pub fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
+    ) => {
+        $(#[$attr])*
+        pub fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[allow(clippy::too_many_arguments)]
+            #[inline(always)]
+            fn baseline($($arg: $ty),*) $(-> $ret)? $body
+
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2_fma($($arg: $ty),*) $(-> $ret)? {
+                    baseline($($arg),*)
+                }
+
+                if simd_available() {
+                    // SAFETY: `simd_available` checked that this CPU has AVX2 and FMA.
+                    return unsafe { avx2_fma($($arg),*) };
+                }
+            }
+            baseline($($arg),*)
+        }
+    };
+}
+
+/// Whether the launchers take their AVX2 + FMA copies: the CPU has both (std detects them once and caches the
+/// answer), and, in this crate's unit tests, the calling thread has not asked for the baseline.
+#[cfg(target_arch = "x86_64")]
+fn simd_available() -> bool {
+    #[cfg(test)]
+    if tests::BASELINE_ONLY.with(std::cell::Cell::get) {
+        return false;
+    }
+    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+}
+
+launcher! {
 /// RMSNorm forward over `rows = x.len() / weight.len()` rows; `y = x / rms ⊙ weight`, `inv_rms[r] = 1/rms`.
 pub fn rmsnorm_forward(x: &[f32], weight: &[f32], y: &mut [f32], inv_rms: &mut [f32], eps: f32) {
     let cols = weight.len();
@@ -38,7 +88,9 @@ pub fn rmsnorm_forward(x: &[f32], weight: &[f32], y: &mut [f32], inv_rms: &mut [
         };
     }
 }
+}
 
+launcher! {
 /// RMSNorm input gradient; `dx = ∂L/∂x` (or `dx += ∂L/∂x` with `accumulate`).
 pub fn rmsnorm_backward_input(
     x: &[f32],
@@ -71,7 +123,9 @@ pub fn rmsnorm_backward_input(
         };
     }
 }
+}
 
+launcher! {
 /// RMSNorm weight gradient `dw[c] = Σ_r dy[r,c]·x[r,c]·inv_rms[r]` by the two-pass reduction, using
 /// `partials` (at least `ceil(rows / rows_per_chunk) · cols` elements) as scratch.
 pub fn rmsnorm_weight_grad(
@@ -114,7 +168,9 @@ pub fn rmsnorm_weight_grad(
         unsafe { norm::column_sums(partials.as_ptr(), dw.as_mut_ptr(), chunks, cols, false, col) };
     }
 }
+}
 
+launcher! {
 /// SwiGLU forward: `act = silu(gate) ⊙ up` from `[gate | up]` rows of width `2 · inter`.
 pub fn swiglu_forward(gate_up: &[f32], act: &mut [f32], inter: usize) {
     let n = act.len();
@@ -133,7 +189,9 @@ pub fn swiglu_forward(gate_up: &[f32], act: &mut [f32], inter: usize) {
         };
     }
 }
+}
 
+launcher! {
 /// SwiGLU backward into the `[dgate | dup]` rows of `dgate_up`.
 pub fn swiglu_backward(gate_up: &[f32], dact: &[f32], dgate_up: &mut [f32], inter: usize) {
     let n = dact.len();
@@ -156,7 +214,9 @@ pub fn swiglu_backward(gate_up: &[f32], dact: &[f32], dgate_up: &mut [f32], inte
         };
     }
 }
+}
 
+launcher! {
 /// Head residual forward `h = z + silu(a)`.
 pub fn head_residual_forward(z: &[f32], a: &[f32], h: &mut [f32]) {
     let n = h.len();
@@ -178,7 +238,9 @@ pub fn head_residual_forward(z: &[f32], a: &[f32], h: &mut [f32]) {
         };
     }
 }
+}
 
+launcher! {
 /// Head residual backward: `da = dh · silu'(a)` (the gradient with respect to `a`) and `dz += dh`.
 ///
 /// `da` is a separate buffer although the kernel allows `da = dh`: distinct buffers pass the compiler's runtime
@@ -204,7 +266,9 @@ pub fn head_residual_backward(a: &[f32], dh: &[f32], da: &mut [f32], dz: &mut [f
         };
     }
 }
+}
 
+launcher! {
 /// Labels of every head, `labels[j · tokens + t]` (see [`loss::build_labels`]).
 pub fn build_labels(
     input_ids: &[u32],
@@ -239,7 +303,9 @@ pub fn build_labels(
         };
     }
 }
+}
 
+launcher! {
 /// Valid-label counts and loss scales of every head.
 pub fn head_loss_scales(labels: &[i32], head_decay: f32, counts: &mut [u32], scales: &mut [f32]) {
     let heads = counts.len();
@@ -263,7 +329,9 @@ pub fn head_loss_scales(labels: &[i32], head_decay: f32, counts: &mut [u32], sca
         };
     }
 }
+}
 
+launcher! {
 /// Fused cross-entropy over the rows of a logits chunk `[rows, vocab]`: per-row scaled loss into `row_loss`,
 /// the scaled logits gradient in place. Labels must be `< vocab` or negative (ignored).
 pub fn vocab_loss(
@@ -296,7 +364,9 @@ pub fn vocab_loss(
         };
     }
 }
+}
 
+launcher! {
 /// Deterministic sum of `values` through `partials` (at least `ceil(n / chunk_len)` elements).
 pub fn sum(values: &[f32], chunk_len: usize, partials: &mut [f32]) -> f32 {
     let chunks = values.len().div_ceil(chunk_len);
@@ -321,7 +391,9 @@ pub fn sum(values: &[f32], chunk_len: usize, partials: &mut [f32]) -> f32 {
     unsafe { reduce::finish_sum(partials.as_ptr(), chunks, &mut total) };
     total
 }
+}
 
+launcher! {
 /// Global L2 norm of `values` and the clip scale for `max_norm` (`≤ 0`: no clipping), by the deterministic
 /// two-pass reduction through `partials` (at least `ceil(n / chunk_len)` elements).
 pub fn grad_norm(
@@ -352,7 +424,9 @@ pub fn grad_norm(
     unsafe { reduce::finish_grad_norm(partials.as_ptr(), chunks, max_norm, &mut norm, &mut scale) };
     (norm, scale)
 }
+}
 
+launcher! {
 /// One fused AdamW pass over all parameters; a no-op when `grad_norm` is not finite.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_update(
@@ -387,6 +461,7 @@ pub fn adamw_update(
         };
     }
 }
+}
 
 /// The AdamW scalars of step `step` (1-based, after incrementing), bias corrections computed in f64 as PyTorch
 /// does in Python floats.
@@ -409,5 +484,98 @@ pub fn adamw_step_scalars(
         weight_decay,
         step_size: (lr as f64 / bc1) as f32,
         bias_correction2_sqrt: bc2.sqrt() as f32,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::cell::Cell;
+
+    thread_local! {
+        /// Set by a test to make the launchers take their baseline copies on its thread.
+        pub(crate) static BASELINE_ONLY: Cell<bool> = const { Cell::new(false) };
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_and_baseline_copies_give_bit_identical_training_steps() {
+        use crate::batch::HsBatch;
+        use crate::cpu::CpuDrafter;
+        use crate::params::FlatState;
+        use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
+        use rand::rngs::Xoshiro256PlusPlus;
+        use rand::{RngExt, SeedableRng};
+
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: this CPU has no AVX2 + FMA, so only the baseline copies run");
+            return;
+        }
+        // Odd sizes, so every kernel runs its vector body and its remainder.
+        let spec = MlpSpec {
+            din: 37,
+            hidden: 44,
+            blocks: 2,
+            intermediate: 75,
+            heads: 3,
+            vocab: 301,
+        };
+        let model = ModelPlan::new(spec);
+        let (padded_len, sequences) = (29, 5);
+        let bucket = BucketPlan {
+            padded_len,
+            sequences,
+            tokens: padded_len * sequences,
+            step_flops: 0,
+            step_bytes: 0,
+        };
+        let loss = LossSpec {
+            head_decay: 0.8,
+            chunk_tokens: 50,
+        };
+        let optimizer = AdamWSpec {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            clip_grad_norm: Some(0.5),
+        };
+        let seed = rand::rng().random::<u64>();
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let mut batch = HsBatch::zeroed(padded_len, sequences, spec.din);
+        for s in 0..sequences {
+            let len = rng.random_range(1..=padded_len);
+            batch.seq_lens[s] = len as u32;
+            for t in s * padded_len..s * padded_len + len {
+                batch.input_ids[t] = rng.random_range(0..spec.vocab as u32);
+                batch.loss_mask[t] = u8::from(rng.random_range(0..8) != 0);
+            }
+        }
+        batch
+            .hs
+            .iter_mut()
+            .for_each(|v| *v = rng.random_range(-2.0f32..2.0));
+
+        let train = |baseline: bool| {
+            BASELINE_ONLY.with(|only| only.set(baseline));
+            let mut drafter =
+                CpuDrafter::new(&model, loss, optimizer, std::slice::from_ref(&bucket));
+            let mut state = FlatState::init(&model, seed);
+            let mut trace = Vec::new();
+            for _ in 0..3 {
+                let out = drafter.forward_backward(&mut state, &batch).unwrap();
+                let report = drafter.optimizer_step(&mut state);
+                trace.push((out.loss.to_bits(), report.grad_norm.to_bits()));
+                trace.extend(state.grads.iter().map(|g| (g.to_bits(), 0)));
+            }
+            BASELINE_ONLY.with(|only| only.set(false));
+            let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (trace, bits(&state.params), bits(&state.exp_avg_sq))
+        };
+        let (wide, baseline) = (train(false), train(true));
+        assert!(
+            wide == baseline,
+            "AVX2 and baseline steps differ (seed {seed})"
+        );
     }
 }
