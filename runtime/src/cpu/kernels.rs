@@ -3,7 +3,7 @@
 //!
 //! Element-range kernels run in chunks of [`HOST_CHUNK`] elements so their inner loops vectorise.
 //!
-//! Each launcher is compiled twice from its one body (see [`launcher!`]): for the baseline x86-64 target and for
+//! Each launcher is compiled twice from its one body (the `launcher!` macro): for the baseline x86-64 target and for
 //! AVX2 + FMA, picked at run time by what the CPU has. The kernels' `exp`/`rsqrt` polynomials are what bound the
 //! loss and activation kernels, and twice the lanes nearly halve them. Both copies give bit-identical results:
 //! the kernels fix their summation order in code, and Rust never fuses `a * b + c` into an FMA on its own, so the
@@ -23,7 +23,7 @@ pub const HOST_CHUNK: usize = 4096;
 
 /// Defines a launcher over one body compiled twice: as written for the baseline target, and inside a
 /// `#[target_feature(enable = "avx2,fma")]` copy, where the `#[inline(always)]` kernel bodies vectorise with
-/// 8 lanes. The copy runs when [`simd_available`] says the CPU has both features.
+/// 8 lanes. The copy runs when `simd_available` says the CPU has both features.
 macro_rules! launcher {
     (
         $(#[$attr:meta])*
