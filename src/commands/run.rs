@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
+use draftpipe_compiler::plan::{Device, Plan};
 use draftpipe_compiler::{CompileError, compile_file};
+use draftpipe_runtime::cpu::{GEMM_THREADS_VAR, gemm_threads};
 use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
 use draftpipe_runtime::telemetry::OutputMode;
 
@@ -14,6 +16,27 @@ use crate::cli::RunArgs;
 
 /// Exit code after Ctrl-C (128 + SIGINT), as shells report it.
 const EXIT_INTERRUPTED: u8 = 130;
+
+/// With several CPU drafters, gives each its share of the cores for its GEMMs ([`gemm_threads`]) through
+/// matrixmultiply's `MATMUL_NUM_THREADS`, unless the user set it. One drafter keeps matrixmultiply's default (the
+/// physical cores).
+fn share_cores_between_drafters(plan: &Plan) {
+    let cpu_drafters = plan
+        .drafter
+        .placement
+        .workers
+        .iter()
+        .filter(|&&device| device == Device::Cpu)
+        .count();
+    if cpu_drafters < 2 || std::env::var_os(GEMM_THREADS_VAR).is_some() {
+        return;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let threads = gemm_threads(cores, cpu_drafters).to_string();
+    // SAFETY: this process has started no thread yet (the Ctrl-C handler's comes after this call, the workers
+    // later still), so nothing can read or write the environment at the same time.
+    unsafe { std::env::set_var(GEMM_THREADS_VAR, threads) };
+}
 
 /// Runs the pipeline; exit 0 when it finishes, 1 on an error, 130 after Ctrl-C (the step in hand finishes and
 /// the checkpoint is written first).
@@ -29,6 +52,7 @@ pub fn run(args: &RunArgs) -> ExitCode {
             return super::invalid();
         }
     };
+    share_cores_between_drafters(&plan);
     let interrupt = Arc::new(AtomicBool::new(false));
     let handler_flag = Arc::clone(&interrupt);
     let installed = ctrlc::set_handler(move || {

@@ -14,7 +14,7 @@ pub mod kernels;
 mod step;
 mod workspace;
 
-pub use gemm::gemm_flops;
+pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads};
 pub use step::{HeadLoss, RMS_EPS, head_loss};
 
 use crate::batch::HsBatch;
