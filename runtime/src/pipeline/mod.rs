@@ -35,7 +35,7 @@ use crate::cpu::StepError;
 use crate::cuda::CudaError;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueConfigError, QueueStats, SeqLen};
-use crate::source::{BatchPool, Producer, SourceError, open_sources};
+use crate::source::{BatchPool, HsSource, Producer, SourceError, open_sources};
 use crate::telemetry::{
     Diagnosis, OutputMode, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
     TelemetryError,
@@ -371,6 +371,21 @@ pub fn run(
     interrupt: Arc<AtomicBool>,
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
+    run_with_sources(plan, options, open_sources, interrupt, out)
+}
+
+/// [`run`], with the producers' sources opened by `open` (one per target worker, in worker order) instead of
+/// [`open_sources`]: for a source the plan language does not name, such as a test's.
+///
+/// # Errors
+/// As [`run`]; also when `open` gives a number of sources other than the target stage's workers.
+pub fn run_with_sources(
+    plan: &Plan,
+    options: &RunOptions,
+    open: impl FnOnce(&Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError>,
+    interrupt: Arc<AtomicBool>,
+    out: impl Write + Send,
+) -> Result<RunOutcome, RunError> {
     host_memory::check(plan)?;
     let gpus = gpu_drafter::ordinals(plan)?;
     let mut communicators = match &gpus {
@@ -381,7 +396,15 @@ pub fn run(
     let start = starting_state(plan, options)?;
     let step_limit = options.steps.or(plan.drafter.steps);
 
-    let mut sources = open_sources(plan)?;
+    let mut sources = open(plan)?;
+    let workers = plan.target.placement.workers.len();
+    if sources.len() != workers {
+        return Err(RunError::Unsupported(format!(
+            "{} sources for the {workers} workers of target stage `{}`",
+            sources.len(),
+            plan.target.name
+        )));
+    }
     if let Some(positions) = &start.data_positions {
         for (source, position) in sources.iter_mut().zip(positions) {
             source.seek(*position)?;
