@@ -282,6 +282,11 @@ fn the_report_reads_as_text_and_as_json() {
     ] {
         assert!(text.contains(expected), "{expected:?} missing in\n{text}");
     }
+    // Phases this drafter never recorded print no row; waiting for data always does.
+    assert!(text.contains("  data_wait "), "{text}");
+    for absent in ["  all_reduce ", "  device_step ", "  other "] {
+        assert!(!text.contains(absent), "{absent:?} in\n{text}");
+    }
     let json: serde_json::Value = serde_json::to_value(&diagnosis).unwrap();
     assert_eq!(json["bottleneck"], "consumers");
     assert_eq!(json["drafters"]["phases"][2]["phase"], "forward");

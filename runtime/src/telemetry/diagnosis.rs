@@ -439,7 +439,13 @@ impl fmt::Display for Diagnosis {
             d.step_ms, d.busy_pct, d.compute_pct, d.untracked_pct
         )?;
         writeln!(f, "  {:<11} {:>6} {:>9}", "phase", "%", "ms/step")?;
-        for share in &d.phases {
+        // A phase the backend never records (the copy and the device step on the CPU, the host phases of a GPU
+        // step) would only print zeros; waiting for data stays, since zero there is a finding.
+        let shown = d
+            .phases
+            .iter()
+            .filter(|share| share.phase == DrafterPhase::DataWait || share.ms_per_step > 0.0);
+        for share in shown {
             writeln!(
                 f,
                 "  {:<11} {:>6.1} {:>9.3}",
