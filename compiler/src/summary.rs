@@ -47,19 +47,26 @@ impl fmt::Display for Summary<'_> {
         let steps = d
             .steps
             .map_or("no step limit".to_owned(), |s| format!("{s} steps"));
+        // `launch` means nothing to a CPU drafter (the compiler refuses it there), so only GPU drafters show it.
+        let on_gpu = d
+            .placement
+            .workers
+            .iter()
+            .any(|w| matches!(w, Device::Gpu(_)));
+        let launch = match (on_gpu, d.launch) {
+            (false, _) => "",
+            (true, LaunchMode::Graph) => ", launch graph",
+            (true, LaunchMode::Eager) => ", launch eager",
+        };
         writeln!(
             f,
-            "  drafter {:<12} on {:<16} sync {}, launch {}, {steps}",
+            "  drafter {:<12} on {:<16} sync {}{launch}, {steps}",
             d.name,
             placement(&d.placement),
             match d.sync {
                 SyncMode::AllReduce => "allreduce",
                 SyncMode::None => "none",
             },
-            match d.launch {
-                LaunchMode::Graph => "graph",
-                LaunchMode::Eager => "eager",
-            }
         )?;
         writeln!(
             f,

@@ -81,6 +81,9 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         .drafters
         .first()
         .and_then(|s| devices::check_placement(&s.placement, &mut errs));
+    if let (Some((s, d)), Some(p)) = (&drafter, &drafter_placement) {
+        stages::check_launch_placement(s, d, p, &mut errs);
+    }
     let queue = sections
         .queues
         .first()

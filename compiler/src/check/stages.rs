@@ -8,8 +8,8 @@ use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, DrafterStage, LaunchMode, LossSpec, Placement, PullPolicy, QueueSpec, SourceSpec,
-    SyncMode, TargetStage, TelemetrySpec,
+    AdamWSpec, Device, DrafterStage, LaunchMode, LossSpec, Placement, PullPolicy, QueueSpec,
+    SourceSpec, SyncMode, TargetStage, TelemetrySpec,
 };
 use crate::span::Span;
 
@@ -309,6 +309,8 @@ pub(crate) struct DrafterParts {
     pub optimizer: Option<AdamWSpec>,
     pub sync: Option<SyncMode>,
     pub launch: Option<LaunchMode>,
+    /// Where `launch` was written, if it was: it applies to GPU drafters only.
+    pub launch_span: Option<Span>,
     pub steps: Option<Option<u64>>,
 }
 
@@ -348,7 +350,9 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
             &[("allreduce", SyncMode::AllReduce), ("none", SyncMode::None)],
         ),
     };
-    let launch = match f.optional("launch") {
+    let launch_value = f.optional("launch");
+    let launch_span = launch_value.map(|v| v.span);
+    let launch = match launch_value {
         None => Some(LaunchMode::Graph),
         Some(v) => values::choice(
             errs,
@@ -368,7 +372,34 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         optimizer,
         sync,
         launch,
+        launch_span,
         steps,
+    }
+}
+
+/// `launch` chooses how CUDA kernels are launched, so on a drafter placed on the CPU it can only be a mistake.
+pub(crate) fn check_launch_placement(
+    section: &StageSection,
+    parts: &DrafterParts,
+    placement: &Placement,
+    errs: &mut Errs,
+) {
+    let on_cpu = placement
+        .workers
+        .iter()
+        .all(|&device| device == Device::Cpu);
+    if let (true, Some(span)) = (on_cpu, parts.launch_span) {
+        errs.push(
+            Diagnostic::error(
+                span,
+                format!(
+                    "`launch` applies to drafters on GPUs; drafter `{}` runs on the cpu",
+                    section.name.name
+                ),
+            )
+            .label("no CUDA launch on the cpu")
+            .help("remove `launch`, or place the drafter on GPUs (e.g. `on gpu 0..2`)"),
+        );
     }
 }
 
