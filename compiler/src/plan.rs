@@ -56,6 +56,16 @@ pub struct Placement {
     pub workers: Vec<Device>,
 }
 
+impl Placement {
+    /// How many of the workers run on the CPU.
+    pub fn cpu_workers(&self) -> usize {
+        self.workers
+            .iter()
+            .filter(|&&device| device == Device::Cpu)
+            .count()
+    }
+}
+
 /// The frozen target model that produces hidden states.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TargetStage {

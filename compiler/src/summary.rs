@@ -48,11 +48,7 @@ impl fmt::Display for Summary<'_> {
             .steps
             .map_or("no step limit".to_owned(), |s| format!("{s} steps"));
         // `launch` means nothing to a CPU drafter (the compiler refuses it there), so only GPU drafters show it.
-        let on_gpu = d
-            .placement
-            .workers
-            .iter()
-            .any(|w| matches!(w, Device::Gpu(_)));
+        let on_gpu = d.placement.cpu_workers() < d.placement.workers.len();
         let launch = match (on_gpu, d.launch) {
             (false, _) => "",
             (true, LaunchMode::Graph) => ", launch graph",

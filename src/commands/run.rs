@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
-use draftpipe_compiler::plan::{Device, Plan};
+use draftpipe_compiler::plan::Plan;
 use draftpipe_compiler::{CompileError, compile_file};
 use draftpipe_runtime::cpu::{GEMM_THREADS_VAR, gemm_threads};
 use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
@@ -21,13 +21,7 @@ const EXIT_INTERRUPTED: u8 = 130;
 /// matrixmultiply's `MATMUL_NUM_THREADS`, unless the user set it. One drafter keeps matrixmultiply's default (the
 /// physical cores).
 fn share_cores_between_drafters(plan: &Plan) {
-    let cpu_drafters = plan
-        .drafter
-        .placement
-        .workers
-        .iter()
-        .filter(|&&device| device == Device::Cpu)
-        .count();
+    let cpu_drafters = plan.drafter.placement.cpu_workers();
     if cpu_drafters < 2 || std::env::var_os(GEMM_THREADS_VAR).is_some() {
         return;
     }

@@ -8,8 +8,8 @@ use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, Device, DrafterStage, LaunchMode, LossSpec, Placement, PullPolicy, QueueSpec,
-    SourceSpec, SyncMode, TargetStage, TelemetrySpec,
+    AdamWSpec, DrafterStage, LaunchMode, LossSpec, Placement, PullPolicy, QueueSpec, SourceSpec,
+    SyncMode, TargetStage, TelemetrySpec,
 };
 use crate::span::Span;
 
@@ -384,10 +384,7 @@ pub(crate) fn check_launch_placement(
     placement: &Placement,
     errs: &mut Errs,
 ) {
-    let on_cpu = placement
-        .workers
-        .iter()
-        .all(|&device| device == Device::Cpu);
+    let on_cpu = placement.cpu_workers() == placement.workers.len();
     if let (true, Some(span)) = (on_cpu, parts.launch_span) {
         errs.push(
             Diagnostic::error(
