@@ -6,11 +6,10 @@
 //!
 //! **Memory per drafter device** (one entry per device; a CPU running `xN` workers holds `N` replicas):
 //! - parameters, gradients: `4·P` bytes each per worker; optimizer state (AdamW `m` and `v`): `8·P`;
-//! - workspaces: activations kept for the backward pass plus the fused-loss chunk,
-//!   `4·(T·A + C·V)` with `A = din + L·(2H + 3I) + H + heads·2H` floats per token (input, per block the norm
-//!   output, gate, up, SwiGLU product and residual, the final norm, per head its output and normed output).
-//!   One workspace, sized for the bucket that needs the most, is shared by every bucket: a worker runs one step
-//!   at a time, so each bucket's graph can address the same buffers;
+//! - workspaces: [`WorkspaceLayout::bytes`] of the device's backend, per worker: the one list of buffers the
+//!   CPU and CUDA allocators allocate (activations, the fused-loss chunk, backward scratch, reduction partials,
+//!   input slots, and per backend cuBLAS's workspace or the CPU's rounding buffers). One workspace, sized for
+//!   the largest bucket, is shared by every bucket: a worker runs one step at a time;
 //! - hs_pool: `capacity × max item bytes` once per device, an item being `T·(4·din + 4 + 1) + 4·sequences`
 //!   bytes (hidden states, token ids, loss mask, sequence lengths, as in the runtime's `HsBatch`).
 //!
@@ -25,8 +24,10 @@
 //! once; every logit chunk written once and read once.
 
 use crate::plan::{
-    BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, Placement, QueueSpec, TargetStage,
+    BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, Placement, Precision, QueueSpec,
+    TargetStage,
 };
+use crate::workspace::{BackendKind, WorkspaceLayout};
 
 const F32: u128 = 4;
 
@@ -51,13 +52,6 @@ pub fn activation_floats_per_token(spec: &MlpSpec) -> Option<u64> {
     } = *spec;
     let (din, h, blocks, i, heads) = (wide(din), wide(h), wide(blocks), wide(i), wide(heads));
     fit(din + blocks * (2 * h + 3 * i) + h + heads * 2 * h)
-}
-
-/// Workspace bytes of one step of `tokens` tokens: activations plus one fused-loss chunk.
-pub fn workspace_bytes(spec: &MlpSpec, tokens: usize, chunk_tokens: usize) -> Option<u64> {
-    let chunk = wide(chunk_tokens.min(tokens));
-    let activations = u128::from(activation_floats_per_token(spec)?);
-    fit(F32 * (wide(tokens) * activations + chunk * wide(spec.vocab)))
 }
 
 /// Bytes of one queue item: hidden states, token ids, loss mask and sequence lengths.
@@ -125,17 +119,12 @@ pub fn device_memory(
     spec: &MlpSpec,
     buckets: &[BucketPlan],
     loss: &LossSpec,
+    precision: Precision,
     capacity: usize,
 ) -> Option<Vec<DeviceMemory>> {
     let params = F32 * wide(spec.parameter_count());
-    let mut workspace = 0;
     let mut largest_item = 0;
     for b in buckets {
-        workspace = workspace.max(u128::from(workspace_bytes(
-            spec,
-            b.tokens,
-            loss.chunk_tokens,
-        )?));
         largest_item =
             largest_item.max(u128::from(item_bytes(spec.din, b.padded_len, b.sequences)?));
     }
@@ -146,6 +135,9 @@ pub fn device_memory(
         .into_iter()
         .map(|device| {
             let replicas = drafters.workers.iter().filter(|d| **d == device).count() as u128;
+            let layout =
+                WorkspaceLayout::mlp(spec, buckets, loss, BackendKind::of(device), precision)?;
+            let workspace = u128::from(layout.bytes()?);
             let memory = DeviceMemory {
                 device,
                 parameters: fit(replicas * params)?,
@@ -208,6 +200,19 @@ mod tests {
         };
         assert_eq!(item_bytes(1 << 40, 1 << 20, 1 << 10), None);
         assert!(activation_floats_per_token(&spec).is_some());
-        assert_eq!(workspace_bytes(&spec, 1 << 32, 1), None);
+        let bucket = BucketPlan {
+            padded_len: 1 << 32,
+            sequences: 1,
+            tokens: 1 << 32,
+            step_flops: 0,
+            step_bytes: 0,
+        };
+        let loss = LossSpec {
+            head_decay: 1.0,
+            chunk_tokens: 1,
+        };
+        let layout =
+            WorkspaceLayout::mlp(&spec, &[bucket], &loss, BackendKind::Cpu, Precision::F32);
+        assert_eq!(layout.and_then(|l| l.bytes()), None);
     }
 }

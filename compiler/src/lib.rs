@@ -38,6 +38,7 @@ pub mod plan;
 pub mod span;
 pub mod summary;
 mod syntax;
+pub mod workspace;
 
 use std::path::{Path, PathBuf};
 

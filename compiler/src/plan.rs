@@ -6,6 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::workspace::{BackendKind, WorkspaceLayout};
+
 /// One compiled pipeline.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -156,6 +158,8 @@ pub struct DrafterStage {
     pub sync: SyncMode,
     /// Kernel launch mode on CUDA.
     pub launch: LaunchMode,
+    /// Precision of the step's matrix products.
+    pub precision: Precision,
     /// Optional step limit.
     pub steps: Option<u64>,
 }
@@ -176,6 +180,37 @@ pub enum LaunchMode {
     Graph,
     /// Kernel by kernel.
     Eager,
+}
+
+/// Precision of the drafter's matrix products; parameters, gradients, optimizer state and every other kernel
+/// stay f32 whatever is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Precision {
+    /// Full f32 (no tensor cores on CUDA).
+    F32,
+    /// Operands rounded to TF32 (10-bit mantissa) by the tensor cores, f32 accumulation. GPU only.
+    Tf32,
+    /// Operands rounded to bf16, f32 accumulation and output; the CPU emulates the rounding.
+    Bf16,
+}
+
+impl Precision {
+    /// The default for a drafter on `device`: bf16 on a GPU, f32 on the CPU.
+    pub fn default_for(device: Device) -> Self {
+        match device {
+            Device::Cpu => Precision::F32,
+            Device::Gpu(_) => Precision::Bf16,
+        }
+    }
+
+    /// The `.pipe` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+        }
+    }
 }
 
 /// Multi-head cross-entropy loss.
@@ -330,6 +365,19 @@ impl MlpSpec {
                 view
             })
             .collect()
+    }
+}
+
+impl Plan {
+    /// The workspace one drafter worker on `device` allocates (see [`WorkspaceLayout`]).
+    pub fn workspace_layout(&self, device: Device) -> Option<WorkspaceLayout> {
+        WorkspaceLayout::mlp(
+            &self.model.spec,
+            &self.buckets,
+            &self.drafter.loss,
+            BackendKind::of(device),
+            self.drafter.precision,
+        )
     }
 }
 

@@ -56,13 +56,14 @@ impl fmt::Display for Summary<'_> {
         };
         writeln!(
             f,
-            "  drafter {:<12} on {:<16} sync {}{launch}, {steps}",
+            "  drafter {:<12} on {:<16} sync {}{launch}, precision {}, {steps}",
             d.name,
             placement(&d.placement),
             match d.sync {
                 SyncMode::AllReduce => "allreduce",
                 SyncMode::None => "none",
             },
+            d.precision.name(),
         )?;
         writeln!(
             f,

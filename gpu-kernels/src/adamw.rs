@@ -72,3 +72,45 @@ pub unsafe fn adamw_update(
         }
     }
 }
+
+/// Advances AdamW's running state for one applied step and writes that step's scalars, on the device, so the
+/// host never computes bias corrections and a skipped step (non-finite `grad_norm[0]`) advances nothing:
+/// `state = [steps, β1^steps, β2^steps]` (f64, as PyTorch computes the corrections in Python floats).
+///
+/// Launch: one index.
+///
+/// # Safety
+/// `grad_norm` holds one element, `state` three, `step` one [`AdamWStep`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn adamw_advance(
+    grad_norm: *const f32,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    state: *mut f64,
+    step: *mut AdamWStep,
+) {
+    // SAFETY: the caller's contract: one, three and one element.
+    unsafe {
+        if !(*grad_norm).is_finite() {
+            return;
+        }
+        *state += 1.0;
+        *state.add(1) *= beta1 as f64;
+        *state.add(2) *= beta2 as f64;
+        let bias1 = 1.0 - *state.add(1);
+        let bias2 = 1.0 - *state.add(2);
+        *step = AdamWStep {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step_size: (lr as f64 / bias1) as f32,
+            bias_correction2_sqrt: crate::math::sqrt(bias2 as f32),
+        };
+    }
+}

@@ -324,6 +324,27 @@ pub unsafe extern "ptx-kernel" fn adamw_update(
     });
 }
 
+/// [`adamw::adamw_advance`], one thread.
+///
+/// # Safety
+/// As the body.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn adamw_advance(
+    grad_norm: *const f32,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    state: *mut f64,
+    step: *mut AdamWStep,
+) {
+    for_index(1, |_| unsafe {
+        adamw::adamw_advance(grad_norm, lr, beta1, beta2, eps, weight_decay, state, step)
+    });
+}
+
 /// A device panic (unreachable by the bodies' contracts: they index by pointer arithmetic) traps the kernel, so
 /// the host sees a launch error instead of wrong numbers.
 #[panic_handler]

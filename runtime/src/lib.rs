@@ -6,10 +6,13 @@
 //! ```
 
 pub mod allreduce;
+pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
+pub mod drafter;
+pub mod model;
 pub mod params;
 pub mod pipeline;
 pub mod queue;

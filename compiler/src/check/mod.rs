@@ -83,6 +83,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         .and_then(|s| devices::check_placement(&s.placement, &mut errs));
     if let (Some((s, d)), Some(p)) = (&drafter, &drafter_placement) {
         stages::check_launch_placement(s, d, p, &mut errs);
+        stages::check_precision_placement(s, d, p, &mut errs);
     }
     let queue = sections
         .queues
@@ -163,6 +164,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         &spec,
         &buckets,
         &drafter.loss,
+        drafter.precision,
         queue.capacity,
     )
     .ok_or_else(|| too_large("memory plan"))?;

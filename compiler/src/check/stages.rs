@@ -8,8 +8,8 @@ use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, DrafterStage, LaunchMode, LossSpec, Placement, PullPolicy, QueueSpec, SourceSpec,
-    SyncMode, TargetStage, TelemetrySpec,
+    AdamWSpec, DrafterStage, LaunchMode, LossSpec, Placement, Precision, PullPolicy, QueueSpec,
+    SourceSpec, SyncMode, TargetStage, TelemetrySpec,
 };
 use crate::span::Span;
 
@@ -311,6 +311,9 @@ pub(crate) struct DrafterParts {
     pub launch: Option<LaunchMode>,
     /// Where `launch` was written, if it was: it applies to GPU drafters only.
     pub launch_span: Option<Span>,
+    /// `precision`, when written (`Some(None)`: written but invalid), and where: the default depends on the
+    /// placement, and `tf32` is refused on the CPU.
+    pub precision: Option<(Option<Precision>, Span)>,
     pub steps: Option<Option<u64>>,
 }
 
@@ -361,6 +364,19 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
             &[("graph", LaunchMode::Graph), ("eager", LaunchMode::Eager)],
         ),
     };
+    let precision = f.optional("precision").map(|v| {
+        let choice = values::choice(
+            errs,
+            "precision",
+            v,
+            &[
+                ("f32", Precision::F32),
+                ("tf32", Precision::Tf32),
+                ("bf16", Precision::Bf16),
+            ],
+        );
+        (choice, v.span)
+    });
     let steps = match f.optional("steps") {
         None => Some(None),
         Some(v) => values::count(errs, "steps", v, 1).map(|n| Some(n as u64)),
@@ -373,6 +389,7 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         sync,
         launch,
         launch_span,
+        precision,
         steps,
     }
 }
@@ -400,12 +417,41 @@ pub(crate) fn check_launch_placement(
     }
 }
 
+/// `precision = tf32` on a CPU drafter is refused: TF32 is a tensor-core format, and the CPU would only add a
+/// rounding pass to the same f32 products (bf16 is allowed there, emulated, so a configuration can be checked
+/// on the CPU with the numerics it will have on the GPU).
+pub(crate) fn check_precision_placement(
+    section: &StageSection,
+    parts: &DrafterParts,
+    placement: &Placement,
+    errs: &mut Errs,
+) {
+    let on_cpu = placement.cpu_workers() > 0;
+    if let (true, Some((Some(Precision::Tf32), span))) = (on_cpu, parts.precision) {
+        errs.push(
+            Diagnostic::error(
+                span,
+                format!(
+                    "`precision = tf32` needs GPU tensor cores; drafter `{}` runs on the cpu",
+                    section.name.name
+                ),
+            )
+            .label("no TF32 on the cpu")
+            .help("use `precision = f32` (the cpu default) or `bf16` (emulated), or place the drafter on GPUs"),
+        );
+    }
+}
+
 /// Builds the drafter stage (and its model dimensions) once its parts and placement are known to be valid.
 pub(crate) fn drafter_stage(
     section: &StageSection,
     parts: DrafterParts,
     placement: Placement,
 ) -> Option<(DrafterStage, MlpDims)> {
+    let precision = match parts.precision {
+        None => Precision::default_for(*placement.workers.first()?),
+        Some((precision, _)) => precision?,
+    };
     let stage = DrafterStage {
         name: section.name.name.clone(),
         placement,
@@ -413,6 +459,7 @@ pub(crate) fn drafter_stage(
         optimizer: parts.optimizer?,
         sync: parts.sync?,
         launch: parts.launch?,
+        precision,
         steps: parts.steps?,
     };
     Some((stage, parts.model?))

@@ -463,6 +463,67 @@ pub fn adamw_update(
 }
 }
 
+/// Advances AdamW's device state `[steps, β1^steps, β2^steps]` and writes the step's scalars (seven floats in
+/// [`AdamWStep`] order) when `grad_norm` is finite; a skipped step changes nothing.
+pub fn adamw_advance(grad_norm: f32, hyper: [f32; 5], state: &mut [f64], step: &mut [f32]) {
+    assert!(
+        state.len() == 3 && step.len() == size_of::<AdamWStep>() / size_of::<f32>(),
+        "adamw_advance: buffer sizes"
+    );
+    let [lr, beta1, beta2, eps, weight_decay] = hyper;
+    let mut scalars = adamw_step_from_floats(step);
+    // SAFETY: `state` holds three elements (checked above); `scalars` is a local.
+    unsafe {
+        adamw::adamw_advance(
+            &grad_norm,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            state.as_mut_ptr(),
+            &mut scalars,
+        )
+    };
+    step.copy_from_slice(&[
+        scalars.lr,
+        scalars.beta1,
+        scalars.beta2,
+        scalars.eps,
+        scalars.weight_decay,
+        scalars.step_size,
+        scalars.bias_correction2_sqrt,
+    ]);
+}
+
+/// The [`AdamWStep`] stored as seven floats in field order (its `repr(C)` layout).
+///
+/// # Panics
+/// When `floats` does not hold seven elements.
+pub fn adamw_step_from_floats(floats: &[f32]) -> AdamWStep {
+    let &[
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step_size,
+        bias_correction2_sqrt,
+    ] = floats
+    else {
+        panic!("an AdamWStep is seven floats, got {}", floats.len());
+    };
+    AdamWStep {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step_size,
+        bias_correction2_sqrt,
+    }
+}
+
 /// The AdamW scalars of step `step` (1-based, after incrementing), bias corrections computed in f64 as PyTorch
 /// does in Python floats.
 pub fn adamw_step_scalars(

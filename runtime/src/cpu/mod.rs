@@ -1,40 +1,43 @@
-//! The CPU backend: one full training step of the `mlp` drafter on the host, on the flat buffers of
-//! [`FlatState`], with one preallocated workspace per distinct step size (`workspace.rs`).
+//! The CPU drafter: the backend-generic `mlp` step ([`crate::model::mlp`]) on the [`CpuBackend`], driven one
+//! phase at a time on a host [`FlatState`] (tests, benchmarks and tools that inspect gradients between the
+//! backward pass and the update).
 //!
 //! ```text
-//!  HsBatch ──▶ CpuDrafter::forward_backward ──▶ state.grads ──(lead: all-reduce)──▶ CpuDrafter::optimizer_step
-//!              forward │ fused loss │ backward                                       grad norm → clip → AdamW
+//!  HsBatch ──▶ CpuDrafter::forward_backward ──▶ state.grads ──(caller: all-reduce)──▶ CpuDrafter::optimizer_step
+//!              forward │ fused loss │ backward                                         grad norm → clip → AdamW
 //! ```
 //!
 //! Matrix products go through `matrixmultiply` (`gemm.rs`); every other operation is a kernel body of
-//! `draftpipe-gpu-kernels`, the same source the CUDA backend compiles to PTX ([`kernels`]).
+//! `draftpipe-gpu-kernels`, the same source the CUDA backend compiles to PTX ([`kernels`]). The state's four
+//! vectors are swapped into the backend's buffers for the call and back out (no copy), so the step stays free of
+//! allocation in steady state.
 
-mod gemm;
+pub(crate) mod gemm;
 pub mod kernels;
-mod step;
-mod workspace;
 
+pub use crate::drafter::StepError;
+pub use crate::model::mlp::RMS_EPS;
 pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads};
-pub use step::{HeadLoss, RMS_EPS, head_loss};
 
-use crate::batch::HsBatch;
-use crate::params::FlatState;
-use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
 use std::time::{Duration, Instant};
-use step::Offsets;
-use workspace::Workspace;
 
-/// Elements per partial sum of the gradient norm.
-const GRAD_NORM_CHUNK: usize = 1 << 14;
+use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision};
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, StepPart};
+use crate::batch::HsBatch;
+use crate::drafter::{Drafter, DrafterError};
+use crate::model::mlp::StepShape;
+use crate::params::FlatState;
 
 /// Wall-clock time of each phase of [`CpuDrafter::forward_backward`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PhaseTimes {
-    /// Forward pass up to the heads' outputs.
+    /// Forward pass up to the final norm.
     pub forward: Duration,
-    /// Fused vocabulary loss, including its GEMMs and the `lm_head` gradient.
+    /// Heads, fused vocabulary loss and the heads' backward, including their GEMMs and the `lm_head` gradient.
     pub loss: Duration,
-    /// Backward from the heads to the first layer.
+    /// Backward from the final norm to the first layer.
     pub backward: Duration,
 }
 
@@ -61,74 +64,8 @@ pub struct OptimizerReport {
     pub time: Duration,
 }
 
-/// A batch or state the drafter cannot train on.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StepError {
-    /// No bucket has this static shape.
-    #[error("batch shape {sequences} sequences × {padded_len} tokens matches no bucket")]
-    NoBucket {
-        /// The batch's padded length.
-        padded_len: usize,
-        /// The batch's sequence count.
-        sequences: usize,
-    },
-    /// The hidden-state width differs from the model's `din`.
-    #[error("batch hidden-state width {got} differs from the model's din {expected}")]
-    WrongDin {
-        /// The model's input width.
-        expected: usize,
-        /// The batch's width.
-        got: usize,
-    },
-    /// A buffer of the batch does not match its declared shape.
-    #[error("batch buffer `{buffer}` has {got} elements, its shape needs {expected}")]
-    BatchBuffer {
-        /// Which buffer.
-        buffer: &'static str,
-        /// Elements the shape needs.
-        expected: usize,
-        /// Elements present.
-        got: usize,
-    },
-    /// A sequence is longer than the padded length.
-    #[error("sequence {sequence} has length {len}, longer than the padded length {padded_len}")]
-    SequenceTooLong {
-        /// Sequence index in the batch.
-        sequence: usize,
-        /// Its declared length.
-        len: u32,
-        /// The batch's padded length.
-        padded_len: usize,
-    },
-    /// A token id inside a sequence is outside the vocabulary.
-    #[error("token id {id} at position {position} is outside the vocabulary of {vocab}")]
-    TokenOutOfRange {
-        /// Flat position in the batch.
-        position: usize,
-        /// The id.
-        id: u32,
-        /// Vocabulary size.
-        vocab: usize,
-    },
-    /// The state's buffers do not match the model.
-    #[error("state has {got} parameters, the model {expected}")]
-    StateSize {
-        /// The model's parameter count.
-        expected: usize,
-        /// The state's buffer length.
-        got: usize,
-    },
-    /// The model plan's layout is not the canonical `mlp` layout this backend computes with, or a dimension
-    /// is zero.
-    #[error("model layout differs from the canonical mlp layout or has an empty dimension")]
-    Layout,
-    /// The batch has no tokens.
-    #[error("batch has no tokens")]
-    EmptyBatch,
-}
-
-/// The CPU training step for one model, with one workspace per distinct step size (allocated on the first batch
-/// of that size, then reused: no allocation by this crate in steady state).
+/// The CPU training step for one model: one workspace, sized from the compiler's layout for the largest
+/// bucket, allocated when the drafter is built (no allocation by this crate in steady state).
 ///
 /// # Examples
 /// ```
@@ -157,53 +94,58 @@ pub enum StepError {
 /// # Ok::<(), draftpipe_runtime::cpu::StepError>(())
 /// ```
 pub struct CpuDrafter {
-    spec: MlpSpec,
-    offsets: Option<Offsets>,
-    loss: LossSpec,
-    optimizer: AdamWSpec,
-    buckets: Vec<BucketPlan>,
-    /// One workspace per distinct token count: a workspace depends only on `T`, and buckets whose
-    /// `sequences × padded_len` agree (every bucket, when `batch_tokens` is a multiple of each) share one, as the
-    /// plan's memory model counts it.
-    workspaces: Vec<Workspace>,
-    /// The workspace of the last `forward_backward`, whose label counts [`CpuDrafter::valid_labels`] reports.
-    last_workspace: Option<usize>,
-    grad_norm_partials: Vec<f32>,
+    /// `Err` when the model plan is not a canonical `mlp` layout: every step then answers
+    /// [`StepError::Layout`], as a batch error, rather than failing construction.
+    drafter: Result<Drafter<CpuBackend>, StepError>,
+    /// Whether a successful `forward_backward` has filled the label counts.
+    has_labels: bool,
 }
 
 impl CpuDrafter {
-    /// A drafter for `model`, training with `loss` and `optimizer` on batches shaped like `buckets`.
+    /// A drafter for `model`, training with `loss` and `optimizer` on batches shaped like `buckets`, in f32.
     pub fn new(
         model: &ModelPlan,
         loss: LossSpec,
         optimizer: AdamWSpec,
         buckets: &[BucketPlan],
     ) -> Self {
-        let spec = model.spec;
-        let MlpSpec {
-            din,
-            hidden,
-            blocks: _,
-            intermediate,
-            heads,
-            vocab,
-        } = spec;
-        let non_empty = [din, hidden, intermediate, heads, vocab]
-            .iter()
-            .all(|&d| d > 0);
-        let canonical = non_empty
-            && model.layout == spec.layout()
-            && model.parameters == spec.parameter_count();
+        Self::with_precision(model, loss, optimizer, Precision::F32, buckets)
+    }
+
+    /// [`CpuDrafter::new`] with the matrix products at `precision` (bf16 and TF32 emulated by rounding).
+    pub fn with_precision(
+        model: &ModelPlan,
+        loss: LossSpec,
+        optimizer: AdamWSpec,
+        precision: Precision,
+        buckets: &[BucketPlan],
+    ) -> Self {
+        let drafter = draftpipe_compiler::plan::WorkspaceLayout::mlp(
+            &model.spec,
+            buckets,
+            &loss,
+            draftpipe_compiler::plan::BackendKind::Cpu,
+            precision,
+        )
+        .ok_or(StepError::Layout)
+        .and_then(|layout| {
+            Drafter::new(
+                CpuBackend::new(&layout),
+                model,
+                (loss, optimizer, precision),
+                buckets,
+            )
+            .map_err(|_| StepError::Layout)
+        });
         Self {
-            spec,
-            offsets: if canonical { Offsets::new(&spec) } else { None },
-            loss,
-            optimizer,
-            buckets: buckets.to_vec(),
-            workspaces: Vec::with_capacity(buckets.len()),
-            last_workspace: None,
-            grad_norm_partials: vec![0.0; model.parameters.div_ceil(GRAD_NORM_CHUNK)],
+            drafter,
+            has_labels: false,
         }
+    }
+
+    /// Bytes this drafter allocated (flat state and workspace), for the layout tests.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.drafter.as_ref().map_or(0, Drafter::allocated_bytes)
     }
 
     /// Forward, fused loss and backward on `batch`; overwrites `state.grads` with the gradients of the loss.
@@ -216,168 +158,91 @@ impl CpuDrafter {
         state: &mut FlatState,
         batch: &HsBatch,
     ) -> Result<StepOutput, StepError> {
-        if self.offsets.is_none() {
-            return Err(StepError::Layout);
-        }
-        self.validate(state, batch)?;
-        let offsets = self.offsets.as_ref().ok_or(StepError::Layout)?;
-        let spec = self.spec;
-        let tokens = batch.tokens();
-        let index = match self.workspaces.iter().position(|ws| ws.tokens == tokens) {
-            Some(index) => index,
-            None => {
-                self.workspaces
-                    .push(Workspace::new(&spec, tokens, self.loss.chunk_tokens));
-                self.workspaces.len() - 1
-            }
+        let drafter = self.drafter.as_mut().map_err(|e| e.clone())?;
+        let bucket = drafter.check_batch(batch)?;
+        let shape = StepShape {
+            padded_len: batch.padded_len,
+            sequences: batch.sequences,
         };
-        self.last_workspace = Some(index);
-        let ws = &mut self.workspaces[index];
-
-        let started = Instant::now();
-        step::forward(&spec, offsets, &state.params, batch, ws);
-        let forward_done = Instant::now();
-        let loss = step::loss(
-            &spec,
-            offsets,
-            self.loss.head_decay,
-            &state.params,
-            &mut state.grads,
-            batch,
-            ws,
-        );
-        let loss_done = Instant::now();
-        step::backward(&spec, offsets, &state.params, &mut state.grads, batch, ws);
-        let backward_done = Instant::now();
-
-        Ok(StepOutput {
-            loss,
-            times: PhaseTimes {
-                forward: forward_done - started,
-                loss: loss_done - forward_done,
-                backward: backward_done - loss_done,
-            },
-        })
+        swap_state(drafter, state)?;
+        let staged = drafter.stage(batch);
+        let (be, model) = drafter.parts_mut();
+        let mut times = PhaseTimes::default();
+        let ran = staged.and_then(|()| {
+            be.run_part(StepPart::ForwardBackward { bucket, slot: 0 }, &mut |be| {
+                times = model.forward_backward(be, shape, 0)?;
+                Ok(())
+            })
+            .map_err(DrafterError::from)
+        });
+        let loss = model.ws.step_scalars.as_slice()[2];
+        swap_state(drafter, state)?;
+        ran.map_err(|error| match error {
+            DrafterError::Batch(error) => error,
+            other => unreachable!("the CPU backend cannot fail: {other}"),
+        })?;
+        self.has_labels = true;
+        Ok(StepOutput { loss, times })
     }
 
     /// Valid labels per head (the denominators of the loss's means) of the last successful
     /// [`CpuDrafter::forward_backward`]; empty before the first.
     pub fn valid_labels(&self) -> &[u32] {
-        self.last_workspace
-            .map_or(&[], |index| &self.workspaces[index].counts)
+        match (&self.drafter, self.has_labels) {
+            (Ok(drafter), true) => drafter.model().ws.counts.as_slice(),
+            _ => &[],
+        }
     }
 
     /// Global gradient norm, clipping and one fused AdamW pass over `state`. Skips the update (and does not
     /// advance `state.step`) when the norm is not finite.
+    ///
+    /// # Panics
+    /// When `state` does not fit the model (a [`CpuDrafter::forward_backward`] on it would have said so).
     pub fn optimizer_step(&mut self, state: &mut FlatState) -> OptimizerReport {
         let started = Instant::now();
-        let AdamWSpec {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            clip_grad_norm,
-        } = self.optimizer;
-        let max_norm = clip_grad_norm.unwrap_or(0.0);
-        let (grad_norm, clip_scale) = kernels::grad_norm(
-            &state.grads,
-            GRAD_NORM_CHUNK,
-            &mut self.grad_norm_partials,
-            max_norm,
-        );
-        let skipped = !grad_norm.is_finite();
-        if !skipped {
-            state.step += 1;
-            let hyper =
-                kernels::adamw_step_scalars(lr, beta1, beta2, eps, weight_decay, state.step);
-            let FlatState {
-                params,
-                grads,
-                exp_avg,
-                exp_avg_sq,
-                ..
-            } = state;
-            kernels::adamw_update(
-                params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, hyper,
-            );
-        }
+        let drafter = self
+            .drafter
+            .as_mut()
+            .expect("optimizer_step on a model forward_backward refused");
+        swap_state(drafter, state).expect("optimizer_step on a state that does not fit the model");
+        let (be, model) = drafter.parts_mut();
+        let steps = model.adamw_state_for(state.step);
+        model.ws.adamw_state.as_mut_slice().copy_from_slice(&steps);
+        be.run_part(StepPart::Update, &mut |be| model.update(be))
+            .expect("the CPU backend cannot fail");
+        let [grad_norm, clip_scale, _] = model.ws.step_scalars.as_slice()[..] else {
+            unreachable!("three step scalars")
+        };
+        state.step = model.ws.adamw_state.as_slice()[0] as u64;
+        swap_state(drafter, state).expect("sizes checked above");
         OptimizerReport {
             grad_norm,
             clip_scale,
-            skipped,
+            skipped: !grad_norm.is_finite(),
             time: started.elapsed(),
         }
     }
+}
 
-    /// Checks `batch` and `state` against the model and buckets.
-    fn validate(&self, state: &FlatState, batch: &HsBatch) -> Result<(), StepError> {
-        let expected = self.spec.parameter_count();
-        for len in [
-            state.params.len(),
-            state.grads.len(),
-            state.exp_avg.len(),
-            state.exp_avg_sq.len(),
-        ] {
-            if len != expected {
-                return Err(StepError::StateSize { expected, got: len });
-            }
+/// Exchanges `state`'s four vectors with the drafter's flat buffers (a swap, no copy; calling it twice
+/// restores both).
+fn swap_state(drafter: &mut Drafter<CpuBackend>, state: &mut FlatState) -> Result<(), StepError> {
+    let expected = drafter.model().state.params.len();
+    for len in [
+        state.params.len(),
+        state.grads.len(),
+        state.exp_avg.len(),
+        state.exp_avg_sq.len(),
+    ] {
+        if len != expected {
+            return Err(StepError::StateSize { expected, got: len });
         }
-        if !self
-            .buckets
-            .iter()
-            .any(|b| b.padded_len == batch.padded_len && b.sequences == batch.sequences)
-        {
-            return Err(StepError::NoBucket {
-                padded_len: batch.padded_len,
-                sequences: batch.sequences,
-            });
-        }
-        if batch.din != self.spec.din {
-            return Err(StepError::WrongDin {
-                expected: self.spec.din,
-                got: batch.din,
-            });
-        }
-        let tokens = batch.tokens();
-        if tokens == 0 {
-            return Err(StepError::EmptyBatch);
-        }
-        let sizes = [
-            ("hs", tokens * batch.din, batch.hs.len()),
-            ("input_ids", tokens, batch.input_ids.len()),
-            ("loss_mask", tokens, batch.loss_mask.len()),
-            ("seq_lens", batch.sequences, batch.seq_lens.len()),
-        ];
-        for (buffer, expected, got) in sizes {
-            if expected != got {
-                return Err(StepError::BatchBuffer {
-                    buffer,
-                    expected,
-                    got,
-                });
-            }
-        }
-        for (sequence, &len) in batch.seq_lens.iter().enumerate() {
-            if len as usize > batch.padded_len {
-                return Err(StepError::SequenceTooLong {
-                    sequence,
-                    len,
-                    padded_len: batch.padded_len,
-                });
-            }
-            let start = sequence * batch.padded_len;
-            for position in start..start + len as usize {
-                let id = batch.input_ids[position];
-                if id as usize >= self.spec.vocab {
-                    return Err(StepError::TokenOutOfRange {
-                        position,
-                        id,
-                        vocab: self.spec.vocab,
-                    });
-                }
-            }
-        }
-        Ok(())
     }
+    let flat = &mut drafter.parts_mut().1.state;
+    flat.params.swap_vec(&mut state.params);
+    flat.grads.swap_vec(&mut state.grads);
+    flat.exp_avg.swap_vec(&mut state.exp_avg);
+    flat.exp_avg_sq.swap_vec(&mut state.exp_avg_sq);
+    Ok(())
 }

@@ -6,13 +6,16 @@
 use std::ffi::c_int;
 use std::sync::Arc;
 
-use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
 use cudarc::cublas::{CudaBlas, result};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _};
+use draftpipe_compiler::plan::Precision;
+use draftpipe_compiler::workspace::CUBLAS_WORKSPACE_BYTES;
 
 use super::CudaError;
 use super::launch::DevicePtr;
-use super::workspace::Buffer;
 
 /// Whether an operand is used as stored or transposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,15 +35,11 @@ impl Op {
     }
 }
 
-/// Bytes of the workspace given to cuBLAS, so it never allocates (which stream capture forbids); NVIDIA
-/// recommends 32 MiB on Hopper.
-const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
-
 /// A cuBLAS handle bound to one stream, with its own workspace.
 #[derive(Debug)]
 pub struct Gemm {
     blas: CudaBlas,
-    _workspace: Buffer<u8>,
+    _workspace: CudaSlice<u8>,
 }
 
 fn dim(value: usize) -> Result<c_int, CudaError> {
@@ -48,22 +47,26 @@ fn dim(value: usize) -> Result<c_int, CudaError> {
 }
 
 impl Gemm {
-    /// A handle on `stream`; [`CudaError::NoCublas`] when `libcublas` cannot be loaded.
+    /// A handle on `stream` with the plan's cuBLAS workspace size; [`CudaError::NoCublas`] when `libcublas`
+    /// cannot be loaded.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self, CudaError> {
+        Self::with_workspace(stream, CUBLAS_WORKSPACE_BYTES)
+    }
+
+    /// A handle on `stream` with a workspace of `bytes` (the workspace layout's `cublas_workspace`), so that
+    /// cuBLAS never allocates (which stream capture forbids).
+    pub fn with_workspace(stream: Arc<CudaStream>, bytes: usize) -> Result<Self, CudaError> {
         // SAFETY: only tries to dlopen the library; without this check cudarc panics on first use.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
         let blas = CudaBlas::new(stream.clone())?;
-        let workspace = Buffer::<u8>::zeros(&stream, CUBLAS_WORKSPACE_BYTES)?;
+        let workspace = stream.alloc_zeros::<u8>(bytes.max(1))?;
+        let (address, _) = workspace.device_ptr(&stream);
         // SAFETY: the workspace lives as long as the handle (both owned by `Gemm`) and is used on its stream.
         unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *blas.handle(),
-                workspace.ptr() as *mut _,
-                CUBLAS_WORKSPACE_BYTES,
-            )
-            .result()?;
+            cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), address as *mut _, bytes)
+                .result()?;
         }
         Ok(Self {
             blas,
@@ -106,6 +109,56 @@ impl Gemm {
                 &beta,
                 c as *mut f32,
                 dim(n)?,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// [`Gemm::row_major`] at `precision`: f32 as stored, or with both operands rounded by the tensor cores to
+    /// TF32 or bf16 (`CUBLAS_COMPUTE_32F_FAST_TF32` / `_FAST_16BF`), accumulated in f32 into the f32 output.
+    ///
+    /// # Safety
+    /// As [`Gemm::row_major`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn row_major_at(
+        &self,
+        (op_a, a): (Op, DevicePtr),
+        (op_b, b): (Op, DevicePtr),
+        c: DevicePtr,
+        (m, n, k): (usize, usize, usize),
+        (alpha, beta): (f32, f32),
+        precision: Precision,
+    ) -> Result<(), CudaError> {
+        let compute = match precision {
+            Precision::F32 => cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Precision::Tf32 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            Precision::Bf16 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+        };
+        let lda = if op_a == Op::N { k } else { m };
+        let ldb = if op_b == Op::N { n } else { k };
+        let f32_type = cudaDataType_t::CUDA_R_32F;
+        // SAFETY: as `row_major`: the caller guarantees the buffers; Bᵀ-then-Aᵀ in column-major order.
+        unsafe {
+            result::gemm_ex(
+                *self.blas.handle(),
+                op_b.cublas(),
+                op_a.cublas(),
+                dim(n)?,
+                dim(m)?,
+                dim(k)?,
+                (&alpha as *const f32).cast(),
+                b as *const std::ffi::c_void,
+                f32_type,
+                dim(ldb)?,
+                a as *const std::ffi::c_void,
+                f32_type,
+                dim(lda)?,
+                (&beta as *const f32).cast(),
+                c as *mut std::ffi::c_void,
+                f32_type,
+                dim(n)?,
+                compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )?;
         }
         Ok(())

@@ -44,6 +44,7 @@ pub struct Launcher {
     finish_sum: CudaFunction,
     finish_grad_norm: CudaFunction,
     adamw_update: CudaFunction,
+    adamw_advance: CudaFunction,
 }
 
 /// Pushes every argument, then launches on `count` indices.
@@ -80,6 +81,7 @@ impl Launcher {
             finish_sum: module.function("finish_sum")?.clone(),
             finish_grad_norm: module.function("finish_grad_norm")?.clone(),
             adamw_update: module.function("adamw_update")?.clone(),
+            adamw_advance: module.function("adamw_advance")?.clone(),
         })
     }
 
@@ -331,6 +333,22 @@ impl Launcher {
             [
                 params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, hyper, n
             ]
+        )
+    }
+
+    /// Advances AdamW's device state (`[steps, β1^steps, β2^steps]`, f64) and writes the step's `AdamWStep`
+    /// when the gradient norm is finite; `hyper` is `[lr, β1, β2, eps, weight_decay]`.
+    pub fn adamw_advance(
+        &self,
+        (grad_norm, state, step): (DevicePtr, DevicePtr, DevicePtr),
+        hyper: [f32; 5],
+    ) -> Result<(), CudaError> {
+        let [lr, beta1, beta2, eps, weight_decay] = hyper;
+        launch!(
+            self,
+            adamw_advance,
+            1,
+            [grad_norm, lr, beta1, beta2, eps, weight_decay, state, step]
         )
     }
 }

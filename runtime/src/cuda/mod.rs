@@ -12,17 +12,52 @@
 mod allreduce;
 mod blas;
 mod device;
-mod drafter;
 mod error;
 mod launch;
 mod module;
-mod step;
-mod workspace;
 
+pub use crate::backend::cuda::CudaBackend;
 pub use allreduce::GradientAllReduce;
 pub use blas::{Gemm, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
-pub use drafter::{CudaDrafter, StepOutcome};
 pub use error::CudaError;
 pub use launch::{BLOCK_THREADS, DevicePtr, Launcher};
 pub use module::{EMBEDDED_PTX, KERNEL_NAMES, KernelModule, embedded_ptx};
+
+use draftpipe_compiler::plan::{
+    AdamWSpec, BackendKind, BucketPlan, LaunchMode, LossSpec, ModelPlan, Precision, WorkspaceLayout,
+};
+
+use crate::backend::BackendError;
+use crate::drafter::{Drafter, DrafterError};
+
+/// The `mlp` drafter on one CUDA device: the backend-generic [`Drafter`] on a [`CudaBackend`].
+pub type CudaDrafter = Drafter<CudaBackend>;
+
+impl Drafter<CudaBackend> {
+    /// A drafter on device `ordinal`, with the workspace of `buckets` at `precision` and the launch mode;
+    /// `all_reduce` averages its gradients with the other ranks every step. Parameters start at zero: load
+    /// them with [`Drafter::upload_state`].
+    ///
+    /// # Errors
+    /// [`CudaError`]s (no driver, no such device, no kernels, no cuBLAS) inside [`DrafterError::Backend`];
+    /// layout errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_device(
+        ordinal: usize,
+        model: &ModelPlan,
+        (loss, optimizer, precision): (LossSpec, AdamWSpec, Precision),
+        buckets: &[BucketPlan],
+        launch: LaunchMode,
+        all_reduce: Option<GradientAllReduce>,
+    ) -> Result<Self, DrafterError> {
+        let layout =
+            WorkspaceLayout::mlp(&model.spec, buckets, &loss, BackendKind::Cuda, precision)
+                .ok_or(DrafterError::WorkspaceTooLarge)?;
+        let mut backend = CudaBackend::new(ordinal, launch, &layout).map_err(BackendError::from)?;
+        if let Some(all_reduce) = all_reduce {
+            backend = backend.with_all_reduce(all_reduce);
+        }
+        Drafter::new(backend, model, (loss, optimizer, precision), buckets)
+    }
+}

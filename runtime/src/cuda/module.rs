@@ -16,7 +16,7 @@ pub fn embedded_ptx() -> Result<&'static str, CudaError> {
 
 /// Every entry point the CUDA backend launches (`gpu-kernels/src/ptx.rs` exports them; the PTX check test
 /// asserts each is present).
-pub const KERNEL_NAMES: [&str; 16] = [
+pub const KERNEL_NAMES: [&str; 17] = [
     "rmsnorm_forward",
     "rmsnorm_backward_input",
     "rmsnorm_weight_grad_partials",
@@ -33,6 +33,7 @@ pub const KERNEL_NAMES: [&str; 16] = [
     "finish_sum",
     "finish_grad_norm",
     "adamw_update",
+    "adamw_advance",
 ];
 
 /// The drafter kernels loaded into one context; the driver JIT-compiles the PTX for the card it finds.

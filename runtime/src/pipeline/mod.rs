@@ -7,104 +7,48 @@
 //! ```
 //!
 //! Producers run one per target worker, drafters one per drafter worker (data-parallel replicas that average
-//! their gradients every step when `sync = allreduce`): on the CPU backend (`drafter.rs`), or on the CUDA
-//! backend when the drafter stage is placed on GPUs (`gpu_drafter.rs`, NCCL between the GPUs). The run ends
+//! their gradients every step when `sync = allreduce`), each running the one worker loop (`worker.rs`) on its
+//! backend: the CPU, or a GPU when the drafter stage is placed on GPUs (`devices.rs`, NCCL between the GPUs).
+//! Shared state lives in `shared.rs`, the error type in `error.rs`. The run ends
 //! when the step limit is reached, the sources are exhausted, a fault stops it, or the caller's interrupt flag
 //! is raised; in every case the drafters finish the step in hand, worker 0 writes the final checkpoint (when
 //! asked), and the telemetry writes its summary, so [`Diagnosis`] can explain the run.
 
-mod drafter;
-mod gpu_drafter;
+mod devices;
+mod error;
 mod host_memory;
-
-pub use host_memory::HostMemoryError;
+mod options;
 mod producer;
+mod shared;
+mod worker;
+
+pub use error::RunError;
+pub use host_memory::HostMemoryError;
+pub use options::{DEFAULT_MAX_NONFINITE_IN_ROW, RunOptions, StopReason};
+use shared::{OnPanic, Shared};
 
 use std::io::Write;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use draftpipe_compiler::plan::Plan;
+use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::batch::HsBatch;
-use crate::checkpoint::{CheckpointError, load_checkpoint, load_weights};
-use crate::cpu::StepError;
-use crate::cuda::CudaError;
+use crate::checkpoint::{load_checkpoint, load_weights};
+use crate::cuda::GradientAllReduce;
 use crate::params::FlatState;
-use crate::queue::{HsQueue, QueueConfig, QueueConfigError, QueueStats, SeqLen};
+use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
 use crate::source::{BatchPool, HsSource, Producer, SourceError, open_sources};
 use crate::telemetry::{
-    Diagnosis, OutputMode, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
-    TelemetryError,
+    Diagnosis, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
 };
 
 impl SeqLen for Box<HsBatch> {
     fn seq_len(&self) -> usize {
         self.longest_sequence()
     }
-}
-
-/// How one run is driven, beyond what the plan says.
-#[derive(Debug, Clone)]
-pub struct RunOptions {
-    /// Step limit; overrides the plan's `steps`.
-    pub steps: Option<u64>,
-    /// Where checkpoints go.
-    pub save_dir: Option<PathBuf>,
-    /// Checkpoint every this many steps (and always at the end) when `save_dir` is set.
-    pub save_every: Option<u64>,
-    /// Continue from this checkpoint directory.
-    pub resume: Option<PathBuf>,
-    /// Start from these weights (a `model.safetensors`), with fresh optimizer state.
-    pub init: Option<PathBuf>,
-    /// How status lines are written.
-    pub output: OutputMode,
-    /// Where `status.jsonl` and `summary.json` go.
-    pub run_dir: Option<PathBuf>,
-    /// Where the trace goes (the plan's `telemetry.trace`, or none).
-    pub trace: Option<PathBuf>,
-    /// Keep running on the other producers when one fails.
-    pub keep_going: bool,
-    /// Stop after this many non-finite steps in a row.
-    pub max_nonfinite_in_row: u32,
-    /// Seed of the drafter's initial weights.
-    pub init_seed: u64,
-}
-
-impl RunOptions {
-    /// Options for `plan` with nothing overridden: plain status lines, no checkpoints, the plan's trace path.
-    pub fn for_plan(plan: &Plan) -> Self {
-        Self {
-            steps: None,
-            save_dir: None,
-            save_every: None,
-            resume: None,
-            init: None,
-            output: OutputMode::Plain,
-            run_dir: None,
-            trace: plan.telemetry.trace.as_ref().map(PathBuf::from),
-            keep_going: false,
-            max_nonfinite_in_row: DEFAULT_MAX_NONFINITE_IN_ROW,
-            init_seed: 0,
-        }
-    }
-}
-
-/// Non-finite steps in a row after which a run gives up: a few can be a bad batch, more mean the run diverged.
-pub const DEFAULT_MAX_NONFINITE_IN_ROW: u32 = 5;
-
-/// Why a run stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    /// The step limit was reached.
-    StepLimit,
-    /// Every source was exhausted and the queue drained.
-    SourcesExhausted,
-    /// The caller's interrupt flag was raised (Ctrl-C).
-    Interrupted,
 }
 
 /// What a finished run reports.
@@ -122,107 +66,6 @@ pub struct RunOutcome {
     pub producer_errors: Vec<String>,
 }
 
-/// Why a run could not start or had to stop.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    /// The plan's stages cannot run on this machine.
-    #[error("{0}")]
-    Unsupported(String),
-    /// The plan does not fit in this machine's memory.
-    #[error(transparent)]
-    HostMemory(#[from] HostMemoryError),
-    /// The queue rejected the plan's queue block.
-    #[error("queue: {0}")]
-    Queue(#[from] QueueConfigError),
-    /// A source could not be opened.
-    #[error("source: {0}")]
-    Source(#[from] SourceError),
-    /// A producer failed while running.
-    #[error("producer {worker} failed")]
-    Producer {
-        /// Producer index.
-        worker: usize,
-        /// The cause.
-        #[source]
-        source: SourceError,
-    },
-    /// A drafter could not train on a batch.
-    #[error("drafter {worker} failed")]
-    Step {
-        /// Drafter index.
-        worker: usize,
-        /// The cause.
-        #[source]
-        source: StepError,
-    },
-    /// The drafter stage's GPUs cannot be used (no driver, no such device, no kernels, no NCCL).
-    #[error("drafter stage `{stage}` cannot run on gpu {devices}")]
-    Gpu {
-        /// The drafter stage's name.
-        stage: String,
-        /// The stage's device ordinals.
-        devices: String,
-        /// What is missing.
-        #[source]
-        source: CudaError,
-    },
-    /// A GPU drafter failed while training.
-    #[error("drafter {worker} (gpu {ordinal}) failed")]
-    GpuStep {
-        /// Drafter index.
-        worker: usize,
-        /// Its device.
-        ordinal: usize,
-        /// The cause.
-        #[source]
-        source: CudaError,
-    },
-    /// The loss or the gradients stayed non-finite.
-    #[error(
-        "{count} steps in a row had a non-finite loss or gradient (stopped at step {step}); lower the learning rate or enable clip_grad_norm"
-    )]
-    NonFinite {
-        /// Non-finite steps in a row.
-        count: u32,
-        /// The step it stopped at.
-        step: u64,
-    },
-    /// Loading or saving a checkpoint failed.
-    #[error("checkpoint: {0}")]
-    Checkpoint(#[from] CheckpointError),
-    /// A checkpoint is incompatible with this plan.
-    #[error("cannot resume from {dir}: {reason}")]
-    Resume {
-        /// The checkpoint directory.
-        dir: PathBuf,
-        /// What does not match.
-        reason: String,
-    },
-    /// Telemetry output failed.
-    #[error("telemetry: {0}")]
-    Telemetry(#[from] TelemetryError),
-    /// Every producer failed under `--keep-going`: nothing was left to train on.
-    #[error("every producer failed: {0}")]
-    AllProducersFailed(String),
-    /// A worker thread panicked: a bug in draftpipe, not in the input.
-    #[error(
-        "the {0} thread panicked (a bug in draftpipe; please report it with the message above)"
-    )]
-    Panicked(String),
-}
-
-/// Runs `on_panic` if the thread unwinds through it: a panicking worker must still release the threads that
-/// wait for it (the queue, the all-reduce group), or the run would hang instead of failing.
-struct OnPanic<F: FnMut()>(F);
-
-impl<F: FnMut()> Drop for OnPanic<F> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            (self.0)();
-        }
-    }
-}
-
 /// Converts the queue's statistics into the telemetry's view of them.
 fn queue_snapshot(stats: QueueStats) -> QueueSnapshot {
     QueueSnapshot {
@@ -236,77 +79,6 @@ fn queue_snapshot(stats: QueueStats) -> QueueSnapshot {
         consumer_blocked: stats.consumer_blocked,
         seen_full: stats.seen_full,
         seen_below_watermark: stats.seen_below_watermark,
-    }
-}
-
-/// State every worker thread reads: the queue, the pool, stop flags and the first fatal error.
-struct Shared {
-    queue: HsQueue<Box<HsBatch>>,
-    pool: BatchPool,
-    /// Raised by the caller (Ctrl-C): drafters finish the step in hand and stop.
-    interrupt: Arc<AtomicBool>,
-    /// Raised when the drafters are done: producers stop filling.
-    producers_stop: AtomicBool,
-    /// Producers still running; the last one to finish closes the queue so the drafters drain it.
-    live_producers: AtomicU32,
-    fatal: Mutex<Option<RunError>>,
-    fatal_raised: AtomicBool,
-    /// Per producer, the position after the newest batch a drafter has taken: where a resumed run restarts.
-    consumed: Mutex<Vec<u64>>,
-    /// `consumed` as it stood when the last all-reduce round completed: every batch it counts is in that round's
-    /// update, and none taken since (a fast worker may already hold its next batch while worker 0 saves).
-    trained: Mutex<Vec<u64>>,
-    producer_errors: Mutex<Vec<String>>,
-}
-
-impl Shared {
-    fn fail(&self, error: RunError) {
-        let mut fatal = self.fatal.lock().unwrap_or_else(PoisonError::into_inner);
-        if fatal.is_none() {
-            *fatal = Some(error);
-        }
-        self.fatal_raised.store(true, Ordering::Release);
-        self.queue.close();
-    }
-
-    fn should_stop(&self) -> bool {
-        self.interrupt.load(Ordering::Acquire) || self.fatal_raised.load(Ordering::Acquire)
-    }
-
-    /// Marks the batch at `source_position` as taken by a drafter: a resumed run restarts after it.
-    fn consume(&self, source_position: u64) {
-        let mut consumed = self.consumed.lock().unwrap_or_else(PoisonError::into_inner);
-        let producers = consumed.len() as u64;
-        let owner = (source_position % producers) as usize;
-        consumed[owner] = consumed[owner].max(source_position + producers);
-    }
-
-    /// The data positions now (see `consumed`).
-    fn consumed_positions(&self) -> Vec<u64> {
-        self.consumed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    /// Records `consumed` as trained; called once per all-reduce round, when every member has its batch.
-    fn mark_trained(&self) {
-        let positions = self.consumed_positions();
-        *self.trained.lock().unwrap_or_else(PoisonError::into_inner) = positions;
-    }
-
-    /// The data positions of the last completed all-reduce round.
-    fn trained_positions(&self) -> Vec<u64> {
-        self.trained
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    fn producer_finished(&self) {
-        if self.live_producers.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.queue.close();
-        }
     }
 }
 
@@ -387,15 +159,52 @@ pub fn run_with_sources(
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
     host_memory::check(plan)?;
-    let gpus = gpu_drafter::ordinals(plan)?;
-    let mut communicators = match &gpus {
-        Some(ordinals) => gpu_drafter::prepare(plan, ordinals)?,
+    let gpus = devices::ordinals(plan)?;
+    let communicators = match &gpus {
+        Some(ordinals) => devices::prepare(plan, ordinals)?,
         None => Vec::new(),
-    }
-    .into_iter();
+    };
     let start = starting_state(plan, options)?;
+    let producers = open_producers(plan, open, &start)?;
+    let first_positions = start
+        .data_positions
+        .clone()
+        .unwrap_or_else(|| (0..producers.len() as u64).collect());
+    let shared = Arc::new(Shared::new(
+        HsQueue::new(QueueConfig::from_spec(
+            &plan.queue,
+            plan_seed(plan) ^ start.step,
+        ))?,
+        BatchPool::for_plan(plan)?,
+        interrupt,
+        first_positions,
+    ));
+    let drafters = plan.drafter.placement.workers.len();
+    let telemetry = Arc::new(Telemetry::new(
+        producers.len(),
+        drafters,
+        options.trace.is_some(),
+    ));
     let step_limit = options.steps.or(plan.drafter.steps);
+    let reporter = reporter(plan, options, &telemetry, step_limit, start.step, out)?;
+    let threads = Threads {
+        plan,
+        options,
+        shared: &shared,
+        telemetry: &telemetry,
+        start: &start,
+        step_limit,
+    };
+    let (stop, step, reporter) = threads.run(producers, gpus, communicators, reporter)?;
+    finish(plan, &shared, reporter, stop, step)
+}
 
+/// The producers, one per target worker, each source moved to the resumed position.
+fn open_producers(
+    plan: &Plan,
+    open: impl FnOnce(&Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError>,
+    start: &Start,
+) -> Result<Vec<Producer>, RunError> {
     let mut sources = open(plan)?;
     let workers = plan.target.placement.workers.len();
     if sources.len() != workers {
@@ -410,158 +219,208 @@ pub fn run_with_sources(
             source.seek(*position)?;
         }
     }
-    let producers: Vec<Producer> = sources.into_iter().map(Producer::new).collect();
-    let queue_seed = plan_seed(plan) ^ start.step;
-    let first_positions = start
-        .data_positions
-        .clone()
-        .unwrap_or_else(|| (0..producers.len() as u64).collect());
-    let shared = Arc::new(Shared {
-        queue: HsQueue::new(QueueConfig::from_spec(&plan.queue, queue_seed))?,
-        pool: BatchPool::for_plan(plan)?,
-        interrupt,
-        producers_stop: AtomicBool::new(false),
-        live_producers: AtomicU32::new(producers.len() as u32),
-        fatal: Mutex::new(None),
-        fatal_raised: AtomicBool::new(false),
-        consumed: Mutex::new(first_positions.clone()),
-        trained: Mutex::new(first_positions),
-        producer_errors: Mutex::new(Vec::new()),
-    });
+    Ok(sources.into_iter().map(Producer::new).collect())
+}
 
-    let drafters = plan.drafter.placement.workers.len();
-    let telemetry = Arc::new(Telemetry::new(
-        producers.len(),
-        drafters,
-        options.trace.is_some(),
-    ));
-    let mut reporter_config = ReporterConfig::new(
+/// The status reporter of this run.
+fn reporter<W: Write + Send>(
+    plan: &Plan,
+    options: &RunOptions,
+    telemetry: &Arc<Telemetry>,
+    step_limit: Option<u64>,
+    first_step: u64,
+    out: W,
+) -> Result<Reporter<W>, RunError> {
+    let mut config = ReporterConfig::new(
         plan.name.clone(),
         Duration::from_millis(plan.telemetry.every_ms),
         plan.queue.capacity,
         plan.queue.min_ready,
     );
-    reporter_config.mode = options.output;
+    config.mode = options.output;
     // The status line counts the steps of this run, so a resumed run's total is what is left of the limit.
-    reporter_config.total_steps = step_limit.map(|limit| limit.saturating_sub(start.step));
-    reporter_config.run_dir = options.run_dir.clone();
-    reporter_config.trace_path = options.trace.clone();
-    let reporter = Reporter::new(reporter_config, Arc::clone(&telemetry), out)?;
+    config.total_steps = step_limit.map(|limit| limit.saturating_sub(first_step));
+    config.run_dir = options.run_dir.clone();
+    config.trace_path = options.trace.clone();
+    Ok(Reporter::new(config, Arc::clone(telemetry), out)?)
+}
 
-    let reporter_stop = AtomicBool::new(false);
-    // CPU workers average their gradients through the group; GPU workers average theirs with NCCL and use the
-    // group only to agree, before each launch, that every one of them launches.
-    let group_len = if gpus.is_some() {
-        gpu_drafter::ROUND_LEN
-    } else {
-        plan.model.parameters
-    };
-    let group = Arc::new(AllReduce::new(drafters, group_len));
-    let nonfinite_limit = options.max_nonfinite_in_row.max(1);
-    let producer_recorders = (0..producers.len())
-        .map(|worker| telemetry.producer(worker))
-        .collect::<Result<Vec<_>, _>>()?;
-    let drafter_recorders = (0..drafters)
-        .map(|worker| telemetry.drafter(worker))
-        .collect::<Result<Vec<_>, _>>()?;
-    let outcome = std::thread::scope(|scope| {
-        let producer_handles: Vec<_> = producers
-            .into_iter()
-            .zip(producer_recorders)
-            .enumerate()
-            .map(|(worker, (producer, recorder))| {
-                let shared = Arc::clone(&shared);
-                let keep_going = options.keep_going;
-                std::thread::Builder::new()
-                    .name(format!("producer-{worker}"))
-                    .spawn_scoped(scope, move || {
-                        let _release = OnPanic(|| {
-                            shared.fail(RunError::Panicked(format!("producer {worker}")));
-                            shared.producer_finished();
-                        });
-                        producer::run(worker, producer, &shared, &recorder, keep_going)
-                    })
-                    .expect("spawning a producer thread")
-            })
-            .collect();
-        let drafter_handles: Vec<_> = drafter_recorders
+/// What every thread of a run is started with.
+struct Threads<'a> {
+    plan: &'a Plan,
+    options: &'a RunOptions,
+    shared: &'a Arc<Shared>,
+    telemetry: &'a Arc<Telemetry>,
+    start: &'a Start,
+    step_limit: Option<u64>,
+}
+
+impl Threads<'_> {
+    /// Runs the producers, the drafters and the telemetry until the drafters stop, then stops the others;
+    /// returns the stop reason, the last step and the reporter (none when the telemetry thread failed).
+    fn run<W: Write + Send>(
+        &self,
+        producers: Vec<Producer>,
+        gpus: Option<Vec<usize>>,
+        communicators: Vec<GradientAllReduce>,
+        reporter: Reporter<W>,
+    ) -> Result<(StopReason, u64, Option<Reporter<W>>), RunError> {
+        let producer_recorders = (0..producers.len())
+            .map(|worker| self.telemetry.producer(worker))
+            .collect::<Result<Vec<_>, _>>()?;
+        let drafters = self.plan.drafter.placement.workers.len();
+        let drafter_recorders = (0..drafters)
+            .map(|worker| self.telemetry.drafter(worker))
+            .collect::<Result<Vec<_>, _>>()?;
+        let shared = self.shared;
+        let reporter_stop = AtomicBool::new(false);
+        Ok(std::thread::scope(|scope| {
+            let producer_handles: Vec<_> = producers
+                .into_iter()
+                .zip(producer_recorders)
+                .enumerate()
+                .map(|(worker, (producer, recorder))| {
+                    let shared = Arc::clone(shared);
+                    let keep_going = self.options.keep_going;
+                    std::thread::Builder::new()
+                        .name(format!("producer-{worker}"))
+                        .spawn_scoped(scope, move || {
+                            let _release = OnPanic(|| {
+                                shared.fail(RunError::Panicked(format!("producer {worker}")));
+                                shared.producer_finished();
+                            });
+                            producer::run(worker, producer, &shared, &recorder, keep_going)
+                        })
+                        .expect("spawning a producer thread")
+                })
+                .collect();
+            let drafter_handles =
+                self.spawn_drafters(scope, drafter_recorders, gpus, communicators);
+            let telemetry_thread = {
+                let reporter_stop = &reporter_stop;
+                let mut reporter = reporter;
+                scope.spawn(move || {
+                    // A reporter that cannot write (say, stdout closed) stops the run rather than leaving it
+                    // to train unobserved; the workers see the failure at their next step.
+                    match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
+                        Ok(()) => Some(reporter),
+                        Err(error) => {
+                            shared.fail(RunError::Telemetry(error));
+                            None
+                        }
+                    }
+                })
+            };
+
+            // Panics were turned into the run's fatal error by the workers' guards; joining every thread
+            // before acting on any result keeps one failure from leaving the others running.
+            let finished: Vec<worker::Finished> = drafter_handles
+                .into_iter()
+                .filter_map(|handle| handle.join().ok())
+                .collect();
+            shared.producers_stop.store(true, Ordering::Release);
+            shared.queue.close();
+            for handle in producer_handles {
+                let _ = handle.join();
+            }
+            reporter_stop.store(true, Ordering::Release);
+            let reporter = telemetry_thread.join().ok().flatten();
+            let stop = if shared.interrupt.load(Ordering::Acquire) {
+                StopReason::Interrupted
+            } else {
+                finished
+                    .iter()
+                    .map(|f| f.stop)
+                    .next()
+                    .unwrap_or(StopReason::SourcesExhausted)
+            };
+            let step = finished
+                .iter()
+                .map(|f| f.step)
+                .max()
+                .unwrap_or(self.start.step);
+            (stop, step, reporter)
+        }))
+    }
+
+    /// One thread per drafter worker, each running the one worker loop on its backend: a GPU with its NCCL
+    /// communicator, or the CPU with the host all-reduce of the gradients when synced.
+    fn spawn_drafters<'scope>(
+        &'scope self,
+        scope: &'scope std::thread::Scope<'scope, '_>,
+        recorders: Vec<DrafterRecorder>,
+        gpus: Option<Vec<usize>>,
+        communicators: Vec<GradientAllReduce>,
+    ) -> Vec<std::thread::ScopedJoinHandle<'scope, worker::Finished>> {
+        let plan = self.plan;
+        let drafters = recorders.len();
+        let synced = plan.drafter.sync == SyncMode::AllReduce;
+        let round = Arc::new(AllReduce::new(drafters, worker::ROUND_LEN));
+        let gradients = (synced && gpus.is_none())
+            .then(|| Arc::new(AllReduce::new(drafters, plan.model.parameters)));
+        let mut communicators = communicators.into_iter();
+        recorders
             .into_iter()
             .enumerate()
             .map(|(worker, recorder)| {
-                let context = drafter::DrafterContext {
+                let ordinal = gpus.as_ref().map(|ordinals| ordinals[worker]);
+                let context = worker::WorkerContext {
                     worker,
+                    device: ordinal.map_or(Device::Cpu, |o| Device::Gpu(o as u32)),
                     plan,
-                    options,
-                    shared: Arc::clone(&shared),
-                    group: Arc::clone(&group),
+                    options: self.options,
+                    shared: Arc::clone(self.shared),
+                    round: Arc::clone(&round),
                     recorder,
-                    state: start.state.clone(),
-                    first_step: start.step,
-                    step_limit,
-                    nonfinite_limit,
+                    state: self.start.state.clone(),
+                    first_step: self.start.step,
+                    step_limit: self.step_limit,
+                    nonfinite_limit: self.options.max_nonfinite_in_row.max(1),
                 };
-                let gpu = gpus.as_ref().map(|ordinals| gpu_drafter::GpuDevice {
-                    ordinal: ordinals[worker],
-                    all_reduce: communicators.next(),
-                });
-                let (shared, group) = (Arc::clone(&shared), Arc::clone(&group));
+                let communicator = ordinal.and_then(|_| communicators.next());
+                let (shared, round, gradients) = (
+                    Arc::clone(self.shared),
+                    Arc::clone(&round),
+                    gradients.clone(),
+                );
                 std::thread::Builder::new()
                     .name(format!("drafter-{worker}"))
                     .spawn_scoped(scope, move || {
+                        let leave = || {
+                            round.leave(|| true);
+                            if let Some(group) = &gradients {
+                                group.leave(|| true);
+                            }
+                        };
                         let _release = OnPanic(|| {
                             shared.fail(RunError::Panicked(format!("drafter {worker}")));
-                            group.leave(|| true);
+                            leave();
                         });
-                        match gpu {
-                            Some(device) => gpu_drafter::run(context, device),
-                            None => drafter::run(context),
-                        }
+                        let finished = match ordinal {
+                            Some(ordinal) => worker::run(context, |state| {
+                                devices::open_gpu(plan, ordinal, communicator, state)
+                            }),
+                            None => worker::run(context, |state| {
+                                devices::open_cpu(plan, gradients.clone(), state)
+                            }),
+                        };
+                        leave();
+                        finished
                     })
                     .expect("spawning a drafter thread")
             })
-            .collect();
-        let telemetry_thread = {
-            let (shared, reporter_stop) = (&shared, &reporter_stop);
-            let mut reporter = reporter;
-            scope.spawn(move || {
-                // A reporter that cannot write (say, stdout closed) stops the run rather than leaving it to
-                // train unobserved; the workers see the failure at their next step.
-                match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
-                    Ok(()) => Some(reporter),
-                    Err(error) => {
-                        shared.fail(RunError::Telemetry(error));
-                        None
-                    }
-                }
-            })
-        };
+            .collect()
+    }
+}
 
-        // Panics were turned into the run's fatal error by the workers' guards; joining every thread before
-        // acting on any result keeps one failure from leaving the others running.
-        let finished: Vec<drafter::Finished> = drafter_handles
-            .into_iter()
-            .filter_map(|handle| handle.join().ok())
-            .collect();
-        shared.producers_stop.store(true, Ordering::Release);
-        shared.queue.close();
-        for handle in producer_handles {
-            let _ = handle.join();
-        }
-        reporter_stop.store(true, Ordering::Release);
-        let reporter = telemetry_thread.join().ok().flatten();
-        let stop = if shared.interrupt.load(Ordering::Acquire) {
-            StopReason::Interrupted
-        } else {
-            finished
-                .iter()
-                .map(|f| f.stop)
-                .next()
-                .unwrap_or(StopReason::SourcesExhausted)
-        };
-        let step = finished.iter().map(|f| f.step).max().unwrap_or(start.step);
-        (stop, step, reporter)
-    });
-    let (stop, step, reporter) = outcome;
+/// The run's outcome once every thread has stopped: its first fatal error, or the summary and diagnosis.
+fn finish<W: Write + Send>(
+    plan: &Plan,
+    shared: &Shared,
+    reporter: Option<Reporter<W>>,
+    stop: StopReason,
+    step: u64,
+) -> Result<RunOutcome, RunError> {
     let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared.queue.stats())));
     if let Some(error) = shared
         .fatal

@@ -8,7 +8,8 @@ use crate::queue::PushError;
 use crate::source::Producer;
 use crate::telemetry::{ProducerPhase, ProducerRecorder};
 
-use super::{RunError, Shared};
+use super::error::RunError;
+use super::shared::Shared;
 
 /// Produces until the source is exhausted, the queue closes, or the drafters are done. A source error stops
 /// the run, or only this producer under `keep_going`.

@@ -1,0 +1,478 @@
+//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` (`crate::cpu::gemm`), every
+//! kernel to its host launcher (`crate::cpu::kernels`, AVX2 + FMA when the CPU has both). Everything runs at
+//! once on the calling thread, so a step's results are ready when the step returns.
+//!
+//! Reduced precisions are emulated: both operands of a product are rounded (bf16: round to nearest even, 8-bit
+//! mantissa; TF32: 10-bit) into two scratch buffers first, then multiplied in f32, which is what tensor cores
+//! compute up to the order of the f32 accumulation. So the backend-generic tests cover the GPU's numerics here.
+
+use std::sync::Arc;
+
+use draftpipe_compiler::plan::{BackendKind, WorkspaceLayout};
+
+use super::{
+    AdamWHyper, Backend, BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand,
+    Precision, Src, StepPart, StepResults, gemm_shape,
+};
+use crate::allreduce::AllReduce;
+use crate::cpu::gemm::{Mat, gemm};
+use crate::cpu::kernels;
+use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+
+/// The host as a backend. See the module docs.
+pub struct CpuBackend {
+    /// Operands rounded to the product's precision (empty when the layout has no emulated precision).
+    round_a: Vec<f32>,
+    round_b: Vec<f32>,
+    /// The data-parallel group whose mean the gradients take, if any.
+    group: Option<Arc<AllReduce>>,
+    /// The step results "read back" per ring slot (a plain copy: host memory).
+    results: [[f32; 3]; 2],
+    allocated: u64,
+}
+
+fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
+    let (raw, start, len) = view.parts();
+    &raw[start..start + len]
+}
+
+fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
+    let (raw, start, len) = view.parts();
+    &mut raw[start..start + len]
+}
+
+/// Rounds `x` to a float with `mantissa` explicit bits (round to nearest, ties to even); NaN and infinities
+/// pass through.
+fn round_mantissa(x: f32, mantissa: u32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    let drop = 23 - mantissa;
+    let bits = x.to_bits();
+    let half = (1u32 << (drop - 1)) - 1 + ((bits >> drop) & 1);
+    f32::from_bits((bits + half) & !((1u32 << drop) - 1))
+}
+
+impl<T: Element> Buf<CpuBackend, T> {
+    /// The elements (host memory).
+    pub fn as_slice(&self) -> &[T] {
+        &self.raw
+    }
+
+    /// The elements, to write (host memory).
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        &mut self.raw
+    }
+
+    /// Exchanges the buffer's vector with `vec` (same length), without copying.
+    ///
+    /// # Panics
+    /// When the lengths differ.
+    pub fn swap_vec(&mut self, vec: &mut Vec<T>) {
+        assert_eq!(vec.len(), self.len, "swap_vec: lengths differ");
+        std::mem::swap(&mut self.raw, vec);
+    }
+}
+
+impl CpuBackend {
+    /// A backend with the rounding buffers `layout` asks for (`gemm_round_a`/`gemm_round_b`, present when the
+    /// drafter's precision is emulated).
+    pub fn new(layout: &WorkspaceLayout) -> Self {
+        let round = |name| vec![0.0f32; layout.elements(name).unwrap_or(0)];
+        let (round_a, round_b) = (round("gemm_round_a"), round("gemm_round_b"));
+        let allocated = 4 * (round_a.len() + round_b.len()) as u64;
+        Self {
+            round_a,
+            round_b,
+            group: None,
+            results: [[0.0; 3]; 2],
+            allocated,
+        }
+    }
+
+    /// Averages the gradients over `group` in [`Backend::average_gradients`].
+    pub fn with_group(mut self, group: Arc<AllReduce>) -> Self {
+        self.group = Some(group);
+        self
+    }
+
+    /// Rounds `data` into `scratch` and returns the rounded copy (or `data` at full precision).
+    fn rounded<'a>(data: &'a [f32], scratch: &'a mut [f32], precision: Precision) -> &'a [f32] {
+        let mantissa = match precision {
+            Precision::F32 => return data,
+            Precision::Tf32 => 10,
+            Precision::Bf16 => 7,
+        };
+        let scratch = &mut scratch[..data.len()];
+        for (r, &x) in scratch.iter_mut().zip(data) {
+            *r = round_mantissa(x, mantissa);
+        }
+        scratch
+    }
+}
+
+impl Backend for CpuBackend {
+    type Raw<T: Element> = Vec<T>;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn asynchronous(&self) -> bool {
+        false
+    }
+
+    fn alloc<T: Element>(&mut self, len: usize) -> BackendResult<Buf<Self, T>> {
+        self.allocated += (len * size_of::<T>()) as u64;
+        Ok(Buf::from_raw(vec![T::default(); len], len))
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.allocated
+    }
+
+    fn upload<T: Element>(&mut self, dst: Dst<'_, Self, T>, src: &[T]) -> BackendResult {
+        slice_mut(dst).copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download<T: Element>(&mut self, src: Src<'_, Self, T>, dst: &mut [T]) -> BackendResult {
+        dst.copy_from_slice(slice(src));
+        Ok(())
+    }
+
+    fn stage(
+        &mut self,
+        _slot: usize,
+        batch: HostBatch<'_>,
+        input: &mut InputSlot<Self>,
+    ) -> BackendResult {
+        slice_mut(input.hs.at_mut(0, batch.hs.len())).copy_from_slice(batch.hs);
+        slice_mut(input.input_ids.at_mut(0, batch.input_ids.len()))
+            .copy_from_slice(batch.input_ids);
+        slice_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())).copy_from_slice(batch.seq_lens);
+        slice_mut(input.loss_mask.at_mut(0, batch.loss_mask.len()))
+            .copy_from_slice(batch.loss_mask);
+        Ok(())
+    }
+
+    fn begin_step(&mut self, _slot: usize, _ring: usize) -> BackendResult {
+        Ok(())
+    }
+
+    fn run_part(
+        &mut self,
+        _part: StepPart,
+        body: &mut dyn FnMut(&mut Self) -> BackendResult,
+    ) -> BackendResult {
+        body(self)
+    }
+
+    fn end_step(
+        &mut self,
+        _slot: usize,
+        ring: usize,
+        scalars: Src<'_, Self, f32>,
+    ) -> BackendResult {
+        self.results[ring].copy_from_slice(slice(scalars));
+        Ok(())
+    }
+
+    fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
+        Ok(StepResults {
+            scalars: self.results[ring],
+            device_ms: None,
+        })
+    }
+
+    fn fill(&mut self, dst: Dst<'_, Self, f32>, value: f32) -> BackendResult {
+        slice_mut(dst).fill(value);
+        Ok(())
+    }
+
+    fn copy(&mut self, dst: Dst<'_, Self, f32>, src: Src<'_, Self, f32>) -> BackendResult {
+        slice_mut(dst).copy_from_slice(slice(src));
+        Ok(())
+    }
+
+    fn gemm(
+        &mut self,
+        c: Dst<'_, Self, f32>,
+        a: Operand<'_, Self>,
+        b: Operand<'_, Self>,
+        alpha: f32,
+        beta: f32,
+        precision: Precision,
+    ) -> BackendResult {
+        gemm_shape(c.len(), &a, &b);
+        let a_data = Self::rounded(slice(a.data), &mut self.round_a, precision);
+        let b_data = Self::rounded(slice(b.data), &mut self.round_b, precision);
+        let mat = |data, op: &Operand<'_, Self>| {
+            let m = Mat::new(data, op.rows, op.cols);
+            if op.transposed { m.t() } else { m }
+        };
+        gemm(slice_mut(c), mat(a_data, &a), mat(b_data, &b), alpha, beta);
+        Ok(())
+    }
+
+    fn rmsnorm_forward(
+        &mut self,
+        x: Src<'_, Self, f32>,
+        weight: Src<'_, Self, f32>,
+        y: Dst<'_, Self, f32>,
+        inv_rms: Dst<'_, Self, f32>,
+        eps: f32,
+    ) -> BackendResult {
+        kernels::rmsnorm_forward(
+            slice(x),
+            slice(weight),
+            slice_mut(y),
+            slice_mut(inv_rms),
+            eps,
+        );
+        Ok(())
+    }
+
+    fn rmsnorm_backward_input(
+        &mut self,
+        x: Src<'_, Self, f32>,
+        weight: Src<'_, Self, f32>,
+        inv_rms: Src<'_, Self, f32>,
+        dy: Src<'_, Self, f32>,
+        dx: Dst<'_, Self, f32>,
+        accumulate: bool,
+    ) -> BackendResult {
+        kernels::rmsnorm_backward_input(
+            slice(x),
+            slice(weight),
+            slice(inv_rms),
+            slice(dy),
+            slice_mut(dx),
+            accumulate,
+        );
+        Ok(())
+    }
+
+    fn rmsnorm_weight_grad(
+        &mut self,
+        x: Src<'_, Self, f32>,
+        inv_rms: Src<'_, Self, f32>,
+        dy: Src<'_, Self, f32>,
+        dweight: Dst<'_, Self, f32>,
+        partials: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        kernels::rmsnorm_weight_grad(
+            slice(x),
+            slice(inv_rms),
+            slice(dy),
+            slice_mut(dweight),
+            slice_mut(partials),
+            NORM_ROWS_PER_CHUNK,
+        );
+        Ok(())
+    }
+
+    fn swiglu_forward(
+        &mut self,
+        gate_up: Src<'_, Self, f32>,
+        act: Dst<'_, Self, f32>,
+        inter: usize,
+    ) -> BackendResult {
+        kernels::swiglu_forward(slice(gate_up), slice_mut(act), inter);
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &mut self,
+        gate_up: Src<'_, Self, f32>,
+        dact: Src<'_, Self, f32>,
+        dgate_up: Dst<'_, Self, f32>,
+        inter: usize,
+    ) -> BackendResult {
+        kernels::swiglu_backward(slice(gate_up), slice(dact), slice_mut(dgate_up), inter);
+        Ok(())
+    }
+
+    fn head_residual_forward(
+        &mut self,
+        z: Src<'_, Self, f32>,
+        a: Src<'_, Self, f32>,
+        h: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        kernels::head_residual_forward(slice(z), slice(a), slice_mut(h));
+        Ok(())
+    }
+
+    fn head_residual_backward(
+        &mut self,
+        a: Src<'_, Self, f32>,
+        dh: Src<'_, Self, f32>,
+        da: Dst<'_, Self, f32>,
+        dz: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        kernels::head_residual_backward(slice(a), slice(dh), slice_mut(da), slice_mut(dz));
+        Ok(())
+    }
+
+    fn build_labels(
+        &mut self,
+        input_ids: Src<'_, Self, u32>,
+        loss_mask: Src<'_, Self, u8>,
+        seq_lens: Src<'_, Self, u32>,
+        labels: Dst<'_, Self, i32>,
+        padded_len: usize,
+        vocab: usize,
+    ) -> BackendResult {
+        kernels::build_labels(
+            slice(input_ids),
+            slice(loss_mask),
+            slice(seq_lens),
+            slice_mut(labels),
+            padded_len,
+            vocab,
+        );
+        Ok(())
+    }
+
+    fn head_loss_scales(
+        &mut self,
+        labels: Src<'_, Self, i32>,
+        head_decay: f32,
+        counts: Dst<'_, Self, u32>,
+        scales: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        kernels::head_loss_scales(
+            slice(labels),
+            head_decay,
+            slice_mut(counts),
+            slice_mut(scales),
+        );
+        Ok(())
+    }
+
+    fn vocab_loss(
+        &mut self,
+        logits: Dst<'_, Self, f32>,
+        labels: Src<'_, Self, i32>,
+        scale: Src<'_, Self, f32>,
+        row_loss: Dst<'_, Self, f32>,
+        vocab: usize,
+    ) -> BackendResult {
+        kernels::vocab_loss(
+            slice_mut(logits),
+            slice(labels),
+            slice(scale)[0],
+            slice_mut(row_loss),
+            vocab,
+        );
+        Ok(())
+    }
+
+    fn sum(
+        &mut self,
+        values: Src<'_, Self, f32>,
+        partials: Dst<'_, Self, f32>,
+        out: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        slice_mut(out)[0] = kernels::sum(slice(values), REDUCE_CHUNK, slice_mut(partials));
+        Ok(())
+    }
+
+    fn grad_norm(
+        &mut self,
+        values: Src<'_, Self, f32>,
+        partials: Dst<'_, Self, f32>,
+        max_norm: f32,
+        norm_and_clip: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let (norm, clip) =
+            kernels::grad_norm(slice(values), REDUCE_CHUNK, slice_mut(partials), max_norm);
+        slice_mut(norm_and_clip).copy_from_slice(&[norm, clip]);
+        Ok(())
+    }
+
+    fn adamw_advance(
+        &mut self,
+        grad_norm: Src<'_, Self, f32>,
+        hyper: AdamWHyper,
+        state: Dst<'_, Self, f64>,
+        step: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let AdamWHyper {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = hyper;
+        kernels::adamw_advance(
+            slice(grad_norm)[0],
+            [lr, beta1, beta2, eps, weight_decay],
+            slice_mut(state),
+            slice_mut(step),
+        );
+        Ok(())
+    }
+
+    fn adamw_update(
+        &mut self,
+        params: Dst<'_, Self, f32>,
+        grads: Src<'_, Self, f32>,
+        exp_avg: Dst<'_, Self, f32>,
+        exp_avg_sq: Dst<'_, Self, f32>,
+        norm_and_clip: Src<'_, Self, f32>,
+        step: Src<'_, Self, f32>,
+    ) -> BackendResult {
+        let &[norm, clip] = slice(norm_and_clip) else {
+            panic!("adamw_update: the norm and clip view holds two elements");
+        };
+        kernels::adamw_update(
+            slice_mut(params),
+            slice(grads),
+            slice_mut(exp_avg),
+            slice_mut(exp_avg_sq),
+            norm,
+            clip,
+            kernels::adamw_step_from_floats(slice(step)),
+        );
+        Ok(())
+    }
+
+    fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult {
+        if let Some(group) = &self.group {
+            // The stop decision was taken in the round before the step (see `pipeline::worker`).
+            group.mean(slice_mut(grads), || false);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_mantissa;
+
+    #[test]
+    fn rounding_matches_bf16_round_to_nearest_even() {
+        for &x in &[
+            1.0f32,
+            1.00390625,
+            1.0078125,
+            -3.14159,
+            1e-30,
+            65504.0,
+            0.1,
+            1.0 + 3.0 / 256.0,
+        ] {
+            assert_eq!(
+                round_mantissa(x, 7),
+                half::bf16::from_f32(x).to_f32(),
+                "{x}"
+            );
+        }
+        assert!(round_mantissa(f32::NAN, 7).is_nan());
+        assert_eq!(round_mantissa(f32::INFINITY, 10), f32::INFINITY);
+        // TF32 keeps 10 bits: 1 + 2^-10 survives, 1 + 2^-12 does not.
+        assert_eq!(round_mantissa(1.0 + 1.0 / 1024.0, 10), 1.0 + 1.0 / 1024.0);
+        assert_eq!(round_mantissa(1.0 + 1.0 / 4096.0, 10), 1.0);
+    }
+}

@@ -1,0 +1,755 @@
+//! The CUDA backend: buffers are device allocations addressed by raw pointers, every step-path operation is
+//! enqueued on the compute stream (cuBLAS for the products, our PTX kernels for the rest) and nothing on it
+//! syncs or allocates, so a part of the step can be captured once as a graph and replayed.
+//!
+//! ```text
+//!  host   stage(slot): wait slot_free[slot] ─▶ pinned copy ─▶ copy stream: H2D into the slot ─▶ copied[slot]
+//!  device begin_step: compute waits copied[slot], start[ring] ─▶ graph A (bucket, slot) ─▶ NCCL average (eager)
+//!         ─▶ graph B (update) ─▶ stop[ring], slot_free[slot] ─▶ D2H [grad_norm, clip, loss] ─▶ done[ring]
+//!  host   read_results(ring): wait done[ring] (blocking-sync event: the thread sleeps, no core spins)
+//! ```
+//!
+//! Why the gradient average sits between two graphs: NCCL requires every rank to launch a captured collective
+//! from the same capture, but graphs here are captured lazily per (bucket, input slot), and with
+//! `random_in_bucket` the ranks reach a bucket's first batch at different steps. Outside the graphs, every rank
+//! enqueues the same eager all-reduce every step whatever bucket it trains on, and the graphs hold no
+//! collective. The cost is one eager NCCL launch per step (a few µs of host time).
+//!
+//! Precision: `bf16` and `tf32` run the f32 GEMMs with cuBLAS's compute types `CUBLAS_COMPUTE_32F_FAST_16BF`
+//! and `CUBLAS_COMPUTE_32F_FAST_TF32`: the tensor cores round both f32 operands (bf16: the activations and the
+//! f32 master weights) and accumulate in f32 into an f32 output, so no bf16 copy has to be kept or converted by
+//! a kernel of ours, and the master weights, gradients and AdamW moments stay f32.
+//!
+//! None of this has run on a GPU yet (the session that wrote it had none); `scripts/gpu-check.sh` runs it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::result as driver;
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode_enum};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr as _, PinnedHostSlice,
+};
+use draftpipe_compiler::plan::{BackendKind, LaunchMode, WorkspaceLayout};
+use draftpipe_compiler::workspace::{CUBLAS_WORKSPACE_BYTES, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+
+use super::{
+    AdamWHyper, Backend, BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand,
+    Precision, Src, StepPart, StepResults, gemm_shape,
+};
+use crate::cuda::{
+    CudaError, DevicePtr, Gemm, GradientAllReduce, KernelModule, Launcher, Op, open_device,
+};
+
+/// A device allocation and its address (taken once: event tracking is off, so the address is all we need).
+pub struct DeviceBuffer<T> {
+    _slice: CudaSlice<T>,
+    ptr: DevicePtr,
+}
+
+fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr {
+    let (raw, start, _) = view.parts();
+    raw.ptr + (start * size_of::<T>()) as DevicePtr
+}
+
+fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr {
+    let (raw, start, _) = view.parts();
+    raw.ptr + (start * size_of::<T>()) as DevicePtr
+}
+
+/// A captured step part. `CudaGraph` holds raw driver handles and so is not `Send`, but a graph exec may be
+/// launched from any thread (cudarc binds the context on launch); the backend owning it uses it from one
+/// thread at a time.
+struct StepGraph(CudaGraph);
+
+// SAFETY: see above; the graph is only reached through `&mut CudaBackend`.
+unsafe impl Send for StepGraph {}
+
+/// Pinned host staging for one input slot (write-combined: the host only writes it).
+struct PinnedInput {
+    hs: PinnedHostSlice<f32>,
+    input_ids: PinnedHostSlice<u32>,
+    seq_lens: PinnedHostSlice<u32>,
+    loss_mask: PinnedHostSlice<u8>,
+}
+
+/// Copies `src` to the front of the pinned `dst`.
+fn fill_pinned<T: Element>(dst: &mut PinnedHostSlice<T>, src: &[T]) -> Result<(), CudaError> {
+    dst.as_mut_slice()?[..src.len()].copy_from_slice(src);
+    Ok(())
+}
+
+/// One CUDA device as a backend. See the module docs.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    kernels: Launcher,
+    gemm: Gemm,
+    launch: LaunchMode,
+    graphs: HashMap<StepPart, StepGraph>,
+    pinned: Vec<PinnedInput>,
+    copied: Vec<CudaEvent>,
+    slot_free: Vec<CudaEvent>,
+    readback: [PinnedHostSlice<f32>; 2],
+    start: [CudaEvent; 2],
+    stop: [CudaEvent; 2],
+    done: [CudaEvent; 2],
+    all_reduce: Option<GradientAllReduce>,
+    allocated: u64,
+}
+
+impl CudaBackend {
+    /// Device `ordinal` with streams, kernels, cuBLAS (with the layout's `cublas_workspace`) and the pinned
+    /// staging of `layout`'s input slots; graphs per step part when `launch` is [`LaunchMode::Graph`].
+    ///
+    /// # Errors
+    /// [`CudaError::NoDriver`], [`CudaError::NoSuchDevice`], [`CudaError::BuiltWithoutKernels`],
+    /// [`CudaError::NoCublas`] and driver failures.
+    pub fn new(
+        ordinal: usize,
+        launch: LaunchMode,
+        layout: &WorkspaceLayout,
+    ) -> Result<Self, CudaError> {
+        let ctx = open_device(ordinal)?;
+        // SAFETY: every buffer is used through raw addresses on `compute`/`copy`, ordered by our own events;
+        // cudarc's per-slice events would otherwise be recorded inside stream capture.
+        unsafe { ctx.disable_event_tracking() };
+        let module = KernelModule::load(&ctx)?;
+        let compute = ctx.new_stream()?;
+        let copy = ctx.new_stream()?;
+        let kernels = Launcher::new(&module, compute.clone())?;
+        let cublas_bytes = layout
+            .elements("cublas_workspace")
+            .unwrap_or(CUBLAS_WORKSPACE_BYTES);
+        let gemm = Gemm::with_workspace(compute.clone(), cublas_bytes)?;
+        let (tokens, sequences) = (layout.tokens, layout.sequences);
+        let din = layout.elements("input0.hs").unwrap_or(0) / tokens.max(1);
+        let pinned = (0..layout.input_slots)
+            .map(|_| -> Result<PinnedInput, CudaError> {
+                // SAFETY: the pinned buffers are plain numbers, written by the host before each upload.
+                unsafe {
+                    Ok(PinnedInput {
+                        hs: ctx.alloc_pinned(tokens * din)?,
+                        input_ids: ctx.alloc_pinned(tokens)?,
+                        seq_lens: ctx.alloc_pinned(sequences)?,
+                        loss_mask: ctx.alloc_pinned(tokens)?,
+                    })
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // Events the host waits on sleep instead of spinning a core for the whole step.
+        let host_waited = || ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC));
+        let timing = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        let stream_only = || ctx.new_event(None);
+        // SAFETY: read-back buffers must be cached host memory (not write-combined): flags 0.
+        let readback = || unsafe { ctx.alloc_pinned_with_flags::<f32>(3, 0) };
+        let backend = Self {
+            copied: (0..layout.input_slots)
+                .map(|_| stream_only())
+                .collect::<Result<_, _>>()?,
+            slot_free: (0..layout.input_slots)
+                .map(|_| host_waited())
+                .collect::<Result<_, _>>()?,
+            readback: [readback()?, readback()?],
+            start: [timing()?, timing()?],
+            stop: [timing()?, timing()?],
+            done: [host_waited()?, host_waited()?],
+            pinned,
+            graphs: HashMap::new(),
+            ctx,
+            compute,
+            copy,
+            kernels,
+            gemm,
+            launch,
+            all_reduce: None,
+            allocated: cublas_bytes as u64,
+        };
+        backend.compute.synchronize()?;
+        Ok(backend)
+    }
+
+    /// Averages the gradients with the other ranks of `all_reduce`'s group every step.
+    pub fn with_all_reduce(mut self, all_reduce: GradientAllReduce) -> Self {
+        self.all_reduce = Some(all_reduce);
+        self
+    }
+
+    /// The device context (for benchmarks that time other work on the same device).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// A pinned, cached host buffer of `len` elements (transfers outside the step path).
+    fn pinned_buffer<T: Element>(&self, len: usize) -> Result<PinnedHostSlice<T>, CudaError> {
+        // SAFETY: plain numbers; flags 0 gives cached memory, readable by the host.
+        Ok(unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }?)
+    }
+
+    fn capture(
+        &mut self,
+        body: &mut dyn FnMut(&mut Self) -> BackendResult,
+    ) -> BackendResult<CudaGraph> {
+        self.compute
+            .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(CudaError::from)?;
+        let enqueued = body(self);
+        let graph = self.compute.end_capture(CUgraphInstantiate_flags(0));
+        enqueued?;
+        let graph = graph
+            .map_err(CudaError::from)?
+            .ok_or(CudaError::EmptyCapture)?;
+        graph.upload().map_err(CudaError::from)?;
+        Ok(graph)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Raw<T: Element> = DeviceBuffer<T>;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn asynchronous(&self) -> bool {
+        true
+    }
+
+    fn alloc<T: Element>(&mut self, len: usize) -> BackendResult<Buf<Self, T>> {
+        // cudarc refuses empty allocations; a zero-length buffer holds one element nobody reads.
+        let slice = self
+            .compute
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(CudaError::from)?;
+        let (ptr, _) = slice.device_ptr(&self.compute);
+        self.allocated += (len * size_of::<T>()) as u64;
+        Ok(Buf::from_raw(DeviceBuffer { _slice: slice, ptr }, len))
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.allocated
+    }
+
+    fn upload<T: Element>(&mut self, dst: Dst<'_, Self, T>, src: &[T]) -> BackendResult {
+        assert_eq!(dst.len(), src.len(), "upload: lengths differ");
+        let mut pinned = self.pinned_buffer::<T>(src.len())?;
+        pinned.as_mut_slice().map_err(CudaError::from)?[..src.len()].copy_from_slice(src);
+        let stream = self.compute.cu_stream();
+        // SAFETY: the destination holds `src.len()` elements; the pinned source lives until the stream has
+        // drained below, and the copy is ordered on the compute stream with every step.
+        unsafe {
+            driver::memcpy_htod_async(
+                ptr_mut(dst),
+                &pinned.as_slice().map_err(CudaError::from)?[..src.len()],
+                stream,
+            )
+        }
+        .map_err(CudaError::from)?;
+        self.compute.synchronize().map_err(CudaError::from)?;
+        Ok(())
+    }
+
+    fn download<T: Element>(&mut self, src: Src<'_, Self, T>, dst: &mut [T]) -> BackendResult {
+        assert_eq!(src.len(), dst.len(), "download: lengths differ");
+        let mut pinned = self.pinned_buffer::<T>(dst.len())?;
+        let n = dst.len();
+        // SAFETY: the source holds `n` elements; the copy is ordered after every step on the compute stream,
+        // and the pinned buffer is read only after the stream drained.
+        unsafe {
+            driver::memcpy_dtoh_async(
+                &mut pinned.as_mut_slice().map_err(CudaError::from)?[..n],
+                ptr(src),
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(CudaError::from)?;
+        self.compute.synchronize().map_err(CudaError::from)?;
+        dst.copy_from_slice(&pinned.as_slice().map_err(CudaError::from)?[..n]);
+        Ok(())
+    }
+
+    fn stage(
+        &mut self,
+        slot: usize,
+        batch: HostBatch<'_>,
+        input: &mut InputSlot<Self>,
+    ) -> BackendResult {
+        // The slot's previous step must have consumed it before its pinned copy is overwritten.
+        self.slot_free[slot]
+            .synchronize()
+            .map_err(CudaError::from)?;
+        let pinned = &mut self.pinned[slot];
+        fill_pinned(&mut pinned.hs, batch.hs)?;
+        fill_pinned(&mut pinned.input_ids, batch.input_ids)?;
+        fill_pinned(&mut pinned.seq_lens, batch.seq_lens)?;
+        fill_pinned(&mut pinned.loss_mask, batch.loss_mask)?;
+        let stream = self.copy.cu_stream();
+        let pinned = &self.pinned[slot];
+        // SAFETY: sources are pinned and stay untouched until `slot_free[slot]` (recorded after the step that
+        // reads this slot); destinations hold the largest bucket's shape, which the caller checked.
+        unsafe {
+            driver::memcpy_htod_async(
+                ptr_mut(input.hs.at_mut(0, batch.hs.len())),
+                &pinned.hs.as_slice().map_err(CudaError::from)?[..batch.hs.len()],
+                stream,
+            )
+            .map_err(CudaError::from)?;
+            driver::memcpy_htod_async(
+                ptr_mut(input.input_ids.at_mut(0, batch.input_ids.len())),
+                &pinned.input_ids.as_slice().map_err(CudaError::from)?[..batch.input_ids.len()],
+                stream,
+            )
+            .map_err(CudaError::from)?;
+            driver::memcpy_htod_async(
+                ptr_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())),
+                &pinned.seq_lens.as_slice().map_err(CudaError::from)?[..batch.seq_lens.len()],
+                stream,
+            )
+            .map_err(CudaError::from)?;
+            driver::memcpy_htod_async(
+                ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())),
+                &pinned.loss_mask.as_slice().map_err(CudaError::from)?[..batch.loss_mask.len()],
+                stream,
+            )
+            .map_err(CudaError::from)?;
+        }
+        self.copied[slot]
+            .record(&self.copy)
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+
+    fn begin_step(&mut self, slot: usize, ring: usize) -> BackendResult {
+        self.compute
+            .wait(&self.copied[slot])
+            .map_err(CudaError::from)?;
+        self.start[ring]
+            .record(&self.compute)
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+
+    fn run_part(
+        &mut self,
+        part: StepPart,
+        body: &mut dyn FnMut(&mut Self) -> BackendResult,
+    ) -> BackendResult {
+        if self.launch == LaunchMode::Eager {
+            return body(self);
+        }
+        if !self.graphs.contains_key(&part) {
+            let graph = self.capture(body)?;
+            self.graphs.insert(part, StepGraph(graph));
+        }
+        self.graphs[&part].0.launch().map_err(CudaError::from)?;
+        Ok(())
+    }
+
+    fn end_step(&mut self, slot: usize, ring: usize, scalars: Src<'_, Self, f32>) -> BackendResult {
+        self.stop[ring]
+            .record(&self.compute)
+            .map_err(CudaError::from)?;
+        self.slot_free[slot]
+            .record(&self.compute)
+            .map_err(CudaError::from)?;
+        let readback = &mut self.readback[ring];
+        // SAFETY: `scalars` holds three f32s; the pinned destination is read only after `done[ring]`.
+        unsafe {
+            driver::memcpy_dtoh_async(
+                readback.as_mut_slice().map_err(CudaError::from)?,
+                ptr(scalars),
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(CudaError::from)?;
+        self.done[ring]
+            .record(&self.compute)
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+
+    fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
+        self.done[ring].synchronize().map_err(CudaError::from)?;
+        let values = self.readback[ring].as_slice().map_err(CudaError::from)?;
+        let scalars = <[f32; 3]>::try_from(values).map_err(|_| CudaError::LengthMismatch {
+            what: "readback",
+            got: values.len(),
+            expected: 3,
+        })?;
+        let device_ms = self.start[ring]
+            .elapsed_ms(&self.stop[ring])
+            .map_err(CudaError::from)?;
+        Ok(StepResults {
+            scalars,
+            device_ms: Some(device_ms),
+        })
+    }
+
+    fn fill(&mut self, dst: Dst<'_, Self, f32>, value: f32) -> BackendResult {
+        let n = dst.len();
+        // SAFETY: `dst` holds `n` f32s; the memset is ordered on the compute stream.
+        let result = unsafe {
+            cudarc::driver::sys::cuMemsetD32Async(
+                ptr_mut(dst),
+                value.to_bits(),
+                n,
+                self.compute.cu_stream(),
+            )
+        };
+        result.result().map_err(CudaError::from)?;
+        Ok(())
+    }
+
+    fn copy(&mut self, dst: Dst<'_, Self, f32>, src: Src<'_, Self, f32>) -> BackendResult {
+        assert_eq!(dst.len(), src.len(), "copy: lengths differ");
+        let bytes = src.len() * size_of::<f32>();
+        // SAFETY: both views hold `bytes`; distinct buffers (a `Dst` and a `Src` cannot alias).
+        unsafe {
+            driver::memcpy_dtod_async(ptr_mut(dst), ptr(src), bytes, self.compute.cu_stream())
+        }
+        .map_err(CudaError::from)?;
+        Ok(())
+    }
+
+    fn gemm(
+        &mut self,
+        c: Dst<'_, Self, f32>,
+        a: Operand<'_, Self>,
+        b: Operand<'_, Self>,
+        alpha: f32,
+        beta: f32,
+        precision: Precision,
+    ) -> BackendResult {
+        let mnk = gemm_shape(c.len(), &a, &b);
+        let op = |o: &Operand<'_, Self>| if o.transposed { Op::T } else { Op::N };
+        // SAFETY: the views are inside their buffers and hold the stated shapes (checked by `gemm_shape` and
+        // `Operand::new`); `c` is a write view, so it overlaps neither input.
+        unsafe {
+            self.gemm.row_major_at(
+                (op(&a), ptr(a.data)),
+                (op(&b), ptr(b.data)),
+                ptr_mut(c),
+                mnk,
+                (alpha, beta),
+                precision,
+            )
+        }?;
+        Ok(())
+    }
+
+    fn rmsnorm_forward(
+        &mut self,
+        x: Src<'_, Self, f32>,
+        weight: Src<'_, Self, f32>,
+        y: Dst<'_, Self, f32>,
+        inv_rms: Dst<'_, Self, f32>,
+        eps: f32,
+    ) -> BackendResult {
+        let (rows, cols) = (inv_rms.len(), weight.len());
+        assert!(
+            x.len() == rows * cols && y.len() == rows * cols,
+            "rmsnorm_forward: sizes"
+        );
+        self.kernels.rmsnorm_forward(
+            (ptr(x), ptr(weight), ptr_mut(y), ptr_mut(inv_rms)),
+            rows,
+            cols,
+            eps,
+        )?;
+        Ok(())
+    }
+
+    fn rmsnorm_backward_input(
+        &mut self,
+        x: Src<'_, Self, f32>,
+        weight: Src<'_, Self, f32>,
+        inv_rms: Src<'_, Self, f32>,
+        dy: Src<'_, Self, f32>,
+        dx: Dst<'_, Self, f32>,
+        accumulate: bool,
+    ) -> BackendResult {
+        let (rows, cols) = (inv_rms.len(), weight.len());
+        let n = rows * cols;
+        assert!(
+            x.len() == n && dy.len() == n && dx.len() == n,
+            "rmsnorm_backward_input: sizes"
+        );
+        self.kernels.rmsnorm_backward_input(
+            (ptr(x), ptr(weight), ptr(inv_rms), ptr(dy), ptr_mut(dx)),
+            rows,
+            cols,
+            accumulate,
+        )?;
+        Ok(())
+    }
+
+    fn rmsnorm_weight_grad(
+        &mut self,
+        x: Src<'_, Self, f32>,
+        inv_rms: Src<'_, Self, f32>,
+        dy: Src<'_, Self, f32>,
+        dweight: Dst<'_, Self, f32>,
+        partials: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let (rows, cols) = (inv_rms.len(), dweight.len());
+        let chunks = rows.div_ceil(NORM_ROWS_PER_CHUNK);
+        assert!(
+            x.len() == rows * cols && dy.len() == rows * cols && partials.len() >= chunks * cols,
+            "rmsnorm_weight_grad: sizes"
+        );
+        let partials = ptr_mut(partials);
+        self.kernels.rmsnorm_weight_grad_partials(
+            (ptr(x), ptr(inv_rms), ptr(dy), partials),
+            rows,
+            cols,
+            NORM_ROWS_PER_CHUNK,
+        )?;
+        self.kernels
+            .column_sums(partials, ptr_mut(dweight), chunks, cols, false)?;
+        Ok(())
+    }
+
+    fn swiglu_forward(
+        &mut self,
+        gate_up: Src<'_, Self, f32>,
+        act: Dst<'_, Self, f32>,
+        inter: usize,
+    ) -> BackendResult {
+        let rows = act.len() / inter.max(1);
+        assert!(gate_up.len() == 2 * act.len(), "swiglu_forward: sizes");
+        self.kernels
+            .swiglu_forward(ptr(gate_up), ptr_mut(act), rows, inter)?;
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &mut self,
+        gate_up: Src<'_, Self, f32>,
+        dact: Src<'_, Self, f32>,
+        dgate_up: Dst<'_, Self, f32>,
+        inter: usize,
+    ) -> BackendResult {
+        let rows = dact.len() / inter.max(1);
+        assert!(
+            gate_up.len() == 2 * dact.len() && dgate_up.len() == gate_up.len(),
+            "swiglu_backward: sizes"
+        );
+        self.kernels
+            .swiglu_backward((ptr(gate_up), ptr(dact), ptr_mut(dgate_up)), rows, inter)?;
+        Ok(())
+    }
+
+    fn head_residual_forward(
+        &mut self,
+        z: Src<'_, Self, f32>,
+        a: Src<'_, Self, f32>,
+        h: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let n = h.len();
+        assert!(z.len() == n && a.len() == n, "head_residual_forward: sizes");
+        self.kernels
+            .head_residual_forward(ptr(z), ptr(a), ptr_mut(h), n)?;
+        Ok(())
+    }
+
+    fn head_residual_backward(
+        &mut self,
+        a: Src<'_, Self, f32>,
+        dh: Src<'_, Self, f32>,
+        da: Dst<'_, Self, f32>,
+        dz: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let n = a.len();
+        assert!(
+            dh.len() == n && da.len() == n && dz.len() == n,
+            "head_residual_backward: sizes"
+        );
+        self.kernels
+            .head_residual_backward((ptr(a), ptr(dh), ptr_mut(da), ptr_mut(dz)), n)?;
+        Ok(())
+    }
+
+    fn build_labels(
+        &mut self,
+        input_ids: Src<'_, Self, u32>,
+        loss_mask: Src<'_, Self, u8>,
+        seq_lens: Src<'_, Self, u32>,
+        labels: Dst<'_, Self, i32>,
+        padded_len: usize,
+        vocab: usize,
+    ) -> BackendResult {
+        let tokens = input_ids.len();
+        assert!(
+            padded_len > 0
+                && tokens == seq_lens.len() * padded_len
+                && loss_mask.len() == tokens
+                && labels.len().is_multiple_of(tokens.max(1)),
+            "build_labels: sizes"
+        );
+        let heads = labels.len() / tokens.max(1);
+        self.kernels.build_labels(
+            (
+                ptr(input_ids),
+                ptr(loss_mask),
+                ptr(seq_lens),
+                ptr_mut(labels),
+            ),
+            padded_len,
+            tokens,
+            heads,
+            vocab,
+        )?;
+        Ok(())
+    }
+
+    fn head_loss_scales(
+        &mut self,
+        labels: Src<'_, Self, i32>,
+        head_decay: f32,
+        counts: Dst<'_, Self, u32>,
+        scales: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let heads = counts.len();
+        assert!(
+            heads > 0 && scales.len() == heads && labels.len().is_multiple_of(heads),
+            "head_loss_scales: sizes"
+        );
+        self.kernels.head_loss_scales(
+            (ptr(labels), ptr_mut(counts), ptr_mut(scales)),
+            labels.len() / heads,
+            heads,
+            head_decay,
+        )?;
+        Ok(())
+    }
+
+    fn vocab_loss(
+        &mut self,
+        logits: Dst<'_, Self, f32>,
+        labels: Src<'_, Self, i32>,
+        scale: Src<'_, Self, f32>,
+        row_loss: Dst<'_, Self, f32>,
+        vocab: usize,
+    ) -> BackendResult {
+        let rows = labels.len();
+        assert!(
+            logits.len() == rows * vocab && row_loss.len() == rows && scale.len() == 1,
+            "vocab_loss: sizes"
+        );
+        self.kernels.vocab_loss_row(
+            (ptr_mut(logits), ptr(labels), ptr(scale), ptr_mut(row_loss)),
+            rows,
+            vocab,
+        )?;
+        Ok(())
+    }
+
+    fn sum(
+        &mut self,
+        values: Src<'_, Self, f32>,
+        partials: Dst<'_, Self, f32>,
+        out: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let n = values.len();
+        let chunks = n.div_ceil(REDUCE_CHUNK);
+        assert!(partials.len() >= chunks && out.len() == 1, "sum: sizes");
+        let partials = ptr_mut(partials);
+        self.kernels
+            .sum_partials(ptr(values), partials, n, REDUCE_CHUNK)?;
+        self.kernels.finish_sum(partials, chunks, ptr_mut(out))?;
+        Ok(())
+    }
+
+    fn grad_norm(
+        &mut self,
+        values: Src<'_, Self, f32>,
+        partials: Dst<'_, Self, f32>,
+        max_norm: f32,
+        norm_and_clip: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        let n = values.len();
+        let chunks = n.div_ceil(REDUCE_CHUNK);
+        assert!(
+            partials.len() >= chunks && norm_and_clip.len() == 2,
+            "grad_norm: sizes"
+        );
+        let partials = ptr_mut(partials);
+        let norm = ptr_mut(norm_and_clip);
+        self.kernels
+            .sum_squares_partials(ptr(values), partials, n, REDUCE_CHUNK)?;
+        self.kernels.finish_grad_norm(
+            (partials, norm, norm + size_of::<f32>() as DevicePtr),
+            chunks,
+            max_norm,
+        )?;
+        Ok(())
+    }
+
+    fn adamw_advance(
+        &mut self,
+        grad_norm: Src<'_, Self, f32>,
+        hyper: AdamWHyper,
+        state: Dst<'_, Self, f64>,
+        step: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        assert!(
+            grad_norm.len() == 1 && state.len() == 3 && step.len() == 7,
+            "adamw_advance: sizes"
+        );
+        let AdamWHyper {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = hyper;
+        self.kernels.adamw_advance(
+            (ptr(grad_norm), ptr_mut(state), ptr_mut(step)),
+            [lr, beta1, beta2, eps, weight_decay],
+        )?;
+        Ok(())
+    }
+
+    fn adamw_update(
+        &mut self,
+        params: Dst<'_, Self, f32>,
+        grads: Src<'_, Self, f32>,
+        exp_avg: Dst<'_, Self, f32>,
+        exp_avg_sq: Dst<'_, Self, f32>,
+        norm_and_clip: Src<'_, Self, f32>,
+        step: Src<'_, Self, f32>,
+    ) -> BackendResult {
+        let n = params.len();
+        assert!(
+            grads.len() == n
+                && exp_avg.len() == n
+                && exp_avg_sq.len() == n
+                && norm_and_clip.len() == 2
+                && step.len() == 7,
+            "adamw_update: sizes"
+        );
+        let norm = ptr(norm_and_clip);
+        self.kernels.adamw_update(
+            (
+                ptr_mut(params),
+                ptr(grads),
+                ptr_mut(exp_avg),
+                ptr_mut(exp_avg_sq),
+            ),
+            (norm, norm + size_of::<f32>() as DevicePtr, ptr(step)),
+            n,
+        )?;
+        Ok(())
+    }
+
+    fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult {
+        if let Some(all_reduce) = &self.all_reduce {
+            let n = grads.len();
+            // SAFETY: `grads` holds `n` f32s on this communicator's device; every rank enqueues the same call
+            // once per step, outside any graph.
+            unsafe { all_reduce.enqueue_average(ptr_mut(grads), n, self.compute.cu_stream()) }?;
+        }
+        Ok(())
+    }
+}

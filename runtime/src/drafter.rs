@@ -1,0 +1,461 @@
+//! A drafter on one backend: the batch checks, staging into input slots, the step (forward/loss/backward, the
+//! gradient average, the update) and the read-back of its results, written once for every backend.
+//!
+//! ```text
+//!  stage(batch n+1) ── checks ──▶ Backend::stage (CUDA: pinned copy, async H2D into the free slot)
+//!  step()  begin_step ─▶ run_part(ForwardBackward{bucket, slot}) ─▶ average_gradients ─▶ run_part(Update)
+//!          ─▶ end_step (read-back of [grad_norm, clip, loss] queued) ─▶ results of step n (CUDA) or n+1 (CPU)
+//!  finish() results of the last step still in flight (CUDA), nothing on the CPU
+//! ```
+//!
+//! On CUDA the host never waits for the step it has just launched: the outcome of step n is returned by the
+//! call that launches step n + 1 (or by [`Drafter::finish`]). On the CPU the step has run when `step` returns,
+//! and its outcome comes back at once. The gradient average runs between the two captured parts, never inside
+//! a graph (NCCL's graph rules; see `docs/gpu.md`).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use draftpipe_compiler::plan::{
+    AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision, WorkspaceLayout,
+};
+
+use crate::backend::{Backend, BackendError, HostBatch, StepPart};
+use crate::batch::HsBatch;
+use crate::cpu::PhaseTimes;
+use crate::model::mlp::{AllocateError, LayoutError, Mlp, MlpOffsets, StepShape};
+use crate::params::FlatState;
+
+/// A batch or state the drafter cannot train on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepError {
+    /// No bucket has this static shape.
+    #[error("batch shape {sequences} sequences × {padded_len} tokens matches no bucket")]
+    NoBucket {
+        /// The batch's padded length.
+        padded_len: usize,
+        /// The batch's sequence count.
+        sequences: usize,
+    },
+    /// The hidden-state width differs from the model's `din`.
+    #[error("batch hidden-state width {got} differs from the model's din {expected}")]
+    WrongDin {
+        /// The model's input width.
+        expected: usize,
+        /// The batch's width.
+        got: usize,
+    },
+    /// A buffer of the batch does not match its declared shape.
+    #[error("batch buffer `{buffer}` has {got} elements, its shape needs {expected}")]
+    BatchBuffer {
+        /// Which buffer.
+        buffer: &'static str,
+        /// Elements the shape needs.
+        expected: usize,
+        /// Elements present.
+        got: usize,
+    },
+    /// A sequence is longer than the padded length.
+    #[error("sequence {sequence} has length {len}, longer than the padded length {padded_len}")]
+    SequenceTooLong {
+        /// Sequence index in the batch.
+        sequence: usize,
+        /// Its declared length.
+        len: u32,
+        /// The batch's padded length.
+        padded_len: usize,
+    },
+    /// A token id inside a sequence is outside the vocabulary.
+    #[error("token id {id} at position {position} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange {
+        /// Flat position in the batch.
+        position: usize,
+        /// The id.
+        id: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// The state's buffers do not match the model.
+    #[error("state has {got} parameters, the model {expected}")]
+    StateSize {
+        /// The model's parameter count.
+        expected: usize,
+        /// The state's buffer length.
+        got: usize,
+    },
+    /// The model plan's layout is not the canonical `mlp` layout this step computes with, or a dimension
+    /// is zero.
+    #[error("model layout differs from the canonical mlp layout or has an empty dimension")]
+    Layout,
+    /// The batch has no tokens.
+    #[error("batch has no tokens")]
+    EmptyBatch,
+}
+
+/// Why a drafter call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DrafterError {
+    /// The batch or state does not fit the model.
+    #[error(transparent)]
+    Batch(#[from] StepError),
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The model's buffers could not be set up.
+    #[error(transparent)]
+    Allocate(#[from] AllocateError),
+    /// The model plan cannot be trained.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The plan's workspace does not fit in memory sizes.
+    #[error("the workspace of this plan overflows the address space")]
+    WorkspaceTooLarge,
+    /// `step` was called without a staged batch.
+    #[error("no batch staged: call stage() before step()")]
+    NothingStaged,
+    /// A step's outcome is still to be collected with `finish()`.
+    #[error("a step is in flight: call finish() first")]
+    StepInFlight,
+}
+
+/// What one finished step reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Index of the step since the drafter was created.
+    pub index: u64,
+    /// Its loss.
+    pub loss: f32,
+    /// Global gradient norm before clipping (non-finite: the update was skipped).
+    pub grad_norm: f32,
+    /// Factor the gradients were scaled by.
+    pub clip_scale: f32,
+    /// Tokens of its batch.
+    pub tokens: u64,
+    /// Device time of the whole step, milliseconds (CUDA events); `None` on the CPU.
+    pub device_ms: Option<f32>,
+    /// Host time of each phase, on a synchronous backend (CPU); `None` on CUDA, where the host only enqueues.
+    pub phases: Option<StepPhases>,
+}
+
+impl StepOutcome {
+    /// True when the update was skipped (non-finite gradient norm).
+    pub fn skipped(&self) -> bool {
+        !self.grad_norm.is_finite()
+    }
+}
+
+/// Host time of each phase of a step on a synchronous backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepPhases {
+    /// Forward, loss, backward.
+    pub compute: PhaseTimes,
+    /// The gradient average.
+    pub all_reduce: std::time::Duration,
+    /// Gradient norm and AdamW.
+    pub optimizer: std::time::Duration,
+}
+
+/// A staged batch waiting for its step.
+#[derive(Debug, Clone, Copy)]
+struct Staged {
+    bucket: usize,
+    slot: usize,
+    tokens: u64,
+}
+
+/// A launched step whose results are not read yet.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    index: u64,
+    ring: usize,
+    tokens: u64,
+    phases: Option<StepPhases>,
+}
+
+/// The `mlp` drafter on backend `B`. See the module docs.
+pub struct Drafter<B: Backend> {
+    backend: B,
+    model: Mlp<B>,
+    buckets: Vec<BucketPlan>,
+    parameters: usize,
+    slots: usize,
+    next_slot: usize,
+    staged: Option<Staged>,
+    in_flight: VecDeque<InFlight>,
+    launched: u64,
+}
+
+impl<B: Backend> Drafter<B> {
+    /// A drafter for `model` on `backend`, with the workspace of `buckets` at `precision` (allocated here, once),
+    /// parameters and moments zero: load them with [`Drafter::upload_state`].
+    ///
+    /// # Errors
+    /// [`DrafterError::Layout`] when `model` is not a canonical `mlp` layout; allocation failures.
+    pub fn new(
+        mut backend: B,
+        model: &ModelPlan,
+        (loss, optimizer, precision): (LossSpec, AdamWSpec, Precision),
+        buckets: &[BucketPlan],
+    ) -> Result<Self, DrafterError> {
+        let offsets = MlpOffsets::new(model)?;
+        let layout = WorkspaceLayout::mlp(&model.spec, buckets, &loss, backend.kind(), precision)
+            .ok_or(DrafterError::WorkspaceTooLarge)?;
+        let mlp = Mlp::new(
+            &mut backend,
+            (model, offsets),
+            loss,
+            optimizer,
+            precision,
+            &layout,
+        )?;
+        Ok(Self {
+            backend,
+            model: mlp,
+            buckets: buckets.to_vec(),
+            parameters: model.parameters,
+            slots: layout.input_slots.max(1),
+            next_slot: 0,
+            staged: None,
+            in_flight: VecDeque::with_capacity(2),
+            launched: 0,
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend and the model's buffers (tests, benchmarks).
+    pub fn parts_mut(&mut self) -> (&mut B, &mut Mlp<B>) {
+        (&mut self.backend, &mut self.model)
+    }
+
+    /// The model's buffers.
+    pub fn model(&self) -> &Mlp<B> {
+        &self.model
+    }
+
+    /// Bytes of device memory this drafter allocated: the flat state and the workspace layout's buffers.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.backend.allocated_bytes()
+    }
+
+    /// Copies `state`'s parameters, moments and step count to the device and waits (not a step-path call).
+    ///
+    /// # Errors
+    /// [`StepError::StateSize`] when a buffer's length is not the model's; backend failures.
+    pub fn upload_state(&mut self, state: &FlatState) -> Result<(), DrafterError> {
+        self.check_state(state)?;
+        let adamw = self.model.adamw_state_for(state.step);
+        let (be, flat, ws) = (&mut self.backend, &mut self.model.state, &mut self.model.ws);
+        be.upload(flat.params.all_mut(), &state.params)?;
+        be.upload(flat.exp_avg.all_mut(), &state.exp_avg)?;
+        be.upload(flat.exp_avg_sq.all_mut(), &state.exp_avg_sq)?;
+        be.upload(ws.adamw_state.all_mut(), &adamw)?;
+        Ok(())
+    }
+
+    /// Copies parameters, gradients, moments and the applied step count into `state`.
+    ///
+    /// # Errors
+    /// [`DrafterError::StepInFlight`] until [`Drafter::finish`] has collected the last step (whose outcome
+    /// would otherwise be lost); size mismatches; backend failures.
+    pub fn download_state(&mut self, state: &mut FlatState) -> Result<(), DrafterError> {
+        if !self.in_flight.is_empty() {
+            return Err(DrafterError::StepInFlight);
+        }
+        self.check_state(state)?;
+        let (be, flat, ws) = (&mut self.backend, &self.model.state, &self.model.ws);
+        be.download(flat.params.all(), &mut state.params)?;
+        be.download(flat.grads.all(), &mut state.grads)?;
+        be.download(flat.exp_avg.all(), &mut state.exp_avg)?;
+        be.download(flat.exp_avg_sq.all(), &mut state.exp_avg_sq)?;
+        let mut adamw = [0.0f64; 3];
+        be.download(ws.adamw_state.all(), &mut adamw)?;
+        state.step = adamw[0] as u64;
+        Ok(())
+    }
+
+    fn check_state(&self, state: &FlatState) -> Result<(), StepError> {
+        let expected = self.parameters;
+        for len in [
+            state.params.len(),
+            state.grads.len(),
+            state.exp_avg.len(),
+            state.exp_avg_sq.len(),
+        ] {
+            if len != expected {
+                return Err(StepError::StateSize { expected, got: len });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks `batch` against the model and buckets: the one set of batch checks of every backend.
+    ///
+    /// # Errors
+    /// [`StepError`] naming what does not fit.
+    pub fn check_batch(&self, batch: &HsBatch) -> Result<usize, StepError> {
+        let spec = self.model.spec();
+        let bucket = self
+            .buckets
+            .iter()
+            .position(|b| b.padded_len == batch.padded_len && b.sequences == batch.sequences)
+            .ok_or(StepError::NoBucket {
+                padded_len: batch.padded_len,
+                sequences: batch.sequences,
+            })?;
+        if batch.din != spec.din {
+            return Err(StepError::WrongDin {
+                expected: spec.din,
+                got: batch.din,
+            });
+        }
+        let tokens = batch.tokens();
+        if tokens == 0 {
+            return Err(StepError::EmptyBatch);
+        }
+        let sizes = [
+            ("hs", tokens * batch.din, batch.hs.len()),
+            ("input_ids", tokens, batch.input_ids.len()),
+            ("loss_mask", tokens, batch.loss_mask.len()),
+            ("seq_lens", batch.sequences, batch.seq_lens.len()),
+        ];
+        for (buffer, expected, got) in sizes {
+            if expected != got {
+                return Err(StepError::BatchBuffer {
+                    buffer,
+                    expected,
+                    got,
+                });
+            }
+        }
+        for (sequence, &len) in batch.seq_lens.iter().enumerate() {
+            if len as usize > batch.padded_len {
+                return Err(StepError::SequenceTooLong {
+                    sequence,
+                    len,
+                    padded_len: batch.padded_len,
+                });
+            }
+            let start = sequence * batch.padded_len;
+            for position in start..start + len as usize {
+                let id = batch.input_ids[position];
+                if id as usize >= spec.vocab {
+                    return Err(StepError::TokenOutOfRange {
+                        position,
+                        id,
+                        vocab: spec.vocab,
+                    });
+                }
+            }
+        }
+        Ok(bucket)
+    }
+
+    /// Checks `batch` and copies it into the next input slot, for the next [`Drafter::step`].
+    ///
+    /// # Errors
+    /// [`StepError`] for a batch that does not fit; backend failures.
+    pub fn stage(&mut self, batch: &HsBatch) -> Result<(), DrafterError> {
+        let bucket = self.check_batch(batch)?;
+        let slot = self.next_slot;
+        self.backend.stage(
+            slot,
+            HostBatch::from(batch),
+            &mut self.model.ws.inputs[slot],
+        )?;
+        self.staged = Some(Staged {
+            bucket,
+            slot,
+            tokens: batch.tokens() as u64,
+        });
+        self.next_slot = (slot + 1) % self.slots;
+        Ok(())
+    }
+
+    /// Runs (CPU) or launches (CUDA) the step of the staged batch, and returns the outcome of the step that
+    /// is now complete: this one on a synchronous backend, the previous one on an asynchronous one.
+    ///
+    /// # Errors
+    /// [`DrafterError::NothingStaged`]; backend failures.
+    pub fn step(&mut self) -> Result<Option<StepOutcome>, DrafterError> {
+        let Staged {
+            bucket,
+            slot,
+            tokens,
+        } = self.staged.take().ok_or(DrafterError::NothingStaged)?;
+        let ring = (self.launched % 2) as usize;
+        let shape = StepShape {
+            padded_len: self.buckets[bucket].padded_len,
+            sequences: self.buckets[bucket].sequences,
+        };
+        let (be, model) = (&mut self.backend, &mut self.model);
+        be.begin_step(slot, ring)?;
+        let mut compute = PhaseTimes::default();
+        be.run_part(StepPart::ForwardBackward { bucket, slot }, &mut |be| {
+            compute = model.forward_backward(be, shape, slot)?;
+            Ok(())
+        })?;
+        let reduce_started = Instant::now();
+        be.average_gradients(model.state.grads.all_mut())?;
+        let update_started = Instant::now();
+        be.run_part(StepPart::Update, &mut |be| model.update(be))?;
+        let phases = StepPhases {
+            compute,
+            all_reduce: update_started - reduce_started,
+            optimizer: update_started.elapsed(),
+        };
+        be.end_step(slot, ring, model.ws.step_scalars.all())?;
+        let synchronous = !be.asynchronous();
+        self.in_flight.push_back(InFlight {
+            index: self.launched,
+            ring,
+            tokens,
+            phases: synchronous.then_some(phases),
+        });
+        self.launched += 1;
+        if synchronous || self.in_flight.len() > 1 {
+            self.collect().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Waits for the oldest step in flight and reads its results.
+    fn collect(&mut self) -> Result<StepOutcome, DrafterError> {
+        let step = self
+            .in_flight
+            .pop_front()
+            .ok_or(DrafterError::NothingStaged)?;
+        let results = self.backend.read_results(step.ring)?;
+        let [grad_norm, clip_scale, loss] = results.scalars;
+        Ok(StepOutcome {
+            index: step.index,
+            loss,
+            grad_norm,
+            clip_scale,
+            tokens: step.tokens,
+            device_ms: results.device_ms,
+            phases: step.phases,
+        })
+    }
+
+    /// Waits for the last launched step, if one is in flight, and returns its outcome.
+    ///
+    /// # Errors
+    /// Backend failures.
+    pub fn finish(&mut self) -> Result<Option<StepOutcome>, DrafterError> {
+        if self.in_flight.is_empty() {
+            Ok(None)
+        } else {
+            self.collect().map(Some)
+        }
+    }
+
+    /// Steps launched since the drafter was created.
+    pub fn launched(&self) -> u64 {
+        self.launched
+    }
+}

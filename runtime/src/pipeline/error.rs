@@ -1,0 +1,101 @@
+//! Why a run could not start or had to stop: the one error type of `pipeline`, shared by its workers.
+
+use std::path::PathBuf;
+
+use draftpipe_compiler::plan::Device;
+
+use super::host_memory::HostMemoryError;
+use crate::checkpoint::CheckpointError;
+use crate::cuda::CudaError;
+use crate::drafter::DrafterError;
+use crate::queue::QueueConfigError;
+use crate::source::SourceError;
+use crate::telemetry::TelemetryError;
+
+/// Why a run could not start or had to stop.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The plan's stages cannot run on this machine.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The plan does not fit in this machine's memory.
+    #[error(transparent)]
+    HostMemory(#[from] HostMemoryError),
+    /// The queue rejected the plan's queue block.
+    #[error("queue: {0}")]
+    Queue(#[from] QueueConfigError),
+    /// A source could not be opened.
+    #[error("source: {0}")]
+    Source(#[from] SourceError),
+    /// A producer failed while running.
+    #[error("producer {worker} failed")]
+    Producer {
+        /// Producer index.
+        worker: usize,
+        /// The cause.
+        #[source]
+        source: SourceError,
+    },
+    /// A drafter failed: a batch it cannot train on, or its device failed.
+    #[error("drafter {worker}{} failed", on_device(*device))]
+    Step {
+        /// Drafter index.
+        worker: usize,
+        /// Its device.
+        device: Device,
+        /// The cause.
+        #[source]
+        source: DrafterError,
+    },
+    /// The drafter stage's GPUs cannot be used (no driver, no such device, no kernels, no NCCL).
+    #[error("drafter stage `{stage}` cannot run on gpu {devices}")]
+    Gpu {
+        /// The drafter stage's name.
+        stage: String,
+        /// The stage's device ordinals.
+        devices: String,
+        /// What is missing.
+        #[source]
+        source: CudaError,
+    },
+    /// The loss or the gradients stayed non-finite.
+    #[error(
+        "{count} steps in a row had a non-finite loss or gradient (stopped at step {step}); lower the learning rate or enable clip_grad_norm"
+    )]
+    NonFinite {
+        /// Non-finite steps in a row.
+        count: u32,
+        /// The step it stopped at.
+        step: u64,
+    },
+    /// Loading or saving a checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] CheckpointError),
+    /// A checkpoint is incompatible with this plan.
+    #[error("cannot resume from {dir}: {reason}")]
+    Resume {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// What does not match.
+        reason: String,
+    },
+    /// Telemetry output failed.
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] TelemetryError),
+    /// Every producer failed under `--keep-going`: nothing was left to train on.
+    #[error("every producer failed: {0}")]
+    AllProducersFailed(String),
+    /// A worker thread panicked: a bug in draftpipe, not in the input.
+    #[error(
+        "the {0} thread panicked (a bug in draftpipe; please report it with the message above)"
+    )]
+    Panicked(String),
+}
+
+/// ` (gpu N)` for a drafter on a GPU, nothing on the CPU.
+fn on_device(device: Device) -> String {
+    match device {
+        Device::Cpu => String::new(),
+        Device::Gpu(ordinal) => format!(" (gpu {ordinal})"),
+    }
+}

@@ -1,0 +1,67 @@
+//! How one run is driven beyond what the plan says, and why it stopped.
+
+use std::path::PathBuf;
+
+use draftpipe_compiler::plan::Plan;
+
+use crate::telemetry::OutputMode;
+
+/// How one run is driven, beyond what the plan says.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Step limit; overrides the plan's `steps`.
+    pub steps: Option<u64>,
+    /// Where checkpoints go.
+    pub save_dir: Option<PathBuf>,
+    /// Checkpoint every this many steps (and always at the end) when `save_dir` is set.
+    pub save_every: Option<u64>,
+    /// Continue from this checkpoint directory.
+    pub resume: Option<PathBuf>,
+    /// Start from these weights (a `model.safetensors`), with fresh optimizer state.
+    pub init: Option<PathBuf>,
+    /// How status lines are written.
+    pub output: OutputMode,
+    /// Where `status.jsonl` and `summary.json` go.
+    pub run_dir: Option<PathBuf>,
+    /// Where the trace goes (the plan's `telemetry.trace`, or none).
+    pub trace: Option<PathBuf>,
+    /// Keep running on the other producers when one fails.
+    pub keep_going: bool,
+    /// Stop after this many non-finite steps in a row.
+    pub max_nonfinite_in_row: u32,
+    /// Seed of the drafter's initial weights.
+    pub init_seed: u64,
+}
+
+impl RunOptions {
+    /// Options for `plan` with nothing overridden: plain status lines, no checkpoints, the plan's trace path.
+    pub fn for_plan(plan: &Plan) -> Self {
+        Self {
+            steps: None,
+            save_dir: None,
+            save_every: None,
+            resume: None,
+            init: None,
+            output: OutputMode::Plain,
+            run_dir: None,
+            trace: plan.telemetry.trace.as_ref().map(PathBuf::from),
+            keep_going: false,
+            max_nonfinite_in_row: DEFAULT_MAX_NONFINITE_IN_ROW,
+            init_seed: 0,
+        }
+    }
+}
+
+/// Non-finite steps in a row after which a run gives up: a few can be a bad batch, more mean the run diverged.
+pub const DEFAULT_MAX_NONFINITE_IN_ROW: u32 = 5;
+
+/// Why a run stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The step limit was reached.
+    StepLimit,
+    /// Every source was exhausted and the queue drained.
+    SourcesExhausted,
+    /// The caller's interrupt flag was raised (Ctrl-C).
+    Interrupted,
+}

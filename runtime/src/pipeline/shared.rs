@@ -1,0 +1,120 @@
+//! State every worker thread of a run reads: the queue, the pool, stop flags, the first fatal error and the
+//! data positions a checkpoint records.
+//!
+//! ```text
+//!  producers ──push──▶ Shared.queue ──pop──▶ drafters        any thread ──fail(error)──▶ Shared.fatal (first wins)
+//!  drafters  ──consume(position) at staging──▶ consumed ──round completes──▶ trained ──▶ checkpoint positions
+//! ```
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::batch::HsBatch;
+use crate::queue::HsQueue;
+use crate::source::BatchPool;
+
+use super::error::RunError;
+
+/// Runs `on_panic` if the thread unwinds through it: a panicking worker must still release the threads that
+/// wait for it (the queue, the all-reduce group), or the run would hang instead of failing.
+pub(super) struct OnPanic<F: FnMut()>(pub(super) F);
+
+impl<F: FnMut()> Drop for OnPanic<F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            (self.0)();
+        }
+    }
+}
+
+/// State every worker thread reads: the queue, the pool, stop flags and the first fatal error.
+pub(super) struct Shared {
+    pub(super) queue: HsQueue<Box<HsBatch>>,
+    pub(super) pool: BatchPool,
+    /// Raised by the caller (Ctrl-C): drafters finish the step in hand and stop.
+    pub(super) interrupt: Arc<AtomicBool>,
+    /// Raised when the drafters are done: producers stop filling.
+    pub(super) producers_stop: AtomicBool,
+    /// Producers still running; the last one to finish closes the queue so the drafters drain it.
+    pub(super) live_producers: AtomicU32,
+    pub(super) fatal: Mutex<Option<RunError>>,
+    pub(super) fatal_raised: AtomicBool,
+    /// Per producer, the position after the newest batch a drafter has taken: where a resumed run restarts.
+    pub(super) consumed: Mutex<Vec<u64>>,
+    /// `consumed` as it stood when the last all-reduce round completed: every batch it counts is in that round's
+    /// update, and none taken since (a fast worker may already hold its next batch while worker 0 saves).
+    pub(super) trained: Mutex<Vec<u64>>,
+    pub(super) producer_errors: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    /// Shared state for a run over `queue` and `pool` whose producers start at `first_positions`.
+    pub(super) fn new(
+        queue: HsQueue<Box<HsBatch>>,
+        pool: BatchPool,
+        interrupt: Arc<AtomicBool>,
+        first_positions: Vec<u64>,
+    ) -> Self {
+        Self {
+            queue,
+            pool,
+            interrupt,
+            producers_stop: AtomicBool::new(false),
+            live_producers: AtomicU32::new(first_positions.len() as u32),
+            fatal: Mutex::new(None),
+            fatal_raised: AtomicBool::new(false),
+            consumed: Mutex::new(first_positions.clone()),
+            trained: Mutex::new(first_positions),
+            producer_errors: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(super) fn fail(&self, error: RunError) {
+        let mut fatal = self.fatal.lock().unwrap_or_else(PoisonError::into_inner);
+        if fatal.is_none() {
+            *fatal = Some(error);
+        }
+        self.fatal_raised.store(true, Ordering::Release);
+        self.queue.close();
+    }
+
+    pub(super) fn should_stop(&self) -> bool {
+        self.interrupt.load(Ordering::Acquire) || self.fatal_raised.load(Ordering::Acquire)
+    }
+
+    /// Marks the batch at `source_position` as taken by a drafter: a resumed run restarts after it.
+    pub(super) fn consume(&self, source_position: u64) {
+        let mut consumed = self.consumed.lock().unwrap_or_else(PoisonError::into_inner);
+        let producers = consumed.len() as u64;
+        let owner = (source_position % producers) as usize;
+        consumed[owner] = consumed[owner].max(source_position + producers);
+    }
+
+    /// The data positions now (see `consumed`).
+    pub(super) fn consumed_positions(&self) -> Vec<u64> {
+        self.consumed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Records `consumed` as trained; called once per all-reduce round, when every member has its batch.
+    pub(super) fn mark_trained(&self) {
+        let positions = self.consumed_positions();
+        *self.trained.lock().unwrap_or_else(PoisonError::into_inner) = positions;
+    }
+
+    /// The data positions of the last completed all-reduce round.
+    pub(super) fn trained_positions(&self) -> Vec<u64> {
+        self.trained
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    pub(super) fn producer_finished(&self) {
+        if self.live_producers.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.queue.close();
+        }
+    }
+}

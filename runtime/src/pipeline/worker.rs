@@ -1,0 +1,407 @@
+//! One drafter thread, on any backend: the worker loop, written once.
+//!
+//! ```text
+//!  pop ─▶ stage (checks, copy into an input slot; position consumed) ─▶ buffer back to the pool
+//!      ─▶ round (synced workers: all staged? stop after this step? trained positions recorded)
+//!      ─▶ step(): run/launch this batch's step, read back the step now complete ─▶ telemetry, non-finite count
+//!      ─▶ checkpoint (worker 0): finish, download, save with the last round's positions
+//! ```
+//!
+//! On the CPU a step's outcome is ready when `step` returns; on CUDA it lags one step (the host never waits for
+//! the step it has just launched), and [`Drafter::finish`] collects the last one before a checkpoint and at the
+//! end. Either way the loop accounts each outcome once, when it arrives.
+//!
+//! Data-parallel workers (`sync = allreduce`) average their gradients inside the step (the host all-reduce on
+//! the CPU, NCCL on CUDA). A collective waits until every rank has entered it, so no worker may start a step
+//! that another will not: every step begins with a round of the host [`AllReduce`] over a single number, 0 from
+//! a worker holding a staged batch and 1 from one without (out of data); the step runs only when the mean is 0
+//! over all workers. A worker that leaves (after an error, or when it stops) makes the next round short, which
+//! stops the others before they start. The round also carries the shared decision to stop after this step, and
+//! marks the data positions staged so far as the ones the step's update contains: the one checkpoint rule.
+//! Without `sync = allreduce` the workers are independent and skip the round.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use draftpipe_compiler::plan::{Device, Plan, SyncMode};
+
+use crate::allreduce::AllReduce;
+use crate::backend::Backend;
+use crate::checkpoint::{TrainingState, save_checkpoint};
+use crate::drafter::{Drafter, DrafterError, StepOutcome};
+use crate::params::FlatState;
+use crate::telemetry::{DrafterPhase, DrafterRecorder};
+
+use super::error::RunError;
+use super::options::{RunOptions, StopReason};
+use super::shared::Shared;
+
+/// Length of the workers' round group: the readiness number.
+pub(super) const ROUND_LEN: usize = 1;
+
+/// What a drafter thread starts with.
+pub(super) struct WorkerContext<'a> {
+    pub(super) worker: usize,
+    pub(super) device: Device,
+    pub(super) plan: &'a Plan,
+    pub(super) options: &'a RunOptions,
+    pub(super) shared: Arc<Shared>,
+    /// The readiness round before each step (synced workers).
+    pub(super) round: Arc<AllReduce>,
+    pub(super) recorder: DrafterRecorder,
+    pub(super) state: FlatState,
+    pub(super) first_step: u64,
+    pub(super) step_limit: Option<u64>,
+    pub(super) nonfinite_limit: u32,
+}
+
+/// How a drafter thread ended.
+pub(super) struct Finished {
+    pub(super) stop: StopReason,
+    pub(super) step: u64,
+}
+
+/// One round of `workers` data-parallel workers before a step (see the module docs): whether all of them hold
+/// a staged batch and are still in the group, so that each may start the step, and the shared decision to stop
+/// after it (`decide`, evaluated once per round by whichever worker completes it).
+pub(super) fn launch_round(
+    group: &AllReduce,
+    workers: usize,
+    staged: bool,
+    decide: impl FnOnce() -> bool,
+) -> (bool, bool) {
+    let mut missing = [if staged { 0.0 } else { 1.0 }];
+    let outcome = group.mean(&mut missing, decide);
+    (
+        outcome.participants == workers && missing[0] == 0.0,
+        outcome.stop,
+    )
+}
+
+/// Trains with the drafter `open` builds (on the starting state) until the step limit, the end of the data, an
+/// interrupt or a fault; worker 0 checkpoints.
+pub(super) fn run<B: Backend>(
+    context: WorkerContext<'_>,
+    open: impl FnOnce(&FlatState) -> Result<Drafter<B>, DrafterError>,
+) -> Finished {
+    match open(&context.state) {
+        Ok(drafter) => Worker::new(context, drafter).run(),
+        Err(source) => {
+            context.shared.fail(RunError::Step {
+                worker: context.worker,
+                device: context.device,
+                source,
+            });
+            context.round.leave(|| true);
+            Finished {
+                stop: StopReason::Interrupted,
+                step: context.first_step,
+            }
+        }
+    }
+}
+
+/// One worker's training loop and its bookkeeping.
+struct Worker<'a, B: Backend> {
+    context: WorkerContext<'a>,
+    drafter: Drafter<B>,
+    synced: bool,
+    saves: bool,
+    step: u64,
+    nonfinite_in_row: u32,
+    /// Start of the next host phase.
+    since: Instant,
+    /// End of the latest span recorded on this worker's timeline (see [`Self::record`]).
+    recorded_until: Instant,
+}
+
+impl<'a, B: Backend> Worker<'a, B> {
+    fn new(context: WorkerContext<'a>, drafter: Drafter<B>) -> Self {
+        let plan = context.plan;
+        Self {
+            synced: plan.drafter.sync == SyncMode::AllReduce,
+            saves: context.worker == 0 && context.options.save_dir.is_some(),
+            step: context.first_step,
+            nonfinite_in_row: 0,
+            since: Instant::now(),
+            recorded_until: Instant::now(),
+            context,
+            drafter,
+        }
+    }
+
+    fn limit_reached(&self, step: u64) -> bool {
+        self.context.step_limit.is_some_and(|limit| step >= limit)
+    }
+
+    fn fail(&self, source: DrafterError) {
+        self.context.shared.fail(RunError::Step {
+            worker: self.context.worker,
+            device: self.context.device,
+            source,
+        });
+    }
+
+    fn run(mut self) -> Finished {
+        let stop = self.train().unwrap_or_else(|source| {
+            self.fail(source);
+            StopReason::Interrupted
+        });
+        // Leaving once, whatever the reason, shortens the others' next round so they stop before a step.
+        self.context.round.leave(|| true);
+        if let Err(source) = self.collect_last() {
+            self.fail(source);
+        }
+        let shared = &self.context.shared;
+        if self.saves
+            && !shared.fatal_raised.load(Ordering::Acquire)
+            && self.step > self.context.first_step
+            && let Err(source) = self.checkpoint()
+        {
+            self.fail(source);
+        }
+        Finished {
+            stop,
+            step: self.step,
+        }
+    }
+
+    /// Records `start..end` as `phase`, less any part already recorded. On CUDA the host's data wait, staging
+    /// and round overlap the step in flight on the device (the overlap staging exists for); clipping keeps the
+    /// worker's phases within its wall time, so busy and wait percentages mean the same on every backend.
+    fn record(&mut self, phase: DrafterPhase, start: Instant, end: Instant) {
+        let start = start.max(self.recorded_until);
+        if end > start {
+            self.context.recorder.record(phase, start, end);
+            self.recorded_until = end;
+        }
+    }
+
+    /// Records the host's time since the previous phase as `phase`.
+    fn lap(&mut self, phase: DrafterPhase) {
+        let now = Instant::now();
+        self.record(phase, self.since, now);
+        self.since = now;
+    }
+
+    fn train(&mut self) -> Result<StopReason, DrafterError> {
+        loop {
+            if self.limit_reached(self.step) {
+                return Ok(StopReason::StepLimit);
+            }
+            if !self.synced && self.context.shared.should_stop() {
+                return Ok(StopReason::Interrupted);
+            }
+            let batch = self.context.shared.queue.pop();
+            self.lap(DrafterPhase::DataWait);
+            let staged = match batch {
+                Some(batch) => {
+                    let staged = self.drafter.stage(&batch);
+                    if staged.is_ok() {
+                        self.context.shared.consume(batch.source_position);
+                    }
+                    if let Err(error) = self.context.shared.pool.give_back(batch) {
+                        self.context.shared.fail(RunError::Source(error));
+                    }
+                    staged?;
+                    true
+                }
+                None => false,
+            };
+            self.lap(DrafterPhase::Copy);
+            let (all_ready, stop_after) = self.round(staged);
+            if self.synced {
+                self.lap(DrafterPhase::AllReduce);
+            }
+            if !(staged && all_ready) {
+                return Ok(StopReason::SourcesExhausted);
+            }
+            let started = Instant::now();
+            let outcome = self.drafter.step()?;
+            let now = Instant::now();
+            if let Some(outcome) = outcome {
+                self.account(outcome, started, now);
+            }
+            self.since = now;
+            self.step += 1;
+
+            if self.saves
+                && !stop_after
+                && self
+                    .context
+                    .options
+                    .save_every
+                    .is_some_and(|every| every > 0 && self.step.is_multiple_of(every))
+            {
+                self.checkpoint()?;
+                self.lap(DrafterPhase::Other);
+            }
+            if stop_after || self.context.shared.fatal_raised.load(Ordering::Acquire) {
+                return Ok(if self.limit_reached(self.step) {
+                    StopReason::StepLimit
+                } else {
+                    StopReason::Interrupted
+                });
+            }
+        }
+    }
+
+    /// Whether to step (every worker holds a staged batch) and whether to stop after this step.
+    fn round(&self, staged: bool) -> (bool, bool) {
+        let shared = &self.context.shared;
+        let stop_after = || self.limit_reached(self.step + 1) || shared.should_stop();
+        if self.synced {
+            let workers = self.context.plan.drafter.placement.workers.len();
+            launch_round(&self.context.round, workers, staged, || {
+                shared.mark_trained();
+                stop_after()
+            })
+        } else {
+            (staged, stop_after())
+        }
+    }
+
+    /// Accounts a finished step whose outcome the host saw at `seen`, its call having begun at `started`. A
+    /// synchronous backend reports host phase times, laid out from `started`; an asynchronous one the device
+    /// time of the whole step (forward, loss, backward, all-reduce and AdamW), recorded as ending at `seen`
+    /// since a launch queues behind the step in flight. Skips follow the device: AdamW skips exactly when the
+    /// gradient norm is not finite.
+    fn account(&mut self, outcome: StepOutcome, started: Instant, seen: Instant) {
+        if let Some(phases) = outcome.phases {
+            let mut at = started;
+            for (phase, duration) in [
+                (DrafterPhase::Forward, phases.compute.forward),
+                (DrafterPhase::Loss, phases.compute.loss),
+                (DrafterPhase::Backward, phases.compute.backward),
+                (DrafterPhase::AllReduce, phases.all_reduce),
+                (DrafterPhase::Optimizer, phases.optimizer),
+            ] {
+                self.record(phase, at, at + duration);
+                at += duration;
+            }
+            self.record(DrafterPhase::Other, at, seen.max(at));
+        } else if let Some(device_ms) = outcome.device_ms {
+            let device_time = Duration::try_from_secs_f32(device_ms / 1e3).unwrap_or_default();
+            let began = seen.checked_sub(device_time).unwrap_or(self.recorded_until);
+            self.record(DrafterPhase::DeviceStep, began, seen);
+        }
+        let recorder = &self.context.recorder;
+        if outcome.skipped() {
+            recorder.step_skipped();
+            self.nonfinite_in_row += 1;
+            if self.nonfinite_in_row >= self.context.nonfinite_limit {
+                self.context.shared.fail(RunError::NonFinite {
+                    count: self.nonfinite_in_row,
+                    step: self.context.first_step + outcome.index + 1,
+                });
+            }
+        } else {
+            recorder.step_done(outcome.tokens, f64::from(outcome.loss));
+            self.nonfinite_in_row = 0;
+        }
+    }
+
+    /// Waits for the step in flight, if any, and accounts it.
+    fn collect_last(&mut self) -> Result<(), DrafterError> {
+        let started = Instant::now();
+        if let Some(outcome) = self.drafter.finish()? {
+            self.account(outcome, started, Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Writes the replica as it is after every step so far, with the data positions its weights contain:
+    /// those of the last round when synced (another worker may already hold its next batch), else those
+    /// consumed.
+    fn checkpoint(&mut self) -> Result<(), DrafterError> {
+        self.collect_last()?;
+        self.drafter.download_state(&mut self.context.state)?;
+        let shared = &self.context.shared;
+        let positions = if self.synced {
+            shared.trained_positions()
+        } else {
+            shared.consumed_positions()
+        };
+        save(
+            self.context.plan,
+            self.context.options,
+            shared,
+            &self.context.state,
+            self.step,
+            positions,
+        );
+        Ok(())
+    }
+}
+
+/// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions of the
+/// batches its weights contain.
+fn save(
+    plan: &Plan,
+    options: &RunOptions,
+    shared: &Shared,
+    state: &FlatState,
+    step: u64,
+    data_positions: Vec<u64>,
+) {
+    let Some(dir) = &options.save_dir else { return };
+    let training = TrainingState {
+        step,
+        optimizer_step: state.step,
+        plan_name: plan.name.clone(),
+        rng_state: vec![options.init_seed],
+        data_positions,
+    };
+    if let Err(error) = save_checkpoint(
+        dir,
+        &plan.model,
+        &state.params,
+        &state.exp_avg,
+        &state.exp_avg_sq,
+        &training,
+    ) {
+        shared.fail(RunError::Checkpoint(error));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs one round for workers that hold a batch or not (`None`: the worker has left the group).
+    fn round(members: &[Option<bool>]) -> Vec<(bool, bool)> {
+        let group = AllReduce::new(members.len(), ROUND_LEN);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = members
+                .iter()
+                .map(|member| {
+                    let group = &group;
+                    scope.spawn(move || match member {
+                        Some(staged) => Some(launch_round(group, members.len(), *staged, || true)),
+                        None => {
+                            group.leave(|| true);
+                            None
+                        }
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().unwrap())
+                .collect()
+        })
+    }
+
+    #[test]
+    fn a_step_needs_every_worker_ready_and_present() {
+        assert_eq!(round(&[Some(true); 3]), vec![(true, true); 3]);
+        assert_eq!(
+            round(&[Some(true), Some(false), Some(true)]),
+            vec![(false, true); 3]
+        );
+        let after_a_leave = round(&[Some(true), None, Some(true)]);
+        assert_eq!(after_a_leave.len(), 2);
+        assert!(after_a_leave.iter().all(|&(launch, _)| !launch));
+    }
+}
