@@ -3,8 +3,9 @@
 //! - AdamW bandwidth against a device-to-device copy measured in the same run (target ≥ 85 %);
 //! - the fused vocabulary loss against a version that materialises all logits (time and logits memory);
 //! - the whole step of the `dflash-5x3.pipe` drafter (din 12288, hidden 1024, 2 blocks, intermediate 2816,
-//!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode: tokens/s, device busy % with the
-//!   next batch always staged (target ≥ 97 % in graph mode), host µs per step (target ≤ 20).
+//!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode with f32 GEMMs, and in graph mode
+//!   with TF32 and bf16 GEMMs (`precision`): tokens/s, device busy % with the next batch always staged (target
+//!   ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each step row is printed as soon as it is measured.
 //!
 //! Medians over repetitions. Without a GPU it prints one line and exits 0. Run: `cargo bench -p
 //! draftpipe-runtime --bench cuda_step`, or the prebuilt binary from `scripts/gpu-check.sh`.
@@ -14,7 +15,9 @@ use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, result as driver};
-use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan};
+use draftpipe_compiler::plan::{
+    AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan, Precision,
+};
 use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::cuda::{
     CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
@@ -62,6 +65,13 @@ fn time_ms(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, mut work: impl FnMu
 }
 
 struct Row(String, String, String);
+
+impl Row {
+    /// Prints the row as soon as it is measured, so a time-out loses only what was not measured yet.
+    fn print(&self) {
+        println!("row: {} | {} | {}", self.0, self.1, self.2);
+    }
+}
 
 fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let s = k.stream().clone();
@@ -170,7 +180,7 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
     ));
 }
 
-fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
+fn dflash_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
     let spec = MlpSpec {
         din: 3 * 4096,
         hidden: 1024,
@@ -199,13 +209,13 @@ fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
         step_flops: 0,
         step_bytes: 0,
     };
-    let mut drafter = CudaDrafter::new(
+    let mut drafter = CudaDrafter::on_device(
         0,
         &model,
-        loss,
-        adamw,
+        (loss, adamw, precision),
         std::slice::from_ref(&bucket),
         launch,
+        None,
     )
     .expect("drafter");
     drafter
@@ -237,11 +247,17 @@ fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
     }
     outcomes.extend(drafter.finish().expect("finish"));
     let wall_s = began.elapsed().as_secs_f64();
-    let device_s: f64 = outcomes.iter().map(|o| f64::from(o.device_ms) / 1e3).sum();
+    let device_s: f64 = outcomes
+        .iter()
+        .map(|o| f64::from(o.device_ms.unwrap_or(0.0)) / 1e3)
+        .sum();
     let host_us = median(outcomes.iter().map(|o| f64::from(o.host_us)).collect());
     // "busy": the steps' event spans over the wall time, i.e. the gaps between steps (gaps inside an eager step
     // fall inside its span and are not seen here).
-    let name = format!("dflash-5x3 step, {launch:?}, 16384 tokens");
+    let name = format!(
+        "dflash-5x3 mlp step, {launch:?}, {}, 16384 tokens",
+        precision.name()
+    );
     let tokens_s = (bucket.tokens * measured) as f64 / wall_s;
     let busy = 100.0 * device_s / wall_s;
     let target = if launch == LaunchMode::Graph {
@@ -254,6 +270,7 @@ fn dflash_step(launch: LaunchMode, rows: &mut Vec<Row>) {
         format!("{tokens_s:.0} tok/s, busy {busy:.1} %, host {host_us:.1} µs/step"),
         target.into(),
     ));
+    rows.last().expect("just pushed").print();
 }
 
 fn main() {
@@ -270,8 +287,10 @@ fn main() {
     let mut rows = Vec::new();
     adamw_vs_copy(&ctx, &launcher, &mut rows);
     fused_vs_materialised(&ctx, &launcher, &mut rows);
-    dflash_step(LaunchMode::Eager, &mut rows);
-    dflash_step(LaunchMode::Graph, &mut rows);
+    dflash_step(LaunchMode::Eager, Precision::F32, &mut rows);
+    dflash_step(LaunchMode::Graph, Precision::F32, &mut rows);
+    dflash_step(LaunchMode::Graph, Precision::Tf32, &mut rows);
+    dflash_step(LaunchMode::Graph, Precision::Bf16, &mut rows);
     let d = &devices[0];
     println!(
         "\n{} (sm_{}{}), medians of {REPS} runs (steps: 6 after 2 warm-up)",

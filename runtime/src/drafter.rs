@@ -135,6 +135,8 @@ pub struct StepOutcome {
     pub device_ms: Option<f32>,
     /// Host time of each phase, on a synchronous backend (CPU); `None` on CUDA, where the host only enqueues.
     pub phases: Option<StepPhases>,
+    /// Host time spent in `step()` issuing it (up to, not including, reading back an earlier step), µs.
+    pub host_us: f32,
 }
 
 impl StepOutcome {
@@ -170,6 +172,7 @@ struct InFlight {
     ring: usize,
     tokens: u64,
     phases: Option<StepPhases>,
+    host_us: f32,
 }
 
 /// The `mlp` drafter on backend `B`. See the module docs.
@@ -381,6 +384,7 @@ impl<B: Backend> Drafter<B> {
     /// # Errors
     /// [`DrafterError::NothingStaged`]; backend failures.
     pub fn step(&mut self) -> Result<Option<StepOutcome>, DrafterError> {
+        let begin = Instant::now();
         let Staged {
             bucket,
             slot,
@@ -414,6 +418,7 @@ impl<B: Backend> Drafter<B> {
             ring,
             tokens,
             phases: synchronous.then_some(phases),
+            host_us: begin.elapsed().as_secs_f32() * 1e6,
         });
         self.launched += 1;
         if synchronous || self.in_flight.len() > 1 {
@@ -439,6 +444,7 @@ impl<B: Backend> Drafter<B> {
             tokens: step.tokens,
             device_ms: results.device_ms,
             phases: step.phases,
+            host_us: step.host_us,
         })
     }
 

@@ -13,11 +13,13 @@
 //! allocation in steady state.
 
 pub(crate) mod gemm;
+mod head_loss;
 pub mod kernels;
 
 pub use crate::drafter::StepError;
 pub use crate::model::mlp::RMS_EPS;
 pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads};
+pub use head_loss::{HeadLoss, head_loss};
 
 use std::time::{Duration, Instant};
 

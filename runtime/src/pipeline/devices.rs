@@ -133,14 +133,4 @@ mod tests {
         let error = ordinals(&dflash).unwrap_err().to_string();
         assert!(error.contains("mixes cpu and gpu"), "{error}");
     }
-
-    #[test]
-    fn placements_choose_the_backend() {
-        assert_eq!(ordinals(&plan("quickstart.pipe")).unwrap(), None);
-        let mut dflash = plan("dflash-5x3.pipe");
-        assert_eq!(ordinals(&dflash).unwrap(), Some(vec![5, 6, 7]));
-        dflash.drafter.placement.workers[1] = Device::Cpu;
-        let error = ordinals(&dflash).unwrap_err().to_string();
-        assert!(error.contains("mixes cpu and gpu"), "{error}");
-    }
 }

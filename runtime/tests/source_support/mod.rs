@@ -67,6 +67,7 @@ pub fn plan(
             },
             sync: SyncMode::AllReduce,
             launch: LaunchMode::Eager,
+            precision: Precision::F32,
             steps: None,
         },
         model: ModelPlan::new(spec),
