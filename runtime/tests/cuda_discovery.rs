@@ -1,10 +1,14 @@
 //! Runs everywhere: without a driver the CUDA backend answers with typed errors instead of panicking, and the
 //! embedded-PTX accessors agree with each other.
 
-use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan};
+use draftpipe_compiler::plan::{
+    AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan, Precision,
+};
+use draftpipe_runtime::backend::BackendError;
 use draftpipe_runtime::cuda::{
     CudaDrafter, CudaError, EMBEDDED_PTX, discover_devices, embedded_ptx,
 };
+use draftpipe_runtime::drafter::DrafterError;
 
 #[test]
 fn no_driver_is_an_error_not_a_panic() {
@@ -38,25 +42,42 @@ fn no_driver_is_an_error_not_a_panic() {
     }];
     match discover_devices() {
         Err(CudaError::NoDriver) => {
-            let made = CudaDrafter::new(0, &model, loss, adamw, &buckets, LaunchMode::Graph);
+            let made = CudaDrafter::on_device(
+                0,
+                &model,
+                (loss, adamw, Precision::F32),
+                &buckets,
+                LaunchMode::Graph,
+                None,
+            );
             assert!(
-                matches!(made, Err(CudaError::NoDriver)),
+                matches!(
+                    made,
+                    Err(DrafterError::Backend(BackendError::Cuda(
+                        CudaError::NoDriver
+                    )))
+                ),
                 "expected NoDriver, got {:?}",
                 made.err()
             );
         }
         Err(other) => panic!("discovery failed with a driver present: {other}"),
         Ok(devices) => {
-            let made = CudaDrafter::new(
+            let made = CudaDrafter::on_device(
                 devices.len(),
                 &model,
-                loss,
-                adamw,
+                (loss, adamw, Precision::F32),
                 &buckets,
                 LaunchMode::Eager,
+                None,
             );
             assert!(
-                matches!(made, Err(CudaError::NoSuchDevice { .. })),
+                matches!(
+                    made,
+                    Err(DrafterError::Backend(BackendError::Cuda(
+                        CudaError::NoSuchDevice { .. }
+                    )))
+                ),
                 "ordinal past the last device must fail"
             );
         }
