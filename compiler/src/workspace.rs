@@ -147,8 +147,16 @@ impl WorkspaceLayout {
         let t = buckets.iter().map(|b| b.tokens).max().unwrap_or(0);
         let s = buckets.iter().map(|b| b.sequences).max().unwrap_or(0);
         let c = loss.chunk_tokens.clamp(1, t.max(1));
-        let p = spec.parameter_count();
         let m = |a: usize, b: usize| a.checked_mul(b);
+        let p = [
+            m(h, din)?,
+            m(l, h.checked_add(m(3, m(i, h)?)?)?)?,
+            h,
+            m(j, m(h, h)?)?,
+            m(v, h)?,
+        ]
+        .into_iter()
+        .try_fold(0usize, |sum, x| sum.checked_add(x))?;
         let th = m(t, h)?;
         let mut buffers = Vec::new();
         let mut add = |name: &str, dtype: Dtype, elements: Option<usize>| -> Option<()> {

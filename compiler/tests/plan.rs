@@ -95,10 +95,17 @@ fn quickstart_memory_matches_the_documented_formula() {
     let plan = compile_source("q.pipe", QUICKSTART).unwrap();
     let p = 2_491_136u64;
     assert_eq!(plan.model.parameters as u64, p);
-    // Two CPU workers hold two replicas; activations per token A = din + L(2H + 3I) + H + heads·2H.
-    let a = 384 + 2 * (2 * 256 + 3 * 704) + 256 + 4 * 2 * 256;
-    assert_eq!(a, 7936);
-    let workspace = 4 * (2048 * a + 1024 * 4096);
+    // Two CPU workers hold two replicas, each with the workspace layout of docs/language.md (T 2048, S 16,
+    // C 1024): per token (L+1)H + LH residual and normed streams, L+1 norms, 3LI gate/up/act, the final norm H,
+    // 4H for the head in hand, 2J labels and row losses, 3H + 3I backward scratch; then the logits chunk,
+    // per-head scalars, partials and AdamW's state; one input slot.
+    let (t, h, i, l, j, din, v) = (2048u64, 256u64, 704u64, 2u64, 4u64, 384u64, 4096u64);
+    let per_token = (l + 1) * h + l * h + (l + 1) + 3 * l * i + h + 4 * h + 2 * j + 3 * h + 3 * i;
+    let partials = (j * t).div_ceil(1024) + t.div_ceil(64) * h + p.div_ceil(1024);
+    let workspace = 4 * (t * per_token + 1024 * v + 2 * j + partials + 3 + 7)
+        + 8 * 3
+        + (t * (4 * din + 4 + 1) + 4 * 16);
+    assert_eq!(workspace, 99_233_476);
     // Largest item: 16 sequences of 128 (hidden states, ids, mask, lengths).
     let item = 2048 * (4 * 384 + 4 + 1) + 4 * 16;
     assert_eq!(
@@ -125,8 +132,14 @@ fn dflash_memory_is_per_drafter_gpu() {
         (m.parameters, m.gradients, m.optimizer_state),
         (4 * p, 4 * p, 8 * p)
     );
-    let a = 12288 + 2 * (2 * 1024 + 3 * 2816) + 1024 + 4 * 2 * 1024;
-    assert_eq!(m.workspaces, 4 * (16384 * a + 4096 * 151936));
+    // The CUDA layout: as the quickstart's (see above), with two input slots and cuBLAS's 32 MiB workspace.
+    let (t, h, i, l, j, din, v) = (16384u64, 1024u64, 2816u64, 2u64, 4u64, 12288u64, 151936u64);
+    let per_token = (l + 1) * h + l * h + (l + 1) + 3 * l * i + h + 4 * h + 2 * j + 3 * h + 3 * i;
+    let partials = (j * t).div_ceil(1024) + t.div_ceil(64) * h + p.div_ceil(1024);
+    let slot = t * (4 * din + 4 + 1) + 4 * 16;
+    let workspace =
+        4 * (t * per_token + 4096 * v + 2 * j + partials + 3 + 7) + 8 * 3 + 2 * slot + (32 << 20);
+    assert_eq!(m.workspaces, workspace);
     assert_eq!(m.hs_pool, 60 * (16384 * (4 * 12288 + 5) + 4 * 16));
     assert!(m.total() < 141 << 30);
 }
