@@ -70,6 +70,19 @@ impl FlatState {
         }
     }
 
+    /// A state of zeros in `model`'s layout (the target of a download).
+    pub fn zeros(model: &ModelPlan) -> Self {
+        let n = model.parameters;
+        Self {
+            params: vec![0.0; n],
+            grads: vec![0.0; n],
+            exp_avg: vec![0.0; n],
+            exp_avg_sq: vec![0.0; n],
+            step: 0,
+            layout: model.layout.clone(),
+        }
+    }
+
     /// The named tensors, in buffer order.
     pub fn layout(&self) -> &[TensorView] {
         &self.layout

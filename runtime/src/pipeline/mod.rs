@@ -372,11 +372,11 @@ impl Threads<'_> {
                     shared: Arc::clone(self.shared),
                     round: Arc::clone(&round),
                     recorder,
-                    state: self.start.state.clone(),
                     first_step: self.start.step,
                     step_limit: self.step_limit,
                     nonfinite_limit: self.options.max_nonfinite_in_row.max(1),
                 };
+                let start = self.start.state.clone();
                 let communicator = ordinal.and_then(|_| communicators.next());
                 let (shared, round, gradients) = (
                     Arc::clone(self.shared),
@@ -397,10 +397,10 @@ impl Threads<'_> {
                             leave();
                         });
                         let finished = match ordinal {
-                            Some(ordinal) => worker::run(context, |state| {
+                            Some(ordinal) => worker::run(context, start, |state| {
                                 devices::open_gpu(plan, ordinal, communicator, state)
                             }),
-                            None => worker::run(context, |state| {
+                            None => worker::run(context, start, |state| {
                                 devices::open_cpu(plan, gradients.clone(), state)
                             }),
                         };

@@ -50,7 +50,6 @@ pub(super) struct WorkerContext<'a> {
     /// The readiness round before each step (synced workers).
     pub(super) round: Arc<AllReduce>,
     pub(super) recorder: DrafterRecorder,
-    pub(super) state: FlatState,
     pub(super) first_step: u64,
     pub(super) step_limit: Option<u64>,
     pub(super) nonfinite_limit: u32,
@@ -79,13 +78,17 @@ pub(super) fn launch_round(
     )
 }
 
-/// Trains with the drafter `open` builds (on the starting state) until the step limit, the end of the data, an
-/// interrupt or a fault; worker 0 checkpoints.
+/// Trains with the drafter `open` builds on the starting replica `start` until the step limit, the end of the
+/// data, an interrupt or a fault; worker 0 checkpoints. `start` is dropped once uploaded: the drafter's buffers
+/// hold the state, and a checkpoint downloads it into a fresh host copy, so no second copy lives between saves.
 pub(super) fn run<B: Backend>(
     context: WorkerContext<'_>,
+    start: FlatState,
     open: impl FnOnce(&FlatState) -> Result<Drafter<B>, DrafterError>,
 ) -> Finished {
-    match open(&context.state) {
+    let opened = open(&start);
+    drop(start);
+    match opened {
         Ok(drafter) => Worker::new(context, drafter).run(),
         Err(source) => {
             context.shared.fail(RunError::Step {
@@ -316,7 +319,8 @@ impl<'a, B: Backend> Worker<'a, B> {
     /// consumed.
     fn checkpoint(&mut self) -> Result<(), DrafterError> {
         self.collect_last()?;
-        self.drafter.download_state(&mut self.context.state)?;
+        let mut state = FlatState::zeros(&self.context.plan.model);
+        self.drafter.download_state(&mut state)?;
         let shared = &self.context.shared;
         let positions = if self.synced {
             shared.trained_positions()
@@ -327,7 +331,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             self.context.plan,
             self.context.options,
             shared,
-            &self.context.state,
+            &state,
             self.step,
             positions,
         );
