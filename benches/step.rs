@@ -45,7 +45,7 @@ const fn g(m: usize, k: usize, n: usize, a_t: bool, b_t: bool) -> Shape {
     Shape { m, k, n, a_t, b_t }
 }
 
-/// The step's GEMMs (shapes and transposes) as `runtime/src/model/mlp.rs` issues them; the order differs (the
+/// The step's GEMMs (shapes and transposes) as `runtime/src/model/mlp/mod.rs` issues them; the order differs (the
 /// model runs each head's loss and backward together), the FLOPs and shapes do not.
 fn step_gemms() -> Vec<Shape> {
     let MlpSpec {
