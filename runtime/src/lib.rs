@@ -1,8 +1,9 @@
 //! The draftpipe runtime: executes a compiled [`Plan`](draftpipe_compiler::plan::Plan).
 //!
 //! ```text
-//!  sources (producers) ──▶ HS queue (lock-free, bucketed) ──▶ drafter workers (cpu │ cuda)
-//!             └──────────── telemetry, trace, diagnosis, checkpoints ──────────┘
+//!  sources (producers) ──▶ HS queue (lock-free, bucketed) ──▶ drafter workers (pipeline::worker, one loop)
+//!             └──────────── telemetry, trace, diagnosis, checkpoints ──────────┘        │
+//!                                     drafter::Drafter ──▶ model::mlp ──▶ backend: cpu │ cuda
 //! ```
 
 pub mod allreduce;

@@ -1,8 +1,9 @@
-//! The CUDA backend: the drafter kernels' PTX (built from `gpu-kernels` by `build.rs`) run through `cudarc`.
+//! CUDA through `cudarc`: device discovery, the drafter kernels' PTX (built from `gpu-kernels` by `build.rs`),
+//! their launchers, cuBLAS and NCCL — what [`CudaBackend`] (in `crate::backend::cuda`) is made of.
 //!
 //! ```text
-//!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel)
-//!  device discovery (never panics without a driver) ──▶ CudaContext ──▶ streams, flat buffers, launches
+//!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel) ──▶ Launcher
+//!  device discovery (never panics without a driver) ──▶ CudaContext ──▶ CudaBackend ──▶ CudaDrafter
 //! ```
 //!
 //! Everything loads at run time (`cudarc` with `dynamic-loading`, CUDA 13.0 library names): a binary built
