@@ -71,6 +71,9 @@ pub const MAX_SHOWN: usize = 100;
 /// Characters of a source line quoted under an error; a longer line shows a window around the error.
 pub const MAX_SNIPPET_CHARS: usize = 120;
 
+/// Characters of a message, label or help line beyond which it is shortened (they quote names from the file).
+pub const MAX_MESSAGE_CHARS: usize = 400;
+
 /// Characters of context kept before the error's start when a long line is cut.
 const SNIPPET_CONTEXT_BEFORE: usize = 40;
 
@@ -184,7 +187,7 @@ impl Diagnostics {
 /// `text` whole when it is short; otherwise its first and last characters around a `…`. Messages quote names
 /// from the file, and a name may be a megabyte long.
 fn shorten(text: &str) -> std::borrow::Cow<'_, str> {
-    let keep = MAX_SNIPPET_CHARS;
+    let keep = MAX_MESSAGE_CHARS;
     let Some((head_end, _)) = text.char_indices().nth(keep) else {
         return text.into();
     };
@@ -296,5 +299,63 @@ mod tests {
             diags.to_string().contains("1 | pipeline\n  |         ^\n"),
             "{diags}"
         );
+    }
+
+    #[test]
+    fn only_the_first_hundred_errors_are_kept_and_the_rest_counted() {
+        let source = "k = 1\n".repeat(250);
+        let mut diags = Diagnostics::new("many.pipe", &source);
+        // Pushed in reverse, so keeping the first by position is not keeping the first pushed.
+        diags.extend(
+            (0..250).rev().map(|i| {
+                Diagnostic::error(Span::new(i * 6, i * 6 + 1), format!("error number {i}"))
+            }),
+        );
+        assert_eq!(diags.len(), 250);
+        assert_eq!(diags.iter().count(), MAX_SHOWN);
+        assert!(diags.iter().all(|d| d.span.start < MAX_SHOWN * 6));
+        let text = diags.to_string();
+        assert_eq!(text.matches(" --> ").count(), MAX_SHOWN);
+        assert!(text.contains("error number 99\n") && !text.contains("error number 100\n"));
+        assert!(
+            text.contains("… and 150 more errors (the first 100 are shown)"),
+            "{text}"
+        );
+        assert!(text.ends_with("has 250 errors"), "{text}");
+    }
+
+    #[test]
+    fn a_long_line_is_quoted_as_a_window_with_the_carets_under_the_error() {
+        let line = format!("{}BAD{}", "a".repeat(5_000), "b".repeat(5_000));
+        let mut diags = Diagnostics::new("long.pipe", &line);
+        diags.extend([Diagnostic::error(Span::new(5_000, 5_003), "bad").label("here")]);
+        let text = diags.to_string();
+        let quoted = text.lines().find(|l| l.starts_with("1 | ")).unwrap();
+        let carets = text.lines().find(|l| l.contains('^')).unwrap();
+        assert!(quoted.chars().count() < MAX_SNIPPET_CHARS + 10, "{quoted}");
+        assert!(
+            quoted.starts_with("1 | …") && quoted.ends_with('…'),
+            "{quoted}"
+        );
+        let bad_at = quoted.chars().position(|c| c == 'B').unwrap();
+        assert_eq!(
+            carets.chars().position(|c| c == '^'),
+            Some(bad_at),
+            "{text}"
+        );
+        assert!(carets.contains("^^^ here"), "{text}");
+    }
+
+    #[test]
+    fn a_long_message_is_shortened() {
+        let name = "x".repeat(100_000);
+        let mut diags = Diagnostics::new("m.pipe", "k");
+        diags.extend([Diagnostic::error(
+            Span::new(0, 1),
+            format!("unknown key `{name}`"),
+        )]);
+        let text = diags.to_string();
+        assert!(text.len() < 2 * MAX_MESSAGE_CHARS, "{} bytes", text.len());
+        assert!(text.contains("unknown key `xxx") && text.contains('…'));
     }
 }
