@@ -10,7 +10,7 @@ use draftpipe_runtime::cpu::{GEMM_THREADS_VAR, gemm_threads};
 use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
 use draftpipe_runtime::telemetry::{EndReason, OutputMode};
 
-use super::{CommandResult, compile_failure, say, signals};
+use super::{CommandResult, StdoutClosed, compile_failure, say, signals};
 use crate::cli::RunArgs;
 
 /// Exit code when the data ran out before the step limit: the run trained on all of it and saved, but did not
@@ -76,28 +76,10 @@ pub fn run(args: &RunArgs) -> CommandResult {
         .ending
         .as_ref()
         .is_some_and(|e| e.reason == EndReason::DataExhaustedEarly);
-    if !args.json {
-        say("")?;
-        say(&outcome.diagnosis)?;
-        if let Some(dir) = &options.run_dir {
-            say(format_args!(
-                "run directory: {} (draftpipe diagnose {0})",
-                dir.display()
-            ))?;
-        }
-        if let Some(trace) = &options.trace {
-            say(format_args!(
-                "trace: {} (open in ui.perfetto.dev or chrome://tracing)",
-                trace.display()
-            ))?;
-        }
-        if let Some(dir) = &options.save_dir {
-            say(format_args!(
-                "checkpoint: {} (step {})",
-                dir.display(),
-                outcome.step
-            ))?;
-        }
+    // The run's own exit status matters more than the report: a reader that went away only shortens it.
+    match report(args, &options, &outcome) {
+        Err(error) if !error.is::<StdoutClosed>() => return Err(error),
+        _ => {}
     }
     if ended_early {
         eprintln!(
@@ -110,4 +92,37 @@ pub fn run(args: &RunArgs) -> CommandResult {
         _ if ended_early => ExitCode::from(EXIT_DATA_EXHAUSTED_EARLY),
         StopReason::StepLimit | StopReason::SourcesExhausted => ExitCode::SUCCESS,
     })
+}
+
+/// The diagnosis and where the run's files are, after a run without `--json`.
+fn report(
+    args: &RunArgs,
+    options: &RunOptions,
+    outcome: &draftpipe_runtime::pipeline::RunOutcome,
+) -> anyhow::Result<()> {
+    if args.json {
+        return Ok(());
+    }
+    say("")?;
+    say(&outcome.diagnosis)?;
+    if let Some(dir) = &options.run_dir {
+        say(format_args!(
+            "run directory: {} (draftpipe diagnose {0})",
+            dir.display()
+        ))?;
+    }
+    if let Some(trace) = &options.trace {
+        say(format_args!(
+            "trace: {} (open in ui.perfetto.dev or chrome://tracing)",
+            trace.display()
+        ))?;
+    }
+    if let Some(dir) = &options.save_dir {
+        say(format_args!(
+            "checkpoint: {} (step {})",
+            dir.display(),
+            outcome.step
+        ))?;
+    }
+    Ok(())
 }

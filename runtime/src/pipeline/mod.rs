@@ -606,7 +606,7 @@ pub fn run_with_sources(
             let (shared, reporter_stop) = (&shared, &reporter_stop);
             let mut reporter = reporter;
             spawned(
-                &shared,
+                shared,
                 spawner.spawn(scope, "telemetry".into(), move || {
                     // A reporter that cannot write (say, stdout closed) stops the run rather than leaving it to
                     // train unobserved; the workers see the failure at their next step.
