@@ -326,6 +326,14 @@ fn a_closed_stdout_ends_compile_check_and_diagnose_quietly() {
         assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
         assert!(stderr.is_empty(), "{args:?}: {stderr}");
     }
+    // The check still checks every file after its reader went away, and its exit status says so.
+    let out = with_closed_stdout(&[
+        "check",
+        "pipelines/quickstart.pipe",
+        "tests/invalid/unknown_key_typo.pipe",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("unknown key `capcity`"));
 }
 
 #[test]

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use draftpipe_compiler::{CompileError, compile_file};
 
-use super::{CommandResult, say};
+use super::{CommandResult, StdoutClosed, say};
 use crate::cli::CheckArgs;
 
 /// Checks each file; exit 0 when all are valid, 1 when any is not. Every file's errors are printed as they
@@ -13,11 +13,19 @@ pub fn run(args: &CheckArgs) -> CommandResult {
     let mut failed = 0usize;
     for path in &args.files {
         match compile_file(path) {
-            Ok(plan) => say(format_args!(
-                "ok: {} (pipeline \"{}\")",
-                path.display(),
-                plan.name
-            ))?,
+            Ok(plan) => {
+                let said = say(format_args!(
+                    "ok: {} (pipeline \"{}\")",
+                    path.display(),
+                    plan.name
+                ));
+                // A reader that went away stops the listing, not the check: the exit status still counts.
+                if let Err(error) = said
+                    && !error.is::<StdoutClosed>()
+                {
+                    return Err(error);
+                }
+            }
             Err(CompileError::Invalid(diagnostics)) => {
                 failed += 1;
                 eprintln!("{diagnostics}\n");
