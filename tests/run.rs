@@ -756,3 +756,81 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
     let summary = summary_json(&dir.join("runs/tiny"));
     assert_eq!(summary["ending"]["reason"], "nothing_trained", "{summary}");
 }
+
+#[test]
+fn a_process_limit_makes_the_run_fail_with_the_refused_thread_instead_of_hanging() {
+    // RLIMIT_NPROC binds only unprivileged users, so the test drops to `nobody` with util-linux's setpriv.
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| text(&o.stdout).trim() == "0");
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok();
+    if !root || !setpriv {
+        eprintln!("skipped: needs root and setpriv to run the binary as nobody under `ulimit -u`");
+        return;
+    }
+    // A directory `nobody` can enter and write, with its own copy of the binary.
+    let dir = std::env::temp_dir().join(format!("draftpipe-nproc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let world = |path: &Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    world(&dir, 0o777);
+    std::fs::copy(env!("CARGO_BIN_EXE_draftpipe"), dir.join("draftpipe")).unwrap();
+    world(&dir.join("draftpipe"), 0o755);
+    tiny_pipe(&dir, 2, 2, "fifo", SYNTHETIC);
+    world(&dir.join("tiny.pipe"), 0o644);
+    let mut refused = 0;
+    // The process itself, the signal thread, 2 producers, 2 drafters and the telemetry thread: each limit below
+    // 7 refuses one of them (fewer if other `nobody` processes run).
+    for limit in 3..=8 {
+        let script = format!(
+            "ulimit -u {limit} && exec ./draftpipe run tiny.pipe --steps 3 --run-dir run-{limit}"
+        );
+        let mut child = Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "bash",
+                "-c",
+                &script,
+            ])
+            .current_dir(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if started.elapsed() > Duration::from_secs(120) {
+                child.kill().unwrap();
+                panic!("under ulimit -u {limit} the run hung");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("panicked"), "ulimit -u {limit}: {stderr}");
+        match out.status.code() {
+            Some(0) => {}
+            Some(1) => {
+                assert!(
+                    stderr.starts_with("error:")
+                        && stderr.contains("Caused by: Resource temporarily unavailable"),
+                    "ulimit -u {limit}: {stderr}"
+                );
+                assert!(
+                    stderr.contains("cannot start the"),
+                    "ulimit -u {limit}: {stderr}"
+                );
+                refused += 1;
+            }
+            other => panic!("ulimit -u {limit}: exit {other:?}, stderr:\n{stderr}"),
+        }
+    }
+    assert!(refused > 0, "no limit refused a thread");
+    let _ = std::fs::remove_dir_all(&dir);
+}
