@@ -157,6 +157,9 @@ impl TrainingState {
     }
 }
 
+/// The largest `state.json` read (1 MiB; a real one is a few hundred bytes plus 20 per producer).
+const MAX_STATE_BYTES: u64 = 1 << 20;
+
 /// The largest data position a checkpoint may hold: a position counts batches, and 2^52 of them is far beyond any
 /// dataset; a larger one can only come from corruption.
 const MAX_DATA_POSITION: u64 = 1 << 52;
@@ -505,6 +508,17 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
 pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, CheckpointError> {
     let dir = resolve_checkpoint_dir(dir)?;
     let state_path = dir.join(STATE_FILE);
+    let size = fs::metadata(&state_path)
+        .map_err(io_error(&state_path))?
+        .len();
+    if size > MAX_STATE_BYTES {
+        return Err(CheckpointError::State {
+            path: state_path,
+            message: format!(
+                "{size} bytes, over the limit of {MAX_STATE_BYTES} for a training state"
+            ),
+        });
+    }
     let bytes = fs::read(&state_path).map_err(io_error(&state_path))?;
     let file: StateFile = serde_json::from_slice(&bytes).map_err(|e| CheckpointError::State {
         path: state_path.clone(),
