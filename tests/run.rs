@@ -457,6 +457,18 @@ fn start_training(dir: &Path, pipe: &Path, extra: &[&str]) -> std::process::Chil
     child
 }
 
+/// A child process killed if the test fails before it is waited for, so a failed test leaves nothing running.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 fn signal(child: &std::process::Child, name: &str) {
     let sent = Command::new("kill")
         .args([&format!("-{name}"), &child.id().to_string()])
@@ -494,8 +506,8 @@ fn sigterm_and_sighup_save_write_the_summary_and_exit_128_plus_the_signal() {
 fn a_second_run_on_the_same_directories_is_refused_naming_the_first_runs_pid() {
     let dir = scratch("locks");
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
-    let first = start_training(&dir, &pipe, &["--save", "ckpt"]);
-    let pid = first.id();
+    let mut first = KillOnDrop(Some(start_training(&dir, &pipe, &["--save", "ckpt"])));
+    let pid = first.0.as_ref().unwrap().id();
     for (args, what) in [
         (
             vec!["--save", "ckpt", "--run-dir", "other-run"],
@@ -515,6 +527,7 @@ fn a_second_run_on_the_same_directories_is_refused_naming_the_first_runs_pid() {
             "{stderr}"
         );
     }
+    let first = first.0.take().unwrap();
     signal(&first, "INT");
     let out = first.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
