@@ -85,6 +85,52 @@ pub enum RunError {
     /// Every producer failed under `--keep-going`: nothing was left to train on.
     #[error("every producer failed: {0}")]
     AllProducersFailed(String),
+    /// A thread of the run could not be started (the OS refused: process or memory limits).
+    #[error("cannot start the {thread} thread")]
+    Spawn {
+        /// The thread's name.
+        thread: String,
+        /// The OS's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A directory the run writes is in use by another run, or cannot be locked.
+    #[error(transparent)]
+    Lock(#[from] crate::lock::LockError),
+    /// A file the run will write cannot be created.
+    #[error("cannot write {what} {}", path.display())]
+    Output {
+        /// What the file is for.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Every step of the run was skipped for non-finite values, so nothing was trained.
+    #[error(
+        "every step up to step {step} was skipped for a non-finite loss or gradient: nothing was trained and no \
+         checkpoint was written; lower the learning rate or enable clip_grad_norm"
+    )]
+    NothingTrained {
+        /// The step the run reached.
+        step: u64,
+    },
+    /// An error stopped the run after the last good state was saved.
+    #[error(
+        "stopped at step {step}; the last good state is saved in {} (its state.json says why)",
+        dir.display()
+    )]
+    StoppedAfterSave {
+        /// The step saved.
+        step: u64,
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The error that stopped the run.
+        #[source]
+        source: Box<RunError>,
+    },
     /// A worker thread panicked: a bug in draftpipe, not in the input.
     #[error(
         "the {0} thread panicked (a bug in draftpipe; please report it with the message above)"

@@ -15,11 +15,14 @@
 //! asked), and the telemetry writes its summary, so [`Diagnosis`] can explain the run.
 
 mod devices;
+mod ending;
 mod error;
 mod host_memory;
 mod options;
+mod outputs;
 mod producer;
 mod shared;
+mod spawn;
 mod worker;
 
 pub use error::RunError;
@@ -64,6 +67,17 @@ pub struct RunOutcome {
     pub diagnosis: Diagnosis,
     /// Producer failures tolerated under `keep_going`.
     pub producer_errors: Vec<String>,
+}
+
+/// The handle of a started thread, or `None` after recording the refusal as the run's error.
+fn spawned<T>(shared: &Shared, result: Result<T, RunError>) -> Option<T> {
+    match result {
+        Ok(handle) => Some(handle),
+        Err(error) => {
+            shared.fail(error);
+            None
+        }
+    }
 }
 
 /// Converts the queue's statistics into the telemetry's view of them.
@@ -159,6 +173,7 @@ pub fn run_with_sources(
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
     host_memory::check(plan)?;
+    let _output_locks = outputs::prepare(options)?;
     let gpus = devices::ordinals(plan)?;
     let communicators = match &gpus {
         Some(ordinals) => devices::prepare(plan, ordinals)?,
@@ -178,6 +193,7 @@ pub fn run_with_sources(
         BatchPool::for_plan(plan)?,
         interrupt,
         first_positions,
+        start.state.step,
     ));
     let drafters = plan.drafter.placement.workers.len();
     let telemetry = Arc::new(Telemetry::new(
@@ -196,7 +212,7 @@ pub fn run_with_sources(
         step_limit,
     };
     let (stop, step, reporter) = threads.run(producers, gpus, communicators, reporter)?;
-    finish(plan, &shared, reporter, stop, step)
+    finish((plan, options), &shared, reporter, (stop, step, step_limit))
 }
 
 /// The producers, one per target worker, each source moved to the resumed position.
@@ -274,42 +290,55 @@ impl Threads<'_> {
             .collect::<Result<Vec<_>, _>>()?;
         let shared = self.shared;
         let reporter_stop = AtomicBool::new(false);
+        let spawner = spawn::Spawner::new(self.options.fail_spawn_after);
         Ok(std::thread::scope(|scope| {
+            // A thread that cannot start fails the run and is released as if it had finished at once: an
+            // unstarted producer counts as finished (the queue closes when the others are done), an unstarted
+            // drafter leaves the groups, so the threads already running stop instead of waiting for it forever.
+            let spawner = &spawner;
             let producer_handles: Vec<_> = producers
                 .into_iter()
                 .zip(producer_recorders)
                 .enumerate()
-                .map(|(worker, (producer, recorder))| {
-                    let shared = Arc::clone(shared);
+                .filter_map(|(worker, (producer, recorder))| {
+                    let thread_shared = Arc::clone(shared);
                     let keep_going = self.options.keep_going;
-                    std::thread::Builder::new()
-                        .name(format!("producer-{worker}"))
-                        .spawn_scoped(scope, move || {
+                    let handle = spawned(
+                        shared,
+                        spawner.spawn(scope, format!("producer-{worker}"), move || {
+                            let shared = thread_shared;
                             let _release = OnPanic(|| {
                                 shared.fail(RunError::Panicked(format!("producer {worker}")));
                                 shared.producer_finished();
                             });
                             producer::run(worker, producer, &shared, &recorder, keep_going)
-                        })
-                        .expect("spawning a producer thread")
+                        }),
+                    );
+                    if handle.is_none() {
+                        shared.producer_finished();
+                    }
+                    handle
                 })
                 .collect();
             let drafter_handles =
-                self.spawn_drafters(scope, drafter_recorders, gpus, communicators);
+                self.spawn_drafters(scope, spawner, drafter_recorders, gpus, communicators);
             let telemetry_thread = {
                 let reporter_stop = &reporter_stop;
                 let mut reporter = reporter;
-                scope.spawn(move || {
-                    // A reporter that cannot write (say, stdout closed) stops the run rather than leaving it
-                    // to train unobserved; the workers see the failure at their next step.
-                    match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
-                        Ok(()) => Some(reporter),
-                        Err(error) => {
-                            shared.fail(RunError::Telemetry(error));
-                            None
+                spawned(
+                    shared,
+                    spawner.spawn(scope, "telemetry".into(), move || {
+                        // A reporter that cannot write (say, stdout closed) stops the run rather than leaving
+                        // it to train unobserved; the workers see the failure at their next step.
+                        match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
+                            Ok(()) => Some(reporter),
+                            Err(error) => {
+                                shared.fail(RunError::Telemetry(error));
+                                None
+                            }
                         }
-                    }
-                })
+                    }),
+                )
             };
 
             // Panics were turned into the run's fatal error by the workers' guards; joining every thread
@@ -324,7 +353,7 @@ impl Threads<'_> {
                 let _ = handle.join();
             }
             reporter_stop.store(true, Ordering::Release);
-            let reporter = telemetry_thread.join().ok().flatten();
+            let reporter = telemetry_thread.and_then(|t| t.join().ok().flatten());
             let stop = if shared.interrupt.load(Ordering::Acquire) {
                 StopReason::Interrupted
             } else {
@@ -348,6 +377,7 @@ impl Threads<'_> {
     fn spawn_drafters<'scope>(
         &'scope self,
         scope: &'scope std::thread::Scope<'scope, '_>,
+        spawner: &spawn::Spawner,
         recorders: Vec<DrafterRecorder>,
         gpus: Option<Vec<usize>>,
         communicators: Vec<GradientAllReduce>,
@@ -362,7 +392,7 @@ impl Threads<'_> {
         recorders
             .into_iter()
             .enumerate()
-            .map(|(worker, recorder)| {
+            .filter_map(|(worker, recorder)| {
                 let ordinal = gpus.as_ref().map(|ordinals| ordinals[worker]);
                 let context = worker::WorkerContext {
                     worker,
@@ -383,9 +413,11 @@ impl Threads<'_> {
                     Arc::clone(&round),
                     gradients.clone(),
                 );
-                std::thread::Builder::new()
-                    .name(format!("drafter-{worker}"))
-                    .spawn_scoped(scope, move || {
+                let (unstarted_round, unstarted_gradients) =
+                    (Arc::clone(&round), gradients.clone());
+                let handle = spawned(
+                    self.shared,
+                    spawner.spawn(scope, format!("drafter-{worker}"), move || {
                         let leave = || {
                             round.leave(|| true);
                             if let Some(group) = &gradients {
@@ -406,41 +438,77 @@ impl Threads<'_> {
                         };
                         leave();
                         finished
-                    })
-                    .expect("spawning a drafter thread")
+                    }),
+                );
+                if handle.is_none() {
+                    unstarted_round.leave(|| true);
+                    if let Some(group) = &unstarted_gradients {
+                        group.leave(|| true);
+                    }
+                }
+                handle
             })
             .collect()
     }
 }
 
-/// The run's outcome once every thread has stopped: its first fatal error, or the summary and diagnosis.
+/// The run's outcome once every thread has stopped: its first fatal error (with where a last good state was
+/// saved), or the summary with how the run ended, and the diagnosis.
 fn finish<W: Write + Send>(
-    plan: &Plan,
+    (plan, options): (&Plan, &RunOptions),
     shared: &Shared,
     reporter: Option<Reporter<W>>,
-    stop: StopReason,
-    step: u64,
+    (stop, step, step_limit): (StopReason, u64, Option<u64>),
 ) -> Result<RunOutcome, RunError> {
     let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared.queue.stats())));
-    if let Some(error) = shared
-        .fatal
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take()
-    {
-        return Err(error);
-    }
-    let summary = summary.ok_or_else(|| RunError::Panicked("telemetry".into()))??;
-    let diagnosis = Diagnosis::from_summary(&summary);
     let producer_errors = std::mem::take(
         &mut *shared
             .producer_errors
             .lock()
             .unwrap_or_else(PoisonError::into_inner),
     );
-    if !producer_errors.is_empty() && producer_errors.len() == plan.target.placement.workers.len() {
-        return Err(RunError::AllProducersFailed(producer_errors.join("; ")));
+    let mut fatal = shared
+        .fatal
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if fatal.is_none()
+        && !producer_errors.is_empty()
+        && producer_errors.len() == plan.target.placement.workers.len()
+    {
+        fatal = Some(RunError::AllProducersFailed(producer_errors.join("; ")));
     }
+    let mut summary = match summary {
+        Some(Ok(summary)) => Some(summary),
+        Some(Err(error)) => {
+            fatal.get_or_insert(RunError::Telemetry(error));
+            None
+        }
+        None => None,
+    };
+    let ending = ending::ending(
+        shared,
+        stop,
+        step,
+        step_limit,
+        summary.as_ref(),
+        fatal.as_ref(),
+        &producer_errors,
+    );
+    let nothing_trained = ending.reason == crate::telemetry::EndReason::NothingTrained;
+    if let Some(summary) = summary.as_mut()
+        && let Err(error) = ending::record(summary, ending, options)
+    {
+        fatal.get_or_insert(error);
+    }
+    if let Some(error) = fatal {
+        return Err(ending::with_saved_state(error, shared));
+    }
+    if nothing_trained {
+        return Err(RunError::NothingTrained { step });
+    }
+    let summary = summary.ok_or_else(|| RunError::Panicked("telemetry".into()))?;
+    let diagnosis = Diagnosis::from_summary(&summary);
     Ok(RunOutcome {
         stop,
         step,

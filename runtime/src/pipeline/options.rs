@@ -31,6 +31,9 @@ pub struct RunOptions {
     pub max_nonfinite_in_row: u32,
     /// Seed of the drafter's initial weights.
     pub init_seed: u64,
+    /// Fault injection for tests: the run's thread spawns after this many fail as if the OS refused them
+    /// (`None`, the default, never).
+    pub fail_spawn_after: Option<usize>,
 }
 
 impl RunOptions {
@@ -48,6 +51,7 @@ impl RunOptions {
             keep_going: false,
             max_nonfinite_in_row: DEFAULT_MAX_NONFINITE_IN_ROW,
             init_seed: 0,
+            fail_spawn_after: None,
         }
     }
 }

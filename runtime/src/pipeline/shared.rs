@@ -13,6 +13,7 @@ use crate::batch::HsBatch;
 use crate::queue::HsQueue;
 use crate::source::BatchPool;
 
+use super::ending::EndState;
 use super::error::RunError;
 
 /// Runs `on_panic` if the thread unwinds through it: a panicking worker must still release the threads that
@@ -45,6 +46,8 @@ pub(super) struct Shared {
     /// update, and none taken since (a fast worker may already hold its next batch while worker 0 saves).
     pub(super) trained: Mutex<Vec<u64>>,
     pub(super) producer_errors: Mutex<Vec<String>>,
+    /// What the end of the run needs: the final save's record of a last good state.
+    pub(super) end: EndState,
 }
 
 impl Shared {
@@ -54,6 +57,7 @@ impl Shared {
         pool: BatchPool,
         interrupt: Arc<AtomicBool>,
         first_positions: Vec<u64>,
+        first_optimizer_step: u64,
     ) -> Self {
         Self {
             queue,
@@ -66,6 +70,7 @@ impl Shared {
             consumed: Mutex::new(first_positions.clone()),
             trained: Mutex::new(first_positions),
             producer_errors: Mutex::new(Vec::new()),
+            end: EndState::new(first_optimizer_step),
         }
     }
 

@@ -156,13 +156,23 @@ impl<'a, B: Backend> Worker<'a, B> {
         if let Err(source) = self.collect_last() {
             self.fail(source);
         }
-        let shared = &self.context.shared;
-        if self.saves
-            && !shared.fatal_raised.load(Ordering::Acquire)
-            && self.step > self.context.first_step
-            && let Err(source) = self.checkpoint()
-        {
-            self.fail(source);
+        if self.saves {
+            // The final save, or the last good state after an error that left the weights valid
+            // (`ending::save_at_end` decides; nothing when no step was applied).
+            match self.replica() {
+                Ok((state, positions)) => {
+                    let context = &self.context;
+                    super::ending::save_at_end(
+                        context.plan,
+                        context.options,
+                        &context.shared,
+                        &state,
+                        self.step,
+                        positions,
+                    );
+                }
+                Err(source) => self.fail(source),
+            }
         }
         Finished {
             stop,
@@ -314,10 +324,9 @@ impl<'a, B: Backend> Worker<'a, B> {
         Ok(())
     }
 
-    /// Writes the replica as it is after every step so far, with the data positions its weights contain:
-    /// those of the last round when synced (another worker may already hold its next batch), else those
-    /// consumed.
-    fn checkpoint(&mut self) -> Result<(), DrafterError> {
+    /// The replica as it is after every step so far, and the data positions its weights contain: those of the
+    /// last round when synced (another worker may already hold its next batch), else those consumed.
+    fn replica(&mut self) -> Result<(FlatState, Vec<u64>), DrafterError> {
         self.collect_last()?;
         let mut state = FlatState::zeros(&self.context.plan.model);
         self.drafter.download_state(&mut state)?;
@@ -327,10 +336,17 @@ impl<'a, B: Backend> Worker<'a, B> {
         } else {
             shared.consumed_positions()
         };
+        Ok((state, positions))
+    }
+
+    /// Writes a periodic checkpoint.
+    fn checkpoint(&mut self) -> Result<(), DrafterError> {
+        let (state, positions) = self.replica()?;
+        let context = &self.context;
         save(
-            self.context.plan,
-            self.context.options,
-            shared,
+            context.plan,
+            context.options,
+            &context.shared,
             &state,
             self.step,
             positions,
@@ -341,7 +357,7 @@ impl<'a, B: Backend> Worker<'a, B> {
 
 /// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions of the
 /// batches its weights contain.
-fn save(
+pub(super) fn save(
     plan: &Plan,
     options: &RunOptions,
     shared: &Shared,
