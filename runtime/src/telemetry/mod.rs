@@ -28,17 +28,17 @@ use std::path::PathBuf;
 pub use diagnosis::{
     Bottleneck, DATA_WAIT_SIGNIFICANT, Diagnosis, DrafterBreakdown, FALLBACK_BLOCKED_FRACTION,
     HOST_GAP_BUSY_BELOW, HOST_GAP_IDLE_ABOVE, MIN_DEPTH_SAMPLES, OVERHEAD_SIGNIFICANT,
-    PINNED_FULL_FRACTION, PhaseShare, QueueEvidence, STARVED_FRACTION,
+    PINNED_FULL_FRACTION, PhaseShare, QueueEvidence, STARVED_FRACTION, WarmupEvidence,
 };
 pub use phase::{DrafterPhase, ProducerPhase};
 pub use recorder::{
-    DrafterCounts, DrafterRecorder, PhaseCount, ProducerCounts, ProducerRecorder, Telemetry,
-    TelemetrySnapshot,
+    BucketSteps, DrafterCounts, DrafterRecorder, MAX_BUCKET_STATS, PhaseCount, ProducerCounts,
+    ProducerRecorder, Telemetry, TelemetrySnapshot,
 };
 pub use reporter::{OutputMode, Reporter, ReporterConfig};
 pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine};
 pub use summary::{
-    DepthSample, DrafterSummary, LossSample, PhaseTotal, ProducerSummary, QueueSummary, RunSummary,
+    BucketStepTimes, DepthSample, DrafterSummary, DrafterTimeline, LossSample, PhaseTotal, ProducerSummary, QueueSummary, RunSummary,
     STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT, load_summary, write_summary,
 };
 pub use trace::{DRAFTER_PID, PRODUCER_PID, TraceBuffer};
