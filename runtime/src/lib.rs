@@ -13,6 +13,7 @@ pub mod cuda;
 pub mod params;
 pub mod pipeline;
 pub mod queue;
+pub mod simulate;
 pub mod source;
 pub mod telemetry;
 pub mod tensor_file;

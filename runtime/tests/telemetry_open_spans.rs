@@ -131,22 +131,17 @@ fn three_second_steps_read_busy_on_every_one_second_line() {
     }
     // The first second of drafter 1 holds 0.4 s before its first span: start-up, neither busy nor waiting.
     assert!(lines[0].drafters[0].busy_pct >= 95.0, "{}", lines[0]);
-    for line in lines.iter().filter(|l| l.elapsed_s >= 4.0) {
-        assert!(line.tokens_per_s > 0.0, "0 tok/s while drafters step: {line}");
-        assert!(
-            line.tokens_per_s_window_s >= 3.0,
-            "window shorter than a step: {line}"
-        );
-        assert!(line.to_string().contains("tok/s (10s)") || line.elapsed_s < 10.0);
-    }
-    // Over a 10 s window the rate is within a step's worth of the true 2 × 2048 / 3 s.
-    let late = &lines[59];
+    // Two drafters, 2048 tokens per 3 s step each: every line once both have completed a step reads the true
+    // rate, whatever number of completions its window happens to hold.
     let truth = 2.0 * 2048.0 / 3.0;
-    assert!(
-        (late.tokens_per_s - truth).abs() / truth < 0.35,
-        "{} vs {truth}",
-        late.tokens_per_s
-    );
+    for line in lines.iter().filter(|l| l.elapsed_s >= 4.0) {
+        assert!(
+            (line.tokens_per_s - truth).abs() / truth < 0.02,
+            "{} vs {truth}: {line}",
+            line.tokens_per_s
+        );
+        assert!(line.to_string().contains("tok/s (10s)"), "{line}");
+    }
     assert!(lines[1].to_string().contains("- tok/s"), "{}", lines[1]);
 }
 

@@ -4,6 +4,7 @@ pub mod check;
 pub mod compile;
 pub mod diagnose;
 pub mod run;
+pub mod simulate;
 
 use std::process::ExitCode;
 

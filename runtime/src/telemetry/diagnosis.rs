@@ -59,6 +59,44 @@ pub enum Bottleneck {
     Balanced,
 }
 
+impl Bottleneck {
+    /// The verdict from the queue's depth shares and the two sides' blocked shares (fractions, 0–1): the rule
+    /// the diagnosis of a run applies, and the one `draftpipe simulate` applies to a prediction. With fewer than
+    /// [`MIN_DEPTH_SAMPLES`] depth samples the blocked shares alone decide.
+    pub fn judge(
+        samples: u64,
+        near_full: f64,
+        below_watermark: f64,
+        producer_blocked: f64,
+        drafter_wait: f64,
+    ) -> Self {
+        if samples < MIN_DEPTH_SAMPLES {
+            if producer_blocked >= FALLBACK_BLOCKED_FRACTION {
+                Self::Consumers
+            } else if drafter_wait >= FALLBACK_BLOCKED_FRACTION {
+                Self::Producers
+            } else {
+                Self::Balanced
+            }
+        } else if near_full >= PINNED_FULL_FRACTION {
+            Self::Consumers
+        } else if below_watermark >= STARVED_FRACTION && drafter_wait >= DATA_WAIT_SIGNIFICANT {
+            Self::Producers
+        } else {
+            Self::Balanced
+        }
+    }
+
+    /// How the report names the side.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Consumers => "the drafters (consumers)",
+            Self::Producers => "the producers (target)",
+            Self::Balanced => "neither side (balanced)",
+        }
+    }
+}
+
 /// The queue-side numbers behind the verdict.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueEvidence {
@@ -437,18 +475,15 @@ fn verdict(
          queue full {} times, pops found it below the watermark {} times)",
         q.producer_blocked_pct, q.drafter_wait_pct, q.seen_full, q.seen_below_watermark
     );
+    let bottleneck = Bottleneck::judge(q.samples, near_full, below, producer_blocked, drafter_wait);
     if q.samples < MIN_DEPTH_SAMPLES {
-        let prefix = format!(
-            "only {} depth samples, judged by blocked times: {blocked}",
-            q.samples
+        return (
+            bottleneck,
+            format!(
+                "only {} depth samples, judged by blocked times: {blocked}",
+                q.samples
+            ),
         );
-        return if producer_blocked >= FALLBACK_BLOCKED_FRACTION {
-            (Bottleneck::Consumers, prefix)
-        } else if drafter_wait >= FALLBACK_BLOCKED_FRACTION {
-            (Bottleneck::Producers, prefix)
-        } else {
-            (Bottleneck::Balanced, prefix)
-        };
     }
     let depth = format!(
         "queue at ≥{} of {} in {:.0}% of {} samples, below the watermark {} in {:.0}% (mean depth {:.1})",
@@ -460,13 +495,7 @@ fn verdict(
         q.below_watermark_pct,
         q.mean_depth
     );
-    if near_full >= PINNED_FULL_FRACTION {
-        (Bottleneck::Consumers, format!("{depth}; {blocked}"))
-    } else if below >= STARVED_FRACTION && drafter_wait >= DATA_WAIT_SIGNIFICANT {
-        (Bottleneck::Producers, format!("{depth}; {blocked}"))
-    } else {
-        (Bottleneck::Balanced, format!("{depth}; {blocked}"))
-    }
+    (bottleneck, format!("{depth}; {blocked}"))
 }
 
 fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakdown) -> String {
@@ -520,12 +549,12 @@ impl fmt::Display for Diagnosis {
             Some(loss) => writeln!(f, ", final loss {loss:.4}")?,
             None => writeln!(f)?,
         }
-        let side = match self.bottleneck {
-            Bottleneck::Consumers => "the drafters (consumers)",
-            Bottleneck::Producers => "the producers (target)",
-            Bottleneck::Balanced => "neither side (balanced)",
-        };
-        writeln!(f, "bottleneck: {side}\n  {}", self.reason)?;
+        writeln!(
+            f,
+            "bottleneck: {}\n  {}",
+            self.bottleneck.describe(),
+            self.reason
+        )?;
         if let Some(w) = &self.warmup {
             writeln!(
                 f,

@@ -98,6 +98,7 @@ struct DrafterCounters {
     warmup_steps: AtomicU64,
     warmup_wall_ns: AtomicU64,
     longest_step_ns: AtomicU64,
+    last_step_end_ns: AtomicU64,
     buckets: [BucketCounter; MAX_BUCKET_STATS],
 }
 
@@ -391,6 +392,9 @@ impl Telemetry {
                         longest_step: Duration::from_nanos(
                             c.longest_step_ns.load(Ordering::Relaxed),
                         ),
+                        last_step_end: Duration::from_nanos(
+                            c.last_step_end_ns.load(Ordering::Relaxed),
+                        ),
                         first_span_start: span.map(|(first, _)| first),
                         last_span_end: span.map_or(Duration::ZERO, |(_, last)| last),
                         buckets: c.buckets.iter().filter_map(BucketCounter::read).collect(),
@@ -613,6 +617,7 @@ impl DrafterRecorder {
         let end_ns = self.last_end_ns.get();
         let wall_ns = end_ns.saturating_sub(self.step_began_ns.get().unwrap_or(end_ns));
         c.longest_step_ns.fetch_max(wall_ns, Ordering::Relaxed);
+        c.last_step_end_ns.store(end_ns, Ordering::Relaxed);
         let phases: [u64; DrafterPhase::COUNT] = std::array::from_fn(|p| self.step_phases[p].take());
         if self.warm_up.take() {
             for (total, ns) in c.warmup_phases.iter().zip(phases) {
@@ -750,6 +755,8 @@ pub struct DrafterCounts {
     pub warmup_wall: Duration,
     /// The longest step's wall time (from the end of the step before, so with its data wait).
     pub longest_step: Duration,
+    /// When the latest step ended, since the epoch.
+    pub last_step_end: Duration,
     /// Start of the first recorded span, since the epoch (`None` before any).
     pub first_span_start: Option<Duration>,
     /// End of the latest recorded span, since the epoch.

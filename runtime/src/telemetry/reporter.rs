@@ -136,8 +136,8 @@ pub struct Reporter<W: Write> {
     loss_curve: Thinned<LossSample>,
     trace: Option<TraceBuffer>,
     progress_drawn: bool,
-    /// `(elapsed, tokens)` at earlier reports, back to the start of the current rate window.
-    rate_history: VecDeque<(Duration, u64)>,
+    /// Snapshots of earlier reports, back to the start of the current rate window.
+    rate_history: VecDeque<TelemetrySnapshot>,
 }
 
 impl<W: Write> Reporter<W> {
@@ -199,7 +199,7 @@ impl<W: Write> Reporter<W> {
             loss_curve: Thinned::new(MAX_SERIES_POINTS),
             trace,
             progress_drawn: false,
-            rate_history: VecDeque::from([(Duration::ZERO, 0)]),
+            rate_history: VecDeque::new(),
         })
     }
 
@@ -247,14 +247,19 @@ impl<W: Write> Reporter<W> {
         let window = RATE_WINDOW.max(2 * longest_step);
         // The window starts at the latest report at least `window` ago (the run's start until there is one).
         let cutoff = current.elapsed.saturating_sub(window);
-        while self.rate_history.len() > 1 && self.rate_history[1].0 <= cutoff {
+        while self.rate_history.len() > 1 && self.rate_history[1].elapsed <= cutoff {
             self.rate_history.pop_front();
         }
-        let window_start = self.rate_history[0];
-        let line = StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
-            .with_rate_window(window_start);
-        self.rate_history
-            .push_back((current.elapsed, current.tokens()));
+        let start = TelemetrySnapshot {
+            drafters: vec![Default::default(); current.drafters.len()],
+            ..Default::default()
+        };
+        let window_start = self.rate_history.front().unwrap_or(&start);
+        let mut line = StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
+            .with_rate_window(window_start, &current);
+        // The label names the window asked for; the first lines of a run cover what there is so far.
+        line.tokens_per_s_window_s = window.as_secs_f64();
+        self.rate_history.push_back(current.clone());
         if let Some(trace) = &mut self.trace {
             trace.push_status(&line);
         }

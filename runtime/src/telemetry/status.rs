@@ -173,13 +173,38 @@ impl StatusLine {
         }
     }
 
-    /// Replaces the interval's token rate by the rate over a longer window: the tokens of the steps completed
-    /// since `window_start` (its elapsed time and token count).
-    pub fn with_rate_window(mut self, window_start: (Duration, u64)) -> Self {
-        let (start, tokens) = window_start;
-        let window = Duration::from_secs_f64(self.elapsed_s).saturating_sub(start);
-        self.tokens_per_s = per_second(self.tokens.saturating_sub(tokens), window);
-        self.tokens_per_s_window_s = window.as_secs_f64();
+    /// Replaces the interval's token rate by the rate of the steps completed over a longer window, from
+    /// `window_start` (an earlier snapshot) to `current`.
+    ///
+    /// Each drafter's tokens are divided by the time between its step completions, not by the window, so steps
+    /// much longer than the period do not make the rate jump with how many completions a window happens to
+    /// hold. A drafter that stops completing steps sees its rate decay: once it has gone longer than its longest
+    /// step without one, the time since its last completion counts too.
+    pub fn with_rate_window(
+        mut self,
+        window_start: &TelemetrySnapshot,
+        current: &TelemetrySnapshot,
+    ) -> Self {
+        let now = current.elapsed;
+        self.tokens_per_s = current
+            .drafters
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let before = window_start.drafters.get(i).cloned().unwrap_or_default();
+                let tokens = d.tokens.saturating_sub(before.tokens);
+                // From the last completion before the window (or the start of work) to the last one in it.
+                let from = if before.tokens > 0 {
+                    before.last_step_end
+                } else {
+                    d.first_span_start.unwrap_or_default()
+                };
+                let completed = d.last_step_end.saturating_sub(from);
+                let stalled = now.saturating_sub(from).saturating_sub(d.longest_step);
+                per_second(tokens, completed.max(stalled))
+            })
+            .sum();
+        self.tokens_per_s_window_s = now.saturating_sub(window_start.elapsed).as_secs_f64();
         self
     }
 
