@@ -257,8 +257,22 @@ impl Model {
             ));
         }
         let measured_mean = sums.iter().map(|s| s.1).sum::<f64>() / total_steps as f64;
-        for (bucket, (steps, sum, squares)) in buckets.iter_mut().zip(&sums) {
-            bucket.share = *steps as f64 / total_steps as f64;
+        // A synthetic source's bucket mix is known exactly; the steps a short run took per bucket are not the
+        // producers' mix (a full queue serves its buckets round-robin, and may hold a capacity's worth more of
+        // one bucket), so they stand in only for sources whose mix the plan does not give.
+        let plan_shares = plan_bucket_shares(plan);
+        let synthetic = matches!(
+            plan.target.source,
+            draftpipe_compiler::plan::SourceSpec::Synthetic { .. }
+        );
+        for ((bucket, (steps, sum, squares)), plan_share) in
+            buckets.iter_mut().zip(&sums).zip(plan_shares)
+        {
+            bucket.share = if synthetic {
+                plan_share
+            } else {
+                *steps as f64 / total_steps as f64
+            };
             if *steps > 0 {
                 let n = *steps as f64;
                 bucket.step_mean_s = sum / n;

@@ -223,6 +223,9 @@ pub struct WarmupEvidence {
     pub steady_s: f64,
     /// Seconds from a drafter's last span to the end of the run (joins, final save, summary).
     pub shutdown_s: f64,
+    /// Tokens per second of the steady state, all drafters (the rate a longer run tends to; the run's own
+    /// figure divides by the whole wall time).
+    pub steady_tokens_per_s: f64,
 }
 
 impl WarmupEvidence {
@@ -245,6 +248,15 @@ impl WarmupEvidence {
             warmup_s: mean(&|t| t.warmup_wall_s),
             steady_s: mean(&|t| t.steady_wall_s()),
             shutdown_s: mean(&|t| (summary.wall_s - t.last_span_end_s).max(0.0)),
+            steady_tokens_per_s: summary
+                .drafters
+                .iter()
+                .filter_map(|d| {
+                    let wall = d.timeline.as_ref()?.steady_wall_s();
+                    let steps = (d.steps + d.skipped).max(1) as f64;
+                    (wall > 0.0).then(|| d.tokens as f64 * d.steady_steps() as f64 / steps / wall)
+                })
+                .sum(),
         })
     }
 }
@@ -558,9 +570,15 @@ impl fmt::Display for Diagnosis {
         if let Some(w) = &self.warmup {
             writeln!(
                 f,
-                "steady state {:.1} s per drafter, measured apart from start-up {:.2} s, warm-up {:.0} step(s) \
-                 {:.2} s (first step per bucket: workspace, graph capture, first fill) and shut-down {:.2} s",
-                w.steady_s, w.startup_s, w.warmup_steps, w.warmup_s, w.shutdown_s
+                "steady state {:.1} s per drafter at {:.0} tok/s, measured apart from start-up {:.2} s, warm-up \
+                 {:.0} step(s) {:.2} s (first step per bucket: workspace, graph capture, first fill) and shut-down \
+                 {:.2} s",
+                w.steady_s,
+                w.steady_tokens_per_s,
+                w.startup_s,
+                w.warmup_steps,
+                w.warmup_s,
+                w.shutdown_s
             )?;
         }
         let d = &self.drafters;
