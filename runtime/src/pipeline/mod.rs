@@ -472,6 +472,7 @@ pub fn run_with_sources(
             .map(|(worker, (producer, recorder))| {
                 let shared = Arc::clone(&shared);
                 let keep_going = options.keep_going;
+                let max_rate = plan.target.max_rate;
                 std::thread::Builder::new()
                     .name(format!("producer-{worker}"))
                     .spawn_scoped(scope, move || {
@@ -479,7 +480,7 @@ pub fn run_with_sources(
                             shared.fail(RunError::Panicked(format!("producer {worker}")));
                             shared.producer_finished();
                         });
-                        producer::run(worker, producer, &shared, &recorder, keep_going)
+                        producer::run(worker, producer, &shared, &recorder, keep_going, max_rate)
                     })
                     .expect("spawning a producer thread")
             })

@@ -86,7 +86,8 @@ pub enum SimulateError {
     /// Nothing gives the producers' rate.
     #[error(
         "no producer rate: the cost model has no figure for the target (the plan does not describe the target \
-         model's cost); give --producer-rate ITEMS_PER_S (per worker) or --from RUN_DIR"
+         model's cost) and the plan sets no `max_rate`; give --producer-rate ITEMS_PER_S (per worker) or --from \
+         RUN_DIR"
     )]
     NoProducerRate,
     /// A measured run does not fit the plan.
@@ -144,7 +145,12 @@ impl Model {
         producer_rate: Option<f64>,
         step: StepTime,
     ) -> Result<Self, SimulateError> {
-        let rate = producer_rate.ok_or(SimulateError::NoProducerRate)?;
+        // A target paced by `max_rate` makes exactly that many items per second when its source is faster.
+        let (rate, origin) = match (producer_rate, plan.target.max_rate) {
+            (Some(rate), _) => (rate, format!("--producer-rate {rate} items/s per worker (no spread)")),
+            (None, Some(rate)) => (rate, format!("the plan's max_rate {rate} items/s per worker")),
+            (None, None) => return Err(SimulateError::NoProducerRate),
+        };
         if !(rate > 0.0) {
             return Err(SimulateError::OutOfRange {
                 what: "--producer-rate",
@@ -187,7 +193,7 @@ impl Model {
             drafters: plan.drafter.placement.workers.len(),
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
             all_reduce_s: 0.0,
-            producer_origin: format!("--producer-rate {rate} items/s per worker (no spread)"),
+            producer_origin: origin,
             drafter_origin,
         })
     }
