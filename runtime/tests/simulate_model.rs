@@ -32,6 +32,7 @@ fn model(
         drafters,
         lockstep: true,
         all_reduce_s: 0.0,
+        step_common_share: 0.0,
         producer_origin: "test".into(),
         drafter_origin: "test".into(),
     }

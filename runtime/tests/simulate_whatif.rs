@@ -22,6 +22,7 @@ fn base() -> Model {
         drafters: 3,
         lockstep: true,
         all_reduce_s: 0.0,
+        step_common_share: 0.0,
         producer_origin: "test".into(),
         drafter_origin: "test".into(),
     }

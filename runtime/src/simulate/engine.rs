@@ -80,6 +80,16 @@ impl Outcome {
     }
 }
 
+/// The log-normal time of this mean and standard deviation at standard normal `z`.
+fn lognormal(mean: f64, std: f64, z: f64) -> f64 {
+    if std <= 0.0 || mean <= 0.0 {
+        return mean.max(0.0);
+    }
+    let sigma2 = (1.0 + (std / mean).powi(2)).ln();
+    let mu = mean.ln() - sigma2 / 2.0;
+    (mu + sigma2.sqrt() * z).exp()
+}
+
 /// SplitMix64 with Box–Muller normals: seeded, tiny, and fixed here so a seed replays the same run forever.
 struct Random {
     state: u64,
@@ -121,12 +131,8 @@ impl Random {
     /// A positive time with this mean and standard deviation: log-normal (service times are skewed to the
     /// right and never negative); exactly `mean` when `std` is 0.
     fn duration(&mut self, mean: f64, std: f64) -> f64 {
-        if std <= 0.0 || mean <= 0.0 {
-            return mean.max(0.0);
-        }
-        let sigma2 = (1.0 + (std / mean).powi(2)).ln();
-        let mu = mean.ln() - sigma2 / 2.0;
-        (mu + sigma2.sqrt() * self.normal()).exp()
+        let z = self.normal();
+        lognormal(mean, std, z)
     }
 
     /// An index drawn with the probabilities in `cdf` (cumulative, last ≈ 1).
@@ -255,6 +261,9 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
     let mut drafters = vec![Drafter::Waiting { since: 0.0 }; model.drafters];
     let mut waiting: VecDeque<usize> = (0..model.drafters).collect();
     let mut at_barrier = 0usize;
+    // The part of the step-time spread common to every drafter of a round (the machine, not the replica).
+    let common = model.step_common_share.clamp(0.0, 1.0);
+    let mut round_z = random.normal();
 
     for p in 0..model.producers {
         let at = random.duration(model.produce_mean_s, model.produce_std_s);
@@ -317,6 +326,7 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
                     steps += 1;
                 }
                 at_barrier = 0;
+                round_z = random.normal();
             }
         }
         // Hand items to waiting drafters while the watermark holds; each pop lets one blocked producer in.
@@ -329,7 +339,8 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
             depth_changed(&mut depth_time, queue.depth, &mut depth_since);
             let bucket = queue.pop();
             let spec = &model.buckets[bucket];
-            let step = random.duration(spec.step_mean_s, spec.step_std_s);
+            let z = common.sqrt() * round_z + (1.0 - common).sqrt() * random.normal();
+            let step = lognormal(spec.step_mean_s, spec.step_std_s, z);
             drafters[d] = Drafter::Stepping { bucket };
             schedule(&mut heap, now + step, Event::Stepped(d));
             if let Some((p, since, item)) = blocked.pop_front() {

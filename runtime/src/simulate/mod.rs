@@ -20,7 +20,7 @@ mod whatif;
 
 use draftpipe_compiler::plan::{Device, Plan, PullPolicy, SyncMode};
 
-use crate::telemetry::{Bottleneck, RunSummary};
+use crate::telemetry::{Bottleneck, DrafterPhase, RunSummary};
 
 pub use engine::Outcome;
 pub use report::{Comparison, Prediction};
@@ -74,6 +74,9 @@ pub struct Model {
     pub lockstep: bool,
     /// Seconds of the all-reduce itself, after the last replica arrives.
     pub all_reduce_s: f64,
+    /// Share (0–1) of the step-time variance common to all drafters of a lockstep round: what slows the machine
+    /// slows every replica alike and costs no waiting at the all-reduce; the rest is each replica's own.
+    pub step_common_share: f64,
     /// Where the producer figures came from (for the report).
     pub producer_origin: String,
     /// Where the drafter figures came from.
@@ -193,6 +196,7 @@ impl Model {
             drafters: plan.drafter.placement.workers.len(),
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
             all_reduce_s: 0.0,
+            step_common_share: 0.0,
             producer_origin: origin,
             drafter_origin,
         })
@@ -298,7 +302,7 @@ impl Model {
                 summary.drafters.len()
             )));
         }
-        Ok(Self {
+        let mut model = Self {
             name: plan.name.clone(),
             capacity: plan.queue.capacity,
             min_ready: plan.queue.min_ready,
@@ -310,6 +314,7 @@ impl Model {
             drafters,
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
             all_reduce_s: 0.0,
+            step_common_share: 0.0,
             producer_origin: format!(
                 "measured in {run_dir}: {:.1} ms per item (spread {:.1} ms) over {items} items",
                 produce_mean_s * 1e3,
@@ -318,7 +323,37 @@ impl Model {
             drafter_origin: format!(
                 "measured in {run_dir}: steady steps per bucket over {total_steps} steps"
             ),
-        })
+        };
+        if model.lockstep && drafters > 1 {
+            model.calibrate_common_share(steady_share(summary, DrafterPhase::AllReduce));
+            model.drafter_origin += &format!(
+                ", {:.0}% of the spread common to a round",
+                100.0 * model.step_common_share
+            );
+        }
+        Ok(model)
+    }
+
+    /// Finds the share of the step-time spread common to a round from the run's measured wait at the
+    /// all-reduce. With no common part each replica's spread makes the others wait (`w0`); with all of it common,
+    /// only the buckets' different step times do (`w1`); the wait grows about as the independent part's
+    /// standard deviation, `w ≈ w1 + (w0 − w1)·√(1 − share)`, which the measured share inverts.
+    fn calibrate_common_share(&mut self, measured: f64) {
+        let wait = |share: f64| {
+            let mut probe = self.clone();
+            probe.step_common_share = share;
+            let mean_step: f64 = probe.buckets.iter().map(|b| b.share * b.step_mean_s).sum();
+            // Enough rounds that the wait settles to a fraction of a percent.
+            let duration = (mean_step * 20_000.0).max(1.0);
+            engine::simulate(&probe, duration, WARMUP_SHARE, 0x5EED).drafter_barrier
+        };
+        let (w0, w1) = (wait(0.0), wait(1.0));
+        self.step_common_share = if w0 - w1 > 1e-6 {
+            let independent = ((measured - w1) / (w0 - w1)).clamp(0.0, 1.0);
+            1.0 - independent * independent
+        } else {
+            0.0
+        };
     }
 
     /// Checks what the engine needs: at least one worker a side, and not both sides infinitely fast.
@@ -406,6 +441,19 @@ impl Model {
             seed,
         }
     }
+}
+
+/// Share of the drafters' steady-state wall time in `phase`.
+fn steady_share(summary: &RunSummary, phase: DrafterPhase) -> f64 {
+    let (mut seconds, mut wall) = (0.0, 0.0);
+    for d in &summary.drafters {
+        seconds += d.steady_seconds(phase);
+        wall += d
+            .timeline
+            .as_ref()
+            .map_or(summary.wall_s, |t| t.steady_wall_s());
+    }
+    if wall > 0.0 { seconds / wall } else { 0.0 }
 }
 
 /// The share of items per bucket the plan's source produces: for a synthetic source with lengths uniform over
