@@ -43,7 +43,10 @@ fn a_comparison_prints_every_variant_and_the_verdict() {
         "A larger queue or more producers will not change throughput",
         "simulated in",
     ] {
-        assert!(stdout.contains(expected), "{expected:?} missing in\n{stdout}");
+        assert!(
+            stdout.contains(expected),
+            "{expected:?} missing in\n{stdout}"
+        );
     }
 }
 
@@ -64,7 +67,11 @@ fn bad_what_ifs_and_missing_figures_exit_1_with_clear_errors() {
 
     let out = draftpipe(&["simulate", "pipelines/quickstart.pipe"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("no producer rate"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("no producer rate"),
+        "{}",
+        text(&out.stderr)
+    );
 
     let out = draftpipe(&[
         "simulate",
@@ -73,7 +80,11 @@ fn bad_what_ifs_and_missing_figures_exit_1_with_clear_errors() {
         "no/such/run",
     ]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("cannot read the run"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("cannot read the run"),
+        "{}",
+        text(&out.stderr)
+    );
 
     let out = draftpipe(&[
         "simulate",
@@ -82,5 +93,9 @@ fn bad_what_ifs_and_missing_figures_exit_1_with_clear_errors() {
         "-3",
     ]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("--producer-rate"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--producer-rate"),
+        "{}",
+        text(&out.stderr)
+    );
 }

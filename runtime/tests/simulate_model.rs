@@ -45,8 +45,8 @@ fn duration_for(m: &Model, events: f64) -> f64 {
         .iter()
         .map(|b| b.step_mean_s)
         .fold(f64::INFINITY, f64::min);
-    let per_second = m.producers as f64 / m.produce_mean_s.max(1e-9)
-        + m.drafters as f64 / fastest.max(1e-9);
+    let per_second =
+        m.producers as f64 / m.produce_mean_s.max(1e-9) + m.drafters as f64 / fastest.max(1e-9);
     (events / per_second).max(1.0)
 }
 
@@ -200,7 +200,10 @@ fn the_seeds_question_a_deeper_queue_does_not_help_drafter_bound_pipelines() {
         min_ready: 10,
         ..base.clone()
     });
-    assert!((deeper / baseline - 1.0).abs() < 0.01, "{deeper} vs {baseline}");
+    assert!(
+        (deeper / baseline - 1.0).abs() < 0.01,
+        "{deeper} vs {baseline}"
+    );
     let more = rate(&Model {
         drafters: 4,
         ..base.clone()

@@ -199,7 +199,9 @@ fn a_short_run_diagnoses_its_steady_state_not_its_start_and_end() {
     let at = |s: f64| epoch + secs(s);
     let mut t = 2.0;
     let mut warmup_s = 0.0;
-    for bucket in [128, 256, 512, 128, 256, 512, 128, 256, 512, 128, 256, 512, 128, 256, 512] {
+    for bucket in [
+        128, 256, 512, 128, 256, 512, 128, 256, 512, 128, 256, 512, 128, 256, 512,
+    ] {
         let first = t < 6.0;
         let step = if first { 1.5 } else { 0.5 };
         recorder.waiting(at(t));

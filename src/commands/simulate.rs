@@ -74,16 +74,16 @@ pub fn run(args: &SimulateArgs) -> ExitCode {
         for (label, prediction) in &predictions {
             println!("── {label}\n{prediction}\n");
         }
-        println!("{}", Comparison {
-            variants: predictions
-        });
+        println!(
+            "{}",
+            Comparison {
+                variants: predictions
+            }
+        );
     } else if let Some((_, prediction)) = predictions.first() {
         println!("{prediction}");
     }
-    println!(
-        "(simulated in {:.0} ms)",
-        took.as_secs_f64() * 1e3
-    );
+    println!("(simulated in {:.0} ms)", took.as_secs_f64() * 1e3);
     ExitCode::SUCCESS
 }
 

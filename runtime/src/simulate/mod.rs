@@ -150,8 +150,14 @@ impl Model {
     ) -> Result<Self, SimulateError> {
         // A target paced by `max_rate` makes exactly that many items per second when its source is faster.
         let (rate, origin) = match (producer_rate, plan.target.max_rate) {
-            (Some(rate), _) => (rate, format!("--producer-rate {rate} items/s per worker (no spread)")),
-            (None, Some(rate)) => (rate, format!("the plan's max_rate {rate} items/s per worker")),
+            (Some(rate), _) => (
+                rate,
+                format!("--producer-rate {rate} items/s per worker (no spread)"),
+            ),
+            (None, Some(rate)) => (
+                rate,
+                format!("the plan's max_rate {rate} items/s per worker"),
+            ),
             (None, None) => return Err(SimulateError::NoProducerRate),
         };
         if !(rate > 0.0) {
@@ -203,7 +209,11 @@ impl Model {
     }
 
     /// The model of `plan` with the producers' and drafters' times measured in a run (`summary` of `run_dir`).
-    pub fn from_run(plan: &Plan, summary: &RunSummary, run_dir: &str) -> Result<Self, SimulateError> {
+    pub fn from_run(
+        plan: &Plan,
+        summary: &RunSummary,
+        run_dir: &str,
+    ) -> Result<Self, SimulateError> {
         let mismatch = |reason: String| SimulateError::RunMismatch {
             run_dir: run_dir.to_string(),
             reason,

@@ -190,9 +190,7 @@ impl fmt::Display for Comparison {
                 "mean depth",
                 self.variants
                     .iter()
-                    .map(|(_, p)| {
-                        format!("{:.1} of {}", p.outcome.mean_depth(), p.model.capacity)
-                    })
+                    .map(|(_, p)| format!("{:.1} of {}", p.outcome.mean_depth(), p.model.capacity))
                     .collect(),
             ),
             (

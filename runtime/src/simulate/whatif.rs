@@ -25,10 +25,16 @@ pub const KEYS: [(&str, &str); 8] = [
     ("queue.min_ready", "items, at most the capacity"),
     ("queue.pull", "random_in_bucket | round_robin | fifo"),
     ("drafter.devices", "drafter workers, at least 1"),
-    ("drafter.step_time", "a duration (`450ms`, `0.5s`) or a factor (`0.8x`)"),
+    (
+        "drafter.step_time",
+        "a duration (`450ms`, `0.5s`) or a factor (`0.8x`)",
+    ),
     ("drafter.sync", "allreduce | none"),
     ("producer.workers", "producer workers, at least 1"),
-    ("producer.rate", "items/s per worker (`2.5`) or a factor (`1.5x`)"),
+    (
+        "producer.rate",
+        "items/s per worker (`2.5`) or a factor (`1.5x`)",
+    ),
 ];
 
 /// One `KEY=VALUE` with where it is written.
@@ -93,7 +99,10 @@ pub fn parse_what_ifs(arguments: &[String]) -> Result<WhatIfs, Diagnostics> {
             let key_start = span.start + lead;
             let key = trimmed[..eq].trim_end();
             let value = trimmed[eq + 1..].trim();
-            let value_start = key_start + eq + 1 + (trimmed[eq + 1..].len() - trimmed[eq + 1..].trim_start().len());
+            let value_start = key_start
+                + eq
+                + 1
+                + (trimmed[eq + 1..].len() - trimmed[eq + 1..].trim_start().len());
             assignments.push(Assignment {
                 key: key.to_string(),
                 value: value.to_string(),
@@ -221,7 +230,8 @@ impl WhatIf {
                         bucket.step_mean_s *= scale;
                         bucket.step_std_s *= scale;
                     }
-                    model.drafter_origin = format!("{} with step time {}", base.drafter_origin, a.value);
+                    model.drafter_origin =
+                        format!("{} with step time {}", base.drafter_origin, a.value);
                 }),
                 "producer.workers" => count(a, 1).map(|n| model.producers = n),
                 "producer.rate" => rate_or_factor(a).map(|amount| {
@@ -230,7 +240,11 @@ impl WhatIf {
                         Amount::Factor(f) => mean / f,
                         Amount::Absolute(rate) => 1.0 / rate,
                     };
-                    model.produce_std_s = if mean > 0.0 { std * new_mean / mean } else { 0.0 };
+                    model.produce_std_s = if mean > 0.0 {
+                        std * new_mean / mean
+                    } else {
+                        0.0
+                    };
                     model.produce_mean_s = new_mean;
                     model.producer_origin = format!("{} at rate {}", base.producer_origin, a.value);
                 }),
@@ -352,7 +366,10 @@ fn duration_or_factor(a: &Assignment) -> Result<Amount, Diagnostic> {
     } else {
         return Err(Diagnostic::error(
             a.value_span,
-            format!("`{}` takes a duration or a factor, found `{}`", a.key, a.value),
+            format!(
+                "`{}` takes a duration or a factor, found `{}`",
+                a.key, a.value
+            ),
         )
         .label("no unit")
         .help("write `450ms`, `0.5s` or `0.8x`"));

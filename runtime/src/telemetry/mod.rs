@@ -38,8 +38,9 @@ pub use recorder::{
 pub use reporter::{OutputMode, Reporter, ReporterConfig};
 pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine};
 pub use summary::{
-    BucketStepTimes, DepthSample, DrafterSummary, DrafterTimeline, LossSample, PhaseTotal, ProducerSummary, QueueSummary, RunSummary,
-    STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT, load_summary, write_summary,
+    BucketStepTimes, DepthSample, DrafterSummary, DrafterTimeline, LossSample, PhaseTotal,
+    ProducerSummary, QueueSummary, RunSummary, STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT,
+    load_summary, write_summary,
 };
 pub use trace::{DRAFTER_PID, PRODUCER_PID, TraceBuffer};
 

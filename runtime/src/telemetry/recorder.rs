@@ -173,7 +173,8 @@ impl<C: Default> Slot<C> {
     }
 
     fn set_open(&self, code: u64, start_ns: u64) {
-        self.open.store(pack_open(code, start_ns), Ordering::Relaxed);
+        self.open
+            .store(pack_open(code, start_ns), Ordering::Relaxed);
     }
 
     fn read_open(&self) -> Option<(u64, Duration)> {
@@ -576,7 +577,9 @@ impl DrafterRecorder {
         .min(MAX_BUCKET_STATS - 1);
         let counter = &self.slot().counters.buckets[entry];
         if counter.steps.load(Ordering::Relaxed) == 0 {
-            counter.padded_len.store(padded_len as u64, Ordering::Relaxed);
+            counter
+                .padded_len
+                .store(padded_len as u64, Ordering::Relaxed);
         }
         self.bucket.set(Some(entry));
     }
@@ -618,7 +621,8 @@ impl DrafterRecorder {
         let wall_ns = end_ns.saturating_sub(self.step_began_ns.get().unwrap_or(end_ns));
         c.longest_step_ns.fetch_max(wall_ns, Ordering::Relaxed);
         c.last_step_end_ns.store(end_ns, Ordering::Relaxed);
-        let phases: [u64; DrafterPhase::COUNT] = std::array::from_fn(|p| self.step_phases[p].take());
+        let phases: [u64; DrafterPhase::COUNT] =
+            std::array::from_fn(|p| self.step_phases[p].take());
         if self.warm_up.take() {
             for (total, ns) in c.warmup_phases.iter().zip(phases) {
                 total.fetch_add(ns, Ordering::Relaxed);

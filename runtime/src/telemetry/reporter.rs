@@ -255,8 +255,9 @@ impl<W: Write> Reporter<W> {
             ..Default::default()
         };
         let window_start = self.rate_history.front().unwrap_or(&start);
-        let mut line = StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
-            .with_rate_window(window_start, &current);
+        let mut line =
+            StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
+                .with_rate_window(window_start, &current);
         // The label names the window asked for; the first lines of a run cover what there is so far.
         line.tokens_per_s_window_s = window.as_secs_f64();
         self.rate_history.push_back(current.clone());

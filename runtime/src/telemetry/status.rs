@@ -265,7 +265,10 @@ impl fmt::Display for StatusLine {
             write!(
                 f,
                 " gpu=[{}]%",
-                join(&self.drafters, |d| format!("{:.0}", d.gpu_pct.unwrap_or(0.0)))
+                join(&self.drafters, |d| format!(
+                    "{:.0}",
+                    d.gpu_pct.unwrap_or(0.0)
+                ))
             )?;
         }
         write!(

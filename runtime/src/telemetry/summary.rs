@@ -214,7 +214,9 @@ impl ProducerSummary {
         let produce_std_s = (produce.count > 0).then(|| {
             let n = produce.count as f64;
             let mean = produce.total.as_secs_f64() / n;
-            (counts.produce_squares_s2 / n - mean * mean).max(0.0).sqrt()
+            (counts.produce_squares_s2 / n - mean * mean)
+                .max(0.0)
+                .sqrt()
         });
         Self {
             items: counts.items,
