@@ -160,7 +160,7 @@ impl Model {
             ),
             (None, None) => return Err(SimulateError::NoProducerRate),
         };
-        if !(rate > 0.0) {
+        if rate.is_nan() || rate <= 0.0 {
             return Err(SimulateError::OutOfRange {
                 what: "--producer-rate",
                 expected: "a positive number of items per second",

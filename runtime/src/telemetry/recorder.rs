@@ -161,7 +161,7 @@ impl<C: Default> Slot<C> {
     fn read<R>(&self, read: impl Fn() -> R) -> R {
         loop {
             let before = self.sequence.load(Ordering::Acquire);
-            if before % 2 == 0 {
+            if before.is_multiple_of(2) {
                 let value = read();
                 fence(Ordering::Acquire);
                 if self.sequence.load(Ordering::Relaxed) == before {
