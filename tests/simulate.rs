@@ -89,8 +89,7 @@ fn bad_what_ifs_and_missing_figures_exit_1_with_clear_errors() {
     let out = draftpipe(&[
         "simulate",
         "pipelines/quickstart.pipe",
-        "--producer-rate",
-        "-3",
+        "--producer-rate=-3",
     ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(
