@@ -15,6 +15,7 @@
 //! [`Reporter::finish`] and print [`Diagnosis::from_summary`]. `draftpipe diagnose RUN_DIR` is
 //! [`load_summary`] then [`Diagnosis::from_summary`].
 
+mod counts;
 mod diagnosis;
 mod phase;
 mod recorder;
@@ -25,16 +26,14 @@ mod trace;
 
 use std::path::PathBuf;
 
+pub use counts::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, TelemetrySnapshot};
 pub use diagnosis::{
     Bottleneck, DATA_WAIT_SIGNIFICANT, Diagnosis, DrafterBreakdown, FALLBACK_BLOCKED_FRACTION,
     HOST_GAP_BUSY_BELOW, HOST_GAP_IDLE_ABOVE, MIN_DEPTH_SAMPLES, OVERHEAD_SIGNIFICANT,
     PINNED_FULL_FRACTION, PhaseShare, QueueEvidence, STARVED_FRACTION, WarmupEvidence,
 };
 pub use phase::{DrafterPhase, ProducerPhase};
-pub use recorder::{
-    BucketSteps, DrafterCounts, DrafterRecorder, MAX_BUCKET_STATS, PhaseCount, ProducerCounts,
-    ProducerRecorder, Telemetry, TelemetrySnapshot,
-};
+pub use recorder::{DrafterRecorder, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
 pub use reporter::{OutputMode, Reporter, ReporterConfig};
 pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine};
 pub use summary::{

@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::TelemetryError;
-use super::recorder::{Telemetry, TelemetrySnapshot};
+use super::counts::TelemetrySnapshot;
+use super::recorder::Telemetry;
 use super::status::{QueueSnapshot, StatusLine};
 use super::summary::{
     DepthSample, DrafterSummary, LossSample, ProducerSummary, QueueSummary, RunSummary,

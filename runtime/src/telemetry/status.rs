@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::counts::TelemetrySnapshot;
 use super::phase::DrafterPhase;
-use super::recorder::TelemetrySnapshot;
 
 /// The queue's statistics as telemetry reads them (the lead maps the queue's own stats type to this, which
 /// keeps telemetry independent of the queue's implementation).

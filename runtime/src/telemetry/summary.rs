@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::TelemetryError;
+use super::counts::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts};
 use super::phase::{DrafterPhase, ProducerPhase};
-use super::recorder::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts};
 use super::status::QueueSnapshot;
 
 /// The `format` this build writes and reads; bumped when a field changes meaning.
