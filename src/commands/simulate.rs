@@ -5,64 +5,32 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use draftpipe_compiler::{CompileError, compile_file, plan::Device};
+use draftpipe_compiler::{Plan, compile_file, plan::Device};
 use draftpipe_runtime::simulate::{
     Comparison, Model, StepTime, assumed_flops_per_s, parse_what_ifs,
 };
-use draftpipe_runtime::telemetry::load_summary;
+use draftpipe_runtime::telemetry::{SUMMARY_FILE, load_summary, validate_summary};
 
+use super::input::{MAX_SUMMARY_BYTES, require_regular_file};
+use super::{CommandResult, compile_failure, say};
 use crate::cli::SimulateArgs;
 
-/// Prints the prediction (or the comparison); exit 1 on an invalid file, what-if or run directory.
-pub fn run(args: &SimulateArgs) -> ExitCode {
-    let plan = match compile_file(&args.file) {
-        Ok(plan) => plan,
-        Err(error @ CompileError::Io { .. }) => {
-            eprintln!("error: {error}");
-            return super::invalid();
-        }
-        Err(CompileError::Invalid(diagnostics)) => {
-            eprintln!("{diagnostics}");
-            return super::invalid();
-        }
-    };
-    let what_ifs = match parse_what_ifs(&args.set) {
-        Ok(what_ifs) => what_ifs,
-        Err(diagnostics) => {
-            eprintln!("{diagnostics}");
-            return super::invalid();
-        }
-    };
-    let base = match base_model(args, &plan) {
-        Ok(model) => model,
-        Err(error) => {
-            super::report(&error);
-            return super::invalid();
-        }
-    };
+/// Prints the prediction (or the comparison); an error for an invalid file, what-if or run directory.
+pub fn run(args: &SimulateArgs) -> CommandResult {
+    let plan = compile_file(&args.file).map_err(compile_failure)?;
+    let what_ifs = parse_what_ifs(&args.set)?;
+    let base = base_model(args, &plan)?;
     let variants = if args.compare {
-        what_ifs.apply_each(&base).map(|each| {
-            std::iter::once(("plan".to_string(), base.clone()))
-                .chain(each)
-                .collect::<Vec<_>>()
-        })
+        std::iter::once(("plan".to_string(), base.clone()))
+            .chain(what_ifs.apply_each(&base)?)
+            .collect::<Vec<_>>()
     } else if what_ifs.variants.is_empty() {
-        Ok(vec![("plan".to_string(), base.clone())])
+        vec![("plan".to_string(), base)]
     } else {
-        what_ifs
-            .apply_together(&base)
-            .map(|model| vec![("what-if".to_string(), model)])
+        vec![("what-if".to_string(), what_ifs.apply_together(&base)?)]
     };
-    let variants = match variants {
-        Ok(variants) => variants,
-        Err(diagnostics) => {
-            eprintln!("{diagnostics}");
-            return super::invalid();
-        }
-    };
-    if let Some(error) = variants.iter().find_map(|(_, m)| m.validate().err()) {
-        super::report(&anyhow::Error::new(error));
-        return super::invalid();
+    for (_, model) in &variants {
+        model.validate()?;
     }
     let started = Instant::now();
     let predictions: Vec<_> = variants
@@ -72,53 +40,75 @@ pub fn run(args: &SimulateArgs) -> ExitCode {
     let took = started.elapsed();
     if args.compare {
         for (label, prediction) in &predictions {
-            println!("── {label}\n{prediction}\n");
+            say(format_args!("── {label}\n{prediction}\n"))?;
         }
-        println!(
-            "{}",
-            Comparison {
-                variants: predictions
-            }
-        );
+        say(Comparison {
+            variants: predictions,
+        })?;
     } else if let Some((_, prediction)) = predictions.first() {
-        println!("{prediction}");
+        say(prediction)?;
     }
-    println!("(simulated in {:.0} ms)", took.as_secs_f64() * 1e3);
-    ExitCode::SUCCESS
+    say(format_args!(
+        "(simulated in {:.0} ms)",
+        took.as_secs_f64() * 1e3
+    ))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The model before what-ifs: measured from a run, or from the plan with the rates given.
-fn base_model(args: &SimulateArgs, plan: &draftpipe_compiler::Plan) -> anyhow::Result<Model> {
+fn base_model(args: &SimulateArgs, plan: &Plan) -> anyhow::Result<Model> {
+    if let Some(rate) = args.producer_rate {
+        anyhow::ensure!(
+            rate > 0.0,
+            "--producer-rate must be a positive number of items per second, found {rate}"
+        );
+    }
     let mut model = match &args.from {
         Some(dir) => {
-            let summary = load_summary(dir)
-                .with_context(|| format!("cannot read the run in {}", dir.display()))?;
+            let context = || format!("cannot read the run in {}", dir.display());
+            let path = dir.join(SUMMARY_FILE);
+            require_regular_file(&path, "the run summary", MAX_SUMMARY_BYTES)
+                .with_context(context)?;
+            let summary = load_summary(dir).with_context(context)?;
+            validate_summary(&summary)
+                .with_context(|| format!("{} holds values no run writes", path.display()))
+                .with_context(context)?;
             Model::from_run(plan, &summary, &dir.display().to_string())?
         }
         None => {
             let step = match args.step_time {
-                Some(seconds) => StepTime::Fixed { seconds },
-                None => StepTime::CostModel {
-                    flops_per_s: args.drafter_gflops.map_or_else(
-                        || {
-                            assumed_flops_per_s(
-                                plan.drafter
-                                    .placement
-                                    .workers
-                                    .first()
-                                    .copied()
-                                    .unwrap_or(Device::Cpu),
-                            )
-                        },
-                        |g| g * 1e9,
-                    ),
-                },
+                Some(seconds) => {
+                    anyhow::ensure!(
+                        seconds.is_finite() && seconds >= 0.0,
+                        "--step-time must be a duration in seconds, found {seconds}"
+                    );
+                    StepTime::Fixed { seconds }
+                }
+                None => {
+                    let device = plan
+                        .drafter
+                        .placement
+                        .workers
+                        .first()
+                        .copied()
+                        .unwrap_or(Device::Cpu);
+                    let flops_per_s = match args.drafter_gflops {
+                        Some(gflops) => {
+                            anyhow::ensure!(
+                                gflops.is_finite() && gflops > 0.0,
+                                "--drafter-gflops must be positive, found {gflops}"
+                            );
+                            gflops * 1e9
+                        }
+                        None => assumed_flops_per_s(device),
+                    };
+                    StepTime::CostModel { flops_per_s }
+                }
             };
             Model::from_plan(plan, args.producer_rate, step)?
         }
     };
     if let (Some(rate), Some(_)) = (args.producer_rate, &args.from) {
-        anyhow::ensure!(rate > 0.0, "--producer-rate must be positive, found {rate}");
         model.produce_mean_s = 1.0 / rate;
         model.produce_std_s = 0.0;
         model.producer_origin = format!("--producer-rate {rate} items/s per worker (no spread)");
