@@ -18,6 +18,7 @@ pub mod model;
 pub mod params;
 pub mod pipeline;
 pub mod queue;
+pub mod simulate;
 pub mod source;
 pub mod telemetry;
 pub mod tensor_file;

@@ -303,6 +303,7 @@ impl Threads<'_> {
                 .filter_map(|(worker, (producer, recorder))| {
                     let thread_shared = Arc::clone(shared);
                     let keep_going = self.options.keep_going;
+                    let max_rate = self.plan.target.max_rate;
                     let handle = spawned(
                         shared,
                         spawner.spawn(scope, format!("producer-{worker}"), move || {
@@ -311,7 +312,9 @@ impl Threads<'_> {
                                 shared.fail(RunError::Panicked(format!("producer {worker}")));
                                 shared.producer_finished();
                             });
-                            producer::run(worker, producer, &shared, &recorder, keep_going)
+                            producer::run(
+                                worker, producer, &shared, &recorder, keep_going, max_rate,
+                            )
                         }),
                     );
                     if handle.is_none() {

@@ -206,10 +206,12 @@ impl<'a, B: Backend> Worker<'a, B> {
             if !self.synced && self.context.shared.should_stop() {
                 return Ok(StopReason::Interrupted);
             }
+            self.context.recorder.waiting(self.since);
             let batch = self.context.shared.queue.pop();
             self.lap(DrafterPhase::DataWait);
             let staged = match batch {
                 Some(batch) => {
+                    self.context.recorder.begin_step(batch.padded_len);
                     let staged = self.drafter.stage(&batch);
                     if staged.is_ok() {
                         self.context.shared.consume(batch.source_position);
