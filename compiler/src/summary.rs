@@ -31,6 +31,18 @@ impl fmt::Display for Summary<'_> {
                 format!("synthetic (seed {seed}, lengths {min_len}..{max_len})")
             }
             SourceSpec::Safetensors { pattern } => format!("safetensors `{pattern}`"),
+            SourceSpec::Stream {
+                listen,
+                token_env,
+                max_message_bytes,
+                ..
+            } => format!(
+                "stream on `{listen}` ({}, messages up to {:.1} MiB)",
+                token_env
+                    .as_ref()
+                    .map_or("no token".to_string(), |v| format!("token from ${v}")),
+                *max_message_bytes as f64 / (1u64 << 20) as f64
+            ),
         };
         writeln!(f, "\nstages")?;
         writeln!(

@@ -595,6 +595,7 @@ pub fn run_with_sources(
 fn plan_seed(plan: &Plan) -> u64 {
     match plan.target.source {
         draftpipe_compiler::plan::SourceSpec::Synthetic { seed, .. } => seed,
-        draftpipe_compiler::plan::SourceSpec::Safetensors { .. } => 0,
+        draftpipe_compiler::plan::SourceSpec::Safetensors { .. }
+        | draftpipe_compiler::plan::SourceSpec::Stream { .. } => 0,
     }
 }

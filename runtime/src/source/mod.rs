@@ -34,6 +34,7 @@
 //! ```
 
 pub mod safetensors;
+pub mod stream;
 pub mod synthetic;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,6 +48,7 @@ use crate::batch::HsBatch;
 use crate::tensor_file::TensorFileError;
 
 pub use self::safetensors::{SafetensorsDataset, SafetensorsSource};
+pub use self::stream::{StreamConfig, StreamSource, StreamStatus, open_stream};
 pub use self::synthetic::{SyntheticSource, SyntheticTarget};
 
 /// How long a producer sleeps between looks at an empty pool once spinning has not helped.
@@ -179,6 +181,13 @@ pub trait HsSource: Send {
     /// The bucket of the next batch, or `None` when the stream is exhausted. Does not advance.
     fn next_bucket(&mut self) -> Result<Option<usize>, SourceError>;
 
+    /// [`Self::next_bucket`] for a source that may wait for its data (a network stream): it also returns
+    /// `None` once `stop` is raised. Asking for the next batch says the previous one was queued.
+    fn next_bucket_until(&mut self, stop: &AtomicBool) -> Result<Option<usize>, SourceError> {
+        let _ = stop;
+        self.next_bucket()
+    }
+
     /// Fills `out`, already shaped for the bucket [`Self::next_bucket`] announced, with the next batch (every
     /// element written, padding zeroed), sets `out.source_position`, and advances.
     fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError>;
@@ -236,6 +245,38 @@ pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> 
                     Ok(Box::new(source) as Box<dyn HsSource>)
                 })
                 .collect()
+        }
+        SourceSpec::Stream {
+            listen,
+            token_env,
+            max_message_bytes,
+            read_timeout_ms,
+        } => {
+            let token = match token_env {
+                Some(var) => match std::env::var(var) {
+                    Ok(token) if !token.is_empty() => Some(token),
+                    _ => {
+                        return Err(SourceError::Config(format!(
+                            "the stream's token comes from ${var}, which is not set or empty"
+                        )));
+                    }
+                },
+                None => None,
+            };
+            let (sources, _status) = open_stream(StreamConfig {
+                listen: listen.clone(),
+                token,
+                max_message_bytes: *max_message_bytes,
+                read_timeout: Duration::from_millis(*read_timeout_ms),
+                target: plan.target.clone(),
+                shapes,
+                producers,
+                log: stream::stderr_log(),
+            })?;
+            Ok(sources
+                .into_iter()
+                .map(|s| Box::new(s) as Box<dyn HsSource>)
+                .collect())
         }
         SourceSpec::Safetensors { pattern } => {
             let dataset =
@@ -352,7 +393,7 @@ impl Producer {
         pool: &BatchPool,
         stop: &AtomicBool,
     ) -> Result<Option<Box<HsBatch>>, SourceError> {
-        let Some(bucket) = self.source.next_bucket()? else {
+        let Some(bucket) = self.source.next_bucket_until(stop)? else {
             return Ok(None);
         };
         let backoff = Backoff::new();

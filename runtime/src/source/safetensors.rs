@@ -30,7 +30,7 @@ use safetensors::Dtype;
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
 use crate::tensor_file::{
-    TensorFile, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
+    TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats, decode_ids, decode_mask,
     is_float_dtype, is_id_dtype, is_mask_dtype,
 };
 
@@ -173,11 +173,42 @@ fn check_file(
     shapes: &BucketShapes,
 ) -> Result<(DataFile, Vec<usize>), SourceError> {
     let mut file = TensorFile::open(path)?;
+    let checked = check_tensors(&mut file, target, shapes)?;
+    Ok((
+        DataFile {
+            path: path.to_path_buf(),
+            seq: checked.seq,
+            has_mask: checked.has_mask,
+        },
+        checked.lengths,
+    ))
+}
+
+/// What [`check_tensors`] found: the padded length `S`, whether a mask is present, and each row's length.
+#[derive(Debug, Clone)]
+pub struct CheckedTensors {
+    /// Columns of `input_ids` (`S`).
+    pub seq: usize,
+    /// Whether `loss_mask` is present.
+    pub has_mask: bool,
+    /// Per row, its length: up to its last kept token (0 = nothing to train on).
+    pub lengths: Vec<usize>,
+}
+
+/// The checks every hidden-state container passes, file or network message: names, dtypes, ranks, shapes
+/// against the plan, token ids in the vocabulary, and each row's length from its mask.
+pub fn check_tensors(
+    file: &mut impl TensorRead,
+    target: &TargetStage,
+    shapes: &BucketShapes,
+) -> Result<CheckedTensors, SourceError> {
+    let path = file.origin().to_path_buf();
+    let path = path.as_path();
     let bad = |tensor: &str, problem: TensorProblem| -> SourceError {
         TensorFileError::tensor(path, tensor, problem).into()
     };
 
-    let hs = file.require(HIDDEN_STATES)?;
+    let hs = file.require_tensor(HIDDEN_STATES)?;
     if !is_float_dtype(hs.dtype) {
         return Err(bad(
             HIDDEN_STATES,
@@ -245,9 +276,9 @@ fn check_file(
             }
             Ok(())
         };
-    let ids = file.require(INPUT_IDS)?;
+    let ids = file.require_tensor(INPUT_IDS)?;
     check_rows(INPUT_IDS, ids.dtype, &ids.shape, is_id_dtype, "I32 or I64")?;
-    let has_mask = match file.info(LOSS_MASK) {
+    let has_mask = match file.tensor_info(LOSS_MASK) {
         Some(mask) => {
             check_rows(
                 LOSS_MASK,
@@ -267,7 +298,7 @@ fn check_file(
     let mut lengths = Vec::with_capacity(rows);
     for row in 0..rows {
         let elements = row * seq..(row + 1) * seq;
-        let dtype = file.read_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
+        let dtype = file.read_tensor_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
         decode_ids(dtype, &bytes, &mut ids_row);
         if let Some((col, &id)) = ids_row
             .iter()
@@ -285,7 +316,7 @@ fn check_file(
             ));
         }
         if has_mask {
-            let dtype = file.read_elements(LOSS_MASK, elements, &mut bytes)?;
+            let dtype = file.read_tensor_elements(LOSS_MASK, elements, &mut bytes)?;
             decode_mask(dtype, &bytes, &mut mask_row);
         }
         lengths.push(
@@ -295,14 +326,11 @@ fn check_file(
                 .map_or(0, |last| last + 1),
         );
     }
-    Ok((
-        DataFile {
-            path: path.to_path_buf(),
-            seq,
-            has_mask,
-        },
+    Ok(CheckedTensors {
+        seq,
+        has_mask,
         lengths,
-    ))
+    })
 }
 
 /// Expands a path or a glob whose wildcards (`*`, `?`) are in the file-name part; a directory means every
