@@ -123,20 +123,14 @@ fn batches_arrive_as_sent_and_the_ack_waits_for_the_consumer() {
         client.frame(&blob(&tensors)).unwrap();
         let first = batches.recv_timeout(Duration::from_secs(10)).unwrap();
         let second = batches.recv_timeout(Duration::from_secs(10)).unwrap();
-        client
-            .stream
-            .set_read_timeout(Some(Duration::from_millis(300)))
-            .unwrap();
+        client.set_timeout(Duration::from_millis(300));
         let mut byte = [0u8; 1];
         let early = std::io::Read::read(&mut client.stream, &mut byte);
         assert!(
             early.is_err(),
             "acknowledged before the last batch was queued"
         );
-        client
-            .stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
+        client.set_timeout(Duration::from_secs(10));
         resume.send(()).unwrap();
         let ack = client.reply();
         assert!(ack.ok, "{ack:?}");
@@ -255,7 +249,7 @@ fn expect_error(reply: draftpipe_runtime::source::stream::wire::Reply, needle: &
 fn a_wrong_token_is_refused() {
     refused_then_recovers(Some("s3cret"), 1 << 20, |address| {
         let mut client = Client::connect(address);
-        let peer = client.stream.local_addr().unwrap().to_string();
+        let peer = client.local_name();
         (
             expect_error(client.hello(&hello("guess", "bad")), "wrong token"),
             peer,
@@ -267,7 +261,7 @@ fn a_wrong_token_is_refused() {
 fn a_wrong_protocol_version_is_refused() {
     refused_then_recovers(None, 1 << 20, |address| {
         let mut client = Client::connect(address);
-        let peer = client.stream.local_addr().unwrap().to_string();
+        let peer = client.local_name();
         let mut old = hello("", "bad");
         old.protocol = PROTOCOL_VERSION + 98;
         (
@@ -281,7 +275,7 @@ fn a_wrong_protocol_version_is_refused() {
 fn a_hello_for_another_target_is_refused() {
     refused_then_recovers(None, 1 << 20, |address| {
         let mut client = Client::connect(address);
-        let peer = client.stream.local_addr().unwrap().to_string();
+        let peer = client.local_name();
         let mut other = hello("", "bad");
         other.hidden = HIDDEN + 1;
         (
@@ -295,7 +289,7 @@ fn a_hello_for_another_target_is_refused() {
 fn hidden_states_of_the_wrong_width_are_refused() {
     refused_then_recovers(None, 1 << 20, |address| {
         let mut client = Client::connect(address);
-        let peer = client.stream.local_addr().unwrap().to_string();
+        let peer = client.local_name();
         assert!(client.hello(&hello("", "bad")).ok);
         let wide = batch(2, 8, DIN + 1, VOCAB, &[8, 8], 3);
         let error = expect_error(client.send(&wide), "hidden_states");
@@ -311,7 +305,7 @@ fn hidden_states_of_the_wrong_width_are_refused() {
 fn a_header_that_lies_about_its_length_is_refused() {
     refused_then_recovers(None, 1 << 20, |address| {
         let mut client = Client::connect(address);
-        let peer = client.stream.local_addr().unwrap().to_string();
+        let peer = client.local_name();
         assert!(client.hello(&hello("", "bad")).ok);
         let mut lying = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 4));
         let header_len = u64::from_le_bytes(lying[..8].try_into().unwrap());
@@ -325,7 +319,7 @@ fn a_header_that_lies_about_its_length_is_refused() {
 fn a_message_over_the_limit_is_refused_before_it_is_read() {
     refused_then_recovers(None, 64 << 10, |address| {
         let mut client = Client::connect(address);
-        let peer = client.stream.local_addr().unwrap().to_string();
+        let peer = client.local_name();
         assert!(client.hello(&hello("", "bad")).ok);
         let large = blob(&batch(16, 16, DIN * 32, VOCAB, &[16; 16], 5));
         assert!(large.len() > 64 << 10);
@@ -341,7 +335,7 @@ fn a_message_over_the_limit_is_refused_before_it_is_read() {
 fn half_a_message_then_a_stall_times_out() {
     refused_then_recovers(None, 1 << 20, |address| {
         let mut client = Client::connect(address);
-        let peer = client.stream.local_addr().unwrap().to_string();
+        let peer = client.local_name();
         assert!(client.hello(&hello("", "bad")).ok);
         let message = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 6));
         let half = 8 + message.len() / 2;

@@ -197,6 +197,35 @@ pub trait HsSource: Send {
 
     /// Makes the batch at global `position` the next one (it must belong to this producer).
     fn seek(&mut self, position: u64) -> Result<(), SourceError>;
+
+    /// What the status line should show of this source (connected producers, the epoch), if anything.
+    fn status_probe(&self) -> Option<SourceStatusProbe> {
+        None
+    }
+}
+
+/// A source's field of the status line (`producers=[3/5 connected]`), read by the telemetry thread.
+#[derive(Clone)]
+pub struct SourceStatusProbe(std::sync::Arc<dyn Fn() -> String + Send + Sync>);
+
+impl SourceStatusProbe {
+    /// A probe that calls `describe` each time the line is drawn.
+    pub fn new(describe: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(describe))
+    }
+
+    /// The field now.
+    pub fn read(&self) -> String {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for SourceStatusProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("SourceStatusProbe")
+            .field(&self.read())
+            .finish()
+    }
 }
 
 /// Checks that `position` belongs to producer `producer` of `producers`.

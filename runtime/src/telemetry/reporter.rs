@@ -68,6 +68,8 @@ pub struct ReporterConfig {
     pub queue_capacity: usize,
     /// Consumers' watermark.
     pub queue_min_ready: usize,
+    /// The source's own status field (`producers=[3/5 connected]`), when it has one.
+    pub source_status: Option<crate::source::SourceStatusProbe>,
 }
 
 impl ReporterConfig {
@@ -89,6 +91,7 @@ impl ReporterConfig {
             max_spans_per_worker: TraceBuffer::DEFAULT_MAX_SPANS_PER_WORKER,
             queue_capacity,
             queue_min_ready,
+            source_status: None,
         }
     }
 }
@@ -220,7 +223,9 @@ impl<W: Write> Reporter<W> {
     /// Writes a status line now, over the interval since the previous one.
     pub fn report(&mut self, queue: &QueueSnapshot) -> Result<StatusLine, TelemetryError> {
         let current = self.telemetry.snapshot();
-        let line = StatusLine::between(&self.previous, &current, queue, self.config.total_steps);
+        let mut line =
+            StatusLine::between(&self.previous, &current, queue, self.config.total_steps);
+        line.source = self.config.source_status.as_ref().map(|probe| probe.read());
         let interval_had_loss = current.drafters.iter().map(|d| d.loss_count).sum::<u64>()
             > self
                 .previous

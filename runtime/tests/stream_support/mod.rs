@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use safetensors::Dtype;
@@ -65,18 +66,63 @@ pub fn batch(
     ]
 }
 
+/// The client's socket: TCP, or a unix socket for `unix:/path` addresses.
+pub enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Read for Socket {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.read(buf),
+            Self::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Socket {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.write(buf),
+            Self::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A raw client connection.
 pub struct Client {
-    pub stream: TcpStream,
+    pub stream: Socket,
 }
 
 impl Client {
     pub fn connect(address: &str) -> Self {
-        let stream = TcpStream::connect(address).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
-        Self { stream }
+        let stream = match address.strip_prefix("unix:") {
+            Some(path) => Socket::Unix(UnixStream::connect(path).unwrap()),
+            None => Socket::Tcp(TcpStream::connect(address).unwrap()),
+        };
+        let mut client = Self { stream };
+        client.set_timeout(Duration::from_secs(20));
+        client
+    }
+
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        match &self.stream {
+            Socket::Tcp(s) => s.set_read_timeout(Some(timeout)).unwrap(),
+            Socket::Unix(s) => s.set_read_timeout(Some(timeout)).unwrap(),
+        }
+    }
+
+    /// This end's address, as the server logs it.
+    pub fn local_name(&self) -> String {
+        match &self.stream {
+            Socket::Tcp(s) => s.local_addr().unwrap().to_string(),
+            Socket::Unix(_) => String::new(),
+        }
     }
 
     pub fn hello_for(hidden: usize, taps: usize, vocab: usize, token: &str, name: &str) -> Hello {

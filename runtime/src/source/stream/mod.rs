@@ -579,6 +579,13 @@ impl HsSource for StreamSource {
         self.next = position;
         Ok(())
     }
+
+    fn status_probe(&self) -> Option<super::SourceStatusProbe> {
+        let status = StreamStatus {
+            state: Arc::clone(&self.server.state),
+        };
+        Some(super::SourceStatusProbe::new(move || status.describe()))
+    }
 }
 
 impl std::fmt::Debug for StreamSource {
