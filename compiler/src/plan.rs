@@ -108,6 +108,12 @@ pub enum SourceSpec {
     Safetensors {
         /// Glob pattern of the files, e.g. `data/*.safetensors`.
         pattern: String,
+        /// Passes over the data (at least 1).
+        #[serde(default = "one_epoch")]
+        epochs: u64,
+        /// Seed of each epoch's shuffled batch order; `None` reads the batches in file order.
+        #[serde(default)]
+        shuffle_seed: Option<u64>,
     },
     /// Hidden states pushed over a socket by producer processes that run the target.
     Stream {
@@ -120,6 +126,10 @@ pub enum SourceSpec {
         /// A producer that stalls this long in the middle of a hello or a message is disconnected.
         read_timeout_ms: u64,
     },
+}
+
+fn one_epoch() -> u64 {
+    1
 }
 
 /// Default stall allowed inside a stream message or hello.

@@ -30,7 +30,20 @@ impl fmt::Display for Summary<'_> {
             } => {
                 format!("synthetic (seed {seed}, lengths {min_len}..{max_len})")
             }
-            SourceSpec::Safetensors { pattern } => format!("safetensors `{pattern}`"),
+            SourceSpec::Safetensors {
+                pattern,
+                epochs,
+                shuffle_seed,
+            } => {
+                let order = match shuffle_seed {
+                    Some(seed) => format!("shuffled per epoch, seed {seed}"),
+                    None => "file order".to_string(),
+                };
+                format!(
+                    "safetensors `{pattern}` ({epochs} epoch{}, {order})",
+                    if *epochs == 1 { "" } else { "s" }
+                )
+            }
             SourceSpec::Stream {
                 listen,
                 token_env,

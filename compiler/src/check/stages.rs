@@ -150,9 +150,26 @@ fn source(
         let pattern = f
             .required("path", "\"data/*.safetensors\"")
             .and_then(|v| values::nonempty_string(errs, "path", v));
-        pattern.map(|p| SourceSpec::Safetensors {
-            pattern: p.to_owned(),
-        })
+        let epochs = match f.optional("epochs") {
+            Some(v) => values::count_in(errs, "epochs", v, 1, MAX_EPOCHS).map(|n| n as u64),
+            None => Some(1),
+        };
+        let shuffle = match f.optional("shuffle") {
+            Some(v) => values::choice(errs, "shuffle", v, &[("true", true), ("false", false)]),
+            None => Some(false),
+        };
+        let seed = match f.optional("seed") {
+            Some(v) => values::count(errs, "seed", v, 0).map(|n| n as u64),
+            None => Some(0),
+        };
+        match (pattern, epochs, shuffle, seed) {
+            (Some(p), Some(epochs), Some(shuffle), Some(seed)) => Some(SourceSpec::Safetensors {
+                pattern: p.to_owned(),
+                epochs,
+                shuffle_seed: shuffle.then_some(seed),
+            }),
+            _ => None,
+        }
     };
     f.finish(errs);
     spec
@@ -238,6 +255,9 @@ fn stream_source(errs: &mut Errs, f: &mut Fields<'_>) -> Option<SourceSpec> {
         read_timeout_ms: read_timeout_ms?,
     })
 }
+
+/// The most passes a file source may make.
+const MAX_EPOCHS: u64 = 1_000_000;
 
 /// The smallest `max_message` accepted: below it not even a hello-sized header fits.
 const MIN_STREAM_MESSAGE: u64 = 64 << 10;

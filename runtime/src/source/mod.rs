@@ -307,9 +307,15 @@ pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> 
                 .map(|s| Box::new(s) as Box<dyn HsSource>)
                 .collect())
         }
-        SourceSpec::Safetensors { pattern } => {
-            let dataset =
-                std::sync::Arc::new(SafetensorsDataset::open(pattern, &plan.target, &shapes)?);
+        SourceSpec::Safetensors {
+            pattern,
+            epochs,
+            shuffle_seed,
+        } => {
+            let dataset = std::sync::Arc::new(
+                SafetensorsDataset::open(pattern, &plan.target, &shapes)?
+                    .with_epochs(*epochs, *shuffle_seed),
+            );
             Ok((0..producers)
                 .map(|w| {
                     Box::new(SafetensorsSource::new(dataset.clone(), w, producers))
