@@ -458,7 +458,7 @@ impl TensorBlob {
         origin: PathBuf,
         bytes: Vec<u8>,
         len: usize,
-    ) -> Result<Self, (TensorFileError, Vec<u8>)> {
+    ) -> Result<Self, (Box<TensorFileError>, Vec<u8>)> {
         match Self::header(&bytes[..len.min(bytes.len())]) {
             Ok((metadata, data_start)) => Ok(Self {
                 origin,
@@ -467,7 +467,7 @@ impl TensorBlob {
                 bytes,
                 len,
             }),
-            Err(problem) => Err((TensorFileError::file(&origin, problem), bytes)),
+            Err(problem) => Err((Box::new(TensorFileError::file(&origin, problem)), bytes)),
         }
     }
 

@@ -48,11 +48,12 @@ impl Message {
         len: usize,
         target: &TargetStage,
         shapes: &BucketShapes,
-    ) -> Result<Self, (SourceError, Vec<u8>)> {
-        let mut blob = TensorBlob::parse(origin, bytes, len).map_err(|(e, b)| (e.into(), b))?;
+    ) -> Result<Self, (Box<SourceError>, Vec<u8>)> {
+        let mut blob = TensorBlob::parse(origin, bytes, len)
+            .map_err(|(e, b)| (Box::new(SourceError::File(*e)), b))?;
         let checked = match check_tensors(&mut blob, target, shapes) {
             Ok(checked) => checked,
-            Err(e) => return Err((e, blob.into_bytes())),
+            Err(e) => return Err((Box::new(e), blob.into_bytes())),
         };
         let mut pending: Vec<Vec<(usize, usize)>> = vec![Vec::new(); shapes.buckets.len()];
         let mut rows = Vec::new();
@@ -82,7 +83,7 @@ impl Message {
                     INPUT_IDS,
                     problem,
                 );
-                return Err((error.into(), blob.into_bytes()));
+                return Err((Box::new(error.into()), blob.into_bytes()));
             };
             pending[bucket].push((row, len));
             if pending[bucket].len() == shapes.buckets[bucket].1 {
