@@ -84,7 +84,11 @@ def main(argv=None):
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    except TypeError:  # transformers before 4.56 names the argument torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype)
+    model = model.to(args.device).eval()
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layers = config.num_hidden_layers
     bad = [layer for layer in args.tap_layers if not 0 <= layer <= layers]
