@@ -203,15 +203,43 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
     Ok((sources, StreamStatus { state }))
 }
 
+/// Hellos checked at once; more connections waiting for their hello are refused, so a flood of idle
+/// connections cannot make the server start a thread for each.
+const MAX_PENDING_HELLOS: usize = 64;
+
 fn accept_loop(listener: &Listener, state: &Arc<ServerState>) {
+    let pending = Arc::new(AtomicUsize::new(0));
     while !state.stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok(Some(connection)) => {
-                let shared = Arc::clone(state);
+                if let Err(e) = connection.set_write_timeout(state.config.read_timeout) {
+                    refuse(
+                        state,
+                        connection,
+                        &format!("cannot configure the socket: {e}"),
+                    );
+                    continue;
+                }
+                if pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HELLOS {
+                    pending.fetch_sub(1, Ordering::AcqRel);
+                    refuse(
+                        state,
+                        connection,
+                        &format!(
+                            "{MAX_PENDING_HELLOS} connections are already waiting for their hello"
+                        ),
+                    );
+                    continue;
+                }
+                let (shared, count) = (Arc::clone(state), Arc::clone(&pending));
                 let spawned = std::thread::Builder::new()
                     .name("stream-hello".into())
-                    .spawn(move || handshake(connection, &shared));
+                    .spawn(move || {
+                        handshake(connection, &shared);
+                        count.fetch_sub(1, Ordering::AcqRel);
+                    });
                 if let Err(e) = spawned {
+                    pending.fetch_sub(1, Ordering::AcqRel);
                     state.log(&format!("cannot start a handshake thread: {e}"));
                 }
             }

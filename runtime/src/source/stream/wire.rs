@@ -262,6 +262,14 @@ impl Connection {
         Ok(Self { socket, peer })
     }
 
+    /// Bounds every write (replies, acknowledgements): a producer that stops reading cannot hold the run.
+    pub fn set_write_timeout(&self, timeout: Duration) -> io::Result<()> {
+        match &self.socket {
+            Socket::Tcp(s) => s.set_write_timeout(Some(timeout)),
+            Socket::Unix(s) => s.set_write_timeout(Some(timeout)),
+        }
+    }
+
     /// The peer's address (`IP:PORT`, or the socket path for a Unix socket).
     pub fn peer(&self) -> &str {
         &self.peer
