@@ -420,3 +420,20 @@ fn f32_and_f16_messages_decode_exactly() {
         pool.give_back(got).unwrap();
     }
 }
+
+#[test]
+fn a_nan_in_the_hidden_states_is_refused() {
+    refused_then_recovers(None, 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        assert!(client.hello(&hello("", "bad")).ok);
+        let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
+        tensors[0].3[(8 + 2) * DIN + 3] = f64::NAN; // row 1, token 2: inside its kept length
+        let error = expect_error(client.send(&tensors), "non-finite value NaN");
+        assert!(
+            error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
+            "{error}"
+        );
+        (error, peer)
+    });
+}

@@ -12,6 +12,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 
 use draftpipe_compiler::plan::TargetStage;
+use safetensors::Dtype;
 
 use crate::batch::HsBatch;
 use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
@@ -19,6 +20,24 @@ use crate::source::{BucketShapes, SourceError};
 use crate::tensor_file::{
     TensorBlob, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
 };
+
+/// The first NaN or infinity among little-endian floats of `dtype` (an exponent of all ones), with its index.
+fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
+    let scan16 = |mask: u16, to_f32: fn(u16) -> f32| {
+        bytes.chunks_exact(2).enumerate().find_map(|(i, b)| {
+            let bits = u16::from_le_bytes([b[0], b[1]]);
+            (bits & mask == mask).then(|| (i, to_f32(bits)))
+        })
+    };
+    match dtype {
+        Dtype::BF16 => scan16(0x7F80, |b| half::bf16::from_bits(b).to_f32()),
+        Dtype::F16 => scan16(0x7C00, |b| half::f16::from_bits(b).to_f32()),
+        _ => bytes.chunks_exact(4).enumerate().find_map(|(i, b)| {
+            let value = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            (!value.is_finite()).then_some((i, value))
+        }),
+    }
+}
 
 /// One planned item: its bucket and its rows (a range of `rows`).
 #[derive(Debug, Clone)]
@@ -55,6 +74,25 @@ impl Message {
             Ok(checked) => checked,
             Err(e) => return Err((Box::new(e), blob.into_bytes())),
         };
+        // As the file source: a NaN in the data would surface as a non-finite loss and be blamed on the run.
+        let din = shapes.din;
+        for (row, &len) in checked.lengths.iter().enumerate() {
+            let first = row * checked.seq * din;
+            let found = blob
+                .element_bytes(HIDDEN_STATES, first..first + len * din)
+                .map(|(dtype, bytes)| first_non_finite(dtype, bytes));
+            let problem = match found {
+                Ok(None) => continue,
+                Ok(Some((at, value))) => TensorProblem::NonFinite {
+                    value,
+                    at: first + at,
+                },
+                Err(e) => e.problem,
+            };
+            let origin = crate::tensor_file::TensorRead::origin(&blob).to_path_buf();
+            let error = TensorFileError::tensor(&origin, HIDDEN_STATES, problem);
+            return Err((Box::new(error.into()), blob.into_bytes()));
+        }
         let mut pending: Vec<Vec<(usize, usize)>> = vec![Vec::new(); shapes.buckets.len()];
         let mut rows = Vec::new();
         let mut items = Vec::new();
