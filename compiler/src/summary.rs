@@ -57,6 +57,10 @@ impl fmt::Display for Summary<'_> {
                 *max_message_bytes as f64 / (1u64 << 20) as f64
             ),
         };
+        let source = match t.max_rate {
+            Some(rate) => format!("{source}, at most {rate} items/s per worker"),
+            None => source,
+        };
         writeln!(f, "\nstages")?;
         writeln!(
             f,

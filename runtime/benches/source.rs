@@ -88,6 +88,7 @@ fn safetensors_fill(c: &mut Criterion) {
             epochs: 1,
             shuffle_seed: None,
         },
+        max_rate: None,
     };
     let dataset =
         SafetensorsDataset::open(&path.to_string_lossy(), &target, &shapes).expect("dataset");

@@ -108,6 +108,7 @@ fn target() -> TargetStage {
             max_message_bytes: 1 << 30,
             read_timeout_ms: 30_000,
         },
+        max_rate: None,
     }
 }
 
