@@ -253,10 +253,12 @@ impl WhatIf {
                     format!("unknown what-if key `{unknown}`"),
                 )
                 .label("unknown key")
-                .help(match closest(unknown) {
-                    Some(key) => format!("did you mean `{key}`? {}", keys_help()),
-                    None => keys_help(),
-                })),
+                .help(
+                    match draftpipe_compiler::closest(unknown, KEYS.iter().map(|(key, _)| *key)) {
+                        Some(key) => format!("did you mean `{key}`? {}", keys_help()),
+                        None => keys_help(),
+                    },
+                )),
             };
             if let Err(error) = result {
                 errors.push(error);
@@ -286,29 +288,6 @@ impl WhatIf {
             Err(errors)
         }
     }
-}
-
-/// The key closest to `word` by edit distance, when close enough to be a typo.
-fn closest(word: &str) -> Option<&'static str> {
-    let distance = |a: &str, b: &str| {
-        let b: Vec<char> = b.chars().collect();
-        let mut row: Vec<usize> = (0..=b.len()).collect();
-        for (i, ca) in a.chars().enumerate() {
-            let mut previous = row[0];
-            row[0] = i + 1;
-            for (j, &cb) in b.iter().enumerate() {
-                let substitution = previous + usize::from(ca != cb);
-                previous = row[j + 1];
-                row[j + 1] = substitution.min(row[j] + 1).min(row[j + 1] + 1);
-            }
-        }
-        row[b.len()]
-    };
-    KEYS.iter()
-        .map(|(key, _)| (distance(word, key), *key))
-        .filter(|(d, key)| *d <= key.len() / 3)
-        .min()
-        .map(|(_, key)| key)
 }
 
 fn count(a: &Assignment, at_least: usize) -> Result<usize, Diagnostic> {
