@@ -43,7 +43,7 @@ use crate::checkpoint::{load_checkpoint, load_weights};
 use crate::cuda::GradientAllReduce;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
-use crate::source::{BatchPool, HsSource, Producer, SourceError, open_sources};
+use crate::source::{BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, open_sources};
 use crate::telemetry::{
     Diagnosis, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
 };
@@ -180,7 +180,7 @@ pub fn run_with_sources(
         None => Vec::new(),
     };
     let start = starting_state(plan, options)?;
-    let producers = open_producers(plan, open, &start)?;
+    let (producers, source_status) = open_producers(plan, open, &start)?;
     let first_positions = start
         .data_positions
         .clone()
@@ -202,7 +202,13 @@ pub fn run_with_sources(
         options.trace.is_some(),
     ));
     let step_limit = options.steps.or(plan.drafter.steps);
-    let reporter = reporter(plan, options, &telemetry, step_limit, start.step, out)?;
+    let reporter = reporter(
+        plan,
+        options,
+        &telemetry,
+        (step_limit, start.step, source_status),
+        out,
+    )?;
     let threads = Threads {
         plan,
         options,
@@ -215,12 +221,13 @@ pub fn run_with_sources(
     finish((plan, options), &shared, reporter, (stop, step, step_limit))
 }
 
-/// The producers, one per target worker, each source moved to the resumed position.
+/// The producers, one per target worker, each source moved to the resumed position, and the first source's
+/// status probe for the status line (a stream source's connections).
 fn open_producers(
     plan: &Plan,
     open: impl FnOnce(&Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError>,
     start: &Start,
-) -> Result<Vec<Producer>, RunError> {
+) -> Result<(Vec<Producer>, Option<SourceStatusProbe>), RunError> {
     let mut sources = open(plan)?;
     let workers = plan.target.placement.workers.len();
     if sources.len() != workers {
@@ -235,7 +242,11 @@ fn open_producers(
             source.seek(*position)?;
         }
     }
-    Ok(sources.into_iter().map(Producer::new).collect())
+    let source_status = sources.first().and_then(|source| source.status_probe());
+    Ok((
+        sources.into_iter().map(Producer::new).collect(),
+        source_status,
+    ))
 }
 
 /// The status reporter of this run.
@@ -243,8 +254,7 @@ fn reporter<W: Write + Send>(
     plan: &Plan,
     options: &RunOptions,
     telemetry: &Arc<Telemetry>,
-    step_limit: Option<u64>,
-    first_step: u64,
+    (step_limit, first_step, source_status): (Option<u64>, u64, Option<SourceStatusProbe>),
     out: W,
 ) -> Result<Reporter<W>, RunError> {
     let mut config = ReporterConfig::new(
@@ -258,6 +268,7 @@ fn reporter<W: Write + Send>(
     config.total_steps = step_limit.map(|limit| limit.saturating_sub(first_step));
     config.run_dir = options.run_dir.clone();
     config.trace_path = options.trace.clone();
+    config.source_status = source_status;
     Ok(Reporter::new(config, Arc::clone(telemetry), out)?)
 }
 
@@ -525,6 +536,7 @@ fn finish<W: Write + Send>(
 fn plan_seed(plan: &Plan) -> u64 {
     match plan.target.source {
         draftpipe_compiler::plan::SourceSpec::Synthetic { seed, .. } => seed,
-        draftpipe_compiler::plan::SourceSpec::Safetensors { .. } => 0,
+        draftpipe_compiler::plan::SourceSpec::Safetensors { .. }
+        | draftpipe_compiler::plan::SourceSpec::Stream { .. } => 0,
     }
 }
