@@ -51,10 +51,11 @@
 
 pub mod activation;
 pub mod adamw;
-mod lanes;
 pub mod loss;
 pub mod math;
 pub mod norm;
+pub mod plane;
 #[cfg(target_arch = "nvptx64")]
 mod ptx;
 pub mod reduce;
+pub mod table;

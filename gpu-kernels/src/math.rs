@@ -52,12 +52,21 @@ pub fn rsqrt(x: f32) -> f32 {
 }
 
 /// `sqrt(x)` for `x ≥ 0`, with `sqrt(0) = 0`, `sqrt(∞) = ∞` and NaN for NaN or negative input.
+///
+/// Subnormal `x` is scaled by 2^24 first (and the root by 2^-12 after): the device's `rsqrt.approx.ftz`
+/// flushes a subnormal input to zero, and `x · rsqrt(0)` would be `x · ∞ = ∞` (a tiny second moment in AdamW
+/// would then freeze its parameter).
 #[inline(always)]
 pub fn sqrt(x: f32) -> f32 {
+    const SCALE_UP: f32 = 16_777_216.0; // 2^24
+    const SCALE_DOWN: f32 = 1.0 / 4096.0; // 2^-12
     if x == 0.0 || x == f32::INFINITY {
         x
-    } else if x > 0.0 {
+    } else if x >= f32::MIN_POSITIVE {
         x * rsqrt(x)
+    } else if x > 0.0 {
+        let scaled = x * SCALE_UP;
+        scaled * rsqrt(scaled) * SCALE_DOWN
     } else {
         f32::NAN
     }
@@ -220,6 +229,12 @@ mod tests {
             x *= 1.001_7;
         }
         assert!(worst < 3e-7, "worst relative error {worst}");
+        let mut x = f32::from_bits(1);
+        while x < 1.0e-36 {
+            let err = rel(sqrt(x), (x as f64).sqrt());
+            assert!(err < 3e-7, "sqrt({x:e}) = {} (error {err})", sqrt(x));
+            x *= 1.37;
+        }
         assert_eq!(sqrt(0.0), 0.0);
         assert_eq!(sqrt(f32::INFINITY), f32::INFINITY);
         assert!(sqrt(f32::NAN).is_nan());

@@ -19,6 +19,7 @@ use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::cuda::{
     CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
 };
+use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_runtime::params::FlatState;
 
 const REPS: usize = 15;
@@ -28,17 +29,21 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn alloc(stream: &Arc<CudaStream>, n: usize, value: f32) -> (CudaSlice<f32>, DevicePtr) {
-    let slice = stream.clone_htod(&vec![value; n]).expect("allocate");
+fn alloc(stream: &Arc<CudaStream>, n: usize, value: f32) -> (CudaSlice<f32>, DevicePtr<f32>) {
+    typed(stream, stream.clone_htod(&vec![value; n]).expect("allocate"))
+}
+
+/// `slice` and its typed address.
+fn typed<T>(stream: &Arc<CudaStream>, slice: CudaSlice<T>) -> (CudaSlice<T>, DevicePtr<T>) {
     let (ptr, _) = slice.device_ptr(stream);
-    (slice, ptr)
+    // SAFETY: the address of `slice`'s own allocation of `slice.len()` elements.
+    let typed = unsafe { DevicePtr::from_raw(ptr, slice.len()) };
+    (slice, typed)
 }
 
 /// Zeroed device memory (contents irrelevant, or overwritten before use), without a host-side copy.
-fn zeros(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePtr) {
-    let slice = stream.alloc_zeros::<f32>(n).expect("allocate");
-    let (ptr, _) = slice.device_ptr(stream);
-    (slice, ptr)
+fn zeros(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePtr<f32>) {
+    typed(stream, stream.alloc_zeros::<f32>(n).expect("allocate"))
 }
 
 /// Median milliseconds of `work` between two events on `stream`.
@@ -73,10 +78,11 @@ fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let (_norm, norm) = alloc(&s, 1, 1.0);
     let (_clip, clip) = alloc(&s, 1, 1.0);
     let hyper_host = [1e-4f32, 0.9, 0.95, 1e-8, 0.01, 1e-3, 0.3];
-    let hyper_slice = s.clone_htod(&hyper_host).expect("hyper");
-    let (hyper, _) = hyper_slice.device_ptr(&s);
+    let (_hyper, hyper) = typed(&s, s.clone_htod(&hyper_host).expect("hyper"));
+    // SAFETY: the seven f32s of a `repr(C)` `AdamWStep`.
+    let hyper = unsafe { hyper.cast::<AdamWStep>() };
     let adamw_ms = time_ms(ctx, &s, || {
-        k.adamw_update((p, g, m, v), (norm, clip, hyper), n)
+        k.adamw_update(g, norm, clip, hyper, p, m, v, n)
             .expect("adamw")
     });
     let (_dst, dst) = zeros(&s, 7 * n);
@@ -84,7 +90,8 @@ fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let copy_bytes = 7 * n * 4 / 2;
     // SAFETY: both buffers hold `7n` f32s; half of that is copied so reads + writes equal AdamW's 28 B/element.
     let copy_ms = time_ms(ctx, &s, || {
-        unsafe { driver::memcpy_dtod_async(dst, src, copy_bytes, s.cu_stream()) }.expect("copy")
+        unsafe { driver::memcpy_dtod_async(dst.addr(), src.addr(), copy_bytes, s.cu_stream()) }
+            .expect("copy")
     });
     let adamw_gbs = (n * 28) as f64 / adamw_ms / 1e6;
     let copy_gbs = (2 * copy_bytes) as f64 / copy_ms / 1e6;
@@ -114,30 +121,33 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
     let (_dh, dh) = zeros(&s, t * h);
     let (_dw, dlm) = zeros(&s, v * h);
     let labels_host: Vec<i32> = (0..t).map(|i| (i * 7919 % v) as i32).collect();
-    let labels_slice = s.clone_htod(&labels_host).expect("labels");
-    let (labels, _) = labels_slice.device_ptr(&s);
+    let (_labels, labels) = typed(&s, s.clone_htod(&labels_host).expect("labels"));
     let (_scale, scale) = alloc(&s, 1, 1.0 / t as f32);
     let (_loss, row_loss) = alloc(&s, t, 0.0);
-    let run = |rows_per_chunk: usize, logits: DevicePtr| {
+    let (hs, lm, dh, dlm) = (hs.addr(), lm.addr(), dh.addr(), dlm.addr());
+    let run = |rows_per_chunk: usize, logits: DevicePtr<f32>| {
         for start in (0..t).step_by(rows_per_chunk) {
             let r = rows_per_chunk.min(t - start);
-            let (hrow, at) = (hs + (start * h * 4) as u64, |p: DevicePtr, e: usize| {
-                p + (e * 4) as u64
-            });
+            let hrow = hs + (start * h * 4) as u64;
+            let at = |e: usize| labels.offset(e).expect("inside the labels");
+            k.vocab_loss_row(
+                at(start),
+                scale,
+                logits,
+                row_loss.offset(start).expect("inside the row losses"),
+                v,
+                r,
+            )
+            .expect("loss");
+            let logits = logits.addr();
             // SAFETY: every buffer above holds the shapes used here.
             unsafe {
                 gemm.row_major((Op::N, hrow), (Op::T, lm), logits, (r, v, h), 1.0, 0.0)
                     .expect("logits");
-                k.vocab_loss_row(
-                    (logits, at(labels, start), scale, at(row_loss, start)),
-                    r,
-                    v,
-                )
-                .expect("loss");
                 gemm.row_major(
                     (Op::N, logits),
                     (Op::N, lm),
-                    at(dh, start * h),
+                    dh + (start * h * 4) as u64,
                     (r, h, v),
                     1.0,
                     0.0,

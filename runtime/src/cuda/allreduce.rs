@@ -10,7 +10,7 @@ use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
 use super::CudaError;
-use super::launch::DevicePtr;
+use cudarc::driver::sys::CUdeviceptr as DevicePtr;
 
 fn nccl_error(e: nccl::NcclError) -> CudaError {
     CudaError::Nccl(format!("{e:?}"))

@@ -11,7 +11,7 @@ use cudarc::cublas::{CudaBlas, result};
 use cudarc::driver::CudaStream;
 
 use super::CudaError;
-use super::launch::DevicePtr;
+use cudarc::driver::sys::CUdeviceptr as DevicePtr;
 use super::workspace::Buffer;
 
 /// Whether an operand is used as stored or transposed.

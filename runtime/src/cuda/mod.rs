@@ -24,5 +24,5 @@ pub use blas::{Gemm, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
 pub use drafter::{CudaDrafter, StepOutcome};
 pub use error::CudaError;
-pub use launch::{BLOCK_THREADS, DevicePtr, Launcher};
-pub use module::{EMBEDDED_PTX, KERNEL_NAMES, KernelModule, embedded_ptx};
+pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
+pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};

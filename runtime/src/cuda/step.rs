@@ -13,9 +13,12 @@
 
 use cudarc::driver::result as driver;
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, TensorView};
+use draftpipe_gpu_kernels::adamw::AdamWStep;
 
 use super::blas::{Gemm, Op};
-use super::launch::{DevicePtr, Launcher};
+use cudarc::driver::sys::CUdeviceptr as DevicePtr;
+
+use super::launch::{DevicePtr as Typed, Launcher};
 use super::workspace::{Activations, FlatBuffers, InputSlot, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
 use super::{CudaError, GradientAllReduce};
 
@@ -154,6 +157,11 @@ impl StepPlan<'_> {
         self.flat.grads.at(at)
     }
 
+    /// The parameters from `at` on, as a kernel argument.
+    fn param_arg(&self, at: usize) -> Typed<f32> {
+        self.flat.params.dev_at(at)
+    }
+
     /// Row-major GEMM on the step's handle.
     #[allow(clippy::too_many_arguments)]
     fn mm(
@@ -192,10 +200,13 @@ impl StepPlan<'_> {
             let act = a.act.at(b * t * i);
             let k = self.kernels;
             k.rmsnorm_forward(
-                (x, self.param(block.norm), u, a.inv_rms.at(b * t)),
-                t,
+                a.xs.dev_at(b * t * h),
+                self.param_arg(block.norm),
+                a.us.dev_at(b * t * h),
+                a.inv_rms.dev_at(b * t),
                 h,
                 RMS_EPS,
+                t,
             )?;
             self.mm(
                 (Op::N, u),
@@ -204,7 +215,12 @@ impl StepPlan<'_> {
                 (t, 2 * i, h),
                 0.0,
             )?;
-            k.swiglu_forward(gate_up, act, t, i)?;
+            k.swiglu_forward(
+                a.gate_up.dev_at(b * t * 2 * i),
+                a.act.dev_at(b * t * i),
+                i,
+                t * i,
+            )?;
             // x_{b+1} = x_b + act · downᵀ: copy the residual, then accumulate the product into it.
             // SAFETY: both ranges lie inside `xs` and do not overlap.
             unsafe { driver::memcpy_dtod_async(next, x, t * h * F32, k.stream().cu_stream()) }?;
@@ -217,17 +233,14 @@ impl StepPlan<'_> {
             )?;
         }
         let blocks = self.offsets.blocks.len();
-        let last = a.xs.at(blocks * t * h);
         self.kernels.rmsnorm_forward(
-            (
-                last,
-                self.param(self.offsets.norm),
-                a.z.ptr(),
-                a.inv_rms.at(blocks * t),
-            ),
-            t,
+            a.xs.dev_at(blocks * t * h),
+            self.param_arg(self.offsets.norm),
+            a.z.dev(),
+            a.inv_rms.dev_at(blocks * t),
             h,
             RMS_EPS,
+            t,
         )
     }
 
@@ -242,19 +255,19 @@ impl StepPlan<'_> {
         let t = shape.padded_len * shape.sequences;
         let (a, k) = (self.act, self.kernels);
         k.build_labels(
-            (
-                input.input_ids.ptr(),
-                input.loss_mask.ptr(),
-                input.seq_lens.ptr(),
-                a.labels.ptr(),
-            ),
+            input.input_ids.dev(),
+            input.loss_mask.dev(),
+            input.seq_lens.dev(),
+            a.labels.dev(),
             shape.padded_len,
             t,
-            heads,
             v,
+            heads,
         )?;
         k.head_loss_scales(
-            (a.labels.ptr(), a.counts.ptr(), a.scales.ptr()),
+            a.labels.dev(),
+            a.counts.dev(),
+            a.scales.dev(),
             t,
             heads,
             self.loss.head_decay,
@@ -270,7 +283,7 @@ impl StepPlan<'_> {
                 (t, h, h),
                 0.0,
             )?;
-            k.head_residual_forward(a.z.ptr(), a.head_a.ptr(), a.head_h.ptr(), t * h)?;
+            k.head_residual_forward(a.z.dev(), a.head_a.dev(), a.head_h.dev(), t * h)?;
             for start in (0..t).step_by(chunk) {
                 let rows = chunk.min(t - start);
                 let h_rows = a.head_h.at(start * h);
@@ -283,14 +296,12 @@ impl StepPlan<'_> {
                 )?;
                 let row = j * t + start;
                 k.vocab_loss_row(
-                    (
-                        a.logits.ptr(),
-                        a.labels.at(row),
-                        a.scales.at(j),
-                        a.row_loss.at(row),
-                    ),
-                    rows,
+                    a.labels.dev_at(row),
+                    a.scales.dev_at(j),
+                    a.logits.dev(),
+                    a.row_loss.dev_at(row),
                     v,
+                    rows,
                 )?;
                 self.mm(
                     (Op::N, a.logits.ptr()),
@@ -310,7 +321,10 @@ impl StepPlan<'_> {
             }
             // In place: head_dh becomes da; dz collects dh (identity path) here and da·Wⱼ just below.
             k.head_residual_backward(
-                (a.head_a.ptr(), a.head_dh.ptr(), a.head_dh.ptr(), a.dz.ptr()),
+                a.head_a.dev(),
+                a.head_dh.dev(),
+                a.head_dh.dev(),
+                a.dz.dev(),
                 t * h,
             )?;
             self.mm(
@@ -329,45 +343,44 @@ impl StepPlan<'_> {
             )?;
         }
         k.sum_partials(
-            a.row_loss.ptr(),
-            a.loss_partials.ptr(),
+            a.row_loss.dev(),
+            a.loss_partials.dev(),
             heads * t,
             REDUCE_CHUNK,
         )?;
         k.finish_sum(
-            a.loss_partials.ptr(),
+            a.loss_partials.dev(),
+            self.flat.scalars.dev_at(2),
             (heads * t).div_ceil(REDUCE_CHUNK),
-            self.flat.scalars.at(2),
         )
     }
 
     /// `dx (+)= rmsnorm'(x; dy)` and the norm weight's gradient.
     fn norm_backward(
         &self,
-        (x, inv_rms, dy): (DevicePtr, DevicePtr, DevicePtr),
+        (x, inv_rms, dy): (Typed<f32>, Typed<f32>, Typed<f32>),
         weight: usize,
         t: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
         let (a, k, h) = (self.act, self.kernels, self.spec.hidden);
         k.rmsnorm_backward_input(
-            (x, self.param(weight), inv_rms, dy, a.dx.ptr()),
-            t,
+            x,
+            self.param_arg(weight),
+            inv_rms,
+            dy,
+            a.dx.dev(),
             h,
-            accumulate,
-        )?;
-        k.rmsnorm_weight_grad_partials(
-            (x, inv_rms, dy, a.norm_partials.ptr()),
+            u32::from(accumulate),
             t,
-            h,
-            NORM_ROWS_PER_CHUNK,
         )?;
+        k.rmsnorm_weight_grad_partials(x, inv_rms, dy, a.norm_partials.dev(), t, h, NORM_ROWS_PER_CHUNK)?;
         k.column_sums(
-            a.norm_partials.ptr(),
-            self.grad(weight),
+            a.norm_partials.dev(),
+            self.flat.grads.dev_at(weight),
             t.div_ceil(NORM_ROWS_PER_CHUNK),
             h,
-            false,
+            0,
         )
     }
 
@@ -381,14 +394,13 @@ impl StepPlan<'_> {
         let a = self.act;
         let blocks = self.offsets.blocks.len();
         let last = (
-            a.xs.at(blocks * t * h),
-            a.inv_rms.at(blocks * t),
-            a.dz.ptr(),
+            a.xs.dev_at(blocks * t * h),
+            a.inv_rms.dev_at(blocks * t),
+            a.dz.dev(),
         );
         self.norm_backward(last, self.offsets.norm, t, false)?;
         for (b, block) in self.offsets.blocks.iter().enumerate().rev() {
             let act = a.act.at(b * t * i);
-            let gate_up = a.gate_up.at(b * t * 2 * i);
             let u = a.us.at(b * t * h);
             self.mm(
                 (Op::N, a.dx.ptr()),
@@ -405,7 +417,13 @@ impl StepPlan<'_> {
                 0.0,
             )?;
             self.kernels
-                .swiglu_backward((gate_up, a.dact.ptr(), a.dgate_up.ptr()), t, i)?;
+                .swiglu_backward(
+                    a.gate_up.dev_at(b * t * 2 * i),
+                    a.dact.dev(),
+                    a.dgate_up.dev(),
+                    i,
+                    t * i,
+                )?;
             self.mm(
                 (Op::N, a.dgate_up.ptr()),
                 (Op::N, self.param(block.gate_up)),
@@ -420,7 +438,7 @@ impl StepPlan<'_> {
                 (2 * i, h, t),
                 0.0,
             )?;
-            let norm_in = (a.xs.at(b * t * h), a.inv_rms.at(b * t), a.du.ptr());
+            let norm_in = (a.xs.dev_at(b * t * h), a.inv_rms.dev_at(b * t), a.du.dev());
             self.norm_backward(norm_in, block.norm, t, true)?;
         }
         self.mm(
@@ -435,21 +453,25 @@ impl StepPlan<'_> {
     fn optimizer(&self) -> Result<(), CudaError> {
         let (f, k) = (self.flat, self.kernels);
         let n = f.params.len();
-        k.sum_squares_partials(f.grads.ptr(), f.norm_partials.ptr(), n, REDUCE_CHUNK)?;
+        k.sum_squares_partials(f.grads.dev(), f.norm_partials.dev(), n, REDUCE_CHUNK)?;
         let max_norm = self.adamw.clip_grad_norm.unwrap_or(0.0);
         k.finish_grad_norm(
-            (f.norm_partials.ptr(), f.scalars.at(0), f.scalars.at(1)),
+            f.norm_partials.dev(),
+            f.scalars.dev_at(0),
+            f.scalars.dev_at(1),
             n.div_ceil(REDUCE_CHUNK),
             max_norm,
         )?;
+        // SAFETY: `hyper` holds one `AdamWStep` (seven f32s, `repr(C)`), written by the drafter each step.
+        let hyper = unsafe { f.hyper.dev().cast::<AdamWStep>() };
         k.adamw_update(
-            (
-                f.params.ptr(),
-                f.grads.ptr(),
-                f.exp_avg.ptr(),
-                f.exp_avg_sq.ptr(),
-            ),
-            (f.scalars.at(0), f.scalars.at(1), f.hyper.ptr()),
+            f.grads.dev(),
+            f.scalars.dev_at(0),
+            f.scalars.dev_at(1),
+            hyper,
+            f.params.dev(),
+            f.exp_avg.dev(),
+            f.exp_avg_sq.dev(),
             n,
         )
     }

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _, DeviceRepr, ValidAsZ
 use draftpipe_compiler::plan::MlpSpec;
 
 use super::CudaError;
-use super::launch::DevicePtr;
+use cudarc::driver::sys::CUdeviceptr as DevicePtr;
 
 /// Rows per partial sum of the RMSNorm weight gradient (first pass).
 pub const NORM_ROWS_PER_CHUNK: usize = 64;

@@ -42,15 +42,20 @@ pub fn uniform(rng: &mut Xoshiro256PlusPlus, n: usize, lo: f32, hi: f32) -> Vec<
     (0..n).map(|_| rng.random_range(lo..hi)).collect()
 }
 
-/// A device copy of `host` and its address.
-pub fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> (CudaSlice<T>, DevicePtr) {
+/// A device copy of `host` and its typed address.
+pub fn upload<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    host: &[T],
+) -> (CudaSlice<T>, DevicePtr<T>) {
     let slice = stream.clone_htod(host).expect("upload");
     let (ptr, _) = slice.device_ptr(stream);
-    (slice, ptr)
+    // SAFETY: the allocation just made holds `host.len()` elements and lives as long as `slice`.
+    let typed = unsafe { DevicePtr::from_raw(ptr, host.len()) };
+    (slice, typed)
 }
 
 /// A device buffer of `n` NaNs (outputs are poisoned before every run).
-pub fn poisoned(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePtr) {
+pub fn poisoned(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePtr<f32>) {
     upload(stream, &vec![f32::NAN; n])
 }
 
