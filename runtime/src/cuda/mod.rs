@@ -16,10 +16,11 @@ mod drafter;
 mod error;
 mod launch;
 mod module;
+mod nccl;
 mod step;
 mod workspace;
 
-pub use allreduce::GradientAllReduce;
+pub use allreduce::{GradientAllReduce, GroupAbort};
 pub use blas::{Gemm, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
 pub use drafter::{CudaDrafter, StepOutcome};

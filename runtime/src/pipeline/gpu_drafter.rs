@@ -120,7 +120,8 @@ pub(super) fn run(context: DrafterContext<'_>, device: GpuDevice) -> Finished {
                 source,
             });
             if context.plan.drafter.sync == SyncMode::AllReduce {
-                context.group.leave(|| true);
+                // The others may already wait in a collective this rank will never join.
+                context.group.abort();
             }
             Finished {
                 stop: StopReason::Interrupted,
@@ -142,6 +143,11 @@ fn open(context: &DrafterContext<'_>, device: GpuDevice) -> Result<CudaDrafter, 
         stage.launch,
     )?;
     if let Some(all_reduce) = device.all_reduce {
+        let group = all_reduce.group_abort();
+        context.group.on_abort(move || {
+            // Nothing is left to report to: the run already carries the error that aborted the group.
+            let _ = group.abort();
+        });
         drafter.attach_all_reduce(all_reduce)?;
     }
     drafter.upload_state(&context.state)?;
@@ -225,14 +231,23 @@ impl<'a> Training<'a> {
     }
 
     fn run(mut self) -> Finished {
-        let stop = self.train().unwrap_or_else(|source| {
-            self.fail(source);
-            StopReason::Interrupted
-        });
-        if self.synced {
-            // Leaving once, whatever the reason, shortens the others' next round so they stop before launching.
-            self.group.leave(|| true);
-        }
+        let stop = match self.train() {
+            Ok(stop) => {
+                if self.synced {
+                    // Leaving shortens the others' next round so they stop before launching.
+                    self.group.leave(|| true);
+                }
+                stop
+            }
+            Err(source) => {
+                self.fail(source);
+                if self.synced {
+                    // A failed rank aborts the group: the others' NCCL collectives end instead of waiting for it.
+                    self.group.abort();
+                }
+                StopReason::Interrupted
+            }
+        };
         if let Err(source) = self.collect_last() {
             self.fail(source);
         }
