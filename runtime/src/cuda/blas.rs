@@ -6,8 +6,8 @@
 use std::ffi::c_int;
 use std::sync::Arc;
 
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, result};
+use cudarc::cublas::result;
+use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 use cudarc::driver::CudaStream;
 
 use super::CudaError;
@@ -37,10 +37,28 @@ impl Op {
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// A cuBLAS handle bound to one stream, with its own workspace.
+///
+/// The handle is created and destroyed here rather than through cudarc's `CudaBlas`, whose drop unwraps the
+/// result of `cublasDestroy`: after a device fault that call fails, and the panic would replace the fault's
+/// error (or abort a thread already unwinding). Here a failed destroy is ignored: there is nothing left to free.
 #[derive(Debug)]
 pub struct Gemm {
-    blas: CudaBlas,
+    handle: cublasHandle_t,
+    stream: Arc<CudaStream>,
     _workspace: Buffer<u8>,
+}
+
+// SAFETY: a cuBLAS handle may move between threads; `&self` calls enqueue on the handle's one stream, which
+// cuBLAS allows from one thread at a time, as the drafter's `&mut` step guarantees.
+unsafe impl Send for Gemm {}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        // Errors are ignored (see the type's docs); the context must be current for the destroy.
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the handle was created in `Gemm::new` and is destroyed once, here.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
 }
 
 fn dim(value: usize) -> Result<c_int, CudaError> {
@@ -54,21 +72,26 @@ impl Gemm {
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
-        let blas = CudaBlas::new(stream.clone())?;
+        stream.context().bind_to_thread()?;
         let workspace = Buffer::<u8>::zeros(&stream, CUBLAS_WORKSPACE_BYTES)?;
-        // SAFETY: the workspace lives as long as the handle (both owned by `Gemm`) and is used on its stream.
+        let handle = result::create_handle()?;
+        let gemm = Self {
+            handle,
+            stream,
+            _workspace: workspace,
+        };
+        // SAFETY: the handle is live; the workspace lives as long as the handle (both owned by `Gemm`) and is
+        // used on its stream.
         unsafe {
+            result::set_stream(handle, gemm.stream.cu_stream() as _)?;
             cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *blas.handle(),
-                workspace.ptr() as *mut _,
+                handle,
+                gemm._workspace.ptr() as *mut _,
                 CUBLAS_WORKSPACE_BYTES,
             )
             .result()?;
         }
-        Ok(Self {
-            blas,
-            _workspace: workspace,
-        })
+        Ok(gemm)
     }
 
     /// Row-major `C[m, n] = alpha · op_a(A)·op_b(B) + beta · C`, where `A` is stored `[m, k]` (`[k, m]` when
@@ -92,7 +115,7 @@ impl Gemm {
         // in the module docs, with leading dimensions equal to the stored row lengths.
         unsafe {
             result::sgemm(
-                *self.blas.handle(),
+                self.handle,
                 op_b.cublas(),
                 op_a.cublas(),
                 dim(n)?,
