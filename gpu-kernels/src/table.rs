@@ -208,6 +208,7 @@ pub struct KernelSignature {
 }
 
 /// Bytes of a device pointer to `T` on nvptx64, whatever the host's pointer width.
+#[allow(clippy::extra_unused_type_parameters)] // the table's repetition names the element type
 const fn device_pointer_width<T>() -> usize {
     8
 }

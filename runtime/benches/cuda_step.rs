@@ -15,11 +15,11 @@ use std::time::Instant;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, result as driver};
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan};
+use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::cuda::{
     CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
 };
-use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_runtime::params::FlatState;
 
 const REPS: usize = 15;
@@ -30,7 +30,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn alloc(stream: &Arc<CudaStream>, n: usize, value: f32) -> (CudaSlice<f32>, DevicePtr<f32>) {
-    typed(stream, stream.clone_htod(&vec![value; n]).expect("allocate"))
+    typed(
+        stream,
+        stream.clone_htod(&vec![value; n]).expect("allocate"),
+    )
 }
 
 /// `slice` and its typed address.

@@ -70,7 +70,9 @@ fn main() {
     });
     let copy_gbs = (2 * copy_bytes) as f64 / copy_ms / 1e6;
     println!("| D2D copy, 1 GiB | {copy_gbs:.0} GB/s (reads + writes) | |");
-    println!("| vocab_loss_row, {ROWS} rows | µs per row | bound at copy bandwidth (12 B per logit) |");
+    println!(
+        "| vocab_loss_row, {ROWS} rows | µs per row | bound at copy bandwidth (12 B per logit) |"
+    );
 
     for vocab in [32_000usize, 151_936] {
         let logits_host: Vec<f32> = (0..ROWS * vocab)

@@ -183,7 +183,12 @@ impl AllReduce {
             round.aborted = true;
             self.round_done.notify_all();
         }
-        let hooks = std::mem::take(&mut *self.abort_hooks.lock().unwrap_or_else(PoisonError::into_inner));
+        let hooks = std::mem::take(
+            &mut *self
+                .abort_hooks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
         for hook in hooks {
             hook();
         }
@@ -326,12 +331,18 @@ mod tests {
                 let result = loop {
                     if worker == 1 && rounds == 5 {
                         group.abort();
-                        break Err(format!("worker {worker}: fake device fault in step {rounds}"));
+                        break Err(format!(
+                            "worker {worker}: fake device fault in step {rounds}"
+                        ));
                     }
                     let mut grads = vec![worker as f32; 8];
                     let outcome = group.mean(&mut grads, || false);
                     if outcome.aborted {
-                        assert_eq!(grads, vec![worker as f32; 8], "an aborted round leaves the gradients");
+                        assert_eq!(
+                            grads,
+                            vec![worker as f32; 8],
+                            "an aborted round leaves the gradients"
+                        );
                         break Ok(rounds);
                     }
                     assert_eq!(grads, vec![1.0; 8]);
@@ -356,11 +367,17 @@ mod tests {
         assert_eq!(results[2].1, Ok(5));
         assert!(hook_ran.load(Ordering::SeqCst), "the abort hook ran");
         let mut late = vec![0.0; 8];
-        assert!(group.mean(&mut late, || false).aborted, "later rounds stay aborted");
+        assert!(
+            group.mean(&mut late, || false).aborted,
+            "later rounds stay aborted"
+        );
         let ran_at_once = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&ran_at_once);
         group.on_abort(move || flag.store(true, Ordering::SeqCst));
-        assert!(ran_at_once.load(Ordering::SeqCst), "a hook registered after the abort runs at once");
+        assert!(
+            ran_at_once.load(Ordering::SeqCst),
+            "a hook registered after the abort runs at once"
+        );
     }
 
     #[test]

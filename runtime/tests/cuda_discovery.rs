@@ -117,7 +117,11 @@ fn gpu_libraries_load_and_are_named() {
     let mut files: Vec<&str> = maps
         .lines()
         .filter_map(|line| line.split_whitespace().nth(5))
-        .filter(|path| ["libcuda.so", "libcublas", "libnccl"].iter().any(|l| path.contains(l)))
+        .filter(|path| {
+            ["libcuda.so", "libcublas", "libnccl"]
+                .iter()
+                .any(|l| path.contains(l))
+        })
         .collect();
     files.dedup();
     for file in &files {

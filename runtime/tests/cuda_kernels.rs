@@ -56,14 +56,22 @@ fn rmsnorm_forward_and_backward_match_host() {
         upload(&s, &dx0),
     );
     let ((_p, gp_), (gdw, gdw_)) = (poisoned(&s, chunks * cols), poisoned(&s, cols));
-    k.rmsnorm_forward(x_, w_, gy_, ginv_, cols, eps, rows).unwrap();
+    k.rmsnorm_forward(x_, w_, gy_, ginv_, cols, eps, rows)
+        .unwrap();
     k.rmsnorm_backward_input(x_, w_, ginv_, dy_, gdx_, cols, 1, rows)
         .unwrap();
     k.rmsnorm_weight_grad_partials(x_, ginv_, dy_, gp_, rows, cols, chunk)
         .unwrap();
     k.column_sums(gp_, gdw_, chunks, cols, 0).unwrap();
     assert_close("rmsnorm y", &download(&s, &gy), &y, 2e-5, 1e-6, seed);
-    assert_close("rmsnorm inv_rms", &download(&s, &ginv), &inv, 2e-5, 0.0, seed);
+    assert_close(
+        "rmsnorm inv_rms",
+        &download(&s, &ginv),
+        &inv,
+        2e-5,
+        0.0,
+        seed,
+    );
     assert_close("rmsnorm dx", &download(&s, &gdx), &dx, 1e-4, 1e-5, seed);
     assert_close("rmsnorm dw", &download(&s, &gdw), &dw, 1e-4, 1e-5, seed);
 }
@@ -116,7 +124,14 @@ fn swiglu_and_head_residual_match_host() {
     k.head_residual_forward(z_, a_, gh_, n).unwrap();
     k.head_residual_backward(a_, dh_, gda_, gdz_, n).unwrap();
     assert_close("swiglu act", &download(&s, &gact), &act, 2e-5, 1e-6, seed);
-    assert_close("swiglu dgate_up", &download(&s, &gdgu), &dgu, 2e-5, 1e-6, seed);
+    assert_close(
+        "swiglu dgate_up",
+        &download(&s, &gdgu),
+        &dgu,
+        2e-5,
+        1e-6,
+        seed,
+    );
     assert_close("head h", &download(&s, &gh), &h, 2e-5, 1e-6, seed);
     assert_close("head da", &download(&s, &gda), &da, 2e-5, 1e-6, seed);
     assert_close("head dz", &download(&s, &gdz), &dz, 2e-5, 1e-6, seed);
@@ -148,7 +163,16 @@ fn labels_scales_and_fused_loss_match_host() {
     );
     let (mut grad, mut row_loss) = (logits.clone(), vec![0.0f32; tokens]);
     let head = 1;
-    launch::build_labels(&ids, &mask, &lens, &mut labels, padded_len, tokens, vocab, heads);
+    launch::build_labels(
+        &ids,
+        &mask,
+        &lens,
+        &mut labels,
+        padded_len,
+        tokens,
+        vocab,
+        heads,
+    );
     launch::head_loss_scales(&labels, &mut counts, &mut scales, tokens, heads, decay);
     launch::vocab_loss_row(
         &labels[head * tokens..],
@@ -168,8 +192,10 @@ fn labels_scales_and_fused_loss_match_host() {
         upload(&s, &logits),
         poisoned(&s, tokens),
     );
-    k.build_labels(ids_, mask_, lens_, glabels_, padded_len, tokens, vocab, heads)
-        .unwrap();
+    k.build_labels(
+        ids_, mask_, lens_, glabels_, padded_len, tokens, vocab, heads,
+    )
+    .unwrap();
     k.head_loss_scales(glabels_, gcounts_, gscales_, tokens, heads, decay)
         .unwrap();
     k.vocab_loss_row(
@@ -184,8 +210,22 @@ fn labels_scales_and_fused_loss_match_host() {
     assert_eq!(download(&s, &glabels), labels, "labels (seed {seed})");
     assert_eq!(download(&s, &gcounts), counts, "counts (seed {seed})");
     assert_close("scales", &download(&s, &gscales), &scales, 1e-6, 0.0, seed);
-    assert_close("row loss", &download(&s, &gloss), &row_loss, 1e-4, 1e-7, seed);
-    assert_close("logits grad", &download(&s, &glogits), &grad, 1e-4, 1e-9, seed);
+    assert_close(
+        "row loss",
+        &download(&s, &gloss),
+        &row_loss,
+        1e-4,
+        1e-7,
+        seed,
+    );
+    assert_close(
+        "logits grad",
+        &download(&s, &glogits),
+        &grad,
+        1e-4,
+        1e-9,
+        seed,
+    );
 }
 
 #[test]
@@ -246,11 +286,15 @@ fn grad_norm_and_adamw_match_host() {
     k.sum_squares_partials(g_, pa_, n, chunk).unwrap();
     k.finish_grad_norm(pa_, gnorm_, gclip_, chunks, max_norm)
         .unwrap();
-    k.adamw_update(g_, gnorm_, gclip_, h_, gp_, gm_, gv_, n).unwrap();
+    k.adamw_update(g_, gnorm_, gclip_, h_, gp_, gm_, gv_, n)
+        .unwrap();
     assert_close("grad norm", &download(&s, &gnorm), &norm, 1e-5, 0.0, seed);
     assert_close("clip scale", &download(&s, &gclip), &clip, 1e-5, 0.0, seed);
     let got = download(&s, &gp);
-    assert!(got.iter().all(|p| p.is_finite()), "non-finite parameter (seed {seed})");
+    assert!(
+        got.iter().all(|p| p.is_finite()),
+        "non-finite parameter (seed {seed})"
+    );
     assert_close("params", &got, &p, 1e-5, 1e-7, seed);
     assert_close("exp_avg", &download(&s, &gm), &m, 1e-5, 1e-9, seed);
     assert_close("exp_avg_sq", &download(&s, &gv), &v, 1e-5, 1e-12, seed);
@@ -284,7 +328,10 @@ fn a_short_buffer_is_an_error_not_a_launch() {
     let s = k.stream().clone();
     let ((_x, x_), (_y, y_)) = (poisoned(&s, 10), poisoned(&s, 1));
     let error = k.sum_partials(x_, y_, 10, 4).unwrap_err().to_string();
-    assert!(error.contains("`partials` holds 1 elements, the launch needs 3"), "{error}");
+    assert!(
+        error.contains("`partials` holds 1 elements, the launch needs 3"),
+        "{error}"
+    );
 }
 
 #[test]
@@ -339,7 +386,8 @@ fn row_major_gemm_matches_f64_for_every_transpose() {
                 alpha,
                 beta,
             )
-        }.unwrap();
+        }
+        .unwrap();
         assert_close(
             &format!("gemm {op_a:?}{op_b:?}"),
             &download(&s, &gc),

@@ -311,13 +311,27 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers_bitwise() {
         Shared(inv.as_mut_ptr()),
         Shared(dx.as_mut_ptr()),
     );
-    let (xs, ws, dys) = (Shared(x.as_ptr().cast_mut()), Shared(w.as_ptr().cast_mut()), Shared(dy.as_ptr().cast_mut()));
+    let (xs, ws, dys) = (
+        Shared(x.as_ptr().cast_mut()),
+        Shared(w.as_ptr().cast_mut()),
+        Shared(dy.as_ptr().cast_mut()),
+    );
     launch(rows, |plane, row| {
         let (yp, invp, dxp, xs, ws, dys) = (yp, invp, dxp, xs, ws, dys);
         // SAFETY: buffers sized for `rows × cols`; the lanes write as the kernels' contracts say.
         unsafe {
             norm::rmsnorm_forward(xs.0, ws.0, yp.0, invp.0, cols, 1e-6, plane, row);
-            norm::rmsnorm_backward_input(xs.0, ws.0, inv_host.as_ptr(), dys.0, dxp.0, cols, true, plane, row);
+            norm::rmsnorm_backward_input(
+                xs.0,
+                ws.0,
+                inv_host.as_ptr(),
+                dys.0,
+                dxp.0,
+                cols,
+                true,
+                plane,
+                row,
+            );
         }
     });
     assert_eq!(bits(&y), bits(&y_host), "rmsnorm y");
@@ -356,7 +370,11 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers_bitwise() {
             reduce::sum_squares_partials(v.as_ptr(), qp.0, n, chunk_len, plane, chunk);
         }
     });
-    let (tp, np, cp) = (Shared(total.as_mut_ptr()), Shared(norm_out.as_mut_ptr()), Shared(clip.as_mut_ptr()));
+    let (tp, np, cp) = (
+        Shared(total.as_mut_ptr()),
+        Shared(norm_out.as_mut_ptr()),
+        Shared(clip.as_mut_ptr()),
+    );
     launch(1, |plane, _| {
         let (tp, np, cp) = (tp, np, cp);
         // SAFETY: the partials hold `chunks` elements, the outputs one each.

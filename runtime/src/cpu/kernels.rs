@@ -172,7 +172,16 @@ pub fn rmsnorm_backward_input(
         x.len() == n && dy.len() == n && dx.len() == n,
         "rmsnorm_backward_input: buffer sizes"
     );
-    launch::rmsnorm_backward_input(x, weight, inv_rms, dy, dx, cols, u32::from(accumulate), rows);
+    launch::rmsnorm_backward_input(
+        x,
+        weight,
+        inv_rms,
+        dy,
+        dx,
+        cols,
+        u32::from(accumulate),
+        rows,
+    );
 }
 
 /// RMSNorm weight gradient `dw[c] = Σ_r dy[r,c]·x[r,c]·inv_rms[r]` by the two-pass reduction, using
@@ -266,7 +275,14 @@ pub fn head_loss_scales(labels: &[i32], head_decay: f32, counts: &mut [u32], sca
         scales.len() == heads && heads > 0 && labels.len().is_multiple_of(heads),
         "head_loss_scales: buffer sizes"
     );
-    launch::head_loss_scales(labels, counts, scales, labels.len() / heads, heads, head_decay);
+    launch::head_loss_scales(
+        labels,
+        counts,
+        scales,
+        labels.len() / heads,
+        heads,
+        head_decay,
+    );
 }
 
 /// Fused cross-entropy over the rows of a logits chunk `[rows, vocab]`: per-row scaled loss into `row_loss`,

@@ -164,7 +164,11 @@ impl GradientAllReduce {
         stream: CUstream,
     ) -> Result<(), CudaError> {
         // An aborted communicator must not be used again; NCCL would read freed memory.
-        let comms = self.group.comms.lock().unwrap_or_else(PoisonError::into_inner);
+        let comms = self
+            .group
+            .comms
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if comms.is_none() {
             return Err(CudaError::Nccl("the communicator group was aborted".into()));
         }

@@ -11,8 +11,8 @@ use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 use cudarc::driver::CudaStream;
 
 use super::CudaError;
-use cudarc::driver::sys::CUdeviceptr as DevicePtr;
 use super::workspace::Buffer;
+use cudarc::driver::sys::CUdeviceptr as DevicePtr;
 
 /// Whether an operand is used as stored or transposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -208,6 +208,7 @@ macro_rules! cuda_launcher {
 }
 
 /// Bytes the launcher pushes for a [`DevicePtr`] of any element type: its raw address.
+#[allow(clippy::extra_unused_type_parameters)] // the table's repetition names the element type
 const fn pushed_pointer_width<T>() -> usize {
     size_of::<CUdeviceptr>()
 }

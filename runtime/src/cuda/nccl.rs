@@ -140,6 +140,9 @@ mod tests {
         let shipped = names.iter().position(|n| n == "libnccl.so.2").unwrap();
         let dev_only = names.iter().position(|n| n == "libnccl.so").unwrap();
         assert!(shipped < dev_only, "{names:?}");
-        assert!(names.iter().any(|n| n == "libnccl.so.1"), "cudarc's names kept");
+        assert!(
+            names.iter().any(|n| n == "libnccl.so.1"),
+            "cudarc's names kept"
+        );
     }
 }

@@ -374,7 +374,15 @@ impl StepPlan<'_> {
             u32::from(accumulate),
             t,
         )?;
-        k.rmsnorm_weight_grad_partials(x, inv_rms, dy, a.norm_partials.dev(), t, h, NORM_ROWS_PER_CHUNK)?;
+        k.rmsnorm_weight_grad_partials(
+            x,
+            inv_rms,
+            dy,
+            a.norm_partials.dev(),
+            t,
+            h,
+            NORM_ROWS_PER_CHUNK,
+        )?;
         k.column_sums(
             a.norm_partials.dev(),
             self.flat.grads.dev_at(weight),
@@ -416,14 +424,13 @@ impl StepPlan<'_> {
                 (h, i, t),
                 0.0,
             )?;
-            self.kernels
-                .swiglu_backward(
-                    a.gate_up.dev_at(b * t * 2 * i),
-                    a.dact.dev(),
-                    a.dgate_up.dev(),
-                    i,
-                    t * i,
-                )?;
+            self.kernels.swiglu_backward(
+                a.gate_up.dev_at(b * t * 2 * i),
+                a.dact.dev(),
+                a.dgate_up.dev(),
+                i,
+                t * i,
+            )?;
             self.mm(
                 (Op::N, a.dgate_up.ptr()),
                 (Op::N, self.param(block.gate_up)),

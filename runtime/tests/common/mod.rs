@@ -43,10 +43,7 @@ pub fn uniform(rng: &mut Xoshiro256PlusPlus, n: usize, lo: f32, hi: f32) -> Vec<
 }
 
 /// A device copy of `host` and its typed address.
-pub fn upload<T: DeviceRepr>(
-    stream: &Arc<CudaStream>,
-    host: &[T],
-) -> (CudaSlice<T>, DevicePtr<T>) {
+pub fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> (CudaSlice<T>, DevicePtr<T>) {
     let slice = stream.clone_htod(host).expect("upload");
     let (ptr, _) = slice.device_ptr(stream);
     // SAFETY: the allocation just made holds `host.len()` elements and lives as long as `slice`.
