@@ -1,11 +1,9 @@
 //! Command-line arguments (clap derive) and the dispatch from a [`Command`] to its module in `commands/`.
 //!
-//! Exit codes: 0 success, 1 the input has errors (or cannot be read), 2 usage errors (clap's own code).
-
-use std::path::PathBuf;
-use std::process::ExitCode;
+//! Exit codes: see `commands` (0 success, 1 errors, 2 usage errors through clap, 3 and 128 + N for `run`).
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
 
 use crate::commands;
 
@@ -32,8 +30,8 @@ pub enum Command {
 }
 
 impl Command {
-    /// Runs the command and returns the process exit code.
-    pub fn run(self) -> ExitCode {
+    /// Runs the command; its error goes to [`commands::finish`].
+    pub fn run(self) -> commands::CommandResult {
         match self {
             Command::Check(args) => commands::check::run(&args),
             Command::Compile(args) => commands::compile::run(&args),

@@ -1,4 +1,5 @@
-//! `draftpipe`: the command-line entry point. Parses arguments and hands off to the library crates.
+//! `draftpipe`: the command-line entry point. Parses arguments, runs the command, and reports its error in one
+//! place ([`commands::finish`]).
 
 mod cli;
 mod commands;
@@ -6,5 +7,5 @@ mod commands;
 use clap::Parser as _;
 
 fn main() -> std::process::ExitCode {
-    cli::Cli::parse().command.run()
+    commands::finish(cli::Cli::parse().command.run())
 }

@@ -67,12 +67,26 @@ fn every_diagnostic_has_a_position_snippet_caret_and_help() {
         let name = path.file_name().unwrap().to_str().unwrap().to_owned();
         let source = fs::read_to_string(&path).unwrap();
         let diagnostics = draftpipe_compiler::compile_source(&name, &source).unwrap_err();
+        let text = diagnostics.to_string();
+        let lines: Vec<&str> = source.split('\n').collect();
         for d in diagnostics.iter() {
             assert!(d.help.is_some(), "{name}: `{}` has no help line", d.message);
+            // The position must be a real place in the file, and the quoted line the file's line there.
             let (line, col) = diagnostics.position(d);
-            assert!(line >= 1 && col >= 1);
+            let source_line = lines
+                .get(line - 1)
+                .unwrap_or_else(|| panic!("{name}: line {line} is past the end of the file"))
+                .trim_end_matches('\r');
+            assert!(
+                col <= source_line.chars().count() + 1,
+                "{name}: column {col} is past the end of line {line}: {source_line:?}"
+            );
+            let quoted = format!("{line} | {}", source_line.replace('\t', " "));
+            assert!(
+                text.lines().any(|l| l.trim_end() == quoted.trim_end()),
+                "{name}: line {line} is not quoted as `{quoted}` in\n{text}"
+            );
         }
-        let text = diagnostics.to_string();
         assert!(
             text.contains(&format!("--> {name}:")),
             "{name}: no position in\n{text}"

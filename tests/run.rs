@@ -106,9 +106,12 @@ fn training_lowers_the_loss_and_json_lines_are_sound() {
     let curve = summary["loss_curve"].as_array().unwrap();
     let first = curve.first().unwrap()["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();
-    // ln(256) = 5.55 is chance; the synthetic chain is learnable well below it. Stated margin: the final loss is
-    // at most 80% of the first reported one after 60 steps.
-    assert!(last <= 0.8 * first, "loss fell only from {first} to {last}");
+    // ln(256) = 5.55 is chance; the synthetic chain is learnable well below it. Measured over six runs of this
+    // test's pipeline (2026-11-30): final loss 2.11–2.56, 0.42–0.49 of the first reported one (which lands between
+    // steps 2 and 10, hence the spread). Stated margins: final loss at most 2.9 (0.35 above the worst run) and at
+    // most 0.6 of the first; a trainer that learns half as well fails both.
+    assert!(last <= 2.9, "final loss {last} (measured 2.11–2.56)");
+    assert!(last <= 0.6 * first, "loss fell only from {first} to {last}");
 
     let diagnose = draftpipe(&["diagnose", "runs/tiny"], &dir);
     assert_eq!(
@@ -141,10 +144,12 @@ fn the_quickstart_run_lowers_its_loss() {
     .unwrap();
     let first = summary["loss_curve"][0]["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();
-    // The untrained drafter starts near ln(4096) = 8.3. Stated margin: after 30 of the file's 300 steps the loss
-    // is at most 90% of the first reported one (measured: 8.47 → 5.64, 67%).
+    // The untrained drafter starts near ln(4096) = 8.3. Measured twice (2026-11-30): 8.47 → 5.52 after 30 of the
+    // file's 300 steps, 65% of the first reported loss. Stated margins: at most 5.9 (0.4 above the measured
+    // value) and at most 70% of the first.
+    assert!(last <= 5.9, "quickstart final loss {last} (measured 5.52)");
     assert!(
-        last <= 0.9 * first,
+        last <= 0.7 * first,
         "quickstart loss fell only from {first} to {last}"
     );
 }
@@ -429,4 +434,416 @@ fn a_plan_too_big_for_this_machine_is_a_clear_error_not_an_abort() {
         "stderr:\n{stderr}"
     );
     assert!(!stderr.contains("memory allocation"), "stderr:\n{stderr}");
+}
+
+/// Starts a long run of `pipe` in `dir` with `extra` arguments and waits until it is training (its status log
+/// exists), so a signal or a second run meets it mid-training.
+fn start_training(dir: &Path, pipe: &Path, extra: &[&str]) -> std::process::Child {
+    let status_log = dir.join("runs/tiny/status.jsonl");
+    let _ = std::fs::remove_file(&status_log);
+    let child = Command::new(env!("CARGO_BIN_EXE_draftpipe"))
+        .args(["run", pipe.to_str().unwrap(), "--steps", "100000"])
+        .args(extra)
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !status_log.exists() && started.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    child
+}
+
+/// A child process killed if the test fails before it is waited for, so a failed test leaves nothing running.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn signal(child: &std::process::Child, name: &str) {
+    let sent = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+fn summary_json(run_dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn sigterm_and_sighup_save_write_the_summary_and_exit_128_plus_the_signal() {
+    let dir = scratch("sigterm");
+    let pipe = tiny_pipe(&dir, 1, 2, "round_robin", SYNTHETIC);
+    let plan = compile_file(&pipe).unwrap();
+    for (name, code) in [("TERM", 143), ("HUP", 129)] {
+        let _ = std::fs::remove_dir_all(dir.join("ckpt"));
+        let _ = std::fs::remove_file(dir.join("runs/tiny/summary.json"));
+        let child = start_training(&dir, &pipe, &["--save", "ckpt", "--save-every", "100000"]);
+        signal(&child, name);
+        let out = child.wait_with_output().unwrap();
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "SIG{name}: {stderr}");
+        assert!(stderr.contains(&format!("SIG{name} received")), "{stderr}");
+        let checkpoint = load_checkpoint(&dir.join("ckpt"), &plan.model).unwrap();
+        assert!(checkpoint.state.step > 0);
+        let summary = summary_json(&dir.join("runs/tiny"));
+        assert_eq!(summary["ending"]["reason"], "interrupted", "{summary}");
+    }
+}
+
+#[test]
+fn a_second_run_on_the_same_directories_is_refused_naming_the_first_runs_pid() {
+    let dir = scratch("locks");
+    let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
+    let mut first = KillOnDrop(Some(start_training(&dir, &pipe, &["--save", "ckpt"])));
+    let pid = first.0.as_ref().unwrap().id();
+    for (args, what) in [
+        (
+            vec!["--save", "ckpt", "--run-dir", "other-run"],
+            "the checkpoint directory ckpt",
+        ),
+        (vec!["--save", "other-ckpt"], "the run directory runs/tiny"),
+    ] {
+        let mut all = vec!["run", pipe.to_str().unwrap(), "--steps", "3"];
+        all.extend(args);
+        let out = draftpipe(&all, &dir);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "{what} is in use by another draftpipe run (pid {pid})"
+            )),
+            "{stderr}"
+        );
+    }
+    let first = first.0.take().unwrap();
+    signal(&first, "INT");
+    let out = first.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    let plan = compile_file(&pipe).unwrap();
+    load_checkpoint(&dir.join("ckpt"), &plan.model).expect("the first run's checkpoint is intact");
+}
+
+#[test]
+fn a_save_or_trace_path_that_cannot_work_is_refused_before_training() {
+    let dir = scratch("bad-outputs");
+    let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
+    std::fs::write(dir.join("a-file"), "not a directory").unwrap();
+    let traced = std::fs::read_to_string(&pipe).unwrap().replace(
+        "telemetry { every = 100ms }",
+        "telemetry { every = 100ms  trace = \"a-file/trace.json\" }",
+    );
+    let traced_pipe = dir.join("traced.pipe");
+    std::fs::write(&traced_pipe, traced).unwrap();
+    for (pipe, extra, expected) in [
+        (
+            &pipe,
+            vec!["--save", "a-file"],
+            "a-file exists and is not a checkpoint directory",
+        ),
+        (
+            &pipe,
+            vec!["--save", "a-file/ckpt"],
+            "cannot lock the checkpoint directory a-file/ckpt",
+        ),
+        (
+            &traced_pipe,
+            vec![],
+            "cannot write the trace file a-file/trace.json",
+        ),
+    ] {
+        let mut args = vec!["run", pipe.to_str().unwrap()];
+        args.extend(extra);
+        let out = draftpipe(&args, &dir);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(expected), "{stderr}");
+        assert!(
+            !dir.join("runs/tiny/summary.json").exists(),
+            "{args:?} trained before failing"
+        );
+    }
+}
+
+/// Writes a hidden-state file for [`tiny_pipe`] (width 64, vocab 256) of `rows` sequences of 32 tokens.
+fn write_hidden_states(path: &Path, rows: usize, poison: Option<usize>) {
+    use safetensors::tensor::{Dtype, TensorView};
+    let (s, d) = (32usize, 64usize);
+    let mut hs: Vec<f32> = (0..rows * s * d)
+        .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+        .collect();
+    if let Some(at) = poison {
+        hs[at] = f32::NAN;
+    }
+    let hs: Vec<u8> = hs.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let ids: Vec<u8> = (0..rows * s)
+        .flat_map(|i| ((i * 7 % 256) as i32).to_le_bytes())
+        .collect();
+    let tensors = [
+        (
+            "hidden_states",
+            TensorView::new(Dtype::F32, vec![rows, s, d], &hs).unwrap(),
+        ),
+        (
+            "input_ids",
+            TensorView::new(Dtype::I32, vec![rows, s], &ids).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, None, path).unwrap();
+}
+
+#[test]
+fn data_that_runs_out_before_the_step_limit_exits_3_and_says_so() {
+    let dir = scratch("exhausted");
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    // 16 sequences of 32 tokens: two batches of bucket 32, so two steps of the 50 asked for.
+    write_hidden_states(&dir.join("data/few.safetensors"), 16, None);
+    let source = format!(
+        r#"safetensors(path = "{}/data/*.safetensors")"#,
+        dir.display()
+    );
+    let pipe = tiny_pipe(&dir, 1, 1, "fifo", &source);
+    let out = draftpipe(&["run", pipe.to_str().unwrap(), "--steps", "50"], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("the data ran out at step 2"), "{stderr}");
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("note: the data ran out at step 2 of the 50 asked for"),
+        "{stdout}"
+    );
+    let summary = summary_json(&dir.join("runs/tiny"));
+    assert_eq!(summary["ending"]["reason"], "data_exhausted_early");
+    let diagnose = draftpipe(&["diagnose", "runs/tiny"], &dir);
+    assert!(text(&diagnose.stdout).contains("the data ran out at step 2 of the 50 asked for"));
+}
+
+#[test]
+fn a_nan_in_the_data_names_the_file_not_the_learning_rate() {
+    let dir = scratch("nan-data");
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    write_hidden_states(
+        &dir.join("data/poisoned.safetensors"),
+        16,
+        Some(9 * 32 * 64 + 3),
+    );
+    let source = format!(
+        r#"safetensors(path = "{}/data/*.safetensors")"#,
+        dir.display()
+    );
+    let pipe = tiny_pipe(&dir, 1, 1, "fifo", &source);
+    let out = draftpipe(&["run", pipe.to_str().unwrap(), "--steps", "50"], &dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("poisoned.safetensors")
+            && stderr.contains("hidden_states")
+            && stderr.contains("non-finite value NaN"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("learning rate"), "{stderr}");
+}
+
+/// Rewrites every tensor of a weights file with `edit(name, values)`.
+fn edit_weights(path: &Path, edit: impl Fn(&str, &mut [f32])) {
+    use safetensors::tensor::TensorView;
+    let bytes = std::fs::read(path).unwrap();
+    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = parsed
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let mut values: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            edit(&name, &mut values);
+            let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+#[test]
+fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_save_nothing() {
+    let dir = scratch("corrupt-inputs");
+    let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
+    let pipe = pipe.to_str().unwrap();
+    let out = draftpipe(&["run", pipe, "--steps", "2", "--save", "ckpt"], &dir);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+
+    // A NaN in `--init` weights is named by its tensor, not blamed on the learning rate.
+    std::fs::copy(
+        dir.join("ckpt/model.safetensors"),
+        dir.join("nan.safetensors"),
+    )
+    .unwrap();
+    edit_weights(&dir.join("nan.safetensors"), |name, values| {
+        if name == "blocks.0.up.weight" {
+            values[7] = f32::NAN;
+        }
+    });
+    let out = draftpipe(
+        &["run", pipe, "--steps", "2", "--init", "nan.safetensors"],
+        &dir,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("tensor `blocks.0.up.weight`: non-finite value NaN at element 7"),
+        "{stderr}"
+    );
+
+    // An optimizer step of 2^64 − 1 wrapped to 0 and made every weight NaN; now the checkpoint is refused, and
+    // the one on disk is left as it was.
+    let state_path = dir.join("ckpt/state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
+    state["optimizer_step"] = serde_json::json!(u64::MAX);
+    std::fs::write(&state_path, state.to_string()).unwrap();
+    let before = checkpoint_bytes(&dir.join("ckpt"));
+    let out = draftpipe(
+        &[
+            "run", pipe, "--steps", "4", "--resume", "ckpt", "--save", "ckpt",
+        ],
+        &dir,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("optimizer_step 18446744073709551615"),
+        "{stderr}"
+    );
+    assert!(checkpoint_bytes(&dir.join("ckpt")) == before);
+
+    // Weights that overflow in the forward pass make every step non-finite: nothing is trained, the run fails,
+    // and no checkpoint of the untrained weights is written.
+    std::fs::copy(
+        dir.join("ckpt/model.safetensors"),
+        dir.join("huge.safetensors"),
+    )
+    .unwrap();
+    edit_weights(&dir.join("huge.safetensors"), |_, values| values.fill(3e38));
+    let out = draftpipe(
+        &[
+            "run",
+            pipe,
+            "--steps",
+            "3",
+            "--init",
+            "huge.safetensors",
+            "--save",
+            "untrained",
+            "--max-nonfinite",
+            "100",
+        ],
+        &dir,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("nothing was trained"), "{stderr}");
+    assert!(
+        !dir.join("untrained").exists(),
+        "a checkpoint of untrained weights was written"
+    );
+    let summary = summary_json(&dir.join("runs/tiny"));
+    assert_eq!(summary["ending"]["reason"], "nothing_trained", "{summary}");
+}
+
+#[test]
+fn a_process_limit_makes_the_run_fail_with_the_refused_thread_instead_of_hanging() {
+    // RLIMIT_NPROC binds only unprivileged users, so the test drops to `nobody` with util-linux's setpriv.
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| text(&o.stdout).trim() == "0");
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok();
+    if !root || !setpriv {
+        eprintln!("skipped: needs root and setpriv to run the binary as nobody under `ulimit -u`");
+        return;
+    }
+    // A directory `nobody` can enter and write, with its own copy of the binary.
+    let dir = std::env::temp_dir().join(format!("draftpipe-nproc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let world = |path: &Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    world(&dir, 0o777);
+    std::fs::copy(env!("CARGO_BIN_EXE_draftpipe"), dir.join("draftpipe")).unwrap();
+    world(&dir.join("draftpipe"), 0o755);
+    tiny_pipe(&dir, 2, 2, "fifo", SYNTHETIC);
+    world(&dir.join("tiny.pipe"), 0o644);
+    let mut refused = 0;
+    // The process itself, the signal thread, 2 producers, 2 drafters and the telemetry thread: each limit below
+    // 7 refuses one of them (fewer if other `nobody` processes run).
+    for limit in 3..=8 {
+        let script = format!(
+            "ulimit -u {limit} && exec ./draftpipe run tiny.pipe --steps 3 --run-dir run-{limit}"
+        );
+        let mut child = Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "bash",
+                "-c",
+                &script,
+            ])
+            .current_dir(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if started.elapsed() > Duration::from_secs(120) {
+                child.kill().unwrap();
+                panic!("under ulimit -u {limit} the run hung");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("panicked"), "ulimit -u {limit}: {stderr}");
+        match out.status.code() {
+            Some(0) => {}
+            Some(1) => {
+                assert!(
+                    stderr.starts_with("error:")
+                        && stderr.contains("Caused by: Resource temporarily unavailable"),
+                    "ulimit -u {limit}: {stderr}"
+                );
+                assert!(
+                    stderr.contains("cannot start the"),
+                    "ulimit -u {limit}: {stderr}"
+                );
+                refused += 1;
+            }
+            other => panic!("ulimit -u {limit}: exit {other:?}, stderr:\n{stderr}"),
+        }
+    }
+    assert!(refused > 0, "no limit refused a thread");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -60,9 +60,88 @@ pub enum CompileError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// The path is not a regular file (a directory, a FIFO, a device such as `/dev/zero`): reading it could
+    /// block or never end, so it is refused before it is opened.
+    #[error("cannot read `{}`: not a regular file ({kind})", path.display())]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead, in words.
+        kind: &'static str,
+    },
+    /// The file is larger than any pipeline description has reason to be.
+    #[error(
+        "cannot read `{}`: {bytes} bytes, over the limit of {limit} bytes for a `.pipe` file",
+        path.display()
+    )]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size (at least; a file that grows while read is cut at the limit).
+        bytes: u64,
+        /// [`MAX_SOURCE_BYTES`].
+        limit: u64,
+    },
     /// The file has errors; the diagnostics list all of them.
     #[error("{0}")]
     Invalid(Diagnostics),
+}
+
+/// The largest `.pipe` file [`compile_file`] reads (1 MiB; the shipped pipelines are under 2 KiB). Checking
+/// and rendering cost time and memory linear in the file, so the limit bounds both.
+pub const MAX_SOURCE_BYTES: u64 = 1 << 20;
+
+/// What a path that is not a regular file is, in words.
+fn file_kind(file_type: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    if file_type.is_dir() {
+        "a directory"
+    } else if file_type.is_fifo() {
+        "a FIFO"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_block_device() {
+        "a block device"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else {
+        "not a plain file"
+    }
+}
+
+/// Reads a regular file of at most `limit` bytes into a string. The type is checked before opening (opening a
+/// FIFO blocks until a writer comes) and the read stops at the limit even if the file grows meanwhile.
+fn read_source(path: &Path, limit: u64) -> Result<String, CompileError> {
+    use std::io::Read as _;
+    let io_error = |source| CompileError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let metadata = std::fs::metadata(path).map_err(io_error)?;
+    if !metadata.is_file() {
+        return Err(CompileError::NotAFile {
+            path: path.to_owned(),
+            kind: file_kind(metadata.file_type()),
+        });
+    }
+    let too_large = |bytes| CompileError::TooLarge {
+        path: path.to_owned(),
+        bytes,
+        limit,
+    };
+    if metadata.len() > limit {
+        return Err(too_large(metadata.len()));
+    }
+    let mut source = String::new();
+    std::fs::File::open(path)
+        .map_err(io_error)?
+        .take(limit + 1)
+        .read_to_string(&mut source)
+        .map_err(io_error)?;
+    if source.len() as u64 > limit {
+        return Err(too_large(source.len() as u64));
+    }
+    Ok(source)
 }
 
 /// Parses and checks `source`, returning its plan or all of its errors. `file_name` appears in diagnostics.
@@ -85,11 +164,8 @@ pub fn compile_source(file_name: &str, source: &str) -> Result<Plan, Diagnostics
     })
 }
 
-/// Reads and compiles a `.pipe` file.
+/// Reads and compiles a `.pipe` file: a regular file of at most [`MAX_SOURCE_BYTES`].
 pub fn compile_file(path: &Path) -> Result<Plan, CompileError> {
-    let source = std::fs::read_to_string(path).map_err(|source| CompileError::Io {
-        path: path.to_owned(),
-        source,
-    })?;
+    let source = read_source(path, MAX_SOURCE_BYTES)?;
     compile_source(&path.display().to_string(), &source).map_err(CompileError::Invalid)
 }

@@ -15,6 +15,11 @@
 //! directory fsynced after each rename). A process killed at any moment leaves a complete checkpoint: `DIR`, or
 //! `DIR.prev` when it died between the two renames, which loading falls back to. Directories that hold anything
 //! but checkpoint files are never replaced or removed.
+//!
+//! **Validity.** A checkpoint whose weights or moments hold a NaN or an infinity is never written (the one in
+//! place is kept, and the error says so), and loading checks every field: each tensor's values (finite, second
+//! moments not negative), and the counters of `state.json` (`optimizer_step ≤ step ≤` [`MAX_STEP`]), so a
+//! corrupt or hand-edited file is an error naming what is wrong instead of a run of NaN weights.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
@@ -41,6 +46,9 @@ pub const EXP_AVG_PREFIX: &str = "exp_avg.";
 pub const EXP_AVG_SQ_PREFIX: &str = "exp_avg_sq.";
 /// Version of the `state.json` layout.
 pub const FORMAT_VERSION: u32 = 1;
+/// The largest step count a checkpoint may hold (2^48: ten million years at one step a second). Larger counts
+/// can only come from corruption, and near 2^64 they would wrap to 0 in the optimizer's bias correction.
+pub const MAX_STEP: u64 = 1 << 48;
 
 const CHECKPOINT_FILES: [&str; 3] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
 
@@ -75,6 +83,25 @@ pub enum CheckpointError {
         /// The directory given.
         path: PathBuf,
     },
+    /// A buffer about to be saved holds a NaN or an infinity (or a negative second moment): the checkpoint is
+    /// not written and the one in place is kept.
+    #[error(
+        "refusing to write a checkpoint to {}: {buffer} tensor `{tensor}` holds {value} at element {at}; \
+         the checkpoint already there (if any) is kept",
+        dir.display()
+    )]
+    NonFinite {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// `params`, `exp_avg` or `exp_avg_sq`.
+        buffer: &'static str,
+        /// The layout tensor holding the value.
+        tensor: String,
+        /// The value.
+        value: f32,
+        /// Its element within the tensor.
+        at: usize,
+    },
     /// The target path exists and holds something other than a checkpoint, so it is left alone.
     #[error("{} exists and is not a checkpoint directory; refusing to replace it", path.display())]
     NotACheckpoint {
@@ -107,6 +134,36 @@ pub struct TrainingState {
     pub data_positions: Vec<u64>,
 }
 
+impl TrainingState {
+    /// What is wrong with the counters, if anything (see the module's **Validity**).
+    fn problem(&self) -> Option<String> {
+        if self.step > MAX_STEP {
+            return Some(format!("step {} exceeds {MAX_STEP}", self.step));
+        }
+        if self.optimizer_step > self.step {
+            return Some(format!(
+                "optimizer_step {} exceeds step {} (it counts the steps applied, which cannot be more than \
+                 the steps taken)",
+                self.optimizer_step, self.step
+            ));
+        }
+        if self.data_positions.iter().any(|&p| p > MAX_DATA_POSITION) {
+            return Some(format!(
+                "a data position exceeds {MAX_DATA_POSITION}: {:?}",
+                self.data_positions
+            ));
+        }
+        None
+    }
+}
+
+/// The largest `state.json` read (1 MiB; a real one is a few hundred bytes plus 20 per producer).
+const MAX_STATE_BYTES: u64 = 1 << 20;
+
+/// The largest data position a checkpoint may hold: a position counts batches, and 2^52 of them is far beyond any
+/// dataset; a larger one can only come from corruption.
+const MAX_DATA_POSITION: u64 = 1 << 52;
+
 /// The on-disk `state.json`.
 #[derive(Debug, Serialize, Deserialize)]
 struct StateFile {
@@ -114,6 +171,9 @@ struct StateFile {
     parameters: usize,
     #[serde(flatten)]
     training: TrainingState,
+    /// Set on a checkpoint saved after an error stopped the run: the last good state, and why the run stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stopped_by: Option<String>,
 }
 
 /// A loaded checkpoint: the three flat buffers (in the plan's layout order) and the training state.
@@ -127,6 +187,8 @@ pub struct Checkpoint {
     pub exp_avg_sq: Vec<f32>,
     /// Step, RNG and data positions.
     pub state: TrainingState,
+    /// For the last good state saved after an error: the error that stopped the run.
+    pub stopped_by: Option<String>,
 }
 
 /// The sibling paths used while writing `dir`: `(DIR.tmp, DIR.prev)`.
@@ -214,8 +276,50 @@ pub struct StagedCheckpoint {
     previous: PathBuf,
 }
 
+/// Fails on the first value that must not be saved: a NaN or an infinity, or a negative second moment.
+fn check_values(
+    dir: &Path,
+    model: &ModelPlan,
+    buffer: &'static str,
+    values: &[f32],
+) -> Result<(), CheckpointError> {
+    let bad = |v: f32| !v.is_finite() || (buffer == "exp_avg_sq" && v < 0.0);
+    if !values.iter().copied().any(bad) {
+        return Ok(());
+    }
+    for view in &model.layout {
+        if let Some((at, &value)) = values[view.range()]
+            .iter()
+            .enumerate()
+            .find(|(_, v)| bad(**v))
+        {
+            return Err(CheckpointError::NonFinite {
+                dir: dir.to_path_buf(),
+                buffer,
+                tensor: view.name.clone(),
+                value,
+                at,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Fails unless `dir` can receive a checkpoint: absent, or a directory holding only checkpoint files. Checked by
+/// `draftpipe run` before it trains, so a `--save` path that cannot work is found at once, not after hours.
+pub fn check_save_target(dir: &Path) -> Result<(), CheckpointError> {
+    sibling_paths(dir)?;
+    if dir.exists() && !holds_only_checkpoint_files(dir)? {
+        return Err(CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        });
+    }
+    Ok(())
+}
+
 /// Writes the checkpoint files into `DIR.tmp` (replacing a stale one) and fsyncs them, without touching `dir`.
-/// [`StagedCheckpoint::commit`] puts it in place; [`save_checkpoint`] does both.
+/// [`StagedCheckpoint::commit`] puts it in place; [`save_checkpoint`] does both. Buffers holding a non-finite
+/// value are refused before anything is written.
 pub fn stage_checkpoint(
     dir: &Path,
     model: &ModelPlan,
@@ -224,19 +328,31 @@ pub fn stage_checkpoint(
     exp_avg_sq: &[f32],
     state: &TrainingState,
 ) -> Result<StagedCheckpoint, CheckpointError> {
+    stage_marked(dir, model, [params, exp_avg, exp_avg_sq], state, None)
+}
+
+fn stage_marked(
+    dir: &Path,
+    model: &ModelPlan,
+    [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
+    state: &TrainingState,
+    stopped_by: Option<&str>,
+) -> Result<StagedCheckpoint, CheckpointError> {
     for (what, buffer) in [
         ("params", params),
         ("exp_avg", exp_avg),
         ("exp_avg_sq", exp_avg_sq),
     ] {
         check_buffer(model, what, buffer.len())?;
+        check_values(dir, model, what, buffer)?;
+    }
+    if let Some(problem) = state.problem() {
+        return Err(CheckpointError::Mismatch(format!(
+            "refusing to save the training state: {problem}"
+        )));
     }
     let (staging, previous) = sibling_paths(dir)?;
-    if dir.exists() && !holds_only_checkpoint_files(dir)? {
-        return Err(CheckpointError::NotACheckpoint {
-            path: dir.to_path_buf(),
-        });
-    }
+    check_save_target(dir)?;
     remove_checkpoint_dir(&staging)?;
     fs::create_dir_all(&staging).map_err(io_error(&staging))?;
 
@@ -289,6 +405,7 @@ pub fn stage_checkpoint(
         format_version: FORMAT_VERSION,
         parameters: model.parameters,
         training: state.clone(),
+        stopped_by: stopped_by.map(str::to_owned),
     };
     let json = serde_json::to_vec_pretty(&file).map_err(|e| CheckpointError::State {
         path: state_path.clone(),
@@ -353,6 +470,25 @@ pub fn save_checkpoint(
     stage_checkpoint(dir, model, params, exp_avg, exp_avg_sq, state)?.commit()
 }
 
+/// [`save_checkpoint`] for the last good state of a run that an error stopped: `state.json` records the error
+/// (`stopped_by`), so whoever resumes from it knows why the run ended there.
+pub fn save_last_good_checkpoint(
+    dir: &Path,
+    model: &ModelPlan,
+    [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
+    state: &TrainingState,
+    stopped_by: &str,
+) -> Result<(), CheckpointError> {
+    stage_marked(
+        dir,
+        model,
+        [params, exp_avg, exp_avg_sq],
+        state,
+        Some(stopped_by),
+    )?
+    .commit()
+}
+
 /// The directory that holds the complete checkpoint for `dir`: `dir` itself, or `DIR.prev` after a save that
 /// died between its two renames.
 pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
@@ -372,6 +508,17 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
 pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, CheckpointError> {
     let dir = resolve_checkpoint_dir(dir)?;
     let state_path = dir.join(STATE_FILE);
+    let size = fs::metadata(&state_path)
+        .map_err(io_error(&state_path))?
+        .len();
+    if size > MAX_STATE_BYTES {
+        return Err(CheckpointError::State {
+            path: state_path,
+            message: format!(
+                "{size} bytes, over the limit of {MAX_STATE_BYTES} for a training state"
+            ),
+        });
+    }
     let bytes = fs::read(&state_path).map_err(io_error(&state_path))?;
     let file: StateFile = serde_json::from_slice(&bytes).map_err(|e| CheckpointError::State {
         path: state_path.clone(),
@@ -395,6 +542,12 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
             model.parameters
         )));
     }
+    if let Some(message) = file.training.problem() {
+        return Err(CheckpointError::State {
+            path: state_path,
+            message,
+        });
+    }
     let params = load_weights(&dir.join(MODEL_FILE), model)?;
     let optimizer_path = dir.join(OPTIMIZER_FILE);
     let mut optimizer = TensorFile::open(&optimizer_path)?;
@@ -408,16 +561,35 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
         &mut exp_avg_sq,
     )?);
     reject_unexpected(&optimizer, &expected)?;
+    if let Some(view) = model
+        .layout
+        .iter()
+        .find(|v| exp_avg_sq[v.range()].iter().any(|&x| x < 0.0))
+    {
+        let at = exp_avg_sq[view.range()]
+            .iter()
+            .position(|&x| x < 0.0)
+            .unwrap_or(0);
+        let problem = TensorProblem::OutOfRange {
+            value: exp_avg_sq[view.range()][at] as i64,
+            at: format!("element {at}"),
+            allowed: "second moments are not negative".into(),
+        };
+        let name = format!("{EXP_AVG_SQ_PREFIX}{}", view.name);
+        return Err(TensorFileError::tensor(&optimizer_path, &name, problem).into());
+    }
     Ok(Checkpoint {
         params,
         exp_avg,
         exp_avg_sq,
         state: file.training,
+        stopped_by: file.stopped_by,
     })
 }
 
 /// Loads the parameters from a weights file (a checkpoint's `model.safetensors`, or one written from PyTorch
-/// with the plan's names; F32, BF16 or F16), checking every name and shape against `model`.
+/// with the plan's names; F32, BF16 or F16), checking every name and shape against `model` and every value for
+/// NaN and infinity (the error names the tensor and the element).
 pub fn load_weights(file: &Path, model: &ModelPlan) -> Result<Vec<f32>, CheckpointError> {
     let mut weights = TensorFile::open(file)?;
     let mut params = vec![0.0; model.parameters];
@@ -456,7 +628,12 @@ fn read_layout(
             .into());
         }
         let dtype = file.read_elements(&name, 0..view.len(), &mut bytes)?;
-        decode_floats(dtype, &bytes, &mut out[view.range()]);
+        let values = &mut out[view.range()];
+        decode_floats(dtype, &bytes, values);
+        if let Some((at, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            let problem = TensorProblem::NonFinite { value, at };
+            return Err(TensorFileError::tensor(file.path(), &name, problem).into());
+        }
         names.insert(name);
     }
     Ok(names)

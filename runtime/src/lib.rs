@@ -10,6 +10,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
+pub mod lock;
 pub mod params;
 pub mod pipeline;
 pub mod queue;

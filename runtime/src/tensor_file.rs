@@ -74,6 +74,14 @@ pub enum TensorProblem {
         /// The expected shape, in words.
         expected: String,
     },
+    /// A float value is NaN or infinite where only finite values can train (hidden states, weights).
+    #[error("non-finite value {value} at element {at} (of the flattened tensor)")]
+    NonFinite {
+        /// The value found.
+        value: f32,
+        /// Its index in the flattened tensor.
+        at: usize,
+    },
     /// A value is out of its allowed range (a token id ≥ vocab, a negative id).
     #[error("value {value} at {at} out of range ({allowed})")]
     OutOfRange {
@@ -131,6 +139,11 @@ impl TensorFile {
     /// Opens `path`, parses and validates its header, and checks that the file holds all the data it declares.
     pub fn open(path: &Path) -> Result<Self, TensorFileError> {
         let io_err = |e| TensorFileError::file(path, TensorProblem::Io(e));
+        // Opening a FIFO blocks until a writer comes, and a device never ends: refuse both before opening.
+        if !std::fs::metadata(path).map_err(io_err)?.is_file() {
+            let problem = io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
+            return Err(io_err(problem));
+        }
         let mut file = File::open(path).map_err(io_err)?;
         let actual = file.metadata().map_err(io_err)?.len();
         let truncated =

@@ -4,28 +4,40 @@ use std::process::ExitCode;
 
 use draftpipe_compiler::{CompileError, compile_file};
 
+use super::{CommandResult, StdoutClosed, say};
 use crate::cli::CheckArgs;
 
-/// Checks each file; exit 0 when all are valid, 1 when any is not.
-pub fn run(args: &CheckArgs) -> ExitCode {
+/// Checks each file; exit 0 when all are valid, 1 when any is not. Every file's errors are printed as they
+/// come; the count of failed files is the command's error.
+pub fn run(args: &CheckArgs) -> CommandResult {
     let mut failed = 0usize;
     for path in &args.files {
         match compile_file(path) {
-            Ok(plan) => println!("ok: {} (pipeline \"{}\")", path.display(), plan.name),
-            Err(error @ CompileError::Io { .. }) => {
-                failed += 1;
-                eprintln!("error: {error}");
+            Ok(plan) => {
+                let said = say(format_args!(
+                    "ok: {} (pipeline \"{}\")",
+                    path.display(),
+                    plan.name
+                ));
+                // A reader that went away stops the listing, not the check: the exit status still counts.
+                if let Err(error) = said
+                    && !error.is::<StdoutClosed>()
+                {
+                    return Err(error);
+                }
             }
             Err(CompileError::Invalid(diagnostics)) => {
                 failed += 1;
                 eprintln!("{diagnostics}\n");
             }
+            Err(error) => {
+                failed += 1;
+                super::report(&anyhow::Error::new(error));
+            }
         }
     }
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        eprintln!("{failed} of {} file(s) failed the check", args.files.len());
-        super::invalid()
+    if failed > 0 {
+        anyhow::bail!("{failed} of {} file(s) failed the check", args.files.len());
     }
+    Ok(ExitCode::SUCCESS)
 }

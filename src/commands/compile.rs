@@ -2,33 +2,21 @@
 
 use std::process::ExitCode;
 
+use anyhow::Context as _;
+use draftpipe_compiler::compile_file;
 use draftpipe_compiler::summary::Summary;
-use draftpipe_compiler::{CompileError, compile_file};
 
+use super::{CommandResult, compile_failure, say};
 use crate::cli::{CompileArgs, Emit};
 
-/// Prints the plan; exit 1 (with all errors on stderr) when the file is invalid or unreadable.
-pub fn run(args: &CompileArgs) -> ExitCode {
-    let plan = match compile_file(&args.file) {
-        Ok(plan) => plan,
-        Err(error @ CompileError::Io { .. }) => {
-            eprintln!("error: {error}");
-            return super::invalid();
-        }
-        Err(CompileError::Invalid(diagnostics)) => {
-            eprintln!("{diagnostics}");
-            return super::invalid();
-        }
-    };
+/// Prints the plan; an error (all diagnostics on stderr) when the file is invalid or unreadable.
+pub fn run(args: &CompileArgs) -> CommandResult {
+    let plan = compile_file(&args.file).map_err(compile_failure)?;
     match args.emit {
-        Emit::Text => println!("{}", Summary(&plan)),
-        Emit::Json => match serde_json::to_string_pretty(&plan) {
-            Ok(json) => println!("{json}"),
-            Err(error) => {
-                eprintln!("error: cannot serialise the plan: {error}");
-                return super::invalid();
-            }
-        },
+        Emit::Text => say(Summary(&plan))?,
+        Emit::Json => {
+            say(serde_json::to_string_pretty(&plan).context("cannot serialise the plan")?)?
+        }
     }
-    ExitCode::SUCCESS
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,23 +1,80 @@
-//! One module per subcommand; each exposes `run(&Args) -> ExitCode`.
+//! One module per subcommand; each exposes `run(&Args) -> CommandResult`. Every error comes back here and is
+//! printed once by [`finish`]: `error:` and one `Caused by:` line per cause, or a file's rendered diagnostics.
+//!
+//! Exit codes (documented in the README's reliability section):
+//!
+//! | code | meaning |
+//! | --- | --- |
+//! | 0 | success (for `run`: the step limit was reached, or the data ended and no limit was asked for) |
+//! | 1 | an error: invalid or unreadable input, a failed run (the last good state is saved when it can be) |
+//! | 2 | usage error (clap) |
+//! | 3 | `run`: the data ran out before the step limit (what was trained is saved and summarised) |
+//! | 128 + N | `run`: stopped by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129) after saving |
 
 pub mod check;
 pub mod compile;
 pub mod diagnose;
+pub mod input;
 pub mod run;
+pub mod signals;
 
+use std::fmt::Display;
+use std::io::Write as _;
 use std::process::ExitCode;
 
-/// Exit code for input with errors (usage errors exit 2 through clap).
+use draftpipe_compiler::{CompileError, Diagnostics};
+
+/// What a command returns: the exit status it chose, or the error [`finish`] reports.
+pub type CommandResult = anyhow::Result<ExitCode>;
+
+/// Exit code for input with errors and failed runs (usage errors exit 2 through clap).
 pub const EXIT_INVALID: u8 = 1;
 
-/// `ExitCode` for a failed command.
-pub fn invalid() -> ExitCode {
-    ExitCode::from(EXIT_INVALID)
+/// Standard output was closed by its reader (`draftpipe compile … | head -1`): nothing is left to say, so the
+/// process ends quietly instead of reporting (or panicking on) the broken pipe.
+#[derive(Debug)]
+pub struct StdoutClosed;
+
+impl Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("standard output was closed")
+    }
 }
 
-/// Prints an error and its causes, `error:` first and one `Caused by:` line per cause. A cause whose text the
-/// line before already shows (library errors often print their source inline too) is not repeated.
+impl std::error::Error for StdoutClosed {}
+
+/// Writes `text` and a newline to standard output. A closed pipe becomes [`StdoutClosed`]; any other failure an
+/// error that says what could not be written.
+pub fn say(text: impl Display) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{text}")
+        .and_then(|()| out.flush())
+        .map_err(|error| match error.kind() {
+            std::io::ErrorKind::BrokenPipe => anyhow::Error::new(StdoutClosed),
+            _ => anyhow::Error::new(error).context("cannot write to standard output"),
+        })
+}
+
+/// Turns a command's result into the process exit code, printing its error once.
+pub fn finish(result: CommandResult) -> ExitCode {
+    match result {
+        Ok(code) => code,
+        Err(error) if error.is::<StdoutClosed>() => ExitCode::SUCCESS,
+        Err(error) => {
+            report(&error);
+            ExitCode::from(EXIT_INVALID)
+        }
+    }
+}
+
+/// Prints an error: a file's diagnostics as rendered, anything else as `error:` then one `Caused by:` line per
+/// cause. A cause whose text the line before already shows (library errors often print their source inline
+/// too) is not repeated.
 pub fn report(error: &anyhow::Error) {
+    if let Some(diagnostics) = error.downcast_ref::<Diagnostics>() {
+        eprintln!("{diagnostics}");
+        return;
+    }
     let mut shown = error.to_string();
     eprintln!("error: {shown}");
     for cause in error.chain().skip(1) {
@@ -26,5 +83,14 @@ pub fn report(error: &anyhow::Error) {
             eprintln!("  Caused by: {text}");
         }
         shown = text;
+    }
+}
+
+/// A compile error as the error [`finish`] reports: diagnostics stay diagnostics (rendered as they are), the
+/// other kinds keep their causes.
+pub fn compile_failure(error: CompileError) -> anyhow::Error {
+    match error {
+        CompileError::Invalid(diagnostics) => anyhow::Error::new(diagnostics),
+        other => anyhow::Error::new(other),
     }
 }

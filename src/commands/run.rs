@@ -2,20 +2,20 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
+use draftpipe_compiler::compile_file;
 use draftpipe_compiler::plan::Plan;
-use draftpipe_compiler::{CompileError, compile_file};
 use draftpipe_runtime::cpu::{GEMM_THREADS_VAR, gemm_threads};
 use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
-use draftpipe_runtime::telemetry::OutputMode;
+use draftpipe_runtime::telemetry::{EndReason, OutputMode};
 
+use super::{CommandResult, StdoutClosed, compile_failure, say, signals};
 use crate::cli::RunArgs;
 
-/// Exit code after Ctrl-C (128 + SIGINT), as shells report it.
-const EXIT_INTERRUPTED: u8 = 130;
+/// Exit code when the data ran out before the step limit: the run trained on all of it and saved, but did not
+/// do what was asked.
+pub const EXIT_DATA_EXHAUSTED_EARLY: u8 = 3;
 
 /// With several CPU drafters, gives each its share of the cores for its GEMMs ([`gemm_threads`]) through
 /// matrixmultiply's `MATMUL_NUM_THREADS`, unless the user set it. One drafter keeps matrixmultiply's default (the
@@ -27,41 +27,17 @@ fn share_cores_between_drafters(plan: &Plan) {
     }
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let threads = gemm_threads(cores, cpu_drafters).to_string();
-    // SAFETY: this process has started no thread yet (the Ctrl-C handler's comes after this call, the workers
+    // SAFETY: this process has started no thread yet (the signal thread comes after this call, the workers
     // later still), so nothing can read or write the environment at the same time.
     unsafe { std::env::set_var(GEMM_THREADS_VAR, threads) };
 }
 
-/// Runs the pipeline; exit 0 when it finishes, 1 on an error, 130 after Ctrl-C (the step in hand finishes and
-/// the checkpoint is written first).
-pub fn run(args: &RunArgs) -> ExitCode {
-    let plan = match compile_file(&args.file) {
-        Ok(plan) => plan,
-        Err(CompileError::Invalid(diagnostics)) => {
-            eprintln!("{diagnostics}");
-            return super::invalid();
-        }
-        Err(error) => {
-            super::report(&anyhow::Error::new(error));
-            return super::invalid();
-        }
-    };
+/// Runs the pipeline; exit 0 when it finishes, 3 when the data ran out before the step limit, 128 + N after
+/// signal N (the step in hand finishes and the checkpoint is written first); an error otherwise.
+pub fn run(args: &RunArgs) -> CommandResult {
+    let plan = compile_file(&args.file).map_err(compile_failure)?;
     share_cores_between_drafters(&plan);
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let handler_flag = Arc::clone(&interrupt);
-    let installed = ctrlc::set_handler(move || {
-        if handler_flag.swap(true, Ordering::AcqRel) {
-            // A second Ctrl-C means the user will not wait for the step in hand.
-            std::process::exit(i32::from(EXIT_INTERRUPTED));
-        }
-        eprintln!(
-            "\ninterrupted: finishing the current step, then saving (Ctrl-C again to quit now)"
-        );
-    });
-    if let Err(error) = installed {
-        super::report(&anyhow::Error::new(error).context("cannot install the Ctrl-C handler"));
-        return super::invalid();
-    }
+    let interrupts = signals::install()?;
 
     let mut options = RunOptions::for_plan(&plan);
     options.steps = args.steps;
@@ -79,41 +55,74 @@ pub fn run(args: &RunArgs) -> ExitCode {
     options.max_nonfinite_in_row = args.max_nonfinite;
     options.init_seed = args.seed;
 
-    let outcome = run_pipeline(&plan, &options, interrupt, std::io::stdout()).with_context(|| {
+    let outcome = run_pipeline(
+        &plan,
+        &options,
+        std::sync::Arc::clone(&interrupts.flag),
+        std::io::stdout(),
+    )
+    .with_context(|| {
         format!(
             "pipeline \"{}\" ({}) stopped",
             plan.name,
             args.file.display()
         )
-    });
-    let outcome = match outcome {
-        Ok(outcome) => outcome,
-        Err(error) => {
-            super::report(&error);
-            return super::invalid();
-        }
-    };
+    })?;
     for error in &outcome.producer_errors {
         eprintln!("warning: {error} (continued with the other producers: --keep-going)");
     }
-    if !args.json {
-        println!();
-        println!("{}", outcome.diagnosis);
-        if let Some(dir) = &options.run_dir {
-            println!("run directory: {} (draftpipe diagnose {0})", dir.display());
-        }
-        if let Some(trace) = &options.trace {
-            println!(
-                "trace: {} (open in ui.perfetto.dev or chrome://tracing)",
-                trace.display()
-            );
-        }
-        if let Some(dir) = &options.save_dir {
-            println!("checkpoint: {} (step {})", dir.display(), outcome.step);
-        }
+    let ended_early = outcome
+        .summary
+        .ending
+        .as_ref()
+        .is_some_and(|e| e.reason == EndReason::DataExhaustedEarly);
+    // The run's own exit status matters more than the report: a reader that went away only shortens it.
+    match report(args, &options, &outcome) {
+        Err(error) if !error.is::<StdoutClosed>() => return Err(error),
+        _ => {}
     }
-    match outcome.stop {
-        StopReason::Interrupted => ExitCode::from(EXIT_INTERRUPTED),
+    if ended_early {
+        eprintln!(
+            "warning: the data ran out at step {} before the step limit (exit status {EXIT_DATA_EXHAUSTED_EARLY})",
+            outcome.step
+        );
+    }
+    Ok(match outcome.stop {
+        StopReason::Interrupted => ExitCode::from(interrupts.exit_code()),
+        _ if ended_early => ExitCode::from(EXIT_DATA_EXHAUSTED_EARLY),
         StopReason::StepLimit | StopReason::SourcesExhausted => ExitCode::SUCCESS,
+    })
+}
+
+/// The diagnosis and where the run's files are, after a run without `--json`.
+fn report(
+    args: &RunArgs,
+    options: &RunOptions,
+    outcome: &draftpipe_runtime::pipeline::RunOutcome,
+) -> anyhow::Result<()> {
+    if args.json {
+        return Ok(());
     }
+    say("")?;
+    say(&outcome.diagnosis)?;
+    if let Some(dir) = &options.run_dir {
+        say(format_args!(
+            "run directory: {} (draftpipe diagnose {0})",
+            dir.display()
+        ))?;
+    }
+    if let Some(trace) = &options.trace {
+        say(format_args!(
+            "trace: {} (open in ui.perfetto.dev or chrome://tracing)",
+            trace.display()
+        ))?;
+    }
+    if let Some(dir) = &options.save_dir {
+        say(format_args!(
+            "checkpoint: {} (step {})",
+            dir.display(),
+            outcome.step
+        ))?;
+    }
+    Ok(())
 }

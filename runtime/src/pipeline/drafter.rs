@@ -168,8 +168,8 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             };
         }
     };
-    if saves && !shared.fatal_raised.load(Ordering::Acquire) && step > first_step {
-        save(plan, options, &shared, &state, step, positions(&shared));
+    if saves {
+        super::ending::save_at_end(plan, options, &shared, &state, step, positions(&shared));
     }
     Finished { stop, step }
 }

@@ -14,8 +14,11 @@
 //! asked), and the telemetry writes its summary, so [`Diagnosis`] can explain the run.
 
 mod drafter;
+mod ending;
 mod gpu_drafter;
 mod host_memory;
+mod outputs;
+mod spawn;
 
 pub use host_memory::HostMemoryError;
 mod producer;
@@ -72,6 +75,9 @@ pub struct RunOptions {
     pub max_nonfinite_in_row: u32,
     /// Seed of the drafter's initial weights.
     pub init_seed: u64,
+    /// Fault injection for tests: the run's thread spawns after this many fail as if the OS refused them
+    /// (`None`, the default, never).
+    pub fail_spawn_after: Option<usize>,
 }
 
 impl RunOptions {
@@ -89,6 +95,7 @@ impl RunOptions {
             keep_going: false,
             max_nonfinite_in_row: DEFAULT_MAX_NONFINITE_IN_ROW,
             init_seed: 0,
+            fail_spawn_after: None,
         }
     }
 }
@@ -204,6 +211,52 @@ pub enum RunError {
     /// Every producer failed under `--keep-going`: nothing was left to train on.
     #[error("every producer failed: {0}")]
     AllProducersFailed(String),
+    /// A thread of the run could not be started (the OS refused: process or memory limits).
+    #[error("cannot start the {thread} thread")]
+    Spawn {
+        /// The thread's name.
+        thread: String,
+        /// The OS's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A directory the run writes is in use by another run, or cannot be locked.
+    #[error(transparent)]
+    Lock(#[from] crate::lock::LockError),
+    /// A file the run will write cannot be created.
+    #[error("cannot write {what} {}", path.display())]
+    Output {
+        /// What the file is for.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Every step of the run was skipped for non-finite values, so nothing was trained.
+    #[error(
+        "every step up to step {step} was skipped for a non-finite loss or gradient: nothing was trained and no \
+         checkpoint was written; lower the learning rate or enable clip_grad_norm"
+    )]
+    NothingTrained {
+        /// The step the run reached.
+        step: u64,
+    },
+    /// An error stopped the run after the last good state was saved.
+    #[error(
+        "stopped at step {step}; the last good state is saved in {} (its state.json says why)",
+        dir.display()
+    )]
+    StoppedAfterSave {
+        /// The step saved.
+        step: u64,
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The error that stopped the run.
+        #[source]
+        source: Box<RunError>,
+    },
     /// A worker thread panicked: a bug in draftpipe, not in the input.
     #[error(
         "the {0} thread panicked (a bug in draftpipe; please report it with the message above)"
@@ -219,6 +272,17 @@ impl<F: FnMut()> Drop for OnPanic<F> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             (self.0)();
+        }
+    }
+}
+
+/// The handle of a started thread, or `None` after recording the refusal as the run's error.
+fn spawned<T>(shared: &Shared, result: Result<T, RunError>) -> Option<T> {
+    match result {
+        Ok(handle) => Some(handle),
+        Err(error) => {
+            shared.fail(error);
+            None
         }
     }
 }
@@ -257,6 +321,8 @@ struct Shared {
     /// update, and none taken since (a fast worker may already hold its next batch while worker 0 saves).
     trained: Mutex<Vec<u64>>,
     producer_errors: Mutex<Vec<String>>,
+    /// What the end of the run needs: the final save's record of a last good state.
+    end: ending::EndState,
 }
 
 impl Shared {
@@ -387,6 +453,7 @@ pub fn run_with_sources(
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
     host_memory::check(plan)?;
+    let _output_locks = outputs::prepare(options)?;
     let gpus = gpu_drafter::ordinals(plan)?;
     let mut communicators = match &gpus {
         Some(ordinals) => gpu_drafter::prepare(plan, ordinals)?,
@@ -427,6 +494,7 @@ pub fn run_with_sources(
         consumed: Mutex::new(first_positions.clone()),
         trained: Mutex::new(first_positions),
         producer_errors: Mutex::new(Vec::new()),
+        end: ending::EndState::new(start.state.step),
     });
 
     let drafters = plan.drafter.placement.workers.len();
@@ -464,30 +532,39 @@ pub fn run_with_sources(
     let drafter_recorders = (0..drafters)
         .map(|worker| telemetry.drafter(worker))
         .collect::<Result<Vec<_>, _>>()?;
+    let spawner = spawn::Spawner::new(options.fail_spawn_after);
     let outcome = std::thread::scope(|scope| {
+        // A thread that cannot start fails the run and is released as if it had finished at once: an unstarted
+        // producer counts as finished (the queue closes when the others are done), an unstarted drafter leaves
+        // the all-reduce group, so the threads already running stop instead of waiting for it forever.
         let producer_handles: Vec<_> = producers
             .into_iter()
             .zip(producer_recorders)
             .enumerate()
-            .map(|(worker, (producer, recorder))| {
-                let shared = Arc::clone(&shared);
+            .filter_map(|(worker, (producer, recorder))| {
+                let thread_shared = Arc::clone(&shared);
                 let keep_going = options.keep_going;
-                std::thread::Builder::new()
-                    .name(format!("producer-{worker}"))
-                    .spawn_scoped(scope, move || {
+                let handle = spawned(
+                    &shared,
+                    spawner.spawn(scope, format!("producer-{worker}"), move || {
+                        let shared = thread_shared;
                         let _release = OnPanic(|| {
                             shared.fail(RunError::Panicked(format!("producer {worker}")));
                             shared.producer_finished();
                         });
                         producer::run(worker, producer, &shared, &recorder, keep_going)
-                    })
-                    .expect("spawning a producer thread")
+                    }),
+                );
+                if handle.is_none() {
+                    shared.producer_finished();
+                }
+                handle
             })
             .collect();
         let drafter_handles: Vec<_> = drafter_recorders
             .into_iter()
             .enumerate()
-            .map(|(worker, recorder)| {
+            .filter_map(|(worker, recorder)| {
                 let context = drafter::DrafterContext {
                     worker,
                     plan,
@@ -504,10 +581,11 @@ pub fn run_with_sources(
                     ordinal: ordinals[worker],
                     all_reduce: communicators.next(),
                 });
-                let (shared, group) = (Arc::clone(&shared), Arc::clone(&group));
-                std::thread::Builder::new()
-                    .name(format!("drafter-{worker}"))
-                    .spawn_scoped(scope, move || {
+                let (thread_shared, thread_group) = (Arc::clone(&shared), Arc::clone(&group));
+                let handle = spawned(
+                    &shared,
+                    spawner.spawn(scope, format!("drafter-{worker}"), move || {
+                        let (shared, group) = (thread_shared, thread_group);
                         let _release = OnPanic(|| {
                             shared.fail(RunError::Panicked(format!("drafter {worker}")));
                             group.leave(|| true);
@@ -516,24 +594,31 @@ pub fn run_with_sources(
                             Some(device) => gpu_drafter::run(context, device),
                             None => drafter::run(context),
                         }
-                    })
-                    .expect("spawning a drafter thread")
+                    }),
+                );
+                if handle.is_none() {
+                    group.leave(|| true);
+                }
+                handle
             })
             .collect();
         let telemetry_thread = {
             let (shared, reporter_stop) = (&shared, &reporter_stop);
             let mut reporter = reporter;
-            scope.spawn(move || {
-                // A reporter that cannot write (say, stdout closed) stops the run rather than leaving it to
-                // train unobserved; the workers see the failure at their next step.
-                match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
-                    Ok(()) => Some(reporter),
-                    Err(error) => {
-                        shared.fail(RunError::Telemetry(error));
-                        None
+            spawned(
+                shared,
+                spawner.spawn(scope, "telemetry".into(), move || {
+                    // A reporter that cannot write (say, stdout closed) stops the run rather than leaving it to
+                    // train unobserved; the workers see the failure at their next step.
+                    match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
+                        Ok(()) => Some(reporter),
+                        Err(error) => {
+                            shared.fail(RunError::Telemetry(error));
+                            None
+                        }
                     }
-                }
-            })
+                }),
+            )
         };
 
         // Panics were turned into the run's fatal error by the workers' guards; joining every thread before
@@ -548,7 +633,7 @@ pub fn run_with_sources(
             let _ = handle.join();
         }
         reporter_stop.store(true, Ordering::Release);
-        let reporter = telemetry_thread.join().ok().flatten();
+        let reporter = telemetry_thread.and_then(|t| t.join().ok().flatten());
         let stop = if shared.interrupt.load(Ordering::Acquire) {
             StopReason::Interrupted
         } else {
@@ -563,25 +648,54 @@ pub fn run_with_sources(
     });
     let (stop, step, reporter) = outcome;
     let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared.queue.stats())));
-    if let Some(error) = shared
-        .fatal
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take()
-    {
-        return Err(error);
-    }
-    let summary = summary.ok_or_else(|| RunError::Panicked("telemetry".into()))??;
-    let diagnosis = Diagnosis::from_summary(&summary);
     let producer_errors = std::mem::take(
         &mut *shared
             .producer_errors
             .lock()
             .unwrap_or_else(PoisonError::into_inner),
     );
-    if !producer_errors.is_empty() && producer_errors.len() == plan.target.placement.workers.len() {
-        return Err(RunError::AllProducersFailed(producer_errors.join("; ")));
+    let mut fatal = shared
+        .fatal
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if fatal.is_none()
+        && !producer_errors.is_empty()
+        && producer_errors.len() == plan.target.placement.workers.len()
+    {
+        fatal = Some(RunError::AllProducersFailed(producer_errors.join("; ")));
     }
+    let mut summary = match summary {
+        Some(Ok(summary)) => Some(summary),
+        Some(Err(error)) => {
+            fatal.get_or_insert(RunError::Telemetry(error));
+            None
+        }
+        None => None,
+    };
+    let ending = ending::ending(
+        &shared,
+        stop,
+        step,
+        step_limit,
+        summary.as_ref(),
+        fatal.as_ref(),
+        &producer_errors,
+    );
+    let nothing_trained = ending.reason == crate::telemetry::EndReason::NothingTrained;
+    if let Some(summary) = summary.as_mut()
+        && let Err(error) = ending::record(summary, ending, options)
+    {
+        fatal.get_or_insert(error);
+    }
+    if let Some(error) = fatal {
+        return Err(ending::with_saved_state(error, &shared));
+    }
+    if nothing_trained {
+        return Err(RunError::NothingTrained { step });
+    }
+    let summary = summary.ok_or_else(|| RunError::Panicked("telemetry".into()))?;
+    let diagnosis = Diagnosis::from_summary(&summary);
     Ok(RunOutcome {
         stop,
         step,

@@ -261,6 +261,19 @@ fn check_file(
         None => false,
     };
 
+    // The header alone decides `rows` and `seq`; with zero elements (`[0, 2^40, D]`) the file holds no data to
+    // bound them, so nothing is allocated by them before they are checked against the plan.
+    let data_file = DataFile {
+        path: path.to_path_buf(),
+        seq,
+        has_mask,
+    };
+    if rows == 0 || seq == 0 {
+        return Ok((data_file, Vec::new()));
+    }
+    if !has_mask && seq > shapes.buckets.last().map_or(0, |b| b.0) {
+        return Err(too_long(path, 0, seq, shapes));
+    }
     let mut bytes = Vec::new();
     let mut ids_row = vec![0i64; seq];
     let mut mask_row = vec![1u8; seq];
@@ -295,14 +308,7 @@ fn check_file(
                 .map_or(0, |last| last + 1),
         );
     }
-    Ok((
-        DataFile {
-            path: path.to_path_buf(),
-            seq,
-            has_mask,
-        },
-        lengths,
-    ))
+    Ok((data_file, lengths))
 }
 
 /// Expands a path or a glob whose wildcards (`*`, `?`) are in the file-name part; a directory means every
@@ -461,8 +467,17 @@ impl SafetensorsSource {
         }
         let dtype =
             file.read_elements(HIDDEN_STATES, first * din..(first + len) * din, &mut bytes)?;
-        if !decode_floats(dtype, &bytes, &mut out.hs[base * din..(base + len) * din]) {
+        let hs = &mut out.hs[base * din..(base + len) * din];
+        if !decode_floats(dtype, &bytes, hs) {
             return Err(changed(HIDDEN_STATES));
+        }
+        // A NaN in the data would otherwise surface as a non-finite loss and be blamed on the learning rate.
+        if let Some((at, &value)) = hs.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            let problem = TensorProblem::NonFinite {
+                value,
+                at: first * din + at,
+            };
+            return Err(TensorFileError::tensor(&path, HIDDEN_STATES, problem).into());
         }
         self.bytes = bytes;
         self.ids = ids;

@@ -312,6 +312,7 @@ impl Diagnosis {
                 summary.skipped_nonfinite
             ));
         }
+        findings.extend(summary.ending.iter().flat_map(super::RunEnding::notices));
         let advice = advice(bottleneck, host_side_gaps, &drafters);
         Self {
             plan: summary.plan.clone(),

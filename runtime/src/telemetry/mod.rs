@@ -16,12 +16,14 @@
 //! [`load_summary`] then [`Diagnosis::from_summary`].
 
 mod diagnosis;
+mod ending;
 mod phase;
 mod recorder;
 mod reporter;
 mod status;
 mod summary;
 mod trace;
+mod validate;
 
 use std::path::PathBuf;
 
@@ -30,6 +32,7 @@ pub use diagnosis::{
     HOST_GAP_BUSY_BELOW, HOST_GAP_IDLE_ABOVE, MIN_DEPTH_SAMPLES, OVERHEAD_SIGNIFICANT,
     PINNED_FULL_FRACTION, PhaseShare, QueueEvidence, STARVED_FRACTION,
 };
+pub use ending::{EndReason, RunEnding};
 pub use phase::{DrafterPhase, ProducerPhase};
 pub use recorder::{
     DrafterCounts, DrafterRecorder, PhaseCount, ProducerCounts, ProducerRecorder, Telemetry,
@@ -42,6 +45,7 @@ pub use summary::{
     STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT, load_summary, write_summary,
 };
 pub use trace::{DRAFTER_PID, PRODUCER_PID, TraceBuffer};
+pub use validate::{InvalidSummary, validate_summary};
 
 /// What can go wrong in telemetry: bad worker indices, and files that cannot be written or read back.
 #[derive(Debug, thiserror::Error)]

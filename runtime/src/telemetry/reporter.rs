@@ -323,6 +323,7 @@ impl<W: Write> Reporter<W> {
             queue: queue_summary,
             loss_curve: self.loss_curve.into_vec(),
             spans_dropped: snapshot.spans_dropped,
+            ending: None,
         };
         if let Some(dir) = &self.config.run_dir {
             write_summary(dir, &summary)?;

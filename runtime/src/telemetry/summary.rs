@@ -244,6 +244,9 @@ pub struct RunSummary {
     pub loss_curve: Vec<LossSample>,
     /// Trace spans lost to full rings (0 without a trace).
     pub spans_dropped: u64,
+    /// How the run ended (set by the pipeline after the telemetry's totals; absent from older summaries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ending: Option<super::ending::RunEnding>,
 }
 
 fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TelemetryError {

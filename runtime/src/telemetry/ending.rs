@@ -1,0 +1,77 @@
+//! How a run ended, as the pipeline saw it: recorded in `summary.json` beside the measurements, so the
+//! diagnosis (at the end of the run and from `draftpipe diagnose` later) says when data ran out early, when
+//! nothing was trained, which producers failed, and which error stopped the run.
+
+use serde::{Deserialize, Serialize};
+
+/// Why a run stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndReason {
+    /// The step limit was reached.
+    StepLimit,
+    /// The data ended and no step limit was asked for.
+    DataExhausted,
+    /// The data ended before the step limit.
+    DataExhaustedEarly,
+    /// Stopped by a signal (Ctrl-C, SIGTERM, SIGHUP) after the step in hand.
+    Interrupted,
+    /// Every step of the run was skipped for non-finite values: nothing was trained.
+    NothingTrained,
+    /// An error stopped the run.
+    Error,
+}
+
+/// The end of a run, for the summary.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunEnding {
+    /// Why it stopped.
+    pub reason: EndReason,
+    /// The step limit asked for, if any (counted from step 0, as the checkpoint's steps are).
+    pub step_limit: Option<u64>,
+    /// The step reached (a resumed run counts on from its checkpoint's step).
+    pub step: u64,
+    /// Producers that failed, each with its error (under `--keep-going` the run went on without them).
+    #[serde(default)]
+    pub failed_producers: Vec<String>,
+    /// The error that stopped the run, with its causes.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// The last good state saved after that error: its step and directory.
+    #[serde(default)]
+    pub saved_after_error: Option<(u64, String)>,
+}
+
+impl RunEnding {
+    /// One sentence per thing the user must know about how the run ended (none for a run that reached its
+    /// step limit cleanly).
+    pub fn notices(&self) -> Vec<String> {
+        let mut notices = Vec::new();
+        match (self.reason, self.step_limit) {
+            (EndReason::DataExhaustedEarly, Some(limit)) => notices.push(format!(
+                "the data ran out at step {} of the {limit} asked for: the run ended early",
+                self.step
+            )),
+            (EndReason::NothingTrained, _) => notices.push(format!(
+                "every step up to step {} was skipped for a non-finite loss or gradient: nothing was trained, \
+                 and no checkpoint was written",
+                self.step
+            )),
+            (EndReason::Error, _) => notices.push(format!(
+                "the run stopped with an error at step {}: {}",
+                self.step,
+                self.error.as_deref().unwrap_or("unknown")
+            )),
+            _ => {}
+        }
+        for failure in &self.failed_producers {
+            notices.push(format!("failed producer: {failure}"));
+        }
+        if let Some((step, dir)) = &self.saved_after_error {
+            notices.push(format!(
+                "the last good state (step {step}) was saved to {dir} before stopping"
+            ));
+        }
+        notices
+    }
+}
