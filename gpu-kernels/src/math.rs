@@ -229,11 +229,13 @@ mod tests {
             x *= 1.001_7;
         }
         assert!(worst < 3e-7, "worst relative error {worst}");
-        let mut x = f32::from_bits(1);
-        while x < 1.0e-36 {
+        // Every subnormal scale, from the smallest (bit pattern 1) up to the smallest normal.
+        let mut bits = 1u32;
+        while bits < f32::MIN_POSITIVE.to_bits() {
+            let x = f32::from_bits(bits);
             let err = rel(sqrt(x), (x as f64).sqrt());
             assert!(err < 3e-7, "sqrt({x:e}) = {} (error {err})", sqrt(x));
-            x *= 1.37;
+            bits += bits / 16 + 1;
         }
         assert_eq!(sqrt(0.0), 0.0);
         assert_eq!(sqrt(f32::INFINITY), f32::INFINITY);

@@ -1,4 +1,4 @@
-//! GPU benchmarks of the CUDA backend, timed with CUDA events, printing one table last (issue 5 targets):
+//! GPU benchmarks of the CUDA backend, timed with CUDA events, printing one table, row by row (issue 5 targets):
 //!
 //! - AdamW bandwidth against a device-to-device copy measured in the same run (target ≥ 85 %);
 //! - the fused vocabulary loss against a version that materialises all logits (time and logits memory);
@@ -6,7 +6,7 @@
 //!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode: tokens/s, device busy % with the
 //!   next batch always staged (target ≥ 97 % in graph mode), host µs per step (target ≤ 20).
 //!
-//! Medians over repetitions. Without a GPU it prints one line and exits 0. Run: `cargo bench -p
+//! Medians over repetitions; each section's rows are printed as soon as it is measured. Without a GPU it prints one line and exits 0. Run: `cargo bench -p
 //! draftpipe-runtime --bench cuda_step`, or the prebuilt binary from `scripts/gpu-check.sh`.
 
 use std::sync::Arc;
@@ -280,18 +280,24 @@ fn main() {
     unsafe { ctx.disable_event_tracking() };
     let module = KernelModule::load(&ctx).expect("load the embedded PTX");
     let launcher = Launcher::new(&module, ctx.new_stream().expect("stream")).expect("kernels");
-    let mut rows = Vec::new();
-    adamw_vs_copy(&ctx, &launcher, &mut rows);
-    fused_vs_materialised(&ctx, &launcher, &mut rows);
-    dflash_step(LaunchMode::Eager, &mut rows);
-    dflash_step(LaunchMode::Graph, &mut rows);
     let d = &devices[0];
     println!(
         "\n{} (sm_{}{}), medians of {REPS} runs (steps: 6 after 2 warm-up)",
         d.name, d.compute_capability.0, d.compute_capability.1
     );
     println!("| measure | result | target |\n| --- | --- | --- |");
-    for Row(what, result, target) in rows {
-        println!("| {what} | {result} | {target} |");
-    }
+    // Each section's rows are printed as soon as it is measured, so a time-out keeps the rows before it.
+    let mut rows = Vec::new();
+    let mut printed = 0;
+    let mut measure = |section: &mut dyn FnMut(&mut Vec<Row>)| {
+        section(&mut rows);
+        for Row(what, result, target) in &rows[printed..] {
+            println!("| {what} | {result} | {target} |");
+        }
+        printed = rows.len();
+    };
+    measure(&mut |rows| adamw_vs_copy(&ctx, &launcher, rows));
+    measure(&mut |rows| fused_vs_materialised(&ctx, &launcher, rows));
+    measure(&mut |rows| dflash_step(LaunchMode::Eager, rows));
+    measure(&mut |rows| dflash_step(LaunchMode::Graph, rows));
 }
