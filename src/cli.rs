@@ -27,6 +27,8 @@ pub enum Command {
     Run(RunArgs),
     /// Explain a finished run from its run directory (which side was the bottleneck, where the time went).
     Diagnose(DiagnoseArgs),
+    /// Predict a plan's throughput and bottleneck with a discrete-event model, and what `--set` what-ifs change.
+    Simulate(SimulateArgs),
 }
 
 impl Command {
@@ -37,6 +39,7 @@ impl Command {
             Command::Compile(args) => commands::compile::run(&args),
             Command::Run(args) => commands::run::run(&args),
             Command::Diagnose(args) => commands::diagnose::run(&args),
+            Command::Simulate(args) => commands::simulate::run(&args),
         }
     }
 }
@@ -107,6 +110,39 @@ pub struct DiagnoseArgs {
     /// Print the diagnosis as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Arguments of `draftpipe simulate`.
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// The `.pipe` file to model.
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    /// Take the producers' and drafters' times (per bucket, with their spread) from a run directory.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub from: Option<PathBuf>,
+    /// Items per second one producer worker makes (needed without --from: the plan has no target cost).
+    #[arg(long, value_name = "ITEMS_PER_S")]
+    pub producer_rate: Option<f64>,
+    /// Seconds per drafter step on every bucket, instead of the cost model's FLOPs (without --from).
+    #[arg(long, value_name = "SECONDS", conflicts_with = "from")]
+    pub step_time: Option<f64>,
+    /// GFLOP/s one drafter worker sustains, for the cost model (default: an assumption per device kind).
+    #[arg(long, value_name = "GFLOPS", conflicts_with_all = ["from", "step_time"])]
+    pub drafter_gflops: Option<f64>,
+    /// A what-if, `KEY=VALUE[,KEY=VALUE...]` (repeatable): queue.capacity, queue.min_ready, queue.pull,
+    /// drafter.devices, drafter.step_time, drafter.sync, producer.workers, producer.rate.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Print the plan and each `--set` as its own variant, side by side (without it, all `--set`s apply together).
+    #[arg(long)]
+    pub compare: bool,
+    /// Simulated seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = draftpipe_runtime::simulate::DEFAULT_DURATION_S)]
+    pub duration: f64,
+    /// Seed of the simulated variability.
+    #[arg(long, value_name = "SEED", default_value_t = 1)]
+    pub seed: u64,
 }
 
 /// Output formats of `draftpipe compile`.

@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 
 pub use check::{
     DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, MAX_DEVICES,
-    MAX_PARAMETERS, adamw_defaults, device_name,
+    MAX_PARAMETERS, adamw_defaults, closest, device_name,
 };
 pub use diagnostic::{Diagnostic, Diagnostics};
 pub use parse::parse;

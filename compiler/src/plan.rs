@@ -83,6 +83,10 @@ pub struct TargetStage {
     pub batch_tokens: usize,
     /// Where hidden states come from.
     pub source: SourceSpec,
+    /// At most this many items per second per worker (`max_rate`): a slow target on demand, to see a
+    /// producer-bound pipeline on any machine. `None`: as fast as the source goes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rate: Option<f64>,
 }
 
 impl TargetStage {

@@ -32,6 +32,10 @@ impl fmt::Display for Summary<'_> {
             }
             SourceSpec::Safetensors { pattern } => format!("safetensors `{pattern}`"),
         };
+        let source = match t.max_rate {
+            Some(rate) => format!("{source}, at most {rate} items/s per worker"),
+            None => source,
+        };
         writeln!(f, "\nstages")?;
         writeln!(
             f,

@@ -86,6 +86,7 @@ fn safetensors_fill(c: &mut Criterion) {
         source: SourceSpec::Safetensors {
             pattern: path.to_string_lossy().into_owned(),
         },
+        max_rate: None,
     };
     let dataset =
         SafetensorsDataset::open(&path.to_string_lossy(), &target, &shapes).expect("dataset");

@@ -14,6 +14,7 @@ pub mod lock;
 pub mod params;
 pub mod pipeline;
 pub mod queue;
+pub mod simulate;
 pub mod source;
 pub mod telemetry;
 pub mod tensor_file;

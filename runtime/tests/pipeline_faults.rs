@@ -10,16 +10,18 @@ use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::time::Duration;
 
+mod fault_support;
+
+use fault_support::{FAILURE, FailAfter};
+
 use draftpipe_compiler::compile_source;
 use draftpipe_compiler::plan::Plan;
-use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::checkpoint::load_checkpoint;
 use draftpipe_runtime::lock::{DirLock, LockError, LockPlace};
 use draftpipe_runtime::pipeline::{RunError, RunOptions, RunOutcome, run_with_sources};
-use draftpipe_runtime::source::{HsSource, SourceError, open_sources};
+use draftpipe_runtime::source::{HsSource, open_sources};
 use draftpipe_runtime::telemetry::{Diagnosis, EndReason, load_summary};
 
-const FAILURE: &str = "the disk went away (injected)";
 /// Threads a run of [`plan`] starts: 2 producers, 2 drafters, the telemetry thread.
 const THREADS: usize = 5;
 /// A run that has not ended after this long is hung.
@@ -59,34 +61,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Delegates to the plan's own source, and fails every `fill_next` after the first `batches`.
-struct FailAfter {
-    inner: Box<dyn HsSource>,
-    batches: usize,
-}
-
-impl HsSource for FailAfter {
-    fn next_bucket(&mut self) -> Result<Option<usize>, SourceError> {
-        self.inner.next_bucket()
-    }
-
-    fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
-        if self.batches == 0 {
-            return Err(SourceError::Buffer(FAILURE.into()));
-        }
-        self.batches -= 1;
-        self.inner.fill_next(out)
-    }
-
-    fn position(&self) -> u64 {
-        self.inner.position()
-    }
-
-    fn seek(&mut self, position: u64) -> Result<(), SourceError> {
-        self.inner.seek(position)
-    }
 }
 
 /// Runs the plan on another thread with producer 1 breaking after `fail_after` batches (never when `None`);

@@ -7,15 +7,17 @@ use std::io::sink;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+mod fault_support;
+
+use fault_support::{FAILURE, FailAfter};
+
 use draftpipe_compiler::compile_source;
 use draftpipe_compiler::plan::Plan;
-use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::pipeline::{RunError, RunOptions, RunOutcome, StopReason, run_with_sources};
-use draftpipe_runtime::source::{HsSource, SourceError, open_sources};
+use draftpipe_runtime::source::{HsSource, open_sources};
 
 /// Far more steps than the failing producer needs to reach its failure, so the failure always comes mid-run.
 const STEPS: u64 = 60;
-const FAILURE: &str = "the disk went away (injected)";
 
 fn plan() -> Plan {
     let text = r#"pipeline "producer-failure"
@@ -44,34 +46,6 @@ drafter draft on cpu {
 telemetry { every = 1s }
 "#;
     compile_source("producer-failure.pipe", text).expect("the test plan compiles")
-}
-
-/// Delegates to the plan's own source, and fails every `fill_next` after the first `batches`.
-struct FailAfter {
-    inner: Box<dyn HsSource>,
-    batches: usize,
-}
-
-impl HsSource for FailAfter {
-    fn next_bucket(&mut self) -> Result<Option<usize>, SourceError> {
-        self.inner.next_bucket()
-    }
-
-    fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
-        if self.batches == 0 {
-            return Err(SourceError::Buffer(FAILURE.into()));
-        }
-        self.batches -= 1;
-        self.inner.fill_next(out)
-    }
-
-    fn position(&self) -> u64 {
-        self.inner.position()
-    }
-
-    fn seek(&mut self, position: u64) -> Result<(), SourceError> {
-        self.inner.seek(position)
-    }
 }
 
 /// Runs the plan with the producers in `failing` breaking after 2 batches each.

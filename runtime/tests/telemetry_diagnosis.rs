@@ -36,6 +36,8 @@ fn drafter(seconds: &[(DrafterPhase, f64)]) -> DrafterSummary {
                 count: STEPS,
             })
             .collect(),
+        timeline: None,
+        buckets: Vec::new(),
     }
 }
 
@@ -55,6 +57,7 @@ fn producer(blocked_s: f64) -> ProducerSummary {
                 count: STEPS,
             },
         ],
+        produce_std_s: None,
     }
 }
 

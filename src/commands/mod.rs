@@ -17,6 +17,7 @@ pub mod diagnose;
 pub mod input;
 pub mod run;
 pub mod signals;
+pub mod simulate;
 
 use std::fmt::Display;
 use std::io::Write as _;

@@ -12,6 +12,7 @@ mod devices;
 mod fields;
 mod stages;
 mod suggest;
+pub use suggest::closest;
 mod values;
 
 use crate::ast::{

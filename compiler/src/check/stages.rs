@@ -33,6 +33,8 @@ pub(crate) struct TargetParts {
     pub source: Option<SourceSpec>,
     /// Synthetic sequence lengths `min..max` and where the range is written.
     pub lengths: Option<(usize, usize, Span)>,
+    /// `max_rate`, when given: `Some(None)` when it had errors.
+    pub max_rate: Option<Option<f64>>,
 }
 
 pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetParts {
@@ -63,6 +65,15 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
             )?;
             source(errs, call, &mut lengths)
         });
+    let max_rate = f.optional("max_rate").map(|v| {
+        values::real_where(
+            errs,
+            "max_rate",
+            v,
+            ("must be a positive number of items per second", "20"),
+            |x| x > 0.0 && x.is_finite(),
+        )
+    });
     f.finish(errs);
     TargetParts {
         hidden,
@@ -71,6 +82,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
         batch_tokens,
         source,
         lengths,
+        max_rate,
     }
 }
 
@@ -189,6 +201,10 @@ pub(crate) fn target_stage(
         vocab: parts.vocab?,
         batch_tokens: parts.batch_tokens?.0,
         source: parts.source?,
+        max_rate: match parts.max_rate {
+            Some(rate) => Some(rate?),
+            None => None,
+        },
     })
 }
 

@@ -1,10 +1,7 @@
 //! "Did you mean" suggestions by edit distance.
 
 /// The candidate closest to `word`, when it is close enough to be a plausible typo.
-pub(crate) fn closest<'a>(
-    word: &str,
-    candidates: impl IntoIterator<Item = &'a str>,
-) -> Option<&'a str> {
+pub fn closest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let limit = (word.chars().count() / 3).max(1);
     candidates
         .into_iter()

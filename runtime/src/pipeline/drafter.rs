@@ -83,6 +83,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
         if !synced && shared.should_stop() {
             break StopReason::Interrupted;
         }
+        recorder.waiting(since);
         let Some(batch) = shared.queue.pop() else {
             if synced {
                 group.leave(|| round_decision(step));
@@ -90,6 +91,7 @@ pub(super) fn run(context: DrafterContext<'_>) -> Finished {
             break StopReason::SourcesExhausted;
         };
         recorder.lap(DrafterPhase::DataWait, &mut since);
+        recorder.begin_step(batch.padded_len);
         shared.consume(batch.source_position);
         let output = drafter.forward_backward(&mut state, &batch);
         let tokens = batch.tokens() as u64;

@@ -292,10 +292,12 @@ impl<'a> Training<'a> {
             if !self.synced && self.shared.should_stop() {
                 return Ok(StopReason::Interrupted);
             }
+            self.recorder.waiting(self.since);
             let batch = self.shared.queue.pop();
             self.lap(DrafterPhase::DataWait);
             let staged = match batch {
                 Some(batch) => {
+                    self.recorder.begin_step(batch.padded_len);
                     let staged = self.drafter.stage(&batch);
                     let taken = (batch.tokens() as u64, batch.source_position);
                     if let Err(error) = self.shared.pool.give_back(batch) {

@@ -544,6 +544,7 @@ pub fn run_with_sources(
             .filter_map(|(worker, (producer, recorder))| {
                 let thread_shared = Arc::clone(&shared);
                 let keep_going = options.keep_going;
+                let max_rate = plan.target.max_rate;
                 let handle = spawned(
                     &shared,
                     spawner.spawn(scope, format!("producer-{worker}"), move || {
@@ -552,7 +553,7 @@ pub fn run_with_sources(
                             shared.fail(RunError::Panicked(format!("producer {worker}")));
                             shared.producer_finished();
                         });
-                        producer::run(worker, producer, &shared, &recorder, keep_going)
+                        producer::run(worker, producer, &shared, &recorder, keep_going, max_rate)
                     }),
                 );
                 if handle.is_none() {

@@ -2,7 +2,7 @@
 
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::queue::PushError;
 use crate::source::Producer;
@@ -18,9 +18,17 @@ pub(super) fn run(
     shared: &Shared,
     recorder: &ProducerRecorder,
     keep_going: bool,
+    max_rate: Option<f64>,
 ) {
     let mut since = Instant::now();
+    let mut pace = max_rate.map(|rate| (Instant::now(), Duration::from_secs_f64(1.0 / rate)));
     while !shared.producers_stop.load(Ordering::Acquire) {
+        // `max_rate`: the target makes one item per period at most; the wait counts as producing.
+        if let Some((next, period)) = &mut pace {
+            let now = Instant::now();
+            std::thread::sleep(next.saturating_duration_since(now));
+            *next = (*next).max(now) + *period;
+        }
         let batch = match producer.next_batch(&shared.pool, &shared.producers_stop) {
             Ok(Some(batch)) => batch,
             Ok(None) => break,

@@ -59,6 +59,44 @@ pub enum Bottleneck {
     Balanced,
 }
 
+impl Bottleneck {
+    /// The verdict from the queue's depth shares and the two sides' blocked shares (fractions, 0–1): the rule
+    /// the diagnosis of a run applies, and the one `draftpipe simulate` applies to a prediction. With fewer than
+    /// [`MIN_DEPTH_SAMPLES`] depth samples the blocked shares alone decide.
+    pub fn judge(
+        samples: u64,
+        near_full: f64,
+        below_watermark: f64,
+        producer_blocked: f64,
+        drafter_wait: f64,
+    ) -> Self {
+        if samples < MIN_DEPTH_SAMPLES {
+            if producer_blocked >= FALLBACK_BLOCKED_FRACTION {
+                Self::Consumers
+            } else if drafter_wait >= FALLBACK_BLOCKED_FRACTION {
+                Self::Producers
+            } else {
+                Self::Balanced
+            }
+        } else if near_full >= PINNED_FULL_FRACTION {
+            Self::Consumers
+        } else if below_watermark >= STARVED_FRACTION && drafter_wait >= DATA_WAIT_SIGNIFICANT {
+            Self::Producers
+        } else {
+            Self::Balanced
+        }
+    }
+
+    /// How the report names the side.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Consumers => "the drafters (consumers)",
+            Self::Producers => "the producers (target)",
+            Self::Balanced => "neither side (balanced)",
+        }
+    }
+}
+
 /// The queue-side numbers behind the verdict.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueEvidence {
@@ -95,10 +133,12 @@ pub struct PhaseShare {
     pub ms_per_step: f64,
 }
 
-/// Where one drafter's (or all drafters') time went.
+/// Where one drafter's (or all drafters') time went, in the steady state: start-up before the first step,
+/// the warm-up steps (the first of each bucket) and shut-down after the last step are left out when the
+/// summary says where they are (see [`WarmupEvidence`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DrafterBreakdown {
-    /// Steps taken.
+    /// Steady-state steps taken.
     pub steps: u64,
     /// Wall milliseconds per step.
     pub step_ms: f64,
@@ -108,15 +148,26 @@ pub struct DrafterBreakdown {
     pub compute_pct: f64,
     /// Percent of wall time in no recorded phase (between steps, unmeasured work).
     pub untracked_pct: f64,
+    /// On a GPU: percent of wall time the device executed steps (CUDA events); `busy_pct` is the host's time
+    /// inside a step, and the difference is the device idling inside the step.
+    pub gpu_pct: Option<f64>,
     /// Every phase, in step order.
     pub phases: Vec<PhaseShare>,
 }
 
 impl DrafterBreakdown {
     fn of(drafters: &[&DrafterSummary], wall_s: f64) -> Self {
-        let wall = wall_s * drafters.len() as f64;
-        let steps: u64 = drafters.iter().map(|d| d.steps).sum();
-        let seconds = |phase| drafters.iter().map(|d| d.seconds(phase)).sum::<f64>();
+        let wall: f64 = drafters
+            .iter()
+            .map(|d| d.timeline.as_ref().map_or(wall_s, |t| t.steady_wall_s()))
+            .sum();
+        let steps: u64 = drafters.iter().map(|d| d.steady_steps()).sum();
+        let seconds = |phase| {
+            drafters
+                .iter()
+                .map(|d| d.steady_seconds(phase))
+                .sum::<f64>()
+        };
         let pct = |s: f64| if wall > 0.0 { 100.0 * s / wall } else { 0.0 };
         let per_step = |s: f64| {
             if steps > 0 {
@@ -138,6 +189,10 @@ impl DrafterBreakdown {
             busy_pct: pct(busy),
             compute_pct: pct(compute),
             untracked_pct: pct((wall - recorded).max(0.0)),
+            gpu_pct: drafters
+                .iter()
+                .any(|d| d.seconds(DrafterPhase::DeviceStep) > 0.0)
+                .then(|| pct(seconds(DrafterPhase::DeviceStep))),
             phases: DrafterPhase::ALL
                 .iter()
                 .map(|&phase| PhaseShare {
@@ -155,6 +210,57 @@ impl DrafterBreakdown {
     }
 }
 
+/// What came before and after the steady state, averaged over the drafters.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WarmupEvidence {
+    /// Seconds from the start of the run to a drafter's first recorded span (threads, workspaces, devices).
+    pub startup_s: f64,
+    /// Warm-up steps per drafter (the first step of each bucket: workspace, graph capture, the first fill).
+    pub warmup_steps: f64,
+    /// Their wall seconds per drafter.
+    pub warmup_s: f64,
+    /// Seconds of steady state per drafter.
+    pub steady_s: f64,
+    /// Seconds from a drafter's last span to the end of the run (joins, final save, summary).
+    pub shutdown_s: f64,
+    /// Tokens per second of the steady state, all drafters (the rate a longer run tends to; the run's own
+    /// figure divides by the whole wall time).
+    pub steady_tokens_per_s: f64,
+}
+
+impl WarmupEvidence {
+    fn of(summary: &RunSummary) -> Option<Self> {
+        let timelines: Vec<_> = summary
+            .drafters
+            .iter()
+            .filter_map(|d| d.timeline.as_ref())
+            .collect();
+        if timelines.is_empty() || timelines.len() != summary.drafters.len() {
+            return None;
+        }
+        let n = timelines.len() as f64;
+        let mean = |f: &dyn Fn(&super::summary::DrafterTimeline) -> f64| {
+            timelines.iter().map(|t| f(t)).sum::<f64>() / n
+        };
+        Some(Self {
+            startup_s: mean(&|t| t.first_span_s),
+            warmup_steps: mean(&|t| t.warmup_steps as f64),
+            warmup_s: mean(&|t| t.warmup_wall_s),
+            steady_s: mean(&|t| t.steady_wall_s()),
+            shutdown_s: mean(&|t| (summary.wall_s - t.last_span_end_s).max(0.0)),
+            steady_tokens_per_s: summary
+                .drafters
+                .iter()
+                .filter_map(|d| {
+                    let wall = d.timeline.as_ref()?.steady_wall_s();
+                    let steps = (d.steps + d.skipped).max(1) as f64;
+                    (wall > 0.0).then(|| d.tokens as f64 * d.steady_steps() as f64 / steps / wall)
+                })
+                .sum(),
+        })
+    }
+}
+
 /// The verdict with its numbers and the findings that follow from them.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Diagnosis {
@@ -166,7 +272,9 @@ pub struct Diagnosis {
     pub reason: String,
     /// The queue-side numbers.
     pub queue: QueueEvidence,
-    /// All drafters together.
+    /// Start-up, warm-up and shut-down, left out of `drafters` (absent for summaries of older builds).
+    pub warmup: Option<WarmupEvidence>,
+    /// All drafters together, steady state.
     pub drafters: DrafterBreakdown,
     /// Each drafter.
     pub per_drafter: Vec<DrafterBreakdown>,
@@ -228,17 +336,32 @@ impl Diagnosis {
             ),
             summary.producers.len(),
         );
-        let drafter_wait = fraction_of_wall(
-            recorded_or_queue(
-                summary
-                    .drafters
-                    .iter()
-                    .map(|d| d.seconds(DrafterPhase::DataWait))
-                    .sum(),
-                q.consumer_blocked_s,
+        let steady_wall: Option<f64> = summary
+            .drafters
+            .iter()
+            .map(|d| d.timeline.as_ref().map(|t| t.steady_wall_s()))
+            .sum();
+        let drafter_wait = match steady_wall {
+            // The first fill of the queue is warm-up: the steady state's waits are the ones that say who is slow.
+            Some(wall) if wall > 0.0 => (summary
+                .drafters
+                .iter()
+                .map(|d| d.steady_seconds(DrafterPhase::DataWait))
+                .sum::<f64>()
+                / wall)
+                .clamp(0.0, 1.0),
+            _ => fraction_of_wall(
+                recorded_or_queue(
+                    summary
+                        .drafters
+                        .iter()
+                        .map(|d| d.seconds(DrafterPhase::DataWait))
+                        .sum(),
+                    q.consumer_blocked_s,
+                ),
+                summary.drafters.len(),
             ),
-            summary.drafters.len(),
-        );
+        };
         let queue = QueueEvidence {
             samples,
             mean_depth,
@@ -265,18 +388,38 @@ impl Diagnosis {
         let mut findings = Vec::new();
         let idle = drafters.share(DrafterPhase::DataWait).percent + drafters.untracked_pct;
         let host_side_gaps = bottleneck != Bottleneck::Producers
+            && drafters.steps > 0
             && drafters.busy_pct < 100.0 * HOST_GAP_BUSY_BELOW
             && idle >= 100.0 * HOST_GAP_IDLE_ABOVE;
         if host_side_gaps {
             findings.push(format!(
-                "host-side gaps: drafters busy only {:.1}% although the queue was below the watermark in only \
-                 {:.0}% of samples; idle {:.1}% = waiting on the queue hand-off {:.1}% + between recorded phases \
-                 {:.1}%",
+                "host-side gaps: in the steady state drafters were busy only {:.1}% although the queue was below \
+                 the watermark in only {:.0}% of samples; idle {:.1}% = waiting on the queue hand-off {:.1}% + \
+                 between recorded phases {:.1}%",
                 drafters.busy_pct,
                 queue.below_watermark_pct,
                 idle,
                 drafters.share(DrafterPhase::DataWait).percent,
                 drafters.untracked_pct,
+            ));
+        }
+        let device_gaps = drafters.gpu_pct.is_some_and(|gpu| {
+            drafters.busy_pct >= 100.0 * HOST_GAP_BUSY_BELOW
+                && drafters.busy_pct - gpu >= 100.0 * HOST_GAP_IDLE_ABOVE
+        });
+        if let Some(gpu) = drafters.gpu_pct {
+            let low = if device_gaps {
+                "gpu is the low one: the host is inside the step but the device idles in it (launches, host \
+                 syncs, copies not overlapped): the gaps in activity are inside the step"
+            } else if host_side_gaps {
+                "busy is the low one: the host is between steps (queue hand-off, bookkeeping), so the device \
+                 waits for work"
+            } else {
+                "both are high: the device is kept busy"
+            };
+            findings.push(format!(
+                "busy {:.1}% (host inside a step) vs gpu {gpu:.1}% (device executing, CUDA events): {low}",
+                drafters.busy_pct
             ));
         }
         let mut overhead: Vec<PhaseShare> = [
@@ -319,6 +462,7 @@ impl Diagnosis {
             bottleneck,
             reason,
             queue,
+            warmup: WarmupEvidence::of(summary),
             drafters,
             per_drafter,
             host_side_gaps,
@@ -344,18 +488,15 @@ fn verdict(
          queue full {} times, pops found it below the watermark {} times)",
         q.producer_blocked_pct, q.drafter_wait_pct, q.seen_full, q.seen_below_watermark
     );
+    let bottleneck = Bottleneck::judge(q.samples, near_full, below, producer_blocked, drafter_wait);
     if q.samples < MIN_DEPTH_SAMPLES {
-        let prefix = format!(
-            "only {} depth samples, judged by blocked times: {blocked}",
-            q.samples
+        return (
+            bottleneck,
+            format!(
+                "only {} depth samples, judged by blocked times: {blocked}",
+                q.samples
+            ),
         );
-        return if producer_blocked >= FALLBACK_BLOCKED_FRACTION {
-            (Bottleneck::Consumers, prefix)
-        } else if drafter_wait >= FALLBACK_BLOCKED_FRACTION {
-            (Bottleneck::Producers, prefix)
-        } else {
-            (Bottleneck::Balanced, prefix)
-        };
     }
     let depth = format!(
         "queue at ≥{} of {} in {:.0}% of {} samples, below the watermark {} in {:.0}% (mean depth {:.1})",
@@ -367,13 +508,7 @@ fn verdict(
         q.below_watermark_pct,
         q.mean_depth
     );
-    if near_full >= PINNED_FULL_FRACTION {
-        (Bottleneck::Consumers, format!("{depth}; {blocked}"))
-    } else if below >= STARVED_FRACTION && drafter_wait >= DATA_WAIT_SIGNIFICANT {
-        (Bottleneck::Producers, format!("{depth}; {blocked}"))
-    } else {
-        (Bottleneck::Balanced, format!("{depth}; {blocked}"))
-    }
+    (bottleneck, format!("{depth}; {blocked}"))
 }
 
 fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakdown) -> String {
@@ -427,17 +562,44 @@ impl fmt::Display for Diagnosis {
             Some(loss) => writeln!(f, ", final loss {loss:.4}")?,
             None => writeln!(f)?,
         }
-        let side = match self.bottleneck {
-            Bottleneck::Consumers => "the drafters (consumers)",
-            Bottleneck::Producers => "the producers (target)",
-            Bottleneck::Balanced => "neither side (balanced)",
-        };
-        writeln!(f, "bottleneck: {side}\n  {}", self.reason)?;
-        let d = &self.drafters;
         writeln!(
             f,
-            "drafters: {:.2} ms/step, busy {:.1}%, compute {:.1}%, untracked {:.1}%",
-            d.step_ms, d.busy_pct, d.compute_pct, d.untracked_pct
+            "bottleneck: {}\n  {}",
+            self.bottleneck.describe(),
+            self.reason
+        )?;
+        if let Some(w) = &self.warmup {
+            writeln!(
+                f,
+                "steady state {:.1} s per drafter at {:.0} tok/s, measured apart from start-up {:.2} s, warm-up \
+                 {:.0} step(s) {:.2} s (first step per bucket: workspace, graph capture, first fill) and shut-down \
+                 {:.2} s",
+                w.steady_s,
+                w.steady_tokens_per_s,
+                w.startup_s,
+                w.warmup_steps,
+                w.warmup_s,
+                w.shutdown_s
+            )?;
+        }
+        let d = &self.drafters;
+        let scope = if self.warmup.is_some() {
+            "drafters (steady state)"
+        } else {
+            "drafters"
+        };
+        write!(
+            f,
+            "{scope}: {:.2} ms/step, busy {:.1}%",
+            d.step_ms, d.busy_pct
+        )?;
+        if let Some(gpu) = d.gpu_pct {
+            write!(f, ", gpu {gpu:.1}%")?;
+        }
+        writeln!(
+            f,
+            ", compute {:.1}%, untracked {:.1}%",
+            d.compute_pct, d.untracked_pct
         )?;
         writeln!(f, "  {:<11} {:>6} {:>9}", "phase", "%", "ms/step")?;
         // A phase the backend never records (the copy and the device step on the CPU, the host phases of a GPU

@@ -15,6 +15,7 @@
 //! [`Reporter::finish`] and print [`Diagnosis::from_summary`]. `draftpipe diagnose RUN_DIR` is
 //! [`load_summary`] then [`Diagnosis::from_summary`].
 
+mod counts;
 mod diagnosis;
 mod ending;
 mod phase;
@@ -27,22 +28,21 @@ mod validate;
 
 use std::path::PathBuf;
 
+pub use counts::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, TelemetrySnapshot};
 pub use diagnosis::{
     Bottleneck, DATA_WAIT_SIGNIFICANT, Diagnosis, DrafterBreakdown, FALLBACK_BLOCKED_FRACTION,
     HOST_GAP_BUSY_BELOW, HOST_GAP_IDLE_ABOVE, MIN_DEPTH_SAMPLES, OVERHEAD_SIGNIFICANT,
-    PINNED_FULL_FRACTION, PhaseShare, QueueEvidence, STARVED_FRACTION,
+    PINNED_FULL_FRACTION, PhaseShare, QueueEvidence, STARVED_FRACTION, WarmupEvidence,
 };
 pub use ending::{EndReason, RunEnding};
 pub use phase::{DrafterPhase, ProducerPhase};
-pub use recorder::{
-    DrafterCounts, DrafterRecorder, PhaseCount, ProducerCounts, ProducerRecorder, Telemetry,
-    TelemetrySnapshot,
-};
+pub use recorder::{DrafterRecorder, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
 pub use reporter::{OutputMode, Reporter, ReporterConfig};
 pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine};
 pub use summary::{
-    DepthSample, DrafterSummary, LossSample, PhaseTotal, ProducerSummary, QueueSummary, RunSummary,
-    STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT, load_summary, write_summary,
+    BucketStepTimes, DepthSample, DrafterSummary, DrafterTimeline, LossSample, PhaseTotal,
+    ProducerSummary, QueueSummary, RunSummary, STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT,
+    load_summary, write_summary,
 };
 pub use trace::{DRAFTER_PID, PRODUCER_PID, TraceBuffer};
 pub use validate::{InvalidSummary, validate_summary};

@@ -4,17 +4,34 @@
 //! Each worker owns one cache-padded slot. Its recorder is the only writer of that slot (the claim in
 //! [`Telemetry::drafter`] / [`Telemetry::producer`] guarantees it), so recording is a few relaxed atomic adds on
 //! a cache line no other thread writes, plus, when tracing, one `ArrayQueue::force_push` of a 24-byte span into
-//! a ring allocated up front. Nothing allocates per step. Readers ([`Telemetry::snapshot`]) may see one counter
-//! of a step updated and the next not yet: fine for a status line, and the totals are exact once workers stop.
+//! a ring allocated up front. Nothing allocates per step.
+//!
+//! **Open spans.** A span is recorded when it ends, but a status line must also count the part of a span still
+//! running (a 3 s step under a 1 s period). So each slot also publishes the phase its worker is in now and since
+//! when (one packed atomic, [`OpenSpan`]): a drafter is *waiting* from [`DrafterRecorder::waiting`] until its data
+//! wait is recorded, then *inside the step* until [`DrafterRecorder::step_done`]. The recorded spans start where
+//! the open one started, so "closed totals + open part up to `now`" is a cumulative time that only grows, and the
+//! difference of two snapshots is exactly the time inside the interval between them.
+//!
+//! **Consistent reads.** A writer bumps its slot's sequence number to odd, updates the counters and the open span,
+//! and bumps it to even (a seqlock: two plain stores on the writer's own cache line); [`Telemetry::snapshot`] retries
+//! a slot whose sequence changed or was odd while it read, so a span is never counted both as closed and as open.
+//!
+//! **Warm-up.** [`DrafterRecorder::begin_step`] names the step's bucket; the first step of each bucket (workspace
+//! allocation, graph capture, the first fill of the queue) is counted apart as warm-up, with its phases, so the
+//! diagnosis can judge the steady state alone. Steady steps also feed per-bucket step-time statistics (count,
+//! mean, spread) that `draftpipe simulate --from RUN_DIR` models the drafters with.
 
+use std::cell::Cell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
 
 use super::TelemetryError;
+use super::counts::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, TelemetrySnapshot};
 use super::phase::{DrafterPhase, ProducerPhase};
 
 /// One recorded span: a phase of one worker, relative to the telemetry epoch.
@@ -45,6 +62,30 @@ impl PhaseCounter {
     }
 }
 
+/// Most distinct buckets whose step times are kept apart; a plan with more shares the last entry.
+pub const MAX_BUCKET_STATS: usize = 16;
+
+/// Running sums of one bucket's steady-state step times (seconds, stored as `f64` bits; one writer).
+#[derive(Default)]
+struct BucketCounter {
+    padded_len: AtomicU64,
+    steps: AtomicU64,
+    sum_bits: AtomicU64,
+    sum_squares_bits: AtomicU64,
+}
+
+impl BucketCounter {
+    fn read(&self) -> Option<BucketSteps> {
+        let steps = self.steps.load(Ordering::Relaxed);
+        (steps > 0).then(|| BucketSteps {
+            padded_len: self.padded_len.load(Ordering::Relaxed) as usize,
+            steps,
+            sum_s: f64::from_bits(self.sum_bits.load(Ordering::Relaxed)),
+            sum_squares_s2: f64::from_bits(self.sum_squares_bits.load(Ordering::Relaxed)),
+        })
+    }
+}
+
 #[derive(Default)]
 struct DrafterCounters {
     phases: [PhaseCounter; DrafterPhase::COUNT],
@@ -54,6 +95,12 @@ struct DrafterCounters {
     loss_sum_bits: AtomicU64,
     loss_count: AtomicU64,
     last_loss_bits: AtomicU64,
+    warmup_phases: [AtomicU64; DrafterPhase::COUNT],
+    warmup_steps: AtomicU64,
+    warmup_wall_ns: AtomicU64,
+    longest_step_ns: AtomicU64,
+    last_step_end_ns: AtomicU64,
+    buckets: [BucketCounter; MAX_BUCKET_STATS],
 }
 
 #[derive(Default)]
@@ -61,6 +108,17 @@ struct ProducerCounters {
     phases: [PhaseCounter; ProducerPhase::COUNT],
     items: AtomicU64,
     tokens: AtomicU64,
+    produce_squares_bits: AtomicU64,
+}
+
+/// `OpenSpan` packed in a `u64`: the top byte is the state (0 none, [`IN_STEP`], or phase index + 1), the
+/// rest the start in nanoseconds since the epoch (2⁵⁶ ns is over two years).
+const OPEN_START_MASK: u64 = (1 << 56) - 1;
+/// The top-byte code of "inside a drafter step, phase not known yet".
+const IN_STEP: u64 = 0xFF;
+
+fn pack_open(code: u64, start_ns: u64) -> u64 {
+    (code << 56) | start_ns.min(OPEN_START_MASK)
 }
 
 struct Slot<C> {
@@ -68,6 +126,11 @@ struct Slot<C> {
     claimed: AtomicBool,
     spans: Option<ArrayQueue<Span>>,
     spans_dropped: AtomicU64,
+    /// Seqlock over `counters` and `open`: odd while the worker writes.
+    sequence: AtomicU64,
+    open: AtomicU64,
+    first_start_ns: AtomicU64,
+    last_end_ns: AtomicU64,
 }
 
 impl<C: Default> Slot<C> {
@@ -77,7 +140,48 @@ impl<C: Default> Slot<C> {
             claimed: AtomicBool::new(false),
             spans: ring.map(ArrayQueue::new),
             spans_dropped: AtomicU64::new(0),
+            sequence: AtomicU64::new(0),
+            open: AtomicU64::new(0),
+            first_start_ns: AtomicU64::new(u64::MAX),
+            last_end_ns: AtomicU64::new(0),
         })
+    }
+
+    /// Runs `write` as one seqlock write section: readers retry rather than see half of it. One writer per slot
+    /// (the claim), so the sequence is read and stored, not read-modify-written.
+    fn write<R>(&self, write: impl FnOnce() -> R) -> R {
+        let sequence = self.sequence.load(Ordering::Relaxed);
+        self.sequence.store(sequence + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        let result = write();
+        self.sequence.store(sequence + 2, Ordering::Release);
+        result
+    }
+
+    /// Reads `read` consistently with respect to [`Self::write`] sections.
+    fn read<R>(&self, read: impl Fn() -> R) -> R {
+        loop {
+            let before = self.sequence.load(Ordering::Acquire);
+            if before.is_multiple_of(2) {
+                let value = read();
+                fence(Ordering::Acquire);
+                if self.sequence.load(Ordering::Relaxed) == before {
+                    return value;
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    fn set_open(&self, code: u64, start_ns: u64) {
+        self.open
+            .store(pack_open(code, start_ns), Ordering::Relaxed);
+    }
+
+    fn read_open(&self) -> Option<(u64, Duration)> {
+        let packed = self.open.load(Ordering::Relaxed);
+        let code = packed >> 56;
+        (code != 0).then(|| (code, Duration::from_nanos(packed & OPEN_START_MASK)))
     }
 
     fn claim(&self, role: &'static str, index: usize) -> Result<(), TelemetryError> {
@@ -89,6 +193,7 @@ impl<C: Default> Slot<C> {
 
     /// Adds `start..end` to `counter` (this slot's counter of phase `phase`) and, when tracing, pushes the span;
     /// an `end` before `start` counts as zero. The one recording path of drafters and producers alike.
+    /// Returns the span's duration and end in nanoseconds since the epoch. Call inside [`Self::write`].
     fn record(
         &self,
         telemetry: &Telemetry,
@@ -96,16 +201,35 @@ impl<C: Default> Slot<C> {
         counter: &PhaseCounter,
         start: Instant,
         end: Instant,
-    ) {
+    ) -> (u64, u64) {
         let duration_ns = nanos(end.saturating_duration_since(start));
         counter.add(duration_ns);
+        let start_ns = telemetry.since_epoch_ns(start);
+        let end_ns = start_ns.saturating_add(duration_ns);
+        if start_ns < self.first_start_ns.load(Ordering::Relaxed) {
+            self.first_start_ns.store(start_ns, Ordering::Relaxed);
+        }
+        if end_ns > self.last_end_ns.load(Ordering::Relaxed) {
+            self.last_end_ns.store(end_ns, Ordering::Relaxed);
+        }
         if self.spans.is_some() {
             self.push_span(Span {
                 phase: phase as u8,
-                start_ns: telemetry.since_epoch_ns(start),
+                start_ns,
                 duration_ns,
             });
         }
+        (duration_ns, end_ns)
+    }
+
+    fn first_and_last(&self) -> Option<(Duration, Duration)> {
+        let first = self.first_start_ns.load(Ordering::Relaxed);
+        (first != u64::MAX).then(|| {
+            (
+                Duration::from_nanos(first),
+                Duration::from_nanos(self.last_end_ns.load(Ordering::Relaxed)),
+            )
+        })
     }
 
     fn push_span(&self, span: Span) {
@@ -209,6 +333,12 @@ impl Telemetry {
         Ok(DrafterRecorder {
             telemetry: Arc::clone(self),
             index,
+            step_phases: Default::default(),
+            step_began_ns: Cell::new(None),
+            last_end_ns: Cell::new(0),
+            warm_up: Cell::new(false),
+            bucket: Cell::new(None),
+            seen_buckets: Default::default(),
         })
     }
 
@@ -231,33 +361,75 @@ impl Telemetry {
 
     /// Reads every counter now (allocates; meant for the telemetry thread, not the hot path).
     pub fn snapshot(&self) -> TelemetrySnapshot {
+        self.snapshot_at(Instant::now())
+    }
+
+    /// Reads every counter as of `now`: open spans count up to `now`. The reporter passes the real clock; tests
+    /// may pass instants of their own to replay hours of recorded spans in microseconds.
+    pub fn snapshot_at(&self, now: Instant) -> TelemetrySnapshot {
+        let elapsed = now.saturating_duration_since(self.epoch);
         let drafters = self
             .drafters
             .iter()
             .map(|slot| {
-                let c = &slot.counters;
-                let last = f64::from_bits(c.last_loss_bits.load(Ordering::Relaxed));
-                DrafterCounts {
-                    phases: std::array::from_fn(|p| c.phases[p].read()),
-                    steps: c.steps.load(Ordering::Relaxed),
-                    tokens: c.tokens.load(Ordering::Relaxed),
-                    skipped: c.skipped.load(Ordering::Relaxed),
-                    loss_sum: f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)),
-                    loss_count: c.loss_count.load(Ordering::Relaxed),
-                    last_loss: (c.loss_count.load(Ordering::Relaxed) > 0).then_some(last),
+                let (mut counts, open) = slot.read(|| {
+                    let c = &slot.counters;
+                    let last = f64::from_bits(c.last_loss_bits.load(Ordering::Relaxed));
+                    let span = slot.first_and_last();
+                    let counts = DrafterCounts {
+                        phases: std::array::from_fn(|p| c.phases[p].read()),
+                        steps: c.steps.load(Ordering::Relaxed),
+                        tokens: c.tokens.load(Ordering::Relaxed),
+                        skipped: c.skipped.load(Ordering::Relaxed),
+                        loss_sum: f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)),
+                        loss_count: c.loss_count.load(Ordering::Relaxed),
+                        last_loss: (c.loss_count.load(Ordering::Relaxed) > 0).then_some(last),
+                        open_busy: Duration::ZERO,
+                        open_wait: Duration::ZERO,
+                        warmup_phases: std::array::from_fn(|p| {
+                            Duration::from_nanos(c.warmup_phases[p].load(Ordering::Relaxed))
+                        }),
+                        warmup_steps: c.warmup_steps.load(Ordering::Relaxed),
+                        warmup_wall: Duration::from_nanos(c.warmup_wall_ns.load(Ordering::Relaxed)),
+                        longest_step: Duration::from_nanos(
+                            c.longest_step_ns.load(Ordering::Relaxed),
+                        ),
+                        last_step_end: Duration::from_nanos(
+                            c.last_step_end_ns.load(Ordering::Relaxed),
+                        ),
+                        first_span_start: span.map(|(first, _)| first),
+                        last_span_end: span.map_or(Duration::ZERO, |(_, last)| last),
+                        buckets: c.buckets.iter().filter_map(BucketCounter::read).collect(),
+                    };
+                    (counts, slot.read_open())
+                });
+                match open {
+                    Some((code, start)) if code == IN_STEP => {
+                        counts.open_busy = elapsed.saturating_sub(start);
+                    }
+                    Some((code, start)) if code == DrafterPhase::DataWait.index() as u64 + 1 => {
+                        counts.open_wait = elapsed.saturating_sub(start);
+                    }
+                    _ => {}
                 }
+                counts
             })
             .collect();
         let producers = self
             .producers
             .iter()
             .map(|slot| {
-                let c = &slot.counters;
-                ProducerCounts {
-                    phases: std::array::from_fn(|p| c.phases[p].read()),
-                    items: c.items.load(Ordering::Relaxed),
-                    tokens: c.tokens.load(Ordering::Relaxed),
-                }
+                slot.read(|| {
+                    let c = &slot.counters;
+                    ProducerCounts {
+                        phases: std::array::from_fn(|p| c.phases[p].read()),
+                        items: c.items.load(Ordering::Relaxed),
+                        tokens: c.tokens.load(Ordering::Relaxed),
+                        produce_squares_s2: f64::from_bits(
+                            c.produce_squares_bits.load(Ordering::Relaxed),
+                        ),
+                    }
+                })
             })
             .collect();
         let spans_dropped = self
@@ -271,7 +443,7 @@ impl Telemetry {
             )
             .sum();
         TelemetrySnapshot {
-            elapsed: self.epoch.elapsed(),
+            elapsed,
             drafters,
             producers,
             spans_dropped,
@@ -315,9 +487,25 @@ fn nanos(d: Duration) -> u64 {
 }
 
 /// The handle a drafter worker records its phases and steps through.
+///
+/// A worker's loop calls, per step: [`Self::waiting`] before it blocks on the queue, [`Self::lap`] /
+/// [`Self::record`] for each phase (the data wait first), [`Self::begin_step`] with the batch's bucket once it
+/// has one, and [`Self::step_done`] (or [`Self::step_skipped`]) at the end.
 pub struct DrafterRecorder {
     telemetry: Arc<Telemetry>,
     index: usize,
+    /// This step's time per phase so far (moved to the warm-up or bucket totals when the step ends).
+    step_phases: [Cell<u64>; DrafterPhase::COUNT],
+    /// Where this step's window began: the end of the previous step, or the first span.
+    step_began_ns: Cell<Option<u64>>,
+    /// End of the latest recorded span.
+    last_end_ns: Cell<u64>,
+    /// The current step is the first of its bucket.
+    warm_up: Cell<bool>,
+    /// The current step's entry in the bucket statistics.
+    bucket: Cell<Option<usize>>,
+    /// Padded lengths of the buckets seen so far, in order of first appearance.
+    seen_buckets: std::cell::RefCell<Vec<usize>>,
 }
 
 impl DrafterRecorder {
@@ -330,17 +518,27 @@ impl DrafterRecorder {
         self.index
     }
 
-    /// Adds the span `start..end` to `phase` (an `end` before `start` counts as zero).
+    /// Adds the span `start..end` to `phase` (an `end` before `start` counts as zero). The worker is inside its
+    /// step from `end` on, until [`Self::step_done`].
     pub fn record(&self, phase: DrafterPhase, start: Instant, end: Instant) {
         let slot = self.slot();
         let index = phase.index();
-        slot.record(
-            &self.telemetry,
-            index,
-            &slot.counters.phases[index],
-            start,
-            end,
-        );
+        slot.write(|| {
+            let (duration_ns, end_ns) = slot.record(
+                &self.telemetry,
+                index,
+                &slot.counters.phases[index],
+                start,
+                end,
+            );
+            let cell = &self.step_phases[index];
+            cell.set(cell.get() + duration_ns);
+            if self.step_began_ns.get().is_none() {
+                self.step_began_ns.set(Some(end_ns - duration_ns));
+            }
+            self.last_end_ns.set(self.last_end_ns.get().max(end_ns));
+            slot.set_open(IN_STEP, end_ns);
+        });
     }
 
     /// Adds a span of `duration` starting at `start`: for times measured by device events (CUDA event
@@ -356,24 +554,103 @@ impl DrafterRecorder {
         *since = now;
     }
 
+    /// Says the worker is blocked waiting for a batch since `since` (the start its data-wait span will have), so
+    /// a status line printed before the batch arrives counts the wait so far.
+    pub fn waiting(&self, since: Instant) {
+        let slot = self.slot();
+        let start_ns = self.telemetry.since_epoch_ns(since);
+        slot.write(|| slot.set_open(DrafterPhase::DataWait.index() as u64 + 1, start_ns));
+    }
+
+    /// Names the bucket (by its padded length) of the step under way. The first step of each bucket is warm-up:
+    /// it allocates the bucket's workspace (and captures its graph on a GPU), so its time is kept apart from the
+    /// steady state's.
+    pub fn begin_step(&self, padded_len: usize) {
+        let mut seen = self.seen_buckets.borrow_mut();
+        let entry = match seen.iter().position(|&len| len == padded_len) {
+            Some(entry) => entry,
+            None => {
+                seen.push(padded_len);
+                self.warm_up.set(true);
+                seen.len() - 1
+            }
+        }
+        .min(MAX_BUCKET_STATS - 1);
+        let counter = &self.slot().counters.buckets[entry];
+        if counter.steps.load(Ordering::Relaxed) == 0 {
+            counter
+                .padded_len
+                .store(padded_len as u64, Ordering::Relaxed);
+        }
+        self.bucket.set(Some(entry));
+    }
+
     /// Counts one applied step of `tokens` tokens with its loss. A non-finite loss is left out of the loss mean
     /// (the step still counts); steps skipped for non-finite values go through [`Self::step_skipped`].
     pub fn step_done(&self, tokens: u64, loss: f64) {
-        let c = &self.slot().counters;
-        c.tokens.fetch_add(tokens, Ordering::Relaxed);
-        if loss.is_finite() {
-            // Single writer (the claim), so load-add-store cannot lose an update.
-            let sum = f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)) + loss;
-            c.loss_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
-            c.last_loss_bits.store(loss.to_bits(), Ordering::Relaxed);
-            c.loss_count.fetch_add(1, Ordering::Relaxed);
-        }
-        c.steps.fetch_add(1, Ordering::Relaxed);
+        let slot = self.slot();
+        slot.write(|| {
+            let c = &slot.counters;
+            c.tokens.fetch_add(tokens, Ordering::Relaxed);
+            if loss.is_finite() {
+                // Single writer (the claim), so load-add-store cannot lose an update.
+                let sum = f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)) + loss;
+                c.loss_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
+                c.last_loss_bits.store(loss.to_bits(), Ordering::Relaxed);
+                c.loss_count.fetch_add(1, Ordering::Relaxed);
+            }
+            c.steps.fetch_add(1, Ordering::Relaxed);
+            self.end_step();
+        });
     }
 
     /// Counts one step skipped because its loss or gradient was not finite.
     pub fn step_skipped(&self) {
-        self.slot().counters.skipped.fetch_add(1, Ordering::Relaxed);
+        let slot = self.slot();
+        slot.write(|| {
+            slot.counters.skipped.fetch_add(1, Ordering::Relaxed);
+            self.end_step();
+        });
+    }
+
+    /// Closes the step's window: its time goes to the warm-up totals or to its bucket's statistics, and the worker
+    /// is between steps (in no phase) until it records or waits again. Call inside a write section.
+    fn end_step(&self) {
+        let slot = self.slot();
+        let c = &slot.counters;
+        let end_ns = self.last_end_ns.get();
+        let wall_ns = end_ns.saturating_sub(self.step_began_ns.get().unwrap_or(end_ns));
+        c.longest_step_ns.fetch_max(wall_ns, Ordering::Relaxed);
+        c.last_step_end_ns.store(end_ns, Ordering::Relaxed);
+        let phases: [u64; DrafterPhase::COUNT] =
+            std::array::from_fn(|p| self.step_phases[p].take());
+        if self.warm_up.take() {
+            for (total, ns) in c.warmup_phases.iter().zip(phases) {
+                total.fetch_add(ns, Ordering::Relaxed);
+            }
+            c.warmup_steps.fetch_add(1, Ordering::Relaxed);
+            c.warmup_wall_ns.fetch_add(wall_ns, Ordering::Relaxed);
+        } else if let Some(entry) = self.bucket.get() {
+            // The step's own time: waiting for data and for the slowest peer in the all-reduce are not the step.
+            let own_ns: u64 = DrafterPhase::ALL
+                .iter()
+                .filter(|p| !matches!(p, DrafterPhase::DataWait | DrafterPhase::AllReduce))
+                .map(|p| phases[p.index()])
+                .sum();
+            let seconds = own_ns as f64 * 1e-9;
+            let counter = &c.buckets[entry];
+            let add = |bits: &AtomicU64, value: f64| {
+                bits.store(
+                    (f64::from_bits(bits.load(Ordering::Relaxed)) + value).to_bits(),
+                    Ordering::Relaxed,
+                );
+            };
+            add(&counter.sum_bits, seconds);
+            add(&counter.sum_squares_bits, seconds * seconds);
+            counter.steps.fetch_add(1, Ordering::Relaxed);
+        }
+        self.step_began_ns.set(Some(end_ns));
+        slot.set_open(0, end_ns);
     }
 }
 
@@ -403,13 +680,22 @@ impl ProducerRecorder {
     pub fn record(&self, phase: ProducerPhase, start: Instant, end: Instant) {
         let slot = self.slot();
         let index = phase.index();
-        slot.record(
-            &self.telemetry,
-            index,
-            &slot.counters.phases[index],
-            start,
-            end,
-        );
+        slot.write(|| {
+            let (duration_ns, _) = slot.record(
+                &self.telemetry,
+                index,
+                &slot.counters.phases[index],
+                start,
+                end,
+            );
+            if phase == ProducerPhase::Produce {
+                // The spread of the time per item, for `draftpipe simulate --from`.
+                let bits = &slot.counters.produce_squares_bits;
+                let seconds = duration_ns as f64 * 1e-9;
+                let sum = f64::from_bits(bits.load(Ordering::Relaxed)) + seconds * seconds;
+                bits.store(sum.to_bits(), Ordering::Relaxed);
+            }
+        });
     }
 
     /// Records `*since..now` as `phase` and moves `*since` to now.
@@ -421,106 +707,17 @@ impl ProducerRecorder {
 
     /// Counts one item of `tokens` tokens pushed into the queue.
     pub fn item_done(&self, tokens: u64) {
-        let c = &self.slot().counters;
-        c.tokens.fetch_add(tokens, Ordering::Relaxed);
-        c.items.fetch_add(1, Ordering::Relaxed);
+        let slot = self.slot();
+        slot.write(|| {
+            let c = &slot.counters;
+            c.tokens.fetch_add(tokens, Ordering::Relaxed);
+            c.items.fetch_add(1, Ordering::Relaxed);
+        });
     }
 }
 
 impl Drop for ProducerRecorder {
     fn drop(&mut self) {
         self.slot().claimed.store(false, Ordering::Release);
-    }
-}
-
-/// Total time and number of spans of one phase.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PhaseCount {
-    /// Sum of the recorded spans.
-    pub total: Duration,
-    /// Number of recorded spans.
-    pub count: u64,
-}
-
-/// One drafter's counters at a snapshot.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct DrafterCounts {
-    /// Per phase, indexed by [`DrafterPhase::index`].
-    pub phases: [PhaseCount; DrafterPhase::COUNT],
-    /// Applied steps.
-    pub steps: u64,
-    /// Tokens trained on.
-    pub tokens: u64,
-    /// Steps skipped for a non-finite loss or gradient.
-    pub skipped: u64,
-    /// Sum of the finite losses passed to `step_done`.
-    pub loss_sum: f64,
-    /// Number of finite losses in `loss_sum`.
-    pub loss_count: u64,
-    /// The latest finite loss.
-    pub last_loss: Option<f64>,
-}
-
-impl DrafterCounts {
-    /// The counters of one phase.
-    pub fn phase(&self, phase: DrafterPhase) -> PhaseCount {
-        self.phases[phase.index()]
-    }
-
-    /// Time in every phase except waiting for data: the time the drafter was inside its step.
-    pub fn busy(&self) -> Duration {
-        DrafterPhase::ALL
-            .iter()
-            .filter(|&&p| p != DrafterPhase::DataWait)
-            .map(|&p| self.phase(p).total)
-            .sum()
-    }
-}
-
-/// One producer's counters at a snapshot.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ProducerCounts {
-    /// Per phase, indexed by [`ProducerPhase::index`].
-    pub phases: [PhaseCount; ProducerPhase::COUNT],
-    /// Items pushed.
-    pub items: u64,
-    /// Tokens in the pushed items.
-    pub tokens: u64,
-}
-
-impl ProducerCounts {
-    /// The counters of one phase.
-    pub fn phase(&self, phase: ProducerPhase) -> PhaseCount {
-        self.phases[phase.index()]
-    }
-}
-
-/// Every counter at one moment.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TelemetrySnapshot {
-    /// Time since the telemetry epoch.
-    pub elapsed: Duration,
-    /// One entry per drafter.
-    pub drafters: Vec<DrafterCounts>,
-    /// One entry per producer.
-    pub producers: Vec<ProducerCounts>,
-    /// Spans overwritten in a full ring before the telemetry thread drained them.
-    pub spans_dropped: u64,
-}
-
-impl TelemetrySnapshot {
-    /// Steps every drafter has completed (data-parallel drafters step together, so this is the global step).
-    pub fn step(&self) -> u64 {
-        self.drafters.iter().map(|d| d.steps).min().unwrap_or(0)
-    }
-
-    /// Tokens trained on over all drafters.
-    pub fn tokens(&self) -> u64 {
-        self.drafters.iter().map(|d| d.tokens).sum()
-    }
-
-    /// Skipped non-finite steps over all drafters.
-    pub fn skipped(&self) -> u64 {
-        self.drafters.iter().map(|d| d.skipped).sum()
     }
 }

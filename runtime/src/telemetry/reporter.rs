@@ -7,15 +7,17 @@
 //!  at the end:           finish(queue) ──▶ RUN_DIR/summary.json, trace file ──▶ RunSummary
 //! ```
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::TelemetryError;
-use super::recorder::{Telemetry, TelemetrySnapshot};
+use super::counts::TelemetrySnapshot;
+use super::recorder::Telemetry;
 use super::status::{QueueSnapshot, StatusLine};
 use super::summary::{
     DepthSample, DrafterSummary, LossSample, ProducerSummary, QueueSummary, RunSummary,
@@ -96,6 +98,11 @@ impl ReporterConfig {
 /// Points kept in the loss curve and depth timeline of a summary, however long the run.
 const MAX_SERIES_POINTS: usize = 4096;
 
+/// The shortest window of the status line's tokens per second. Tokens count when a step completes, so the rate
+/// over one short period jumps between zero and several steps' worth; ten seconds smooth that while staying
+/// recent. With steps longer than a fifth of it the window grows to twice the longest step.
+pub const RATE_WINDOW: Duration = Duration::from_secs(10);
+
 /// Width of the progress bar in characters.
 const BAR_WIDTH: usize = 24;
 
@@ -105,7 +112,7 @@ const BAR_WIDTH: usize = 24;
 ///
 /// ```
 /// use std::sync::Arc;
-/// use std::time::Duration;
+/// use std::time::{Duration, Instant};
 /// use draftpipe_runtime::telemetry::{QueueSnapshot, Reporter, ReporterConfig, Telemetry};
 ///
 /// let telemetry = Arc::new(Telemetry::new(1, 1, false));
@@ -130,6 +137,8 @@ pub struct Reporter<W: Write> {
     loss_curve: Thinned<LossSample>,
     trace: Option<TraceBuffer>,
     progress_drawn: bool,
+    /// Snapshots of earlier reports, back to the start of the current rate window.
+    rate_history: VecDeque<TelemetrySnapshot>,
 }
 
 impl<W: Write> Reporter<W> {
@@ -191,6 +200,7 @@ impl<W: Write> Reporter<W> {
             loss_curve: Thinned::new(MAX_SERIES_POINTS),
             trace,
             progress_drawn: false,
+            rate_history: VecDeque::new(),
         })
     }
 
@@ -219,8 +229,42 @@ impl<W: Write> Reporter<W> {
 
     /// Writes a status line now, over the interval since the previous one.
     pub fn report(&mut self, queue: &QueueSnapshot) -> Result<StatusLine, TelemetryError> {
-        let current = self.telemetry.snapshot();
-        let line = StatusLine::between(&self.previous, &current, queue, self.config.total_steps);
+        self.report_at(Instant::now(), queue)
+    }
+
+    /// [`Reporter::report`] as of `now` (a test's clock, or the real one).
+    pub fn report_at(
+        &mut self,
+        now: Instant,
+        queue: &QueueSnapshot,
+    ) -> Result<StatusLine, TelemetryError> {
+        let current = self.telemetry.snapshot_at(now);
+        let longest_step = current
+            .drafters
+            .iter()
+            .map(|d| d.longest_step)
+            .max()
+            .unwrap_or_default();
+        let window = RATE_WINDOW.max(2 * longest_step);
+        // The window starts at the latest report at least `window` ago (the run's start until there is one).
+        let cutoff = current.elapsed.saturating_sub(window);
+        while self.rate_history.len() > 1 && self.rate_history[1].elapsed <= cutoff {
+            self.rate_history.pop_front();
+        }
+        let start = TelemetrySnapshot {
+            drafters: vec![Default::default(); current.drafters.len()],
+            ..Default::default()
+        };
+        let window_start = self.rate_history.front().unwrap_or(&start);
+        let mut line =
+            StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
+                .with_rate_window(window_start, &current);
+        // The label names the window asked for; the first lines of a run cover what there is so far.
+        line.tokens_per_s_window_s = window.as_secs_f64();
+        self.rate_history.push_back(current.clone());
+        if let Some(trace) = &mut self.trace {
+            trace.push_status(&line);
+        }
         let interval_had_loss = current.drafters.iter().map(|d| d.loss_count).sum::<u64>()
             > self
                 .previous
@@ -290,9 +334,18 @@ impl<W: Write> Reporter<W> {
 
     /// Final status line, then `summary.json` (when a run directory is set) and the trace (when configured).
     /// Call after the workers have stopped, so the totals are final.
-    pub fn finish(mut self, queue: &QueueSnapshot) -> Result<RunSummary, TelemetryError> {
+    pub fn finish(self, queue: &QueueSnapshot) -> Result<RunSummary, TelemetryError> {
+        self.finish_at(Instant::now(), queue)
+    }
+
+    /// [`Reporter::finish`] as of `now` (a test's clock, or the real one).
+    pub fn finish_at(
+        mut self,
+        now: Instant,
+        queue: &QueueSnapshot,
+    ) -> Result<RunSummary, TelemetryError> {
         self.sample(queue);
-        let line = self.report(queue)?;
+        let line = self.report_at(now, queue)?;
         if self.progress_drawn {
             writeln!(self.out)
                 .and_then(|_| self.out.flush())

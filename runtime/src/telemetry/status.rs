@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::counts::TelemetrySnapshot;
 use super::phase::DrafterPhase;
-use super::recorder::TelemetrySnapshot;
 
 /// The queue's statistics as telemetry reads them (the lead maps the queue's own stats type to this, which
 /// keeps telemetry independent of the queue's implementation).
@@ -47,10 +47,14 @@ pub struct QueueFill {
 /// One drafter over the last interval.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DrafterStatus {
-    /// Percent of the interval spent inside the step (every phase but data wait).
+    /// Percent of the interval the host spent inside the step (every phase but data wait), a step still under
+    /// way included.
     pub busy_pct: f64,
-    /// Percent of the interval spent blocked waiting for a batch.
+    /// Percent of the interval spent blocked waiting for a batch, a wait still under way included.
     pub data_wait_pct: f64,
+    /// On a GPU: percent of the interval the device executed steps (CUDA events, the `device_step` phase).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_pct: Option<f64>,
 }
 
 /// One status line. Display gives the human form, Serialize the `--json` / `status.jsonl` form.
@@ -64,8 +68,12 @@ pub struct StatusLine {
     pub total_steps: Option<u64>,
     /// Tokens trained on so far, over all drafters.
     pub tokens: u64,
-    /// Tokens per second over the last interval.
+    /// Tokens per second of the steps completed over the last `tokens_per_s_window_s` seconds (a window at least
+    /// as long as the slowest step, so a line never reads 0 while every drafter is inside a step).
     pub tokens_per_s: f64,
+    /// The window of `tokens_per_s`, in seconds.
+    #[serde(default)]
+    pub tokens_per_s_window_s: f64,
     /// Tokens per second since the start.
     pub tokens_per_s_overall: f64,
     /// Total queue depth and capacity.
@@ -91,7 +99,8 @@ fn per_second(count: u64, over: Duration) -> f64 {
 
 fn percent(part: Duration, whole: Duration) -> f64 {
     let whole = whole.as_secs_f64();
-    // Spans count when they end, so a span that began in the previous interval can push this one past 100%.
+    // Busy and wait count open spans, so they are exact; a device span is recorded (anchored at the host's view
+    // of its end) a step late, which can push one interval of a GPU figure a step's length over 100%.
     if whole > 0.0 {
         (100.0 * part.as_secs_f64() / whole).clamp(0.0, 100.0)
     } else {
@@ -115,11 +124,22 @@ impl StatusLine {
             .enumerate()
             .map(|(i, now)| {
                 let before = previous.drafters.get(i).cloned().unwrap_or_default();
-                let wait = now.phase(DrafterPhase::DataWait).total;
-                let wait_before = before.phase(DrafterPhase::DataWait).total;
+                let device = now.phase(DrafterPhase::DeviceStep).total;
                 DrafterStatus {
-                    busy_pct: percent(now.busy().saturating_sub(before.busy()), interval),
-                    data_wait_pct: percent(wait.saturating_sub(wait_before), interval),
+                    busy_pct: percent(
+                        now.busy_so_far().saturating_sub(before.busy_so_far()),
+                        interval,
+                    ),
+                    data_wait_pct: percent(
+                        now.wait_so_far().saturating_sub(before.wait_so_far()),
+                        interval,
+                    ),
+                    gpu_pct: (now.phase(DrafterPhase::DeviceStep).count > 0).then(|| {
+                        percent(
+                            device.saturating_sub(before.phase(DrafterPhase::DeviceStep).total),
+                            interval,
+                        )
+                    }),
                 }
             })
             .collect();
@@ -140,6 +160,7 @@ impl StatusLine {
             total_steps,
             tokens,
             tokens_per_s: per_second(tokens.saturating_sub(previous.tokens()), interval),
+            tokens_per_s_window_s: interval.as_secs_f64(),
             tokens_per_s_overall: per_second(tokens, current.elapsed),
             q_hs: QueueFill {
                 depth: queue.depth,
@@ -150,6 +171,41 @@ impl StatusLine {
             loss,
             skipped: current.skipped(),
         }
+    }
+
+    /// Replaces the interval's token rate by the rate of the steps completed over a longer window, from
+    /// `window_start` (an earlier snapshot) to `current`.
+    ///
+    /// Each drafter's tokens are divided by the time between its step completions, not by the window, so steps
+    /// much longer than the period do not make the rate jump with how many completions a window happens to
+    /// hold. A drafter that stops completing steps sees its rate decay: once it has gone longer than its longest
+    /// step without one, the time since its last completion counts too.
+    pub fn with_rate_window(
+        mut self,
+        window_start: &TelemetrySnapshot,
+        current: &TelemetrySnapshot,
+    ) -> Self {
+        let now = current.elapsed;
+        self.tokens_per_s = current
+            .drafters
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let before = window_start.drafters.get(i).cloned().unwrap_or_default();
+                let tokens = d.tokens.saturating_sub(before.tokens);
+                // From the last completion before the window (or the start of work) to the last one in it.
+                let from = if before.tokens > 0 {
+                    before.last_step_end
+                } else {
+                    d.first_span_start.unwrap_or_default()
+                };
+                let completed = d.last_step_end.saturating_sub(from);
+                let stalled = now.saturating_sub(from).saturating_sub(d.longest_step);
+                per_second(tokens, completed.max(stalled))
+            })
+            .sum();
+        self.tokens_per_s_window_s = now.saturating_sub(window_start.elapsed).as_secs_f64();
+        self
     }
 
     /// The line drawn in place on a terminal: a bar when the total is known, then the status.
@@ -189,16 +245,36 @@ impl fmt::Display for StatusLine {
         if let Some(total) = self.total_steps {
             write!(f, "/{total}")?;
         }
+        // Before the first step completes there is no rate to show, only steps under way.
+        let rate = if self.tokens > 0 {
+            compact(self.tokens_per_s)
+        } else {
+            "-".to_string()
+        };
         write!(
             f,
-            " | {} tok/s (avg {}) | q_hs=[{}/{}] q_hsb=[{}] | busy=[{}]% wait=[{}]%",
-            compact(self.tokens_per_s),
+            " | {rate} tok/s ({:.0}s) (avg {}) | q_hs=[{}/{}] q_hsb=[{}] | busy=[{}]%",
+            self.tokens_per_s_window_s,
             compact(self.tokens_per_s_overall),
             self.q_hs.depth,
             self.q_hs.capacity,
             join(&self.q_hsb, |d| d.to_string()),
             join(&self.drafters, |d| format!("{:.0}", d.busy_pct)),
-            join(&self.drafters, |d| format!("{:.0}", d.data_wait_pct)),
+        )?;
+        if self.drafters.iter().any(|d| d.gpu_pct.is_some()) {
+            write!(
+                f,
+                " gpu=[{}]%",
+                join(&self.drafters, |d| format!(
+                    "{:.0}",
+                    d.gpu_pct.unwrap_or(0.0)
+                ))
+            )?;
+        }
+        write!(
+            f,
+            " wait=[{}]%",
+            join(&self.drafters, |d| format!("{:.0}", d.data_wait_pct))
         )?;
         match self.loss {
             Some(loss) => write!(f, " | loss {loss:.4}")?,

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::TelemetryError;
+use super::counts::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts};
 use super::phase::{DrafterPhase, ProducerPhase};
-use super::recorder::{DrafterCounts, PhaseCount, ProducerCounts};
 use super::status::QueueSnapshot;
 
 /// The `format` this build writes and reads; bumped when a field changes meaning.
@@ -66,6 +66,69 @@ pub struct DrafterSummary {
     pub skipped: u64,
     /// Time per phase, one entry per [`DrafterPhase`].
     pub phases: Vec<PhaseTotal<DrafterPhase>>,
+    /// Where the steady state begins and ends, and what came before it (absent in summaries of older builds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<DrafterTimeline>,
+    /// Steady-state step times per bucket (empty in summaries of older builds).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketStepTimes>,
+}
+
+/// A drafter's start-up, warm-up and shut-down, so the diagnosis can judge the steady state alone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrafterTimeline {
+    /// Seconds from the start of the run to the drafter's first recorded span (start-up: threads, workspaces,
+    /// device set-up before the loop).
+    pub first_span_s: f64,
+    /// Seconds from the start of the run to the end of its last recorded span (after it: shut-down).
+    pub last_span_end_s: f64,
+    /// Warm-up steps: the first step of each bucket (workspace, graph capture, the queue's first fill).
+    pub warmup_steps: u64,
+    /// Their wall time, their data wait included.
+    pub warmup_wall_s: f64,
+    /// Their time per phase, included in the drafter's `phases`.
+    pub warmup_phases: Vec<PhaseTotal<DrafterPhase>>,
+    /// The longest step's wall time (its data wait included).
+    pub longest_step_s: f64,
+}
+
+impl DrafterTimeline {
+    /// Warm-up seconds in `phase`.
+    pub fn warmup_seconds(&self, phase: DrafterPhase) -> f64 {
+        seconds_in(&self.warmup_phases, phase)
+    }
+
+    /// Wall seconds of the steady state: first span to last, less the warm-up steps.
+    pub fn steady_wall_s(&self) -> f64 {
+        (self.last_span_end_s - self.first_span_s - self.warmup_wall_s).max(0.0)
+    }
+}
+
+/// The steady-state step time of one bucket: the step's own time (its phases but the data wait and the
+/// all-reduce, which also hold waiting for others).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketStepTimes {
+    /// The bucket's padded sequence length.
+    pub padded_len: usize,
+    /// Steady steps of this bucket.
+    pub steps: u64,
+    /// Mean step time in seconds.
+    pub mean_s: f64,
+    /// Standard deviation of the step time in seconds.
+    pub std_s: f64,
+}
+
+impl BucketStepTimes {
+    fn from_sums(sums: &BucketSteps) -> Self {
+        let n = sums.steps.max(1) as f64;
+        let mean = sums.sum_s / n;
+        Self {
+            padded_len: sums.padded_len,
+            steps: sums.steps,
+            mean_s: mean,
+            std_s: (sums.sum_squares_s2 / n - mean * mean).max(0.0).sqrt(),
+        }
+    }
 }
 
 impl DrafterSummary {
@@ -74,12 +137,44 @@ impl DrafterSummary {
         seconds_in(&self.phases, phase)
     }
 
+    /// Seconds spent in `phase` during the steady state (all of them when the summary has no timeline).
+    pub fn steady_seconds(&self, phase: DrafterPhase) -> f64 {
+        let warmup = self
+            .timeline
+            .as_ref()
+            .map_or(0.0, |t| t.warmup_seconds(phase));
+        (self.seconds(phase) - warmup).max(0.0)
+    }
+
+    /// Steady-state steps (all of them when the summary has no timeline).
+    pub fn steady_steps(&self) -> u64 {
+        let warmup = self.timeline.as_ref().map_or(0, |t| t.warmup_steps);
+        (self.steps + self.skipped).saturating_sub(warmup)
+    }
+
     pub(crate) fn from_counts(counts: &DrafterCounts) -> Self {
+        let seconds = |d: std::time::Duration| d.as_secs_f64();
         Self {
             steps: counts.steps,
             tokens: counts.tokens,
             skipped: counts.skipped,
             phases: phase_totals(&DrafterPhase::ALL, |phase| counts.phase(phase)),
+            timeline: counts.first_span_start.map(|first| DrafterTimeline {
+                first_span_s: seconds(first),
+                last_span_end_s: seconds(counts.last_span_end),
+                warmup_steps: counts.warmup_steps,
+                warmup_wall_s: seconds(counts.warmup_wall),
+                warmup_phases: phase_totals(&DrafterPhase::ALL, |phase| PhaseCount {
+                    total: counts.warmup_phases[phase.index()],
+                    count: 0,
+                }),
+                longest_step_s: seconds(counts.longest_step),
+            }),
+            buckets: counts
+                .buckets
+                .iter()
+                .map(BucketStepTimes::from_sums)
+                .collect(),
         }
     }
 }
@@ -93,6 +188,9 @@ pub struct ProducerSummary {
     pub tokens: u64,
     /// Time per phase, one entry per [`ProducerPhase`].
     pub phases: Vec<PhaseTotal<ProducerPhase>>,
+    /// Standard deviation of the time to produce one item, in seconds (absent in older summaries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub produce_std_s: Option<f64>,
 }
 
 impl ProducerSummary {
@@ -101,11 +199,30 @@ impl ProducerSummary {
         seconds_in(&self.phases, phase)
     }
 
+    /// Mean seconds to produce one item (`None` before the first).
+    pub fn produce_mean_s(&self) -> Option<f64> {
+        let count = self
+            .phases
+            .iter()
+            .find(|p| p.phase == ProducerPhase::Produce)
+            .map_or(0, |p| p.count);
+        (count > 0).then(|| self.seconds(ProducerPhase::Produce) / count as f64)
+    }
+
     pub(crate) fn from_counts(counts: &ProducerCounts) -> Self {
+        let produce = counts.phase(ProducerPhase::Produce);
+        let produce_std_s = (produce.count > 0).then(|| {
+            let n = produce.count as f64;
+            let mean = produce.total.as_secs_f64() / n;
+            (counts.produce_squares_s2 / n - mean * mean)
+                .max(0.0)
+                .sqrt()
+        });
         Self {
             items: counts.items,
             tokens: counts.tokens,
             phases: phase_totals(&ProducerPhase::ALL, |phase| counts.phase(phase)),
+            produce_std_s,
         }
     }
 }

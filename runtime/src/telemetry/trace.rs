@@ -1,5 +1,6 @@
 //! The Chrome/Perfetto trace: one track per producer and drafter, one complete (`"ph": "X"`) event per
-//! recorded phase span.
+//! recorded phase span, and counter (`"ph": "C"`) tracks with every status line's tokens/s and per-drafter busy,
+//! wait and GPU shares.
 //!
 //! Memory is bounded by keeping the **last** `max_spans_per_worker` spans of each worker: the telemetry thread
 //! drains the workers' rings into a [`TraceBuffer`] every sampling period, and the oldest spans are evicted
@@ -16,6 +17,7 @@ use serde::Serialize;
 use super::TelemetryError;
 use super::phase::{DrafterPhase, ProducerPhase};
 use super::recorder::{Span, Telemetry, Worker};
+use super::status::{DrafterStatus, StatusLine};
 
 /// Trace process id of the producers' tracks.
 pub const PRODUCER_PID: u32 = 1;
@@ -29,6 +31,17 @@ pub struct TraceBuffer {
     drafters: Vec<VecDeque<Span>>,
     max_spans_per_worker: usize,
     evicted: u64,
+    /// The status lines' figures, as counter tracks beside the spans.
+    status: VecDeque<StatusCounters>,
+}
+
+/// One status line's figures in the trace: what `--json` and `status.jsonl` say at the same instant.
+#[derive(Debug, Clone)]
+struct StatusCounters {
+    ts_us: f64,
+    tokens_per_s: f64,
+    window_s: f64,
+    drafters: Vec<DrafterStatus>,
 }
 
 impl TraceBuffer {
@@ -42,7 +55,21 @@ impl TraceBuffer {
             drafters: vec![VecDeque::new(); drafters],
             max_spans_per_worker: max_spans_per_worker.max(1),
             evicted: 0,
+            status: VecDeque::new(),
         }
+    }
+
+    /// Adds a status line's figures as counter events (the same bound as a worker's spans, oldest dropped).
+    pub fn push_status(&mut self, line: &StatusLine) {
+        if self.status.len() == self.max_spans_per_worker {
+            self.status.pop_front();
+        }
+        self.status.push_back(StatusCounters {
+            ts_us: line.elapsed_s * 1e6,
+            tokens_per_s: line.tokens_per_s,
+            window_s: line.tokens_per_s_window_s,
+            drafters: line.drafters.clone(),
+        });
     }
 
     /// Moves every span waiting in `telemetry`'s rings into this buffer.
@@ -179,8 +206,47 @@ impl TraceBuffer {
                 event(out, &complete)?;
             }
         }
+        for status in &self.status {
+            let rate = Counter {
+                name: "tokens/s".into(),
+                ph: "C",
+                pid: DRAFTER_PID,
+                ts: status.ts_us,
+                args: serde_json::json!({
+                    "tok/s": status.tokens_per_s,
+                    "window_s": status.window_s,
+                }),
+            };
+            event(out, &rate)?;
+            for (i, drafter) in status.drafters.iter().enumerate() {
+                let mut args = serde_json::json!({
+                    "busy": drafter.busy_pct,
+                    "wait": drafter.data_wait_pct,
+                });
+                if let Some(gpu) = drafter.gpu_pct {
+                    args["gpu"] = gpu.into();
+                }
+                let shares = Counter {
+                    name: format!("drafter {i} %"),
+                    ph: "C",
+                    pid: DRAFTER_PID,
+                    ts: status.ts_us,
+                    args,
+                };
+                event(out, &shares)?;
+            }
+        }
         out.write_all(b"]}\n")
     }
+}
+
+#[derive(Serialize)]
+struct Counter {
+    name: String,
+    ph: &'static str,
+    pid: u32,
+    ts: f64,
+    args: serde_json::Value,
 }
 
 trait ErasedEvent {

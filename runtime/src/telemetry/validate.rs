@@ -150,5 +150,40 @@ pub fn validate_summary(summary: &RunSummary) -> Result<(), InvalidSummary> {
             format!("at most the capacity, {}", q.capacity),
         ));
     }
+    for (i, drafter) in summary.drafters.iter().enumerate() {
+        if let Some(t) = &drafter.timeline {
+            for (name, value) in [
+                ("first_span_s", t.first_span_s),
+                ("last_span_end_s", t.last_span_end_s),
+                ("warmup_wall_s", t.warmup_wall_s),
+                ("longest_step_s", t.longest_step_s),
+            ] {
+                seconds(|| format!("drafters[{i}].timeline.{name}"), value)?;
+            }
+            for total in &t.warmup_phases {
+                seconds(
+                    || {
+                        format!(
+                            "drafters[{i}].timeline.warmup_phases.{}.total_s",
+                            total.phase.name()
+                        )
+                    },
+                    total.total_s,
+                )?;
+            }
+        }
+        for (j, bucket) in drafter.buckets.iter().enumerate() {
+            seconds(
+                || format!("drafters[{i}].buckets[{j}].mean_s"),
+                bucket.mean_s,
+            )?;
+            seconds(|| format!("drafters[{i}].buckets[{j}].std_s"), bucket.std_s)?;
+        }
+    }
+    for (i, producer) in summary.producers.iter().enumerate() {
+        if let Some(std) = producer.produce_std_s {
+            seconds(|| format!("producers[{i}].produce_std_s"), std)?;
+        }
+    }
     Ok(())
 }

@@ -38,6 +38,7 @@ pub fn plan(
             vocab,
             batch_tokens,
             source,
+            max_rate: None,
         },
         queue: QueueSpec {
             name: "hs".into(),
