@@ -216,6 +216,8 @@ pub enum ValueKind {
     Tuple(Vec<Value>),
     /// `name(key = value, ...)`.
     Call(Call),
+    /// `env("NAME")`: the value of an environment variable, read when the plan runs.
+    Env(StringLit),
     /// A bare name such as `random_in_bucket`.
     Ident(String),
     /// A literal the parser already reported (e.g. an integer that overflows); checks skip it silently.

@@ -280,6 +280,13 @@ impl Lower {
         }
         self.depth += 1;
         let kind = match pair.as_rule() {
+            Rule::env_ref => ValueKind::Env(
+                self.parse_string(
+                    children(pair, Rule::string)
+                        .next()
+                        .expect("grammar: env_ref holds a string"),
+                ),
+            ),
             Rule::call => ValueKind::Call(self.parse_call(pair)),
             Rule::tuple => ValueKind::Tuple(self.parse_tuple(pair)),
             Rule::list => ValueKind::List(self.parse_list(pair)),

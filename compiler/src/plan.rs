@@ -112,7 +112,40 @@ pub enum SourceSpec {
     Safetensors {
         /// Glob pattern of the files, e.g. `data/*.safetensors`.
         pattern: String,
+        /// Passes over the data (at least 1).
+        #[serde(default = "one_epoch")]
+        epochs: u64,
+        /// Seed of each epoch's shuffled batch order; `None` reads the batches in file order.
+        #[serde(default)]
+        shuffle_seed: Option<u64>,
     },
+    /// Hidden states pushed over a socket by producer processes that run the target.
+    Stream {
+        /// `IP:PORT` (`localhost:PORT` is `127.0.0.1:PORT`; port 0 picks a free one) or `unix:/path`.
+        listen: String,
+        /// The environment variable holding the token producers must present; `None`: no token.
+        token_env: Option<String>,
+        /// The largest message accepted, in bytes (the hello's reply tells producers).
+        max_message_bytes: u64,
+        /// A producer that stalls this long in the middle of a hello or a message is disconnected.
+        read_timeout_ms: u64,
+    },
+}
+
+fn one_epoch() -> u64 {
+    1
+}
+
+/// Default stall allowed inside a stream message or hello.
+pub const DEFAULT_STREAM_READ_TIMEOUT_MS: u64 = 30_000;
+
+impl TargetStage {
+    /// The stream source's default message limit: two items' worth of tokens in f32 with i64 ids and masks
+    /// (so any sequence a bucket holds fits in one message), plus 1 MiB for the safetensors header.
+    pub fn default_max_message_bytes(&self) -> u64 {
+        let per_token = 4 * self.hs_width() as u64 + 16;
+        2 * self.batch_tokens as u64 * per_token + (1 << 20)
+    }
 }
 
 /// How consumers choose the next item.

@@ -30,7 +30,32 @@ impl fmt::Display for Summary<'_> {
             } => {
                 format!("synthetic (seed {seed}, lengths {min_len}..{max_len})")
             }
-            SourceSpec::Safetensors { pattern } => format!("safetensors `{pattern}`"),
+            SourceSpec::Safetensors {
+                pattern,
+                epochs,
+                shuffle_seed,
+            } => {
+                let order = match shuffle_seed {
+                    Some(seed) => format!("shuffled per epoch, seed {seed}"),
+                    None => "file order".to_string(),
+                };
+                format!(
+                    "safetensors `{pattern}` ({epochs} epoch{}, {order})",
+                    if *epochs == 1 { "" } else { "s" }
+                )
+            }
+            SourceSpec::Stream {
+                listen,
+                token_env,
+                max_message_bytes,
+                ..
+            } => format!(
+                "stream on `{listen}` ({}, messages up to {:.1} MiB)",
+                token_env
+                    .as_ref()
+                    .map_or("no token".to_string(), |v| format!("token from ${v}")),
+                *max_message_bytes as f64 / (1u64 << 20) as f64
+            ),
         };
         let source = match t.max_rate {
             Some(rate) => format!("{source}, at most {rate} items/s per worker"),

@@ -136,6 +136,8 @@ fn describe(rule: Rule) -> &'static str {
         Rule::entry => "a setting (`key = value`)",
         Rule::argument => "an argument (`key = value`)",
         Rule::value | Rule::call | Rule::tuple | Rule::list | Rule::quantity => "a value",
+        Rule::env_ref => "an environment variable (`env(\"NAME\")`)",
+        Rule::kw_env => "`env`",
         Rule::range => "a range (`a..b`)",
         Rule::number => "a number",
         Rule::unit => "a unit",

@@ -255,7 +255,9 @@ fn safetensors_sources_skip_the_length_checks() {
     assert_eq!(
         plan.target.source,
         SourceSpec::Safetensors {
-            pattern: "hs/*.safetensors".into()
+            pattern: "hs/*.safetensors".into(),
+            epochs: 1,
+            shuffle_seed: None,
         }
     );
 }
@@ -294,4 +296,28 @@ fn compile_file_reports_io_errors_with_the_path() {
         draftpipe_compiler::compile_file(std::path::Path::new("/no/such/dir/x.pipe")).unwrap_err();
     assert!(matches!(err, draftpipe_compiler::CompileError::Io { .. }));
     assert!(err.to_string().contains("/no/such/dir/x.pipe"));
+}
+
+#[test]
+fn safetensors_sources_take_epochs_and_a_shuffle_seed() {
+    let source = QUICKSTART.replace(
+        "synthetic(seed = 1, lengths = 64..512)",
+        "safetensors(path = \"hs/*.safetensors\", epochs = 6, shuffle = true, seed = 3)",
+    );
+    let plan = compile_source("st.pipe", &source).unwrap();
+    assert_eq!(
+        plan.target.source,
+        SourceSpec::Safetensors {
+            pattern: "hs/*.safetensors".into(),
+            epochs: 6,
+            shuffle_seed: Some(3),
+        }
+    );
+    let bad = QUICKSTART.replace(
+        "synthetic(seed = 1, lengths = 64..512)",
+        "safetensors(path = \"hs\", epochs = 0, shuffle = yes)",
+    );
+    let errors = compile_source("st.pipe", &bad).unwrap_err().to_string();
+    assert!(errors.contains("`epochs` must be"), "{errors}");
+    assert!(errors.contains("unknown `shuffle` value `yes`"), "{errors}");
 }

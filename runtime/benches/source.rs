@@ -85,6 +85,8 @@ fn safetensors_fill(c: &mut Criterion) {
         batch_tokens: 8 * seq,
         source: SourceSpec::Safetensors {
             pattern: path.to_string_lossy().into_owned(),
+            epochs: 1,
+            shuffle_seed: None,
         },
         max_rate: None,
     };

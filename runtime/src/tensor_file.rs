@@ -252,6 +252,14 @@ pub fn decode_floats(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
     if !is_float_dtype(dtype) || bytes.len() != out.len() * width {
         return false;
     }
+    if dtype == Dtype::BF16 {
+        // bf16 is the top half of an f32: a shift, in a loop simple enough to vectorise (hidden states arrive
+        // in bf16 far more often than not, and this runs over every byte of them).
+        for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+            *dst = f32::from_bits(u32::from(u16::from_le_bytes([src[0], src[1]])) << 16);
+        }
+        return true;
+    }
     for (dst, src) in out.iter_mut().zip(bytes.chunks_exact(width)) {
         *dst = match dtype {
             Dtype::F32 => f32::from_le_bytes([src[0], src[1], src[2], src[3]]),
@@ -398,5 +406,164 @@ fn sorted_keys(value: serde_json::Value) -> serde_json::Value {
             )
         }
         other => other,
+    }
+}
+
+/// What the hidden-state checks need from a safetensors container, whether a file on disk or a message in
+/// memory: its tensors' metadata and byte ranges of their elements.
+pub trait TensorRead {
+    /// What errors name: the file's path, or for a message its peer and number.
+    fn origin(&self) -> &Path;
+
+    /// Dtype and shape of a tensor, or `None` when absent.
+    fn tensor_info(&self, name: &str) -> Option<&TensorInfo>;
+
+    /// Copies the raw little-endian bytes of elements `elements` of tensor `name` into `out` (resized to fit).
+    fn read_tensor_elements(
+        &mut self,
+        name: &str,
+        elements: Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<Dtype, TensorFileError>;
+
+    /// Dtype and shape of a tensor that must be present.
+    fn require_tensor(&self, name: &str) -> Result<&TensorInfo, TensorFileError> {
+        self.tensor_info(name)
+            .ok_or_else(|| TensorFileError::tensor(self.origin(), name, TensorProblem::Missing))
+    }
+}
+
+impl TensorRead for TensorFile {
+    fn origin(&self) -> &Path {
+        &self.path
+    }
+
+    fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
+        self.info(name)
+    }
+
+    fn read_tensor_elements(
+        &mut self,
+        name: &str,
+        elements: Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<Dtype, TensorFileError> {
+        self.read_elements(name, elements, out)
+    }
+}
+
+/// A whole safetensors container held in memory (a network message), header checked against its length.
+#[derive(Debug)]
+pub struct TensorBlob {
+    origin: PathBuf,
+    metadata: Metadata,
+    data_start: usize,
+    bytes: Vec<u8>,
+    len: usize,
+}
+
+impl TensorBlob {
+    /// Parses the first `len` bytes of `bytes` as one safetensors container: the header must be valid metadata
+    /// and the data exactly as long as it declares (a header that lies about a length is an error, not a
+    /// short read later). `origin` names the blob in errors. `bytes` is kept (and given back by
+    /// [`Self::into_bytes`]) so a connection reuses one buffer.
+    pub fn parse(
+        origin: PathBuf,
+        bytes: Vec<u8>,
+        len: usize,
+    ) -> Result<Self, (Box<TensorFileError>, Vec<u8>)> {
+        match Self::header(&bytes[..len.min(bytes.len())]) {
+            Ok((metadata, data_start)) => Ok(Self {
+                origin,
+                metadata,
+                data_start,
+                bytes,
+                len,
+            }),
+            Err(problem) => Err((Box::new(TensorFileError::file(&origin, problem)), bytes)),
+        }
+    }
+
+    fn header(blob: &[u8]) -> Result<(Metadata, usize), TensorProblem> {
+        let actual = blob.len() as u64;
+        let Some(len_bytes) = blob.first_chunk::<8>() else {
+            return Err(TensorProblem::Truncated { needed: 8, actual });
+        };
+        let header_len = u64::from_le_bytes(*len_bytes);
+        if header_len > MAX_HEADER_BYTES {
+            return Err(TensorProblem::BadHeader(format!(
+                "header length {header_len} exceeds {MAX_HEADER_BYTES} bytes"
+            )));
+        }
+        let data_start = 8 + header_len;
+        if actual < data_start {
+            return Err(TensorProblem::Truncated {
+                needed: data_start,
+                actual,
+            });
+        }
+        let metadata: Metadata = serde_json::from_slice(&blob[8..data_start as usize])
+            .map_err(|e| TensorProblem::BadHeader(e.to_string()))?;
+        let needed = data_start + metadata.data_len() as u64;
+        if actual != needed {
+            return Err(TensorProblem::BadHeader(format!(
+                "the header declares {needed} bytes in all, the message has {actual}"
+            )));
+        }
+        Ok((metadata, data_start as usize))
+    }
+
+    /// The raw bytes of elements `elements` of tensor `name`, with its dtype.
+    pub fn element_bytes(
+        &self,
+        name: &str,
+        elements: Range<usize>,
+    ) -> Result<(Dtype, &[u8]), TensorFileError> {
+        let info = self.require_tensor(name)?;
+        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
+        let width = dtype.bitsize() / 8;
+        let (first, last) = (
+            start.saturating_add(elements.start.saturating_mul(width)),
+            start.saturating_add(elements.end.saturating_mul(width)),
+        );
+        if width == 0 || last > end || first > last {
+            let problem = format!(
+                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
+            );
+            return Err(TensorFileError::tensor(
+                &self.origin,
+                name,
+                TensorProblem::BadHeader(problem),
+            ));
+        }
+        let data = &self.bytes[self.data_start..self.len];
+        Ok((dtype, &data[first..last]))
+    }
+
+    /// The buffer, for reuse by the next message.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.bytes
+    }
+}
+
+impl TensorRead for TensorBlob {
+    fn origin(&self) -> &Path {
+        &self.origin
+    }
+
+    fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
+        self.metadata.info(name)
+    }
+
+    fn read_tensor_elements(
+        &mut self,
+        name: &str,
+        elements: Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<Dtype, TensorFileError> {
+        let (dtype, bytes) = self.element_bytes(name, elements)?;
+        out.clear();
+        out.extend_from_slice(bytes);
+        Ok(dtype)
     }
 }

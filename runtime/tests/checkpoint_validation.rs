@@ -168,6 +168,8 @@ fn a_non_finite_buffer_is_never_saved_and_the_previous_checkpoint_is_kept() {
 fn data_plan(pattern: &Path) -> draftpipe_compiler::plan::Plan {
     let source = SourceSpec::Safetensors {
         pattern: pattern.to_string_lossy().into_owned(),
+        epochs: 1,
+        shuffle_seed: None,
     };
     source_support::plan(source, 64, 4, 2, &[8, 16], 32, 1)
 }

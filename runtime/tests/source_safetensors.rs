@@ -20,6 +20,8 @@ const D: usize = 8; // hidden 4 × 2 tap layers
 fn plan(pattern: &Path, producers: usize) -> Plan {
     let source = SourceSpec::Safetensors {
         pattern: pattern.to_string_lossy().into_owned(),
+        epochs: 1,
+        shuffle_seed: None,
     };
     // Bucket 8 holds 4 sequences per item, bucket 16 holds 2.
     source_support::plan(source, VOCAB, 4, 2, &[8, 16], 32, producers)
@@ -445,4 +447,90 @@ fn wildcards_match_like_a_shell() {
             "{pattern} ~ {name}"
         );
     }
+}
+
+/// The first hidden-state value of each batch: a batch's fingerprint (rows have distinct values).
+fn fingerprints(batches: &[HsBatch]) -> Vec<f32> {
+    batches.iter().map(|b| b.hs[0]).collect()
+}
+
+#[test]
+fn epochs_repeat_the_data_in_file_order_or_in_a_seeded_shuffle_that_resumes_exactly() {
+    let dir = temp_dir("st-epochs");
+    // 24 rows of 8 tokens: bucket 8 holds 4 per item, so 6 batches per epoch.
+    write_file(
+        &dir.join("data.safetensors"),
+        &[
+            hs_tensor(Dtype::BF16, 24, 8, D),
+            ids_tensor(Dtype::I64, 24, 8),
+        ],
+    );
+    let pattern = dir.join("data.safetensors").to_string_lossy().into_owned();
+    let with = |epochs, shuffle_seed| {
+        let source = SourceSpec::Safetensors {
+            pattern: pattern.clone(),
+            epochs,
+            shuffle_seed,
+        };
+        source_support::plan(source, VOCAB, 4, 2, &[8, 16], 32, 1)
+    };
+    let shapes = BucketShapes::from_plan(&with(1, None));
+    let one_pass = fingerprints(&all_batches(
+        open_sources(&with(1, None)).unwrap()[0].as_mut(),
+        &shapes,
+    ));
+    assert_eq!(one_pass.len(), 6);
+
+    let in_order = fingerprints(&all_batches(
+        open_sources(&with(3, None)).unwrap()[0].as_mut(),
+        &shapes,
+    ));
+    assert_eq!(in_order, one_pass.repeat(3));
+
+    let plan = with(3, Some(7));
+    let mut source = open_sources(&plan).unwrap().remove(0);
+    let shuffled = all_batches(source.as_mut(), &shapes);
+    let shuffled_prints = fingerprints(&shuffled);
+    assert_eq!(shuffled_prints.len(), 18);
+    let mut sorted_once = one_pass.clone();
+    sorted_once.sort_by(f32::total_cmp);
+    let epochs: Vec<&[f32]> = shuffled_prints.chunks(6).collect();
+    for epoch in &epochs {
+        let mut sorted = epoch.to_vec();
+        sorted.sort_by(f32::total_cmp);
+        assert_eq!(
+            sorted, sorted_once,
+            "each epoch is a permutation of the batches"
+        );
+    }
+    assert!(
+        epochs.iter().any(|e| *e != one_pass.as_slice()),
+        "seed 7 leaves every epoch in file order"
+    );
+    assert_ne!(epochs[0], epochs[1], "two epochs share one order");
+    assert!(
+        shuffled.iter().map(|b| b.source_position).eq(0..18),
+        "positions count on across epochs"
+    );
+
+    // The same seed gives the same order, and a seek into the middle of epoch 2 resumes it exactly.
+    let again = fingerprints(&all_batches(
+        open_sources(&plan).unwrap()[0].as_mut(),
+        &shapes,
+    ));
+    assert_eq!(again, shuffled_prints);
+    let mut resumed = open_sources(&plan).unwrap().remove(0);
+    resumed.seek(9).unwrap();
+    assert_eq!(all_batches(resumed.as_mut(), &shapes), shuffled[9..]);
+    let other_seed = fingerprints(&all_batches(
+        open_sources(&with(3, Some(8))).unwrap()[0].as_mut(),
+        &shapes,
+    ));
+    assert_ne!(other_seed, shuffled_prints);
+
+    // The status line shows the epoch the producers are in.
+    let probe = resumed
+        .status_probe()
+        .expect("a multi-epoch source reports its epoch");
+    assert_eq!(probe.read(), "epoch 3/3");
 }

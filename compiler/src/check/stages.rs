@@ -3,13 +3,13 @@
 //! Cross-section rules (queue ends, buckets against the target, devices) live in [`super`]; the pieces they
 //! need come back as separate `Option`s so one broken key does not hide the other sections' errors.
 
-use crate::ast::{Call, QueueSection, StageSection, TelemetrySection, Value};
+use crate::ast::{Call, QueueSection, StageSection, TelemetrySection, Value, ValueKind};
 use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, DrafterStage, LaunchMode, LossSpec, Placement, PullPolicy, QueueSpec, SourceSpec,
-    SyncMode, TargetStage, TelemetrySpec,
+    AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, LaunchMode, LossSpec, Placement,
+    PullPolicy, QueueSpec, SourceSpec, SyncMode, TargetStage, TelemetrySpec,
 };
 use crate::span::Span;
 
@@ -60,7 +60,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
                 errs,
                 "source",
                 v,
-                &["synthetic", "safetensors"],
+                &["synthetic", "safetensors", "stream"],
                 "synthetic(seed = 1, lengths = 64..512)",
             )?;
             source(errs, call, &mut lengths)
@@ -156,16 +156,150 @@ fn source(
                 min_len,
                 max_len,
             })
+    } else if call.name.name == "stream" {
+        stream_source(errs, &mut f)
     } else {
         let pattern = f
             .required("path", "\"data/*.safetensors\"")
             .and_then(|v| values::nonempty_string(errs, "path", v));
-        pattern.map(|p| SourceSpec::Safetensors {
-            pattern: p.to_owned(),
-        })
+        let epochs = match f.optional("epochs") {
+            Some(v) => values::count_in(errs, "epochs", v, 1, MAX_EPOCHS).map(|n| n as u64),
+            None => Some(1),
+        };
+        let shuffle = match f.optional("shuffle") {
+            Some(v) => values::choice(errs, "shuffle", v, &[("true", true), ("false", false)]),
+            None => Some(false),
+        };
+        let seed = match f.optional("seed") {
+            Some(v) => values::count(errs, "seed", v, 0).map(|n| n as u64),
+            None => Some(0),
+        };
+        match (pattern, epochs, shuffle, seed) {
+            (Some(p), Some(epochs), Some(shuffle), Some(seed)) => Some(SourceSpec::Safetensors {
+                pattern: p.to_owned(),
+                epochs,
+                shuffle_seed: shuffle.then_some(seed),
+            }),
+            _ => None,
+        }
     };
     f.finish(errs);
     spec
+}
+
+/// `stream(listen = "127.0.0.1:7070", token = env("DRAFTPIPE_TOKEN"), max_message = 2GiB, read_timeout = 30s)`.
+/// A listener reachable from other machines must have a token.
+fn stream_source(errs: &mut Errs, f: &mut Fields<'_>) -> Option<SourceSpec> {
+    let listen_value = f.required("listen", "\"127.0.0.1:7070\"");
+    let listen = listen_value.and_then(|v| {
+        let text = values::nonempty_string(errs, "listen", v)?;
+        match parse_listen(text) {
+            Ok(loopback) => Some((text, loopback, v.span)),
+            Err(problem) => {
+                errs.push(
+                    Diagnostic::error(v.span, format!("`listen` {problem}, found \"{text}\""))
+                        .label("not an address")
+                        .help("write `\"IP:PORT\"` (for example \"127.0.0.1:7070\") or `\"unix:/path/to/socket\"`"),
+                );
+                None
+            }
+        }
+    });
+    let token_value = f.optional("token");
+    let token_env = match token_value {
+        Some(v) => match &v.kind {
+            ValueKind::Env(name) if valid_env_name(&name.value) => Some(Some(name.value.clone())),
+            ValueKind::Env(name) => {
+                errs.push(
+                    Diagnostic::error(name.span, format!("`{}` is not an environment variable name", name.value))
+                        .label("not a variable name")
+                        .help("names are letters, digits and `_`, not starting with a digit, e.g. `env(\"DRAFTPIPE_TOKEN\")`"),
+                );
+                None
+            }
+            _ => {
+                errs.push(
+                    Diagnostic::error(v.span, "`token` must come from the environment")
+                        .label("expected `env(\"NAME\")`")
+                        .help("write `token = env(\"DRAFTPIPE_TOKEN\")`: a token written in the file would be shared with it"),
+                );
+                None
+            }
+        },
+        None => Some(None),
+    };
+    let max_message = match f.optional("max_message") {
+        Some(v) => values::size_bytes(errs, "max_message", v).and_then(|bytes| {
+            if bytes < MIN_STREAM_MESSAGE {
+                out_of_range(
+                    errs,
+                    "max_message",
+                    v,
+                    "must be at least 64KiB",
+                    format!("{bytes} bytes"),
+                    "for example `max_message = 2GiB`",
+                );
+                return None;
+            }
+            Some(bytes)
+        }),
+        // Derived from the target's shape once it is known (`target_stage`).
+        None => Some(0),
+    };
+    let read_timeout_ms = match f.optional("read_timeout") {
+        Some(v) => values::duration_ms(errs, "read_timeout", v),
+        None => Some(DEFAULT_STREAM_READ_TIMEOUT_MS),
+    };
+    let (listen, loopback, listen_span) = listen?;
+    let token_env = token_env?;
+    if !loopback && token_env.is_none() {
+        errs.push(
+            Diagnostic::error(listen_span, format!("`{listen}` accepts connections from other machines, and no `token` is set"))
+                .label("not a loopback address")
+                .help("add `token = env(\"DRAFTPIPE_TOKEN\")` (producers must present it), or listen on 127.0.0.1 or a unix socket"),
+        );
+        return None;
+    }
+    Some(SourceSpec::Stream {
+        listen: listen.to_owned(),
+        token_env,
+        max_message_bytes: max_message?,
+        read_timeout_ms: read_timeout_ms?,
+    })
+}
+
+/// The most passes a file source may make.
+const MAX_EPOCHS: u64 = 1_000_000;
+
+/// The smallest `max_message` accepted: below it not even a hello-sized header fits.
+const MIN_STREAM_MESSAGE: u64 = 64 << 10;
+
+/// Parses a stream `listen` address; `Ok(true)` when only this machine can connect (loopback IP or unix socket).
+pub fn parse_listen(text: &str) -> Result<bool, &'static str> {
+    if let Some(path) = text.strip_prefix("unix:") {
+        return if path.is_empty() {
+            Err("needs a socket path after `unix:`")
+        } else {
+            Ok(true)
+        };
+    }
+    if let Some(port) = text.strip_prefix("localhost:") {
+        return port
+            .parse::<u16>()
+            .map(|_| true)
+            .map_err(|_| "has no valid port after `localhost:`");
+    }
+    text.parse::<std::net::SocketAddr>()
+        .map(|addr| addr.ip().is_loopback())
+        .map_err(|_| "is not `IP:PORT` or `unix:/path`")
+}
+
+fn valid_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// `min..max` with `1 ≤ min < max`.
@@ -205,6 +339,17 @@ pub(crate) fn target_stage(
             Some(rate) => Some(rate?),
             None => None,
         },
+    })
+    .map(|mut stage| {
+        let default_limit = stage.default_max_message_bytes();
+        if let SourceSpec::Stream {
+            max_message_bytes, ..
+        } = &mut stage.source
+            && *max_message_bytes == 0
+        {
+            *max_message_bytes = default_limit;
+        }
+        stage
     })
 }
 

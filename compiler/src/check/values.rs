@@ -35,6 +35,7 @@ fn describe(kind: &ValueKind) -> &'static str {
         ValueKind::List(_) => "a list",
         ValueKind::Tuple(_) => "a tuple",
         ValueKind::Call(_) => "a call",
+        ValueKind::Env(_) => "an environment variable",
         ValueKind::Ident(_) => "a name",
         ValueKind::Invalid => "an invalid literal",
     }

@@ -477,6 +477,7 @@ pub fn run_with_sources(
             source.seek(*position)?;
         }
     }
+    let source_status = sources.first().and_then(|source| source.status_probe());
     let producers: Vec<Producer> = sources.into_iter().map(Producer::new).collect();
     let queue_seed = plan_seed(plan) ^ start.step;
     let first_positions = start
@@ -514,6 +515,7 @@ pub fn run_with_sources(
     reporter_config.total_steps = step_limit.map(|limit| limit.saturating_sub(start.step));
     reporter_config.run_dir = options.run_dir.clone();
     reporter_config.trace_path = options.trace.clone();
+    reporter_config.source_status = source_status;
     let reporter = Reporter::new(reporter_config, Arc::clone(&telemetry), out)?;
 
     let reporter_stop = AtomicBool::new(false);
@@ -710,6 +712,7 @@ pub fn run_with_sources(
 fn plan_seed(plan: &Plan) -> u64 {
     match plan.target.source {
         draftpipe_compiler::plan::SourceSpec::Synthetic { seed, .. } => seed,
-        draftpipe_compiler::plan::SourceSpec::Safetensors { .. } => 0,
+        draftpipe_compiler::plan::SourceSpec::Safetensors { .. }
+        | draftpipe_compiler::plan::SourceSpec::Stream { .. } => 0,
     }
 }

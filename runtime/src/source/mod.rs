@@ -34,6 +34,7 @@
 //! ```
 
 pub mod safetensors;
+pub mod stream;
 pub mod synthetic;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,6 +48,7 @@ use crate::batch::HsBatch;
 use crate::tensor_file::TensorFileError;
 
 pub use self::safetensors::{SafetensorsDataset, SafetensorsSource};
+pub use self::stream::{StreamConfig, StreamSource, StreamStatus, open_stream};
 pub use self::synthetic::{SyntheticSource, SyntheticTarget};
 
 /// How long a producer sleeps between looks at an empty pool once spinning has not helped.
@@ -179,6 +181,13 @@ pub trait HsSource: Send {
     /// The bucket of the next batch, or `None` when the stream is exhausted. Does not advance.
     fn next_bucket(&mut self) -> Result<Option<usize>, SourceError>;
 
+    /// [`Self::next_bucket`] for a source that may wait for its data (a network stream): it also returns
+    /// `None` once `stop` is raised. Asking for the next batch says the previous one was queued.
+    fn next_bucket_until(&mut self, stop: &AtomicBool) -> Result<Option<usize>, SourceError> {
+        let _ = stop;
+        self.next_bucket()
+    }
+
     /// Fills `out`, already shaped for the bucket [`Self::next_bucket`] announced, with the next batch (every
     /// element written, padding zeroed), sets `out.source_position`, and advances.
     fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError>;
@@ -188,6 +197,35 @@ pub trait HsSource: Send {
 
     /// Makes the batch at global `position` the next one (it must belong to this producer).
     fn seek(&mut self, position: u64) -> Result<(), SourceError>;
+
+    /// What the status line should show of this source (connected producers, the epoch), if anything.
+    fn status_probe(&self) -> Option<SourceStatusProbe> {
+        None
+    }
+}
+
+/// A source's field of the status line (`producers=[3/5 connected]`), read by the telemetry thread.
+#[derive(Clone)]
+pub struct SourceStatusProbe(std::sync::Arc<dyn Fn() -> String + Send + Sync>);
+
+impl SourceStatusProbe {
+    /// A probe that calls `describe` each time the line is drawn.
+    pub fn new(describe: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(describe))
+    }
+
+    /// The field now.
+    pub fn read(&self) -> String {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for SourceStatusProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("SourceStatusProbe")
+            .field(&self.read())
+            .finish()
+    }
 }
 
 /// Checks that `position` belongs to producer `producer` of `producers`.
@@ -237,9 +275,47 @@ pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> 
                 })
                 .collect()
         }
-        SourceSpec::Safetensors { pattern } => {
-            let dataset =
-                std::sync::Arc::new(SafetensorsDataset::open(pattern, &plan.target, &shapes)?);
+        SourceSpec::Stream {
+            listen,
+            token_env,
+            max_message_bytes,
+            read_timeout_ms,
+        } => {
+            let token = match token_env {
+                Some(var) => match std::env::var(var) {
+                    Ok(token) if !token.is_empty() => Some(token),
+                    _ => {
+                        return Err(SourceError::Config(format!(
+                            "the stream's token comes from ${var}, which is not set or empty"
+                        )));
+                    }
+                },
+                None => None,
+            };
+            let (sources, _status) = open_stream(StreamConfig {
+                listen: listen.clone(),
+                token,
+                max_message_bytes: *max_message_bytes,
+                read_timeout: Duration::from_millis(*read_timeout_ms),
+                target: plan.target.clone(),
+                shapes,
+                producers,
+                log: stream::stderr_log(),
+            })?;
+            Ok(sources
+                .into_iter()
+                .map(|s| Box::new(s) as Box<dyn HsSource>)
+                .collect())
+        }
+        SourceSpec::Safetensors {
+            pattern,
+            epochs,
+            shuffle_seed,
+        } => {
+            let dataset = std::sync::Arc::new(
+                SafetensorsDataset::open(pattern, &plan.target, &shapes)?
+                    .with_epochs(*epochs, *shuffle_seed),
+            );
             Ok((0..producers)
                 .map(|w| {
                     Box::new(SafetensorsSource::new(dataset.clone(), w, producers))
@@ -352,7 +428,7 @@ impl Producer {
         pool: &BatchPool,
         stop: &AtomicBool,
     ) -> Result<Option<Box<HsBatch>>, SourceError> {
-        let Some(bucket) = self.source.next_bucket()? else {
+        let Some(bucket) = self.source.next_bucket_until(stop)? else {
             return Ok(None);
         };
         let backoff = Backoff::new();

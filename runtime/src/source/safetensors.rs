@@ -18,11 +18,20 @@
 //! **Order.** Files are read in sorted path order and sequences in row order; each goes to the smallest bucket
 //! that holds it, and a bucket's item is emitted when it is full, so batch positions follow the stream. At the
 //! end, partly filled items are emitted in bucket order with their empty slots marked by length 0 and mask 0.
-//! The stream is one pass over the data; the pipeline decides what to do when every source is exhausted.
+//! **Epochs.** `epochs = E` makes `E` passes over the same planned batches; with `shuffle = true` each epoch
+//! visits them in a permutation drawn from `(seed, epoch)`. Batch position `p` is batch `order_e[p mod B]` of
+//! epoch `e = p / B` (`B` batches per epoch), so a checkpoint's position says both the epoch and the place in
+//! it, and a resumed run continues the same order. What is shuffled is the order of the batches (each a
+//! bucket's worth of sequences); sequences stay with the batch the plan put them in. When the last epoch ends
+//! the source is exhausted and the pipeline drains the queue.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
 
 use draftpipe_compiler::plan::TargetStage;
 use safetensors::Dtype;
@@ -30,7 +39,7 @@ use safetensors::Dtype;
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
 use crate::tensor_file::{
-    TensorFile, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
+    TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats, decode_ids, decode_mask,
     is_float_dtype, is_id_dtype, is_mask_dtype,
 };
 
@@ -71,6 +80,10 @@ pub struct SafetensorsDataset {
     shapes: BucketShapes,
     members: Vec<SeqRef>,
     batches: Vec<PlannedBatch>,
+    epochs: u64,
+    shuffle_seed: Option<u64>,
+    /// One past the furthest position any producer has filled (for the status line's epoch).
+    progress: AtomicU64,
 }
 
 impl SafetensorsDataset {
@@ -94,6 +107,9 @@ impl SafetensorsDataset {
             shapes: shapes.clone(),
             members: Vec::new(),
             batches: Vec::new(),
+            epochs: 1,
+            shuffle_seed: None,
+            progress: AtomicU64::new(0),
         };
         let mut pending: Vec<Vec<SeqRef>> = vec![Vec::new(); shapes.buckets.len()];
         for path in paths {
@@ -139,12 +155,46 @@ impl SafetensorsDataset {
         });
     }
 
+    /// The same dataset read `epochs` times; with a `shuffle_seed`, each epoch visits the batches in its own
+    /// order, a permutation drawn from `(seed, epoch)` alone, so any position can be recomputed on resume.
+    pub fn with_epochs(mut self, epochs: u64, shuffle_seed: Option<u64>) -> Self {
+        self.epochs = epochs.max(1);
+        self.shuffle_seed = shuffle_seed;
+        self
+    }
+
+    /// Passes over the data.
+    pub fn epochs(&self) -> u64 {
+        self.epochs
+    }
+
+    /// The epoch (from 1) the furthest producer is in, for the status line.
+    pub fn current_epoch(&self) -> u64 {
+        let done = self.progress.load(Ordering::Relaxed);
+        (done.saturating_sub(1) / self.batches.len().max(1) as u64 + 1).min(self.epochs)
+    }
+
+    /// The batch order of epoch `epoch`: file order, or a seeded shuffle of it.
+    fn epoch_order(&self, epoch: u64) -> Vec<u32> {
+        let mut order: Vec<u32> = (0..self.batches.len() as u32).collect();
+        if let Some(seed) = self.shuffle_seed {
+            let mut rng =
+                Xoshiro256PlusPlus::seed_from_u64(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            // Fisher–Yates, written out so the order never depends on a library's shuffle algorithm.
+            for i in (1..order.len()).rev() {
+                let j = rng.random_range(0..=i);
+                order.swap(i, j);
+            }
+        }
+        order
+    }
+
     /// The files, in reading order.
     pub fn files(&self) -> impl Iterator<Item = &Path> {
         self.files.iter().map(|f| f.path.as_path())
     }
 
-    /// Batches in one pass over the data.
+    /// Batches in one pass over the data (an epoch).
     pub fn batches(&self) -> usize {
         self.batches.len()
     }
@@ -173,11 +223,42 @@ fn check_file(
     shapes: &BucketShapes,
 ) -> Result<(DataFile, Vec<usize>), SourceError> {
     let mut file = TensorFile::open(path)?;
+    let checked = check_tensors(&mut file, target, shapes)?;
+    Ok((
+        DataFile {
+            path: path.to_path_buf(),
+            seq: checked.seq,
+            has_mask: checked.has_mask,
+        },
+        checked.lengths,
+    ))
+}
+
+/// What [`check_tensors`] found: the padded length `S`, whether a mask is present, and each row's length.
+#[derive(Debug, Clone)]
+pub struct CheckedTensors {
+    /// Columns of `input_ids` (`S`).
+    pub seq: usize,
+    /// Whether `loss_mask` is present.
+    pub has_mask: bool,
+    /// Per row, its length: up to its last kept token (0 = nothing to train on).
+    pub lengths: Vec<usize>,
+}
+
+/// The checks every hidden-state container passes, file or network message: names, dtypes, ranks, shapes
+/// against the plan, token ids in the vocabulary, and each row's length from its mask.
+pub fn check_tensors(
+    file: &mut impl TensorRead,
+    target: &TargetStage,
+    shapes: &BucketShapes,
+) -> Result<CheckedTensors, SourceError> {
+    let path = file.origin().to_path_buf();
+    let path = path.as_path();
     let bad = |tensor: &str, problem: TensorProblem| -> SourceError {
         TensorFileError::tensor(path, tensor, problem).into()
     };
 
-    let hs = file.require(HIDDEN_STATES)?;
+    let hs = file.require_tensor(HIDDEN_STATES)?;
     if !is_float_dtype(hs.dtype) {
         return Err(bad(
             HIDDEN_STATES,
@@ -245,9 +326,9 @@ fn check_file(
             }
             Ok(())
         };
-    let ids = file.require(INPUT_IDS)?;
+    let ids = file.require_tensor(INPUT_IDS)?;
     check_rows(INPUT_IDS, ids.dtype, &ids.shape, is_id_dtype, "I32 or I64")?;
-    let has_mask = match file.info(LOSS_MASK) {
+    let has_mask = match file.tensor_info(LOSS_MASK) {
         Some(mask) => {
             check_rows(
                 LOSS_MASK,
@@ -263,13 +344,12 @@ fn check_file(
 
     // The header alone decides `rows` and `seq`; with zero elements (`[0, 2^40, D]`) the file holds no data to
     // bound them, so nothing is allocated by them before they are checked against the plan.
-    let data_file = DataFile {
-        path: path.to_path_buf(),
-        seq,
-        has_mask,
-    };
     if rows == 0 || seq == 0 {
-        return Ok((data_file, Vec::new()));
+        return Ok(CheckedTensors {
+            seq,
+            has_mask,
+            lengths: Vec::new(),
+        });
     }
     if !has_mask && seq > shapes.buckets.last().map_or(0, |b| b.0) {
         return Err(too_long(path, 0, seq, shapes));
@@ -280,7 +360,7 @@ fn check_file(
     let mut lengths = Vec::with_capacity(rows);
     for row in 0..rows {
         let elements = row * seq..(row + 1) * seq;
-        let dtype = file.read_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
+        let dtype = file.read_tensor_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
         decode_ids(dtype, &bytes, &mut ids_row);
         if let Some((col, &id)) = ids_row
             .iter()
@@ -298,7 +378,7 @@ fn check_file(
             ));
         }
         if has_mask {
-            let dtype = file.read_elements(LOSS_MASK, elements, &mut bytes)?;
+            let dtype = file.read_tensor_elements(LOSS_MASK, elements, &mut bytes)?;
             decode_mask(dtype, &bytes, &mut mask_row);
         }
         lengths.push(
@@ -308,7 +388,11 @@ fn check_file(
                 .map_or(0, |last| last + 1),
         );
     }
-    Ok((data_file, lengths))
+    Ok(CheckedTensors {
+        seq,
+        has_mask,
+        lengths,
+    })
 }
 
 /// Expands a path or a glob whose wildcards (`*`, `?`) are in the file-name part; a directory means every
@@ -399,6 +483,8 @@ pub struct SafetensorsSource {
     open: Option<(u32, TensorFile)>,
     bytes: Vec<u8>,
     ids: Vec<i64>,
+    /// The batch order of the epoch `next` is in, and that epoch.
+    order: Option<(u64, Vec<u32>)>,
 }
 
 impl SafetensorsSource {
@@ -412,7 +498,23 @@ impl SafetensorsSource {
             open: None,
             bytes: Vec::new(),
             ids: Vec::new(),
+            order: None,
         }
+    }
+
+    /// The planned batch at global position `position`, or `None` past the last epoch.
+    fn planned(&mut self, position: u64) -> Option<PlannedBatch> {
+        let per_epoch = self.dataset.batches.len() as u64;
+        let epoch = position / per_epoch;
+        if epoch >= self.dataset.epochs {
+            return None;
+        }
+        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.order = Some((epoch, self.dataset.epoch_order(epoch)));
+        }
+        let (_, order) = self.order.as_ref().expect("set above");
+        let index = order[(position % per_epoch) as usize] as usize;
+        self.dataset.batches.get(index).cloned()
     }
 
     /// The open handle of file `index`, reopening (and rechecking the header) when another file was open.
@@ -487,18 +589,11 @@ impl SafetensorsSource {
 
 impl HsSource for SafetensorsSource {
     fn next_bucket(&mut self) -> Result<Option<usize>, SourceError> {
-        Ok(usize::try_from(self.next)
-            .ok()
-            .and_then(|p| self.dataset.batches.get(p))
-            .map(|b| b.bucket))
+        Ok(self.planned(self.next).map(|b| b.bucket))
     }
 
     fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
-        let Some(planned) = usize::try_from(self.next)
-            .ok()
-            .and_then(|p| self.dataset.batches.get(p))
-            .cloned()
-        else {
+        let Some(planned) = self.planned(self.next) else {
             return Err(SourceError::Buffer(format!(
                 "position {} is past the end of the data",
                 self.next
@@ -531,6 +626,9 @@ impl HsSource for SafetensorsSource {
             out.hs[start * din..end * din].fill(0.0);
         }
         out.source_position = self.next;
+        self.dataset
+            .progress
+            .fetch_max(self.next + 1, Ordering::Relaxed);
         self.next += self.producers as u64;
         Ok(())
     }
@@ -543,5 +641,14 @@ impl HsSource for SafetensorsSource {
         check_owned(position, self.producer, self.producers)?;
         self.next = position;
         Ok(())
+    }
+
+    fn status_probe(&self) -> Option<super::SourceStatusProbe> {
+        let dataset = Arc::clone(&self.dataset);
+        (dataset.epochs > 1).then(|| {
+            super::SourceStatusProbe::new(move || {
+                format!("epoch {}/{}", dataset.current_epoch(), dataset.epochs)
+            })
+        })
     }
 }

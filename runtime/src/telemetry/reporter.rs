@@ -70,6 +70,8 @@ pub struct ReporterConfig {
     pub queue_capacity: usize,
     /// Consumers' watermark.
     pub queue_min_ready: usize,
+    /// The source's own status field (`producers=[3/5 connected]`), when it has one.
+    pub source_status: Option<crate::source::SourceStatusProbe>,
 }
 
 impl ReporterConfig {
@@ -91,6 +93,7 @@ impl ReporterConfig {
             max_spans_per_worker: TraceBuffer::DEFAULT_MAX_SPANS_PER_WORKER,
             queue_capacity,
             queue_min_ready,
+            source_status: None,
         }
     }
 }
@@ -259,6 +262,7 @@ impl<W: Write> Reporter<W> {
         let mut line =
             StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
                 .with_rate_window(window_start, &current);
+        line.source = self.config.source_status.as_ref().map(|probe| probe.read());
         // The label names the window asked for; the first lines of a run cover what there is so far.
         line.tokens_per_s_window_s = window.as_secs_f64();
         self.rate_history.push_back(current.clone());

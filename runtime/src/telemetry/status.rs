@@ -86,6 +86,9 @@ pub struct StatusLine {
     pub loss: Option<f64>,
     /// Steps skipped so far for non-finite values.
     pub skipped: u64,
+    /// The source's own field (`producers=[3/5 connected]`), when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 fn per_second(count: u64, over: Duration) -> f64 {
@@ -170,6 +173,7 @@ impl StatusLine {
             drafters,
             loss,
             skipped: current.skipped(),
+            source: None,
         }
     }
 
@@ -282,6 +286,9 @@ impl fmt::Display for StatusLine {
         }
         if self.skipped > 0 {
             write!(f, " | skipped {}", self.skipped)?;
+        }
+        if let Some(source) = &self.source {
+            write!(f, " | {source}")?;
         }
         Ok(())
     }

@@ -1,0 +1,260 @@
+"""The producer side of draftpipe's stream protocol.
+
+Every frame is an 8-byte little-endian length and that many bytes. The producer sends a JSON hello (protocol
+version, the target's ``hidden``, ``tap_layers`` and ``vocab``, a token, a producer name) and gets a JSON
+reply; then each message is one safetensors blob (``input_ids [N, S]``, ``hidden_states [N, S, D]``, optional
+``loss_mask [N, S]``), answered by a JSON acknowledgement once its batches are in draftpipe's queue. An empty
+frame says the producer is done. Any error is one reply ``{"ok": false, "error": ...}``, then the server closes.
+"""
+
+import json
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._safetensors import Tensor, float32_to_bf16_bits, serialize
+
+PROTOCOL_VERSION = 1
+
+_HIDDEN_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+
+
+class ProducerError(RuntimeError):
+    """draftpipe refused the hello or a message (its reason is the message), or the connection failed."""
+
+
+@dataclass
+class Ack:
+    """What draftpipe acknowledged for one :meth:`Producer.send` (summed over the messages it was split into)."""
+
+    messages: int = 0
+    batches: int = 0
+    sequences: int = 0
+    delivered: int = 0
+
+
+def _to_numpy(value, name):
+    """A numpy array from a numpy array, a torch tensor (any device; bfloat16 kept as BF16) or a list.
+
+    Returns ``(array, safetensors_dtype_or_None)``."""
+    module = type(value).__module__
+    if module.startswith("torch"):
+        import torch
+
+        tensor = value.detach()
+        if tensor.dtype == torch.bfloat16:
+            bits = tensor.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+            return bits, "BF16"
+        return tensor.contiguous().cpu().numpy(), None
+    if isinstance(value, np.ndarray):
+        return value, None
+    try:
+        return np.asarray(value), None
+    except Exception as error:  # noqa: BLE001 - any conversion failure is the caller's type error
+        raise TypeError(f"`{name}` must be a numpy array or a torch tensor") from error
+
+
+def _pad_ragged(sequences, width, dtype):
+    """Stacks 1-D (or ``[S, D]``) arrays of different lengths into one right-padded array."""
+    longest = max(len(s) for s in sequences)
+    shape = (len(sequences), longest) + tuple(width)
+    out = np.zeros(shape, dtype=dtype)
+    for row, sequence in enumerate(sequences):
+        out[row, : len(sequence)] = sequence
+    return out
+
+
+class Producer:
+    """One producer connection to ``draftpipe run``.
+
+    ``address`` is ``"HOST:PORT"`` or ``"unix:/path"``; ``hidden``, ``tap_layers`` and ``vocab`` must match the
+    plan's target stage; ``token`` defaults to ``$DRAFTPIPE_TOKEN``. ``name`` identifies this producer across
+    reconnects (default: host name and process id); a restarted producer that reuses its name takes its slot
+    back and learns from :attr:`delivered` how many messages were acknowledged before. ``hidden_dtype``
+    (``"bf16"``, ``"f16"``, ``"f32"`` or ``None`` to send floats as given) converts float32 hidden states before
+    sending. ``connect_timeout`` keeps retrying while the run is still starting.
+    """
+
+    def __init__(
+        self,
+        address,
+        hidden,
+        tap_layers,
+        vocab,
+        token=None,
+        name=None,
+        hidden_dtype="bf16",
+        connect_timeout=30.0,
+        timeout=600.0,
+    ):
+        if hidden_dtype is not None and hidden_dtype not in _HIDDEN_DTYPES:
+            raise ValueError(f"hidden_dtype must be one of {sorted(_HIDDEN_DTYPES)} or None")
+        self.address = address
+        self.hidden = int(hidden)
+        self.tap_layers = [int(layer) for layer in tap_layers]
+        self.vocab = int(vocab)
+        self.width = self.hidden * len(self.tap_layers)
+        self.hidden_dtype = hidden_dtype
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        token = os.environ.get("DRAFTPIPE_TOKEN", "") if token is None else token
+        self._socket = self._connect(address, connect_timeout, timeout)
+        try:
+            reply = self._hello(token)
+        except BaseException:
+            self._socket.close()
+            raise
+        self.slot = reply["slot"]
+        self.max_message_bytes = reply["max_message_bytes"]
+        self.delivered = reply.get("delivered", 0)
+        self._done = False
+
+    @staticmethod
+    def _connect(address, connect_timeout, timeout):
+        deadline = time.monotonic() + connect_timeout
+        while True:
+            try:
+                if address.startswith("unix:"):
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.connect(address[len("unix:") :])
+                else:
+                    host, _, port = address.rpartition(":")
+                    sock = socket.create_connection((host.strip("[]"), int(port)))
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(timeout)
+                return sock
+            except (ConnectionRefusedError, FileNotFoundError):
+                if time.monotonic() >= deadline:
+                    raise ProducerError(f"nothing listens on {address}") from None
+                time.sleep(0.05)
+
+    def _frame(self, parts, length):
+        self._socket.sendall(struct.pack("<Q", length))
+        for part in parts:
+            self._socket.sendall(part)
+
+    def _recv_exact(self, n):
+        chunks = bytearray()
+        while len(chunks) < n:
+            chunk = self._socket.recv(n - len(chunks))
+            if not chunk:
+                raise ProducerError("draftpipe closed the connection")
+            chunks += chunk
+        return bytes(chunks)
+
+    def _reply(self):
+        (length,) = struct.unpack("<Q", self._recv_exact(8))
+        reply = json.loads(self._recv_exact(length))
+        if not reply.get("ok"):
+            self._socket.close()
+            raise ProducerError(reply.get("error", "refused"))
+        return reply
+
+    def _hello(self, token):
+        hello = json.dumps(
+            {
+                "protocol": PROTOCOL_VERSION,
+                "hidden": self.hidden,
+                "tap_layers": self.tap_layers,
+                "vocab": self.vocab,
+                "token": token,
+                "producer": self.name,
+            }
+        ).encode()
+        self._frame([hello], len(hello))
+        return self._reply()
+
+    def _prepare(self, input_ids, hidden_states, loss_mask):
+        """Arrays ``[N, S]``, ``[N, S, D]``, ``[N, S]`` or None, from 1-D/2-D inputs or lists of sequences."""
+        if isinstance(input_ids, (list, tuple)) and input_ids and np.ndim(input_ids[0]) == 1:
+            lengths = [len(s) for s in input_ids]
+            ids = _pad_ragged([_to_numpy(s, "input_ids")[0] for s in input_ids], (), np.int64)
+            converted = [_to_numpy(h, "hidden_states") for h in hidden_states]
+            hs_dtype = converted[0][1]
+            hs = _pad_ragged([c[0] for c in converted], (self.width,), converted[0][0].dtype)
+            if loss_mask is None:
+                mask = _pad_ragged([np.ones(n, np.uint8) for n in lengths], (), np.uint8)
+            else:
+                mask = _pad_ragged([_to_numpy(m, "loss_mask")[0] for m in loss_mask], (), np.uint8)
+            return ids, (hs, hs_dtype), mask
+        ids, _ = _to_numpy(input_ids, "input_ids")
+        hs, hs_dtype = _to_numpy(hidden_states, "hidden_states")
+        mask = None if loss_mask is None else _to_numpy(loss_mask, "loss_mask")[0]
+        if ids.ndim == 1:
+            ids, hs = ids[None], hs[None]
+            mask = None if mask is None else mask[None]
+        return ids, (hs, hs_dtype), mask
+
+    def _hidden_tensor(self, hs, hs_dtype):
+        if hs_dtype == "BF16":
+            return Tensor(hs, "BF16")
+        if self.hidden_dtype == "bf16":
+            return Tensor(float32_to_bf16_bits(hs), "BF16")
+        if self.hidden_dtype == "f16":
+            return Tensor(hs.astype(np.float16, copy=False))
+        if self.hidden_dtype == "f32":
+            return Tensor(hs.astype(np.float32, copy=False))
+        return Tensor(hs)
+
+    def send(self, input_ids, hidden_states, loss_mask=None):
+        """Sends sequences and waits until draftpipe has queued them; returns the :class:`Ack`.
+
+        ``input_ids`` is ``[S]`` or ``[N, S]`` (or a list of 1-D sequences of any lengths), ``hidden_states``
+        ``[S, D]`` / ``[N, S, D]`` (or a list of ``[S_i, D]``) with ``D = hidden × len(tap_layers)``, and
+        ``loss_mask`` like ``input_ids`` (nonzero: the token may serve as a label; right padding should be 0).
+        numpy arrays or torch tensors. Rows are split over several messages when they exceed the server's limit.
+        """
+        if self._done:
+            raise ProducerError("this producer already said it is done")
+        ids, (hs, hs_dtype), mask = self._prepare(input_ids, hidden_states, loss_mask)
+        if hs.ndim != 3 or hs.shape[:2] != ids.shape or hs.shape[2] != self.width:
+            raise ValueError(
+                f"hidden_states has shape {tuple(hs.shape)}, expected {tuple(ids.shape) + (self.width,)}"
+                f" (hidden {self.hidden} × {len(self.tap_layers)} tap layers)"
+            )
+        if mask is not None and mask.shape != ids.shape:
+            raise ValueError(f"loss_mask has shape {tuple(mask.shape)}, expected {tuple(ids.shape)}")
+        row_bytes = ids.shape[1] * (self.width * 4 + 16) if ids.size else 1
+        rows_per_message = max(1, (self.max_message_bytes - (1 << 16)) // row_bytes)
+        ack = Ack()
+        for start in range(0, max(ids.shape[0], 1), rows_per_message):
+            rows = slice(start, start + rows_per_message)
+            tensors = {
+                "hidden_states": self._hidden_tensor(hs[rows], hs_dtype),
+                "input_ids": Tensor(ids[rows].astype(np.int64, copy=False)),
+            }
+            if mask is not None:
+                tensors["loss_mask"] = Tensor(np.asarray(mask[rows]).astype(np.uint8, copy=False))
+            parts, length = serialize(tensors)
+            self._frame(parts, length)
+            reply = self._reply()
+            ack.messages += 1
+            ack.batches += reply.get("batches", 0)
+            ack.sequences += reply.get("sequences", 0)
+            ack.delivered = self.delivered = reply.get("delivered", self.delivered)
+        return ack
+
+    def done(self):
+        """Tells draftpipe this producer has nothing more to send; the run ends when every producer is done."""
+        if not self._done:
+            self._frame([], 0)
+            self._reply()
+            self._done = True
+            self._socket.close()
+
+    def close(self):
+        """Closes the connection without saying done: the slot waits for this producer to reconnect."""
+        self._socket.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.done()
+        else:
+            self.close()
+        return False

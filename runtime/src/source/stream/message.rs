@@ -1,0 +1,250 @@
+//! One received message: a safetensors blob checked like a hidden-state file, cut into bucketed batches.
+//!
+//! ```text
+//!  frame bytes ──TensorBlob::parse──▶ check_tensors (the file source's checks) ──▶ rows by bucket ──▶ items
+//! ```
+//!
+//! Rows go to the smallest bucket that holds them, in row order; a bucket's item is cut when it is full, and
+//! the partly filled ones at the end in bucket order, exactly as the file source plans one file. A message is
+//! thus independent of the next one, and its acknowledgement can be sent as soon as its own items are queued.
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use draftpipe_compiler::plan::TargetStage;
+use safetensors::Dtype;
+
+use crate::batch::HsBatch;
+use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
+use crate::source::{BucketShapes, SourceError};
+use crate::tensor_file::{
+    TensorBlob, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
+};
+
+/// The first NaN or infinity among little-endian floats of `dtype` (an exponent of all ones), with its index.
+fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
+    let scan16 = |mask: u16, to_f32: fn(u16) -> f32| {
+        bytes.chunks_exact(2).enumerate().find_map(|(i, b)| {
+            let bits = u16::from_le_bytes([b[0], b[1]]);
+            (bits & mask == mask).then(|| (i, to_f32(bits)))
+        })
+    };
+    match dtype {
+        Dtype::BF16 => scan16(0x7F80, |b| half::bf16::from_bits(b).to_f32()),
+        Dtype::F16 => scan16(0x7C00, |b| half::f16::from_bits(b).to_f32()),
+        _ => bytes.chunks_exact(4).enumerate().find_map(|(i, b)| {
+            let value = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            (!value.is_finite()).then_some((i, value))
+        }),
+    }
+}
+
+/// One planned item: its bucket and its rows (a range of `rows`).
+#[derive(Debug, Clone)]
+struct Item {
+    bucket: usize,
+    rows: Range<usize>,
+}
+
+/// A checked message and the items it makes.
+#[derive(Debug)]
+pub(super) struct Message {
+    blob: TensorBlob,
+    seq: usize,
+    has_mask: bool,
+    /// `(row, length)` of every kept row, grouped by item.
+    rows: Vec<(usize, usize)>,
+    items: Vec<Item>,
+    next: usize,
+    ids: Vec<i64>,
+}
+
+impl Message {
+    /// Parses and checks the first `len` bytes of `bytes`. On an error the buffer comes back for reuse.
+    pub(super) fn parse(
+        origin: PathBuf,
+        bytes: Vec<u8>,
+        len: usize,
+        target: &TargetStage,
+        shapes: &BucketShapes,
+    ) -> Result<Self, (Box<SourceError>, Vec<u8>)> {
+        let mut blob = TensorBlob::parse(origin, bytes, len)
+            .map_err(|(e, b)| (Box::new(SourceError::File(*e)), b))?;
+        let checked = match check_tensors(&mut blob, target, shapes) {
+            Ok(checked) => checked,
+            Err(e) => return Err((Box::new(e), blob.into_bytes())),
+        };
+        // As the file source: a NaN in the data would surface as a non-finite loss and be blamed on the run.
+        let din = shapes.din;
+        for (row, &len) in checked.lengths.iter().enumerate() {
+            let first = row * checked.seq * din;
+            let found = blob
+                .element_bytes(HIDDEN_STATES, first..first + len * din)
+                .map(|(dtype, bytes)| first_non_finite(dtype, bytes));
+            let problem = match found {
+                Ok(None) => continue,
+                Ok(Some((at, value))) => TensorProblem::NonFinite {
+                    value,
+                    at: first + at,
+                },
+                Err(e) => e.problem,
+            };
+            let origin = crate::tensor_file::TensorRead::origin(&blob).to_path_buf();
+            let error = TensorFileError::tensor(&origin, HIDDEN_STATES, problem);
+            return Err((Box::new(error.into()), blob.into_bytes()));
+        }
+        let mut pending: Vec<Vec<(usize, usize)>> = vec![Vec::new(); shapes.buckets.len()];
+        let mut rows = Vec::new();
+        let mut items = Vec::new();
+        let mut cut = |bucket: usize, group: &mut Vec<(usize, usize)>, rows: &mut Vec<_>| {
+            let start = rows.len();
+            rows.append(group);
+            items.push(Item {
+                bucket,
+                rows: start..rows.len(),
+            });
+        };
+        for (row, &len) in checked.lengths.iter().enumerate() {
+            if len == 0 {
+                continue;
+            }
+            let Some(bucket) = shapes.bucket_for_len(len) else {
+                let largest = shapes.buckets.last().map_or(0, |b| b.0);
+                let problem = TensorProblem::WrongShape {
+                    found: vec![row, len],
+                    expected: format!(
+                        "sequence {row} (length {len}) to fit the largest bucket, {largest} tokens"
+                    ),
+                };
+                let error = TensorFileError::tensor(
+                    &PathBuf::from(crate::tensor_file::TensorRead::origin(&blob)),
+                    INPUT_IDS,
+                    problem,
+                );
+                return Err((Box::new(error.into()), blob.into_bytes()));
+            };
+            pending[bucket].push((row, len));
+            if pending[bucket].len() == shapes.buckets[bucket].1 {
+                cut(bucket, &mut pending[bucket], &mut rows);
+            }
+        }
+        for (bucket, group) in pending.iter_mut().enumerate() {
+            if !group.is_empty() {
+                cut(bucket, group, &mut rows);
+            }
+        }
+        Ok(Self {
+            blob,
+            seq: checked.seq,
+            has_mask: checked.has_mask,
+            rows,
+            items,
+            next: 0,
+            ids: Vec::new(),
+        })
+    }
+
+    /// True when every item has been handed out.
+    pub(super) fn exhausted(&self) -> bool {
+        self.next >= self.items.len()
+    }
+
+    /// The bucket of the next item.
+    pub(super) fn next_bucket(&self) -> Option<usize> {
+        self.items.get(self.next).map(|item| item.bucket)
+    }
+
+    /// Items this message makes.
+    pub(super) fn batches(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Rows this message queues.
+    pub(super) fn sequences(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Fills `out` (shaped for the next item's bucket) with the next item, padding zeroed, and advances.
+    pub(super) fn fill_next(
+        &mut self,
+        out: &mut HsBatch,
+        shapes: &BucketShapes,
+    ) -> Result<(), SourceError> {
+        let Some(item) = self.items.get(self.next).cloned() else {
+            return Err(SourceError::Buffer("the message has no batch left".into()));
+        };
+        if !shapes.matches(out, item.bucket) {
+            return Err(SourceError::Buffer(format!(
+                "a batch of bucket {} {:?} needs its shape, got a {}×{} buffer",
+                item.bucket, shapes.buckets[item.bucket], out.sequences, out.padded_len
+            )));
+        }
+        let (padded, din) = (out.padded_len, out.din);
+        for slot in 0..out.sequences {
+            let len = match self.rows.get(item.rows.start + slot) {
+                Some(&(row, len)) if item.rows.start + slot < item.rows.end => {
+                    self.copy_row(row, len, slot, out)?;
+                    len
+                }
+                _ => 0,
+            };
+            out.seq_lens[slot] = len as u32;
+            let (start, end) = (slot * padded + len, (slot + 1) * padded);
+            out.input_ids[start..end].fill(0);
+            out.loss_mask[start..end].fill(0);
+            out.hs[start * din..end * din].fill(0.0);
+        }
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Copies the first `len` tokens of row `row` into slot `slot` of `out`.
+    fn copy_row(
+        &mut self,
+        row: usize,
+        len: usize,
+        slot: usize,
+        out: &mut HsBatch,
+    ) -> Result<(), SourceError> {
+        let (din, base) = (out.din, slot * out.padded_len);
+        let first = row * self.seq;
+        let origin = crate::tensor_file::TensorRead::origin(&self.blob).to_path_buf();
+        let corrupt = |tensor: &str| -> SourceError {
+            TensorFileError::tensor(
+                &origin,
+                tensor,
+                TensorProblem::BadHeader("data changed after it was checked".into()),
+            )
+            .into()
+        };
+        self.ids.resize(len, 0);
+        let (dtype, bytes) = self.blob.element_bytes(INPUT_IDS, first..first + len)?;
+        if !decode_ids(dtype, bytes, &mut self.ids) {
+            return Err(corrupt(INPUT_IDS));
+        }
+        for (dst, &id) in out.input_ids[base..base + len].iter_mut().zip(&self.ids) {
+            *dst = u32::try_from(id).map_err(|_| corrupt(INPUT_IDS))?;
+        }
+        let mask = &mut out.loss_mask[base..base + len];
+        if self.has_mask {
+            let (dtype, bytes) = self.blob.element_bytes(LOSS_MASK, first..first + len)?;
+            if !decode_mask(dtype, bytes, mask) {
+                return Err(corrupt(LOSS_MASK));
+            }
+        } else {
+            mask.fill(1);
+        }
+        let (dtype, bytes) = self
+            .blob
+            .element_bytes(HIDDEN_STATES, first * din..(first + len) * din)?;
+        if !decode_floats(dtype, bytes, &mut out.hs[base * din..(base + len) * din]) {
+            return Err(corrupt(HIDDEN_STATES));
+        }
+        Ok(())
+    }
+
+    /// The message's buffer, for the next message.
+    pub(super) fn into_bytes(self) -> Vec<u8> {
+        self.blob.into_bytes()
+    }
+}

@@ -1,0 +1,439 @@
+//! The stream source over real loopback sockets, with a Rust producer: batches arrive as sent, the
+//! acknowledgement waits for the queue, and every kind of bad input is refused with a clear error on both sides
+//! while the source goes on serving the next producer.
+
+mod source_support;
+mod stream_support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use draftpipe_compiler::plan::SourceSpec;
+use draftpipe_runtime::batch::HsBatch;
+use draftpipe_runtime::source::stream::wire::{Hello, PROTOCOL_VERSION};
+use draftpipe_runtime::source::{
+    BatchPool, BucketShapes, Producer, StreamConfig, StreamStatus, open_stream,
+};
+use safetensors::Dtype;
+
+use source_support::plan;
+use stream_support::{Client, batch, blob};
+
+const HIDDEN: usize = 4;
+const TAPS: usize = 2;
+const DIN: usize = HIDDEN * TAPS;
+const VOCAB: usize = 50;
+
+/// A listener on a free loopback port with `producers` slots; its log lines are collected.
+fn server(
+    producers: usize,
+    token: Option<&str>,
+    max_message_bytes: u64,
+) -> (
+    Vec<Producer>,
+    StreamStatus,
+    BatchPool,
+    Arc<Mutex<Vec<String>>>,
+) {
+    let plan = plan(
+        SourceSpec::Stream {
+            listen: "127.0.0.1:0".into(),
+            token_env: None,
+            max_message_bytes,
+            read_timeout_ms: 300,
+        },
+        VOCAB,
+        HIDDEN,
+        TAPS,
+        &[8, 16],
+        32,
+        producers,
+    );
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&log);
+    let shapes = BucketShapes::from_plan(&plan);
+    let (sources, status) = open_stream(StreamConfig {
+        listen: "127.0.0.1:0".into(),
+        token: token.map(str::to_string),
+        max_message_bytes,
+        read_timeout: Duration::from_millis(300),
+        target: plan.target.clone(),
+        shapes: shapes.clone(),
+        producers,
+        log: Arc::new(move |line: &str| sink.lock().unwrap().push(line.to_string())),
+    })
+    .unwrap();
+    let producers = sources
+        .into_iter()
+        .map(|s| Producer::new(Box::new(s)))
+        .collect();
+    (producers, status, BatchPool::new(shapes, 8).unwrap(), log)
+}
+
+/// Raises the consumer's stop flag when dropped, so a failed assertion ends the test instead of hanging it.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+fn hello(token: &str, name: &str) -> Hello {
+    Client::hello_for(HIDDEN, TAPS, VOCAB, token, name)
+}
+
+fn bf16(v: f64) -> f32 {
+    half::bf16::from_f64(v).to_f32()
+}
+
+#[test]
+fn batches_arrive_as_sent_and_the_ack_waits_for_the_consumer() {
+    let (mut producers, status, pool, log) = server(1, None, 1 << 20);
+    let address = status.address().to_string();
+    let stop = AtomicBool::new(false);
+    let (to_test, batches) = mpsc::channel::<HsBatch>();
+    let (resume, resumed) = mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let stop = &stop;
+        let pool = &pool;
+        scope.spawn(move || {
+            let mut producer = producers.remove(0);
+            let mut taken = 0;
+            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
+                to_test.send((*batch).clone()).unwrap();
+                pool.give_back(batch).unwrap();
+                taken += 1;
+                if taken == 2 {
+                    // Hold the second batch "in the queue" until the test has checked there is no ack yet.
+                    resumed.recv().unwrap();
+                }
+            }
+        });
+
+        let _stop_on_panic = StopOnDrop(stop);
+        let mut client = Client::connect(&address);
+        let reply = client.hello(&hello("", "p0"));
+        assert!(reply.ok, "{reply:?}");
+        assert_eq!((reply.slot, reply.delivered), (Some(0), Some(0)));
+        assert_eq!(status.connected(), (1, 1));
+        let tensors = batch(4, 16, DIN, VOCAB, &[5, 8, 12, 3], 7);
+        client.frame(&blob(&tensors)).unwrap();
+        let first = batches.recv_timeout(Duration::from_secs(10)).unwrap();
+        let second = batches.recv_timeout(Duration::from_secs(10)).unwrap();
+        client.set_timeout(Duration::from_millis(300));
+        let mut byte = [0u8; 1];
+        let early = std::io::Read::read(&mut client.stream, &mut byte);
+        assert!(
+            early.is_err(),
+            "acknowledged before the last batch was queued"
+        );
+        client.set_timeout(Duration::from_secs(10));
+        resume.send(()).unwrap();
+        let ack = client.reply();
+        assert!(ack.ok, "{ack:?}");
+        assert_eq!(
+            (ack.batches, ack.sequences, ack.delivered),
+            (Some(2), Some(4), Some(1))
+        );
+
+        // Rows 0, 1, 3 fit bucket 8 (4 slots), row 2 bucket 16 (2 slots); partial items in bucket order.
+        assert_eq!((first.padded_len, first.sequences), (8, 4));
+        assert_eq!(first.seq_lens, [5, 8, 3, 0]);
+        assert_eq!((second.padded_len, second.sequences), (16, 2));
+        assert_eq!(second.seq_lens, [12, 0]);
+        assert_eq!((first.source_position, second.source_position), (0, 1));
+        let (hs, ids) = (&tensors[0].3, &tensors[1].3);
+        for (slot, row) in [(0usize, 0usize), (1, 1), (2, 3)] {
+            let len = first.seq_lens[slot] as usize;
+            for t in 0..8 {
+                let at = slot * 8 + t;
+                let (want_id, want_mask) = if t < len {
+                    (ids[row * 16 + t] as u32, 1)
+                } else {
+                    (0, 0)
+                };
+                assert_eq!(
+                    (first.input_ids[at], first.loss_mask[at]),
+                    (want_id, want_mask)
+                );
+                for d in 0..DIN {
+                    let want = if t < len {
+                        bf16(hs[(row * 16 + t) * DIN + d])
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(
+                        first.hs[at * DIN + d],
+                        want,
+                        "slot {slot} token {t} dim {d}"
+                    );
+                }
+            }
+        }
+        assert!(
+            second.hs[..12 * DIN]
+                .iter()
+                .zip(&hs[2 * 16 * DIN..])
+                .all(|(&got, &want)| got == bf16(want))
+        );
+
+        let done = client.done();
+        assert!(done.ok && done.done, "{done:?}");
+    });
+    assert_eq!(status.delivered(), [1]);
+    let log = log.lock().unwrap().join("\n");
+    assert!(log.contains("producer done after 1 messages"), "{log}");
+}
+
+/// Runs `misbehave` against a one-slot server, then checks a well-behaved producer still delivers.
+fn refused_then_recovers(
+    token: Option<&str>,
+    max_message_bytes: u64,
+    misbehave: impl FnOnce(&str) -> (String, String),
+) {
+    let (mut producers, status, pool, log) = server(1, token, max_message_bytes);
+    let address = status.address().to_string();
+    let stop = AtomicBool::new(false);
+    let taken = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        let (stop, pool, taken) = (&stop, &pool, &taken);
+        scope.spawn(move || {
+            let mut producer = producers.remove(0);
+            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
+                taken.fetch_add(1, Ordering::SeqCst);
+                pool.give_back(batch).unwrap();
+            }
+        });
+        let _stop_on_panic = StopOnDrop(stop);
+        let (client_error, peer) = misbehave(&address);
+        let server_log = log.lock().unwrap().join("\n");
+        assert!(
+            server_log.contains(&peer),
+            "the server's log names the peer {peer}:\n{server_log}"
+        );
+        assert!(!client_error.is_empty());
+
+        let mut good = Client::connect(&address);
+        let reply = good.hello(&hello(token.unwrap_or(""), "good"));
+        assert!(reply.ok, "{reply:?}");
+        let ack = good.send(&batch(2, 8, DIN, VOCAB, &[8, 4], 1));
+        assert!(ack.ok, "{ack:?}");
+        assert!(good.done().done);
+    });
+    assert_eq!(
+        taken.load(Ordering::SeqCst),
+        1,
+        "only the good producer's batch was queued"
+    );
+    assert_eq!(status.delivered(), [1]);
+}
+
+/// Asserts that `reply` is an error that mentions `needle`, and returns its text.
+fn expect_error(reply: draftpipe_runtime::source::stream::wire::Reply, needle: &str) -> String {
+    assert!(
+        !reply.ok,
+        "expected an error mentioning `{needle}`, got {reply:?}"
+    );
+    let error = reply.error.unwrap_or_default();
+    assert!(
+        error.contains(needle),
+        "`{error}` should mention `{needle}`"
+    );
+    error
+}
+
+#[test]
+fn a_wrong_token_is_refused() {
+    refused_then_recovers(Some("s3cret"), 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        (
+            expect_error(client.hello(&hello("guess", "bad")), "wrong token"),
+            peer,
+        )
+    });
+}
+
+#[test]
+fn a_wrong_protocol_version_is_refused() {
+    refused_then_recovers(None, 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        let mut old = hello("", "bad");
+        old.protocol = PROTOCOL_VERSION + 98;
+        (
+            expect_error(client.hello(&old), "protocol version 99"),
+            peer,
+        )
+    });
+}
+
+#[test]
+fn a_hello_for_another_target_is_refused() {
+    refused_then_recovers(None, 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        let mut other = hello("", "bad");
+        other.hidden = HIDDEN + 1;
+        (
+            expect_error(client.hello(&other), "hidden 5 does not match"),
+            peer,
+        )
+    });
+}
+
+#[test]
+fn hidden_states_of_the_wrong_width_are_refused() {
+    refused_then_recovers(None, 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        assert!(client.hello(&hello("", "bad")).ok);
+        let wide = batch(2, 8, DIN + 1, VOCAB, &[8, 8], 3);
+        let error = expect_error(client.send(&wide), "hidden_states");
+        assert!(
+            error.contains("[N, S, 8]") && error.contains(&peer),
+            "{error}"
+        );
+        (error, peer)
+    });
+}
+
+#[test]
+fn a_header_that_lies_about_its_length_is_refused() {
+    refused_then_recovers(None, 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        assert!(client.hello(&hello("", "bad")).ok);
+        let mut lying = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 4));
+        let header_len = u64::from_le_bytes(lying[..8].try_into().unwrap());
+        lying[..8].copy_from_slice(&(header_len + 4096).to_le_bytes());
+        client.frame(&lying).unwrap();
+        (expect_error(client.reply(), "truncated"), peer)
+    });
+}
+
+#[test]
+fn a_message_over_the_limit_is_refused_before_it_is_read() {
+    refused_then_recovers(None, 64 << 10, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        assert!(client.hello(&hello("", "bad")).ok);
+        let large = blob(&batch(16, 16, DIN * 32, VOCAB, &[16; 16], 5));
+        assert!(large.len() > 64 << 10);
+        std::io::Write::write_all(&mut client.stream, &(large.len() as u64).to_le_bytes()).unwrap();
+        (
+            expect_error(client.reply(), "exceeds the limit of 65536 bytes"),
+            peer,
+        )
+    });
+}
+
+#[test]
+fn half_a_message_then_a_stall_times_out() {
+    refused_then_recovers(None, 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        assert!(client.hello(&hello("", "bad")).ok);
+        let message = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 6));
+        let half = 8 + message.len() / 2;
+        let mut framed = (message.len() as u64).to_le_bytes().to_vec();
+        framed.extend_from_slice(&message);
+        std::io::Write::write_all(&mut client.stream, &framed[..half]).unwrap();
+        (expect_error(client.reply(), "read timeout"), peer)
+    });
+}
+
+#[test]
+fn a_producer_that_vanishes_mid_message_loses_nothing_acknowledged_and_may_reconnect() {
+    let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
+    let address = status.address().to_string();
+    let stop = AtomicBool::new(false);
+    let taken = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        let (stop, pool, taken) = (&stop, &pool, &taken);
+        scope.spawn(move || {
+            let mut producer = producers.remove(0);
+            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
+                taken.fetch_add(1, Ordering::SeqCst);
+                pool.give_back(batch).unwrap();
+            }
+        });
+        let _stop_on_panic = StopOnDrop(stop);
+        let mut first = Client::connect(&address);
+        assert!(first.hello(&hello("", "p")).ok);
+        assert_eq!(
+            first.send(&batch(2, 8, DIN, VOCAB, &[8, 2], 1)).delivered,
+            Some(1)
+        );
+        let message = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 2));
+        first.frame(&message[..message.len() / 3]).unwrap_or(());
+        drop(first);
+        // Wait for the server to notice, then come back under the same name.
+        while status.connected().0 != 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut again = Client::connect(&address);
+        let reply = again.hello(&hello("", "p"));
+        assert_eq!(
+            (reply.slot, reply.delivered),
+            (Some(0), Some(1)),
+            "{reply:?}"
+        );
+        assert_eq!(
+            again.send(&batch(2, 8, DIN, VOCAB, &[8, 8], 2)).delivered,
+            Some(2)
+        );
+        assert!(again.done().done);
+    });
+    assert_eq!(taken.load(Ordering::SeqCst), 2);
+    assert_eq!(status.delivered(), [2]);
+}
+
+#[test]
+fn a_stop_ends_a_source_that_waits_for_producers() {
+    let (mut producers, _status, pool, _log) = server(2, None, 1 << 20);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| producers[1].next_batch(&pool, &stop).unwrap().is_none());
+        std::thread::sleep(Duration::from_millis(100));
+        stop.store(true, Ordering::Release);
+        assert!(waiting.join().unwrap());
+    });
+}
+
+#[test]
+fn f32_and_f16_messages_decode_exactly() {
+    for dtype in [Dtype::F32, Dtype::F16] {
+        let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
+        let mut client = Client::connect(status.address());
+        assert!(client.hello(&hello("", "p")).ok);
+        let mut tensors = batch(4, 8, DIN, VOCAB, &[8; 4], 9);
+        tensors[0].1 = dtype;
+        client.frame(&blob(&tensors)).unwrap();
+        let stop = AtomicBool::new(false);
+        let got = producers[0].next_batch(&pool, &stop).unwrap().unwrap();
+        let want: Vec<f32> = tensors[0].3.iter().map(|&v| v as f32).collect();
+        assert_eq!(got.hs, want, "{dtype:?}");
+        pool.give_back(got).unwrap();
+    }
+}
+
+#[test]
+fn a_nan_in_the_hidden_states_is_refused() {
+    refused_then_recovers(None, 1 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        assert!(client.hello(&hello("", "bad")).ok);
+        let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
+        tensors[0].3[(8 + 2) * DIN + 3] = f64::NAN; // row 1, token 2: inside its kept length
+        let error = expect_error(client.send(&tensors), "non-finite value NaN");
+        assert!(
+            error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
+            "{error}"
+        );
+        (error, peer)
+    });
+}
