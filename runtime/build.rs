@@ -6,9 +6,14 @@
 //!      ──include_str!──▶ runtime::cuda::ptx
 //! ```
 //!
-//! The nightly toolchain is optional: without it (or its `rust-src`/`llvm-tools` components), or with
-//! `DRAFTPIPE_NO_PTX=1`, the runtime builds without PTX, a `cargo:warning` says why, and the CUDA backend answers
-//! "built without GPU kernels: <reason>". When the tools are there, a kernel that fails to build fails the build.
+//! The PTX is optional: without the nightly toolchain (or its `rust-src`/`llvm-tools` components), with
+//! `DRAFTPIPE_NO_PTX=1`, or when the nested build fails for any reason (no network to fetch the standard
+//! library's own dependencies, a kernel that does not compile), the runtime builds without PTX, a
+//! `cargo:warning` says why, and the CUDA backend answers "built without GPU kernels: <reason>". With
+//! `DRAFTPIPE_REQUIRE_PTX=1` (CI sets it) every one of those is a build failure instead.
+//!
+//! The nested cargo runs online: `-Zbuild-std=core` resolves the standard library's workspace, whose lock file
+//! names crates (`rustc-literal-escaper`, ...) that a fresh cargo home has never downloaded.
 //!
 //! The nested cargo runs on a generated manifest (no workspace, its own target dir under the outer target dir),
 //! so it never waits on the outer build's locks and inherits nothing from the outer build's environment but the
@@ -37,12 +42,17 @@ fn main() {
     );
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=DRAFTPIPE_NO_PTX");
+    println!("cargo:rerun-if-env-changed={REQUIRE_PTX}");
 
     let embed = match build_ptx(&kernels_dir, &out_dir) {
         Ok(ptx) => format!("Ok(include_str!({:?}))", ptx.display().to_string()),
+        Err(Unavailable(reason)) if ptx_required() => {
+            panic!("{REQUIRE_PTX} is set but the GPU kernels did not build: {reason}")
+        }
         Err(Unavailable(reason)) => {
-            println!("cargo:warning=building without GPU kernels: {reason}");
-            format!("Err({reason:?})")
+            let first_line = reason.lines().next().unwrap_or_default();
+            println!("cargo:warning=building without GPU kernels: {first_line}");
+            format!("Err({first_line:?})")
         }
     };
     let generated = format!(
@@ -52,7 +62,15 @@ fn main() {
     fs::write(out_dir.join("embedded_ptx.rs"), generated).expect("write OUT_DIR/embedded_ptx.rs");
 }
 
-/// Why this build carries no PTX (tools missing or opted out); any other failure panics, failing the build.
+/// Makes every reason for a build without PTX a build failure (CI sets it).
+const REQUIRE_PTX: &str = "DRAFTPIPE_REQUIRE_PTX";
+
+fn ptx_required() -> bool {
+    env::var_os(REQUIRE_PTX).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Why this build carries no PTX: tools missing, opted out, or the nested build failed (first line: the reason
+/// for the warning; the rest: the nested cargo's output, shown when the PTX is required).
 struct Unavailable(String);
 
 fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable> {
@@ -97,7 +115,6 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
             "cargo",
             "build",
             "--release",
-            "--offline",
             "--quiet",
             "-Zbuild-std=core",
         ])
@@ -119,21 +136,28 @@ fn build_ptx(kernels_dir: &Path, out_dir: &Path) -> Result<PathBuf, Unavailable>
         .env("DRAFTPIPE_LLVM_BIN", &llvm_bin)
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped());
-    let output = cargo.output().expect("run the nested nightly cargo");
+    let output = cargo
+        .output()
+        .map_err(|e| Unavailable(format!("cannot run the nested nightly cargo: {e}")))?;
     if !output.status.success() {
-        panic!(
-            "building the GPU kernels for {NVPTX_TARGET} failed ({}); set DRAFTPIPE_NO_PTX=1 to build without \
-             them.\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let first_error = stderr
+            .lines()
+            .find(|line| line.trim_start().starts_with("error"))
+            .or_else(|| stderr.lines().find(|line| !line.trim().is_empty()))
+            .unwrap_or("no output")
+            .trim();
+        return Err(Unavailable(format!(
+            "the nested nightly build for {NVPTX_TARGET} failed ({}): {first_error}\n{stderr}",
+            output.status
+        )));
     }
     let built = target_dir
         .join(NVPTX_TARGET)
         .join("release/draftpipe_gpu_kernels.ptx");
     let embedded = out_dir.join("draftpipe_kernels.ptx");
     fs::copy(&built, &embedded)
-        .unwrap_or_else(|e| panic!("copy {} to OUT_DIR: {e}", built.display()));
+        .map_err(|e| Unavailable(format!("copy {} to OUT_DIR: {e}", built.display())))?;
     Ok(embedded)
 }
 

@@ -1,24 +1,81 @@
 #!/bin/sh
 # Every GPU check and benchmark of the CUDA backend in one call, for a machine with CUDA 13.0 and no Rust:
-# runs the prebuilt executables next to this script (scripts/build-gpu-bundle.sh makes them), then the
-# benchmark, whose table is the last thing printed. Budget: under 5 minutes on an H200.
+# runs the prebuilt executables next to this script (scripts/build-gpu-bundle.sh makes them). Budget: under
+# 5 minutes on an H200.
+#
+# - Libraries: cuBLAS and NCCL are found in a system install (ldconfig, /usr/local/cuda) or in the lib
+#   directories of pip's nvidia-* wheels; the directories go on LD_LIBRARY_PATH and the files are printed,
+#   then cuda_discovery prints the files the process actually mapped.
+# - DRAFTPIPE_REQUIRE_GPU=1: every test that would skip fails instead (no driver, no device, no NCCL).
+# - Benchmarks print each row as soon as it is measured, so a time-out keeps the rows before it.
+# - draftpipe run on pipelines/gpu-smoke.pipe: the whole GPU pipeline end to end.
+# Exit status: 0 when everything ran and passed, 1 when a check failed, 2 when there was no GPU to check on.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
+export DRAFTPIPE_REQUIRE_GPU=1
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
+if ! nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null; then
+    echo "gpu-check: nvidia-smi found no GPU; nothing was checked"
+    exit 2
+fi
 
-for test in cuda_discovery cuda_kernels cuda_drafter; do
-    echo "== $test"
-    if ! timeout 120 "$here/$test" --test-threads=1 --nocapture; then
-        echo "== $test FAILED"
+# Directories that hold a library file named like $1 (system install first, then pip wheels).
+library_dirs() {
+    {
+        ldconfig -p 2>/dev/null | awk -v lib="$1" '$1 ~ "^"lib {print $NF}' | xargs -r -n1 dirname
+        for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+            ls "$dir/$1"* >/dev/null 2>&1 && echo "$dir"
+        done
+        for python in python3 python; do
+            command -v "$python" >/dev/null 2>&1 || continue
+            "$python" - "$1" <<'PY' 2>/dev/null
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for root in roots:
+    for lib in glob.glob(os.path.join(root, "nvidia", "*", "lib")) + glob.glob(os.path.join(root, "nvidia", "*", "*", "lib")):
+        if glob.glob(os.path.join(lib, sys.argv[1] + "*")):
+            print(lib)
+PY
+        done
+    } | awk '!seen[$0]++'
+}
+
+for lib in libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+    dirs=$(library_dirs "$lib")
+    if [ -z "$dirs" ]; then
+        echo "gpu-check: $lib not found (system or pip wheels)"
+        continue
+    fi
+    for dir in $dirs; do
+        echo "gpu-check: $lib in $dir: $(ls "$dir/$lib"* 2>/dev/null | head -3 | tr '\n' ' ')"
+        case ":${LD_LIBRARY_PATH:-}:" in
+            *":$dir:"*) ;;
+            *) LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+        esac
+    done
+done
+export LD_LIBRARY_PATH
+echo "gpu-check: LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+
+run() {
+    limit=$1
+    shift
+    echo "== $* (limit ${limit}s, $(date -u +%H:%M:%S))"
+    if ! timeout "$limit" "$@"; then
+        echo "== FAILED: $*"
         status=1
     fi
-done
+}
 
-echo "== cuda_step benchmark"
-if ! timeout 150 "$here/cuda_step" --bench; then
-    echo "== cuda_step FAILED"
-    status=1
+run 60 "$here/cuda_discovery" --test-threads=1 --nocapture
+run 120 "$here/cuda_kernels" --test-threads=1 --nocapture
+run 120 "$here/cuda_drafter" --test-threads=1 --nocapture
+run 60 "$here/cuda_vocab_loss" --bench
+run 150 "$here/cuda_step" --bench
+run 120 "$here/draftpipe" run "$here/gpu-smoke.pipe"
+
+if [ "$status" -eq 0 ]; then
+    echo "gpu-check: every check ran on the GPU and passed"
 fi
 exit $status

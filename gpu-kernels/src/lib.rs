@@ -2,37 +2,32 @@
 //!
 //! ```text
 //!  runtime ── cpu backend ──▶ these kernel bodies (host build, called in a loop over indices)
-//!          └─ cuda backend ─▶ the same bodies compiled for nvptx64 → PTX (`ptx` wrappers, one thread per index)
+//!          └─ cuda backend ─▶ the same bodies compiled for nvptx64 → PTX (`ptx` entry points, from the table)
 //! ```
 //!
-//! Every kernel is a `pub unsafe fn` over raw pointers, sizes and one trailing index. The host calls it for
-//! every index of its launch; a GPU wrapper calls it with `index = blockIdx.x · blockDim.x + threadIdx.x` after
-//! checking `index < count`. `#![no_std]`, no allocation, no slice indexing (pointer arithmetic under each
-//! kernel's `# Safety` contract), so nothing on the device path can panic. Scalar maths lives in [`math`], with
-//! a host body and an `nvptx64` body.
+//! Every kernel body is a `pub unsafe fn` over raw pointers, sizes and its launch position (an index, a
+//! [`plane::Plane`] and a row, or an element chunk). Each kernel is declared once in [`table`] (arguments with
+//! their lengths, launch shape, body call); the device entry points (`ptx`), the runtime's host launchers and its
+//! CUDA launcher are generated from that declaration. `#![no_std]`, no allocation, no slice indexing (pointer
+//! arithmetic under each kernel's `# Safety` contract), so nothing on the device path can panic. Scalar maths
+//! lives in [`math`], with a host body and an `nvptx64` body; row reductions run on [`plane`]s (a warp per row
+//! on the GPU, the lanes as a loop on the host).
 //!
 //! All matrices are row-major `[rows, cols]`. "Element range" kernels take `(n, chunk_len, chunk)` and handle
 //! elements `chunk · chunk_len .. min(n, (chunk + 1) · chunk_len)`: the GPU launches `chunk_len = 1`, the host
 //! long chunks so the inner loop vectorises.
 //!
-//! | kernel | index means | indices |
+//! | kernel | launch shape | position |
 //! | --- | --- | --- |
-//! | [`norm::rmsnorm_forward`] | row | `rows` |
-//! | [`norm::rmsnorm_backward_input`] | row | `rows` |
-//! | [`norm::rmsnorm_weight_grad_partials`] | `chunk · cols + col` | `ceil(rows / rows_per_chunk) · cols` |
-//! | [`norm::column_sums`] | column | `cols` |
-//! | [`activation::swiglu_forward`] | element chunk | `ceil(rows · inter / chunk_len)` |
-//! | [`activation::swiglu_backward`] | element chunk | `ceil(rows · inter / chunk_len)` |
-//! | [`activation::head_residual_forward`] | element chunk | `ceil(n / chunk_len)` |
-//! | [`activation::head_residual_backward`] | element chunk | `ceil(n / chunk_len)` |
-//! | [`loss::build_labels`] | `head · tokens + token` | `heads · tokens` |
-//! | [`loss::head_loss_scales`] | head | `heads` |
-//! | [`loss::vocab_loss_row`] | token row of the chunk | rows in the chunk |
-//! | [`reduce::sum_partials`] | chunk | `ceil(n / chunk_len)` |
-//! | [`reduce::sum_squares_partials`] | chunk | `ceil(n / chunk_len)` |
-//! | [`reduce::finish_sum`] | — | 1 |
-//! | [`reduce::finish_grad_norm`] | — | 1 |
-//! | [`adamw::adamw_update`] | element chunk | `ceil(n / chunk_len)` |
+//! | [`norm::rmsnorm_forward`], [`norm::rmsnorm_backward_input`] | a plane per row | row |
+//! | [`norm::rmsnorm_weight_grad_partials`] | a thread per index | `chunk · cols + col` |
+//! | [`norm::column_sums`] | a thread per column | column |
+//! | [`activation`] kernels, [`adamw::adamw_update`] | element range | chunk |
+//! | [`loss::build_labels`] | a thread per index | `head · tokens + token` |
+//! | [`loss::head_loss_scales`] | a thread per head | head |
+//! | [`loss::vocab_loss_row`] | a plane per token row | row |
+//! | [`reduce::sum_partials`], [`reduce::sum_squares_partials`] | a plane per chunk | chunk |
+//! | [`reduce::finish_sum`], [`reduce::finish_grad_norm`] | one plane | — |
 //!
 //! One training step in kernel order (GEMMs are the caller's):
 //!
@@ -51,10 +46,11 @@
 
 pub mod activation;
 pub mod adamw;
-mod lanes;
 pub mod loss;
 pub mod math;
 pub mod norm;
+pub mod plane;
 #[cfg(target_arch = "nvptx64")]
 mod ptx;
 pub mod reduce;
+pub mod table;

@@ -10,6 +10,8 @@
 //! The scale multiplies the gradient and the per-row loss inside the kernel, so the normalisation by the
 //! number of valid labels never needs the host to read a count mid-step.
 
+use crate::plane::Plane;
+
 /// Label value of an ignored position.
 pub const IGNORE_LABEL: i32 = -1;
 
@@ -108,7 +110,11 @@ pub unsafe fn head_loss_scales(
 /// `logits ← scale · (softmax(logits) − onehot(label))`; an ignored row (`label < 0`) gets loss 0 and a zero
 /// gradient. `scale` points at the head's entry of [`head_loss_scales`]'s output (read on the device).
 ///
-/// Launch: one index per token row of the chunk; `logits`, `labels`, `row_loss` point at the chunk's first row.
+/// Two passes over the row: an online max and sum of exponentials (each lane keeps its running maximum `m`
+/// and `s = Σ e^(x − m)`, rescaled when the maximum grows, one `exp` per element), combined across lanes; then
+/// the gradient, written over the logits. On the GPU the lanes of a warp read adjacent logits (coalesced).
+///
+/// Launch: one plane per token row of the chunk; `logits`, `labels`, `row_loss` point at the chunk's first row.
 ///
 /// # Safety
 /// `logits` holds `(row + 1) · vocab` elements, `labels` and `row_loss` `row + 1`, `scale` one; labels are
@@ -120,29 +126,64 @@ pub unsafe fn vocab_loss_row(
     scale: *const f32,
     row_loss: *mut f32,
     vocab: usize,
+    plane: impl Plane,
     row: usize,
 ) {
-    // SAFETY: every access is inside row `row` of `logits` or at `row` of `labels`/`row_loss`.
+    // SAFETY: every access is inside row `row` of `logits` or at `row` of `labels`/`row_loss`. The target logit
+    // is read by every lane before the reduction, whose shuffles every lane passes before any lane writes.
     unsafe {
         let logits = logits.add(row * vocab);
         let label = *labels.add(row);
         if label < 0 {
-            for v in 0..vocab {
-                *logits.add(v) = 0.0;
+            plane.for_each(vocab, |v| *logits.add(v) = 0.0);
+            if plane.is_leader() {
+                *row_loss.add(row) = 0.0;
             }
-            *row_loss.add(row) = 0.0;
             return;
         }
         let label = label as usize;
-        let max = crate::lanes::max(logits, vocab);
         let target = *logits.add(label);
-        let sum = crate::lanes::exp_shifted_in_place(logits, vocab, max);
+        let (max, sum) = plane.reduce(
+            vocab,
+            (f32::NEG_INFINITY, 0.0f32),
+            |(m, s), v| online_exp_sum(m, s, *logits.add(v)),
+            |state| state,
+            combine_exp_sums,
+        );
         let scale = *scale;
         let factor = scale / sum;
-        for v in 0..vocab {
-            *logits.add(v) *= factor;
+        plane.for_each(vocab, |v| {
+            let p = crate::math::exp(*logits.add(v) - max) * factor;
+            *logits.add(v) = if v == label { p - scale } else { p };
+        });
+        if plane.is_leader() {
+            *row_loss.add(row) = scale * (max + crate::math::ln(sum) - target);
         }
-        *logits.add(label) -= scale;
-        *row_loss.add(row) = scale * (max + crate::math::ln(sum) - target);
+    }
+}
+
+/// One element `x` into a running `(max, Σ e^(x − max))`: one `exp`, of the smaller minus the larger.
+#[inline(always)]
+fn online_exp_sum(max: f32, sum: f32, x: f32) -> (f32, f32) {
+    let grows = x > max;
+    let (hi, lo) = if grows { (x, max) } else { (max, x) };
+    let e = crate::math::exp(lo - hi);
+    (hi, if grows { sum * e + 1.0 } else { sum + e })
+}
+
+/// Two lanes' `(max, sum)` into one (commutative, so every lane of a butterfly gets the same bits); a lane
+/// that saw no element (`sum = 0`) contributes nothing.
+#[inline(always)]
+fn combine_exp_sums(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
+    if b.1 == 0.0 {
+        a
+    } else if a.1 == 0.0 {
+        b
+    } else {
+        let hi = if a.0 > b.0 { a.0 } else { b.0 };
+        (
+            hi,
+            a.1 * crate::math::exp(a.0 - hi) + b.1 * crate::math::exp(b.0 - hi),
+        )
     }
 }

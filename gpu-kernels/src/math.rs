@@ -52,12 +52,21 @@ pub fn rsqrt(x: f32) -> f32 {
 }
 
 /// `sqrt(x)` for `x ≥ 0`, with `sqrt(0) = 0`, `sqrt(∞) = ∞` and NaN for NaN or negative input.
+///
+/// Subnormal `x` is scaled by 2^24 first (and the root by 2^-12 after): the device's `rsqrt.approx.ftz`
+/// flushes a subnormal input to zero, and `x · rsqrt(0)` would be `x · ∞ = ∞` (a tiny second moment in AdamW
+/// would then freeze its parameter).
 #[inline(always)]
 pub fn sqrt(x: f32) -> f32 {
+    const SCALE_UP: f32 = 16_777_216.0; // 2^24
+    const SCALE_DOWN: f32 = 1.0 / 4096.0; // 2^-12
     if x == 0.0 || x == f32::INFINITY {
         x
-    } else if x > 0.0 {
+    } else if x >= f32::MIN_POSITIVE {
         x * rsqrt(x)
+    } else if x > 0.0 {
+        let scaled = x * SCALE_UP;
+        scaled * rsqrt(scaled) * SCALE_DOWN
     } else {
         f32::NAN
     }
@@ -220,6 +229,14 @@ mod tests {
             x *= 1.001_7;
         }
         assert!(worst < 3e-7, "worst relative error {worst}");
+        // Every subnormal scale, from the smallest (bit pattern 1) up to the smallest normal.
+        let mut bits = 1u32;
+        while bits < f32::MIN_POSITIVE.to_bits() {
+            let x = f32::from_bits(bits);
+            let err = rel(sqrt(x), (x as f64).sqrt());
+            assert!(err < 3e-7, "sqrt({x:e}) = {} (error {err})", sqrt(x));
+            bits += bits / 16 + 1;
+        }
         assert_eq!(sqrt(0.0), 0.0);
         assert_eq!(sqrt(f32::INFINITY), f32::INFINITY);
         assert!(sqrt(f32::NAN).is_nan());

@@ -1,16 +1,20 @@
 //! RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ w`: forward, input gradient, and the weight gradient as a
 //! deterministic two-pass reduction over rows.
 //!
-//! The forward keeps `1/rms` per row so the backward does not recompute it.
+//! The forward keeps `1/rms` per row so the backward does not recompute it. The row kernels run on a
+//! [`Plane`]: a warp per row on the GPU, the lanes as a loop on the host.
+
+use crate::plane::Plane;
 
 /// RMSNorm forward of one row: `y[row] = x[row] · inv_rms[row] ⊙ weight`, storing `inv_rms[row]`.
 ///
-/// Launch: one index per row (`rows` indices).
+/// Launch: one plane per row (`rows` planes); the lanes split the columns, so reads are coalesced.
 ///
 /// # Safety
 /// `x` and `y` hold at least `(row + 1) · cols` elements, `weight` `cols`, `inv_rms` `row + 1`; `y` may equal
 /// `x` (in place) but must not overlap it otherwise.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn rmsnorm_forward(
     x: *const f32,
     weight: *const f32,
@@ -18,18 +22,20 @@ pub unsafe fn rmsnorm_forward(
     inv_rms: *mut f32,
     cols: usize,
     eps: f32,
+    plane: impl Plane,
     row: usize,
 ) {
-    // SAFETY: the caller guarantees the row lies inside every buffer.
+    // SAFETY: the caller guarantees the row lies inside every buffer; every lane has read its `x` values for
+    // the sum (the reduction's shuffles wait for all lanes) before any lane writes `y`.
     unsafe {
         let x = x.add(row * cols);
         let y = y.add(row * cols);
-        let sum_sq = crate::lanes::dot2(x, x, cols);
+        let sum_sq = plane.sum(cols, |c| *x.add(c) * *x.add(c));
         let r = crate::math::rsqrt(sum_sq / cols as f32 + eps);
-        *inv_rms.add(row) = r;
-        for c in 0..cols {
-            *y.add(c) = *x.add(c) * r * *weight.add(c);
+        if plane.is_leader() {
+            *inv_rms.add(row) = r;
         }
+        plane.for_each(cols, |c| *y.add(c) = *x.add(c) * r * *weight.add(c));
     }
 }
 
@@ -37,7 +43,7 @@ pub unsafe fn rmsnorm_forward(
 /// `dx = r·(w ⊙ dy) − x · r³/cols · Σ_k w_k dy_k x_k` with `r = inv_rms[row]`; written to `dx` when
 /// `accumulate` is false, added to it when true (a residual stream's gradient).
 ///
-/// Launch: one index per row (`rows` indices).
+/// Launch: one plane per row (`rows` planes).
 ///
 /// # Safety
 /// `x`, `dy`, `dx` hold at least `(row + 1) · cols` elements, `weight` `cols`, `inv_rms` `row + 1`; `dx` does not
@@ -52,6 +58,7 @@ pub unsafe fn rmsnorm_backward_input(
     dx: *mut f32,
     cols: usize,
     accumulate: bool,
+    plane: impl Plane,
     row: usize,
 ) {
     // SAFETY: the caller guarantees the row lies inside every buffer and `dx` overlaps no input.
@@ -60,16 +67,16 @@ pub unsafe fn rmsnorm_backward_input(
         let dy = dy.add(row * cols);
         let dx = dx.add(row * cols);
         let r = *inv_rms.add(row);
-        let dot = crate::lanes::dot3(weight, dy, x, cols);
+        let dot = plane.sum(cols, |c| *weight.add(c) * *dy.add(c) * *x.add(c));
         let coeff = r * r * r * dot / cols as f32;
         if accumulate {
-            for c in 0..cols {
-                *dx.add(c) += r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff;
-            }
+            plane.for_each(cols, |c| {
+                *dx.add(c) += r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff
+            });
         } else {
-            for c in 0..cols {
-                *dx.add(c) = r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff;
-            }
+            plane.for_each(cols, |c| {
+                *dx.add(c) = r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff
+            });
         }
     }
 }

@@ -1,98 +1,119 @@
-//! Deterministic two-pass reductions: per-chunk partial sums (first pass, many indices), then one index that
-//! adds the partials in order (second pass). Used for the loss total and the global gradient norm.
+//! Deterministic two-pass reductions: per-chunk partial sums (first pass, one plane per chunk), then one plane
+//! that adds the partials (second pass). Used for the loss total and the global gradient norm.
 //!
-//! Partials accumulate in f64 inside a chunk and are stored as f32; the second pass adds them in f64.
+//! The lanes of a plane read adjacent elements (coalesced on the GPU, a 32-wide vector loop on the host); the
+//! lane split and the butterfly fix the order of additions, so the same inputs give the same bits. Lane sums of
+//! the loss accumulate in f64, those of squared gradients in f32 (one chunk's share per lane), and both are
+//! combined across lanes and partials in f64.
+
+use crate::plane::Plane;
+
+/// The element range `[start, end)` of one chunk, clipped to `n`.
+#[inline(always)]
+fn chunk_range(n: usize, chunk_len: usize, chunk: usize) -> (usize, usize) {
+    let start = chunk * chunk_len;
+    let end = if start + chunk_len < n {
+        start + chunk_len
+    } else {
+        n
+    };
+    (start, if start < end { end } else { start })
+}
 
 /// First pass of a sum: `partials[chunk] = Σ values[chunk · chunk_len ..][..chunk_len]` (clipped to `n`).
 ///
-/// Launch: one index per chunk, `ceil(n / chunk_len)` indices.
+/// Launch: one plane per chunk, `ceil(n / chunk_len)` planes.
 ///
 /// # Safety
 /// `values` holds `n` elements and `partials` `chunk + 1`.
 #[inline(always)]
 pub unsafe fn sum_partials(
     values: *const f32,
+    partials: *mut f32,
     n: usize,
     chunk_len: usize,
-    partials: *mut f32,
+    plane: impl Plane,
     chunk: usize,
 ) {
-    let start = chunk * chunk_len;
-    let end = if start + chunk_len < n {
-        start + chunk_len
-    } else {
-        n
-    };
-    let mut sum = 0.0f64;
+    let (start, end) = chunk_range(n, chunk_len, chunk);
     // SAFETY: `start..end` is inside `values`; `chunk` is inside `partials`.
     unsafe {
-        for i in start..end {
-            sum += *values.add(i) as f64;
+        let values = values.add(start);
+        let sum = plane.reduce(
+            end - start,
+            0.0f64,
+            |acc, i| acc + *values.add(i) as f64,
+            |acc| acc,
+            |a, b| a + b,
+        );
+        if plane.is_leader() {
+            *partials.add(chunk) = sum as f32;
         }
-        *partials.add(chunk) = sum as f32;
     }
 }
 
 /// First pass of a squared norm: `partials[chunk] = Σ values[i]²` over the chunk (clipped to `n`).
 ///
-/// Launch: one index per chunk, `ceil(n / chunk_len)` indices.
+/// Launch: one plane per chunk, `ceil(n / chunk_len)` planes.
 ///
 /// # Safety
 /// `values` holds `n` elements and `partials` `chunk + 1`.
 #[inline(always)]
 pub unsafe fn sum_squares_partials(
     values: *const f32,
+    partials: *mut f32,
     n: usize,
     chunk_len: usize,
-    partials: *mut f32,
+    plane: impl Plane,
     chunk: usize,
 ) {
-    let start = chunk * chunk_len;
-    let end = if start + chunk_len < n {
-        start + chunk_len
-    } else {
-        n
-    };
-    // Eight f32 lanes, then f64: vectorises on the host and keeps the rounding error at chunk scale.
-    let mut lanes = [0.0f32; 8];
-    let mut i = start;
-    // SAFETY: every index read is in `start..end`, inside `values`; `chunk` is inside `partials`.
+    let (start, end) = chunk_range(n, chunk_len, chunk);
+    // SAFETY: `start..end` is inside `values`; `chunk` is inside `partials`.
     unsafe {
-        while i + 8 <= end {
-            for (k, lane) in lanes.iter_mut().enumerate() {
-                let v = *values.add(i + k);
-                *lane += v * v;
-            }
-            i += 8;
+        let values = values.add(start);
+        let sum = plane.reduce(
+            end - start,
+            0.0f32,
+            |acc, i| acc + *values.add(i) * *values.add(i),
+            |acc| acc as f64,
+            |a, b| a + b,
+        );
+        if plane.is_leader() {
+            *partials.add(chunk) = sum as f32;
         }
-        let mut sum = 0.0f64;
-        for lane in lanes {
-            sum += lane as f64;
-        }
-        while i < end {
-            let v = *values.add(i) as f64;
-            sum += v * v;
-            i += 1;
-        }
-        *partials.add(chunk) = sum as f32;
     }
 }
 
-/// Second pass of a sum: `out[0] = Σ partials[0..count]`, in order.
+/// `Σ partials[0..count]` in f64 over the lanes of one plane.
 ///
-/// Launch: one index (index 0).
+/// # Safety
+/// `partials` holds `count` elements.
+#[inline(always)]
+unsafe fn sum_of_partials(partials: *const f32, count: usize, plane: impl Plane) -> f64 {
+    // SAFETY: `0..count` is inside `partials`.
+    plane.reduce(
+        count,
+        0.0f64,
+        |acc, i| acc + unsafe { *partials.add(i) } as f64,
+        |acc| acc,
+        |a, b| a + b,
+    )
+}
+
+/// Second pass of a sum: `out[0] = Σ partials[0..count]`.
+///
+/// Launch: one plane.
 ///
 /// # Safety
 /// `partials` holds `count` elements, `out` one.
 #[inline(always)]
-pub unsafe fn finish_sum(partials: *const f32, count: usize, out: *mut f32) {
-    let mut sum = 0.0f64;
+pub unsafe fn finish_sum(partials: *const f32, out: *mut f32, count: usize, plane: impl Plane) {
     // SAFETY: `0..count` is inside `partials`; `out` holds one element.
     unsafe {
-        for i in 0..count {
-            sum += *partials.add(i) as f64;
+        let sum = sum_of_partials(partials, count, plane);
+        if plane.is_leader() {
+            *out = sum as f32;
         }
-        *out = sum as f32;
     }
 }
 
@@ -100,31 +121,30 @@ pub unsafe fn finish_sum(partials: *const f32, count: usize, out: *mut f32) {
 /// `clip_grad_norm_` uses, `clip_scale[0] = min(1, max_norm / (norm + 1e-6))`; `max_norm ≤ 0` means no clipping
 /// (scale 1). A non-finite norm gives scale 1 and makes [`crate::adamw::adamw_update`] skip the step.
 ///
-/// Launch: one index (index 0).
+/// Launch: one plane.
 ///
 /// # Safety
 /// `partials` holds `count` elements, `norm` and `clip_scale` one each.
 #[inline(always)]
 pub unsafe fn finish_grad_norm(
     partials: *const f32,
-    count: usize,
-    max_norm: f32,
     norm: *mut f32,
     clip_scale: *mut f32,
+    count: usize,
+    max_norm: f32,
+    plane: impl Plane,
 ) {
-    let mut sum = 0.0f64;
     // SAFETY: `0..count` is inside `partials`; the outputs hold one element each.
     unsafe {
-        for i in 0..count {
-            sum += *partials.add(i) as f64;
+        let total = crate::math::sqrt(sum_of_partials(partials, count, plane) as f32);
+        if plane.is_leader() {
+            *norm = total;
+            *clip_scale = if max_norm > 0.0 && total.is_finite() {
+                let c = max_norm / (total + 1e-6);
+                if c < 1.0 { c } else { 1.0 }
+            } else {
+                1.0
+            };
         }
-        let total = crate::math::sqrt(sum as f32);
-        *norm = total;
-        *clip_scale = if max_norm > 0.0 && total.is_finite() {
-            let c = max_norm / (total + 1e-6);
-            if c < 1.0 { c } else { 1.0 }
-        } else {
-            1.0
-        };
     }
 }

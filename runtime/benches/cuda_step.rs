@@ -5,7 +5,7 @@
 //! - the whole step of the `dflash-5x3.pipe` drafter (din 12288, hidden 1024, 2 blocks, intermediate 2816,
 //!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode with f32 GEMMs, and in graph mode
 //!   with TF32 and bf16 GEMMs (`precision`): tokens/s, device busy % with the next batch always staged (target
-//!   ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each step row is printed as soon as it is measured.
+//!   ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each section's rows are printed as soon as they are measured.
 //!
 //! Medians over repetitions. Without a GPU it prints one line and exits 0. Run: `cargo bench -p
 //! draftpipe-runtime --bench cuda_step`, or the prebuilt binary from `scripts/gpu-check.sh`.
@@ -18,6 +18,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, result 
 use draftpipe_compiler::plan::{
     AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan, Precision,
 };
+use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::cuda::{
     CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
@@ -31,17 +32,24 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn alloc(stream: &Arc<CudaStream>, n: usize, value: f32) -> (CudaSlice<f32>, DevicePtr) {
-    let slice = stream.clone_htod(&vec![value; n]).expect("allocate");
+fn alloc(stream: &Arc<CudaStream>, n: usize, value: f32) -> (CudaSlice<f32>, DevicePtr<f32>) {
+    typed(
+        stream,
+        stream.clone_htod(&vec![value; n]).expect("allocate"),
+    )
+}
+
+/// `slice` and its typed address.
+fn typed<T>(stream: &Arc<CudaStream>, slice: CudaSlice<T>) -> (CudaSlice<T>, DevicePtr<T>) {
     let (ptr, _) = slice.device_ptr(stream);
-    (slice, ptr)
+    // SAFETY: the address of `slice`'s own allocation of `slice.len()` elements.
+    let typed = unsafe { DevicePtr::from_raw(ptr, slice.len()) };
+    (slice, typed)
 }
 
 /// Zeroed device memory (contents irrelevant, or overwritten before use), without a host-side copy.
-fn zeros(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePtr) {
-    let slice = stream.alloc_zeros::<f32>(n).expect("allocate");
-    let (ptr, _) = slice.device_ptr(stream);
-    (slice, ptr)
+fn zeros(stream: &Arc<CudaStream>, n: usize) -> (CudaSlice<f32>, DevicePtr<f32>) {
+    typed(stream, stream.alloc_zeros::<f32>(n).expect("allocate"))
 }
 
 /// Median milliseconds of `work` between two events on `stream`.
@@ -66,13 +74,6 @@ fn time_ms(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, mut work: impl FnMu
 
 struct Row(String, String, String);
 
-impl Row {
-    /// Prints the row as soon as it is measured, so a time-out loses only what was not measured yet.
-    fn print(&self) {
-        println!("row: {} | {} | {}", self.0, self.1, self.2);
-    }
-}
-
 fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let s = k.stream().clone();
     let n = 64 << 20;
@@ -83,10 +84,11 @@ fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let (_norm, norm) = alloc(&s, 1, 1.0);
     let (_clip, clip) = alloc(&s, 1, 1.0);
     let hyper_host = [1e-4f32, 0.9, 0.95, 1e-8, 0.01, 1e-3, 0.3];
-    let hyper_slice = s.clone_htod(&hyper_host).expect("hyper");
-    let (hyper, _) = hyper_slice.device_ptr(&s);
+    let (_hyper, hyper) = typed(&s, s.clone_htod(&hyper_host).expect("hyper"));
+    // SAFETY: the seven f32s of a `repr(C)` `AdamWStep`.
+    let hyper = unsafe { hyper.cast::<AdamWStep>() };
     let adamw_ms = time_ms(ctx, &s, || {
-        k.adamw_update((p, g, m, v), (norm, clip, hyper), n)
+        k.adamw_update(g, norm, clip, hyper, p, m, v, n)
             .expect("adamw")
     });
     let (_dst, dst) = zeros(&s, 7 * n);
@@ -94,7 +96,8 @@ fn adamw_vs_copy(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
     let copy_bytes = 7 * n * 4 / 2;
     // SAFETY: both buffers hold `7n` f32s; half of that is copied so reads + writes equal AdamW's 28 B/element.
     let copy_ms = time_ms(ctx, &s, || {
-        unsafe { driver::memcpy_dtod_async(dst, src, copy_bytes, s.cu_stream()) }.expect("copy")
+        unsafe { driver::memcpy_dtod_async(dst.addr(), src.addr(), copy_bytes, s.cu_stream()) }
+            .expect("copy")
     });
     let adamw_gbs = (n * 28) as f64 / adamw_ms / 1e6;
     let copy_gbs = (2 * copy_bytes) as f64 / copy_ms / 1e6;
@@ -124,30 +127,33 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
     let (_dh, dh) = zeros(&s, t * h);
     let (_dw, dlm) = zeros(&s, v * h);
     let labels_host: Vec<i32> = (0..t).map(|i| (i * 7919 % v) as i32).collect();
-    let labels_slice = s.clone_htod(&labels_host).expect("labels");
-    let (labels, _) = labels_slice.device_ptr(&s);
+    let (_labels, labels) = typed(&s, s.clone_htod(&labels_host).expect("labels"));
     let (_scale, scale) = alloc(&s, 1, 1.0 / t as f32);
     let (_loss, row_loss) = alloc(&s, t, 0.0);
-    let run = |rows_per_chunk: usize, logits: DevicePtr| {
+    let (hs, lm, dh, dlm) = (hs.addr(), lm.addr(), dh.addr(), dlm.addr());
+    let run = |rows_per_chunk: usize, logits: DevicePtr<f32>| {
         for start in (0..t).step_by(rows_per_chunk) {
             let r = rows_per_chunk.min(t - start);
-            let (hrow, at) = (hs + (start * h * 4) as u64, |p: DevicePtr, e: usize| {
-                p + (e * 4) as u64
-            });
+            let hrow = hs + (start * h * 4) as u64;
+            let at = |e: usize| labels.offset(e).expect("inside the labels");
+            k.vocab_loss_row(
+                at(start),
+                scale,
+                logits,
+                row_loss.offset(start).expect("inside the row losses"),
+                v,
+                r,
+            )
+            .expect("loss");
+            let logits = logits.addr();
             // SAFETY: every buffer above holds the shapes used here.
             unsafe {
                 gemm.row_major((Op::N, hrow), (Op::T, lm), logits, (r, v, h), 1.0, 0.0)
                     .expect("logits");
-                k.vocab_loss_row(
-                    (logits, at(labels, start), scale, at(row_loss, start)),
-                    r,
-                    v,
-                )
-                .expect("loss");
                 gemm.row_major(
                     (Op::N, logits),
                     (Op::N, lm),
-                    at(dh, start * h),
+                    dh + (start * h * 4) as u64,
                     (r, h, v),
                     1.0,
                     0.0,
@@ -270,7 +276,6 @@ fn dflash_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
         format!("{tokens_s:.0} tok/s, busy {busy:.1} %, host {host_us:.1} µs/step"),
         target.into(),
     ));
-    rows.last().expect("just pushed").print();
 }
 
 fn main() {
@@ -284,20 +289,26 @@ fn main() {
     unsafe { ctx.disable_event_tracking() };
     let module = KernelModule::load(&ctx).expect("load the embedded PTX");
     let launcher = Launcher::new(&module, ctx.new_stream().expect("stream")).expect("kernels");
-    let mut rows = Vec::new();
-    adamw_vs_copy(&ctx, &launcher, &mut rows);
-    fused_vs_materialised(&ctx, &launcher, &mut rows);
-    dflash_step(LaunchMode::Eager, Precision::F32, &mut rows);
-    dflash_step(LaunchMode::Graph, Precision::F32, &mut rows);
-    dflash_step(LaunchMode::Graph, Precision::Tf32, &mut rows);
-    dflash_step(LaunchMode::Graph, Precision::Bf16, &mut rows);
     let d = &devices[0];
     println!(
         "\n{} (sm_{}{}), medians of {REPS} runs (steps: 6 after 2 warm-up)",
         d.name, d.compute_capability.0, d.compute_capability.1
     );
     println!("| measure | result | target |\n| --- | --- | --- |");
-    for Row(what, result, target) in rows {
-        println!("| {what} | {result} | {target} |");
-    }
+    // Each section's rows are printed as soon as it is measured, so a time-out keeps the rows before it.
+    let mut rows = Vec::new();
+    let mut printed = 0;
+    let mut measure = |section: &mut dyn FnMut(&mut Vec<Row>)| {
+        section(&mut rows);
+        for Row(what, result, target) in &rows[printed..] {
+            println!("| {what} | {result} | {target} |");
+        }
+        printed = rows.len();
+    };
+    measure(&mut |rows| adamw_vs_copy(&ctx, &launcher, rows));
+    measure(&mut |rows| fused_vs_materialised(&ctx, &launcher, rows));
+    measure(&mut |rows| dflash_step(LaunchMode::Eager, Precision::F32, rows));
+    measure(&mut |rows| dflash_step(LaunchMode::Graph, Precision::F32, rows));
+    measure(&mut |rows| dflash_step(LaunchMode::Graph, Precision::Tf32, rows));
+    measure(&mut |rows| dflash_step(LaunchMode::Graph, Precision::Bf16, rows));
 }

@@ -14,8 +14,16 @@
 //! A worker that runs out of data calls [`AllReduce::leave`]; the rounds after that average over the workers
 //! that remain, and a round the leaver was the last to complete finishes at once, with the leaver taking its
 //! stop decision.
+//!
+//! A worker that fails calls [`AllReduce::abort`]: the members waiting in the current round and every later
+//! call of [`AllReduce::mean`] return at once with `aborted` (and `stop`) set, and the hooks registered with
+//! [`AllReduce::on_abort`] run once — the GPU workers register the abort of their NCCL communicators there, the
+//! collective that would otherwise wait forever for the failed rank.
 
 use std::sync::{Condvar, Mutex, PoisonError, RwLock};
+
+/// What [`AllReduce::on_abort`] registers.
+type AbortHook = Box<dyn FnOnce() + Send>;
 
 /// Mean of the gradient buffers of a group of workers, one round per training step.
 ///
@@ -41,11 +49,19 @@ use std::sync::{Condvar, Mutex, PoisonError, RwLock};
 ///     assert_eq!(handle.join().unwrap(), vec![0.5; 3]);
 /// }
 /// ```
-#[derive(Debug)]
 pub struct AllReduce {
     round: Mutex<Round>,
     round_done: Condvar,
     result: RwLock<Vec<f32>>,
+    abort_hooks: Mutex<Vec<AbortHook>>,
+}
+
+impl std::fmt::Debug for AllReduce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AllReduce")
+            .field("round", &self.round)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug)]
@@ -56,6 +72,7 @@ struct Round {
     sum: Vec<f32>,
     stop: bool,
     participants: usize,
+    aborted: bool,
 }
 
 /// What a finished round tells every worker.
@@ -63,8 +80,18 @@ struct Round {
 pub struct RoundOutcome {
     /// The shared decision to stop after this step.
     pub stop: bool,
-    /// Workers whose gradients the mean is over.
+    /// Workers whose gradients the mean is over (0 when aborted).
     pub participants: usize,
+    /// A member aborted the group: the gradients were left as they were, and every worker must stop.
+    pub aborted: bool,
+}
+
+impl RoundOutcome {
+    const ABORTED: Self = Self {
+        stop: true,
+        participants: 0,
+        aborted: true,
+    };
 }
 
 impl AllReduce {
@@ -78,9 +105,11 @@ impl AllReduce {
                 sum: vec![0.0; len],
                 stop: false,
                 participants: 0,
+                aborted: false,
             }),
             round_done: Condvar::new(),
             result: RwLock::new(vec![0.0; len]),
+            abort_hooks: Mutex::new(Vec::new()),
         }
     }
 
@@ -95,6 +124,9 @@ impl AllReduce {
     pub fn mean(&self, grads: &mut [f32], should_stop: impl FnOnce() -> bool) -> RoundOutcome {
         let mut round = self.round.lock().unwrap_or_else(PoisonError::into_inner);
         assert_eq!(grads.len(), round.sum.len(), "all-reduce buffer length");
+        if round.aborted {
+            return RoundOutcome::ABORTED;
+        }
         if round.arrived == 0 {
             round.sum.copy_from_slice(grads);
         } else {
@@ -107,16 +139,20 @@ impl AllReduce {
         if round.arrived >= round.members {
             self.finish_round(&mut round, should_stop());
         } else {
-            while round.generation == generation {
+            while round.generation == generation && !round.aborted {
                 round = self
                     .round_done
                     .wait(round)
                     .unwrap_or_else(PoisonError::into_inner);
             }
+            if round.generation == generation {
+                return RoundOutcome::ABORTED;
+            }
         }
         let outcome = RoundOutcome {
             stop: round.stop,
             participants: round.participants,
+            aborted: false,
         };
         drop(round);
         // The result of this round is rewritten only when every member has arrived at the next round, which
@@ -133,6 +169,45 @@ impl AllReduce {
         round.members = round.members.saturating_sub(1);
         if round.arrived > 0 && round.arrived >= round.members {
             self.finish_round(&mut round, should_stop());
+        }
+    }
+
+    /// Ends the group because a member failed: the members waiting in the current round return at once, every
+    /// later round too (all with [`RoundOutcome::aborted`]), and the abort hooks run once, on this thread.
+    pub fn abort(&self) {
+        {
+            let mut round = self.round.lock().unwrap_or_else(PoisonError::into_inner);
+            if round.aborted {
+                return;
+            }
+            round.aborted = true;
+            self.round_done.notify_all();
+        }
+        let hooks = std::mem::take(
+            &mut *self
+                .abort_hooks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for hook in hooks {
+            hook();
+        }
+    }
+
+    /// Runs `hook` when the group is aborted (at once, on this thread, if it already is).
+    pub fn on_abort(&self, hook: impl FnOnce() + Send + 'static) {
+        let aborted = self
+            .round
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .aborted;
+        if aborted {
+            hook();
+        } else {
+            self.abort_hooks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(Box::new(hook));
         }
     }
 
@@ -217,7 +292,8 @@ mod tests {
                 outcome,
                 RoundOutcome {
                     stop: leaver_stops,
-                    participants: 1
+                    participants: 1,
+                    aborted: false,
                 }
             );
             let mut alone = vec![3.0; 4];
@@ -225,11 +301,83 @@ mod tests {
                 group.mean(&mut alone, || true),
                 RoundOutcome {
                     stop: true,
-                    participants: 1
+                    participants: 1,
+                    aborted: false,
                 }
             );
             assert_eq!(alone, vec![3.0; 4]);
         }
+    }
+
+    /// Three workers train in lockstep; worker 1 fails in round 5 (a fake failing rank). It records its error
+    /// and aborts the group, the way a GPU worker aborts its NCCL communicators: the others, blocked in round 5,
+    /// must return at once with the abort and stop, so the run ends with the failed worker's error. A hang is
+    /// caught by the timeout instead of hanging the test.
+    #[test]
+    fn a_failing_rank_ends_the_run_with_its_error_instead_of_hanging() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::mpsc;
+        use std::time::Duration;
+
+        let group = Arc::new(AllReduce::new(3, 8));
+        let hook_ran = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&hook_ran);
+        group.on_abort(move || flag.store(true, Ordering::SeqCst));
+        let (done, finished) = mpsc::channel();
+        for worker in 0..3 {
+            let (group, done) = (Arc::clone(&group), done.clone());
+            std::thread::spawn(move || {
+                let mut rounds = 0;
+                let result = loop {
+                    if worker == 1 && rounds == 5 {
+                        group.abort();
+                        break Err(format!(
+                            "worker {worker}: fake device fault in step {rounds}"
+                        ));
+                    }
+                    let mut grads = vec![worker as f32; 8];
+                    let outcome = group.mean(&mut grads, || false);
+                    if outcome.aborted {
+                        assert_eq!(
+                            grads,
+                            vec![worker as f32; 8],
+                            "an aborted round leaves the gradients"
+                        );
+                        break Ok(rounds);
+                    }
+                    assert_eq!(grads, vec![1.0; 8]);
+                    rounds += 1;
+                };
+                done.send((worker, result)).unwrap();
+            });
+        }
+        let mut results: Vec<_> = (0..3)
+            .map(|_| {
+                finished
+                    .recv_timeout(Duration::from_secs(10))
+                    .expect("a worker hung after another failed")
+            })
+            .collect();
+        results.sort_by_key(|(worker, _)| *worker);
+        assert_eq!(results[0].1, Ok(5));
+        assert_eq!(
+            results[1].1,
+            Err("worker 1: fake device fault in step 5".to_owned())
+        );
+        assert_eq!(results[2].1, Ok(5));
+        assert!(hook_ran.load(Ordering::SeqCst), "the abort hook ran");
+        let mut late = vec![0.0; 8];
+        assert!(
+            group.mean(&mut late, || false).aborted,
+            "later rounds stay aborted"
+        );
+        let ran_at_once = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&ran_at_once);
+        group.on_abort(move || flag.store(true, Ordering::SeqCst));
+        assert!(
+            ran_at_once.load(Ordering::SeqCst),
+            "a hook registered after the abort runs at once"
+        );
     }
 
     #[test]

@@ -102,3 +102,51 @@ fn drafters_can_move_to_their_own_threads() {
     assert_send::<CudaDrafter>();
     assert_send::<draftpipe_runtime::cuda::GradientAllReduce>();
 }
+
+/// With a device: opens cuBLAS (a handle) and NCCL, then prints the CUDA library files this process mapped, so
+/// `scripts/gpu-check.sh` shows which files were loaded. Without a driver it skips with one line, unless
+/// `DRAFTPIPE_REQUIRE_GPU=1`, where a missing driver, device, cuBLAS or NCCL fails.
+#[test]
+fn gpu_libraries_load_and_are_named() {
+    use draftpipe_runtime::cuda::{Gemm, GradientAllReduce, open_device};
+
+    let require = std::env::var("DRAFTPIPE_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let devices = match discover_devices() {
+        Ok(devices) if !devices.is_empty() => devices,
+        other => {
+            let reason = other.map_or_else(|e| e.to_string(), |_| "no CUDA device".into());
+            assert!(!require, "DRAFTPIPE_REQUIRE_GPU=1 but {reason}");
+            eprintln!("gpu_libraries_load_and_are_named skipped: {reason}");
+            return;
+        }
+    };
+    let ctx = open_device(0).expect("open device 0");
+    let gemm = Gemm::new(ctx.default_stream()).expect("cuBLAS loads and makes a handle");
+    drop(gemm);
+    match GradientAllReduce::library() {
+        Ok(file) => eprintln!("NCCL opened as {file}"),
+        Err(e) => assert!(!require, "DRAFTPIPE_REQUIRE_GPU=1 but {e}"),
+    }
+    if GradientAllReduce::library().is_ok() {
+        let ordinals: Vec<usize> = (0..devices.len()).collect();
+        let comms = GradientAllReduce::for_devices(&ordinals).expect("NCCL communicators");
+        assert_eq!(comms.len(), devices.len());
+        comms[0].abort_group().expect("abort every communicator");
+        assert!(comms.iter().all(GradientAllReduce::is_aborted));
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut files: Vec<&str> = maps
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .filter(|path| {
+            ["libcuda.so", "libcublas", "libnccl"]
+                .iter()
+                .any(|l| path.contains(l))
+        })
+        .collect();
+    files.dedup();
+    for file in &files {
+        eprintln!("loaded: {file}");
+    }
+    assert!(files.iter().any(|f| f.contains("libcublas")), "{files:?}");
+}

@@ -1,14 +1,17 @@
-//! Every drafter kernel on the GPU against the same body run on the host (the CPU backend's code), and the
-//! row-major GEMM wrapper against an f64 product, on fresh random inputs with poisoned outputs.
+//! Every drafter kernel on the GPU against the same kernel through its host launcher (the CPU backend's code),
+//! and the row-major GEMM wrapper against an f64 product, on fresh random inputs with poisoned outputs. Both
+//! launchers are generated from the kernel table, so each comparison calls the two with the same arguments.
 //!
 //! Tolerances: the device's `exp`/`ln`/`rsqrt` are the PTX approximate instructions (relative error ≈ 2^-22)
-//! where the host uses ≤ 2-ulp polynomials, and sums run in another order, so elementwise results are compared
-//! at 2e-5 relative; reductions over thousands of terms at 1e-4. Skips with one line without a GPU.
+//! where the host uses ≤ 2-ulp polynomials, so elementwise results are compared at 2e-5 relative. Row
+//! reductions run in the same order on both (a warp's lanes and butterfly, emulated on the host); the sums still
+//! differ by the approximations inside them, hence 1e-4. Skips with one line without a GPU.
 
 mod common;
 
 use common::{assert_close, download, gpu_or_skip, poisoned, rng, uniform, upload};
-use draftpipe_gpu_kernels::{activation, adamw, loss, norm, reduce};
+use draftpipe_gpu_kernels::adamw;
+use draftpipe_runtime::cpu::kernels::launch;
 use draftpipe_runtime::cuda::{Gemm, KernelModule, Launcher, Op};
 use rand::RngExt;
 
@@ -25,6 +28,7 @@ fn rmsnorm_forward_and_backward_match_host() {
     };
     let s = k.stream().clone();
     let (mut r, seed) = rng();
+    // 300 columns: nine full lane rounds and a partial one.
     let (rows, cols, eps) = (37, 300, 1e-6);
     let x = uniform(&mut r, rows * cols, -2.0, 2.0);
     let w = uniform(&mut r, cols, 0.5, 1.5);
@@ -40,60 +44,25 @@ fn rmsnorm_forward_and_backward_match_host() {
         vec![0.0; chunks * cols],
         vec![0.0; cols],
     );
-    // SAFETY: every buffer has the sizes the bodies' contracts state.
-    unsafe {
-        for row in 0..rows {
-            norm::rmsnorm_forward(
-                x.as_ptr(),
-                w.as_ptr(),
-                y.as_mut_ptr(),
-                inv.as_mut_ptr(),
-                cols,
-                eps,
-                row,
-            );
-            norm::rmsnorm_backward_input(
-                x.as_ptr(),
-                w.as_ptr(),
-                inv.as_ptr(),
-                dy.as_ptr(),
-                dx.as_mut_ptr(),
-                cols,
-                true,
-                row,
-            );
-        }
-        for index in 0..chunks * cols {
-            norm::rmsnorm_weight_grad_partials(
-                x.as_ptr(),
-                inv.as_ptr(),
-                dy.as_ptr(),
-                partials.as_mut_ptr(),
-                rows,
-                cols,
-                chunk,
-                index,
-            );
-        }
-        for col in 0..cols {
-            norm::column_sums(partials.as_ptr(), dw.as_mut_ptr(), chunks, cols, false, col);
-        }
-    }
+    launch::rmsnorm_forward(&x, &w, &mut y, &mut inv, cols, eps, rows);
+    launch::rmsnorm_backward_input(&x, &w, &inv, &dy, &mut dx, cols, 1, rows);
+    launch::rmsnorm_weight_grad_partials(&x, &inv, &dy, &mut partials, rows, cols, chunk);
+    launch::column_sums(&partials, &mut dw, chunks, cols, 0);
 
-    let ((_x, dx_), (_w, dw_), (_dy, ddy)) = (upload(&s, &x), upload(&s, &w), upload(&s, &dy));
+    let ((_x, x_), (_w, w_), (_dy, dy_)) = (upload(&s, &x), upload(&s, &w), upload(&s, &dy));
     let ((gy, gy_), (ginv, ginv_), (gdx, gdx_)) = (
         poisoned(&s, rows * cols),
         poisoned(&s, rows),
         upload(&s, &dx0),
     );
     let ((_p, gp_), (gdw, gdw_)) = (poisoned(&s, chunks * cols), poisoned(&s, cols));
-    k.rmsnorm_forward((dx_, dw_, gy_, ginv_), rows, cols, eps)
+    k.rmsnorm_forward(x_, w_, gy_, ginv_, cols, eps, rows)
         .unwrap();
-    k.rmsnorm_backward_input((dx_, dw_, ginv_, ddy, gdx_), rows, cols, true)
+    k.rmsnorm_backward_input(x_, w_, ginv_, dy_, gdx_, cols, 1, rows)
         .unwrap();
-    k.rmsnorm_weight_grad_partials((dx_, ginv_, ddy, gp_), rows, cols, chunk)
+    k.rmsnorm_weight_grad_partials(x_, ginv_, dy_, gp_, rows, cols, chunk)
         .unwrap();
-    k.column_sums(gp_, gdw_, chunks, cols, false).unwrap();
+    k.column_sums(gp_, gdw_, chunks, cols, 0).unwrap();
     assert_close("rmsnorm y", &download(&s, &gy), &y, 2e-5, 1e-6, seed);
     assert_close(
         "rmsnorm inv_rms",
@@ -131,31 +100,11 @@ fn swiglu_and_head_residual_match_host() {
         vec![0.0; n],
         dz0.clone(),
     );
-    // SAFETY: sizes as the bodies' contracts state; one element per call (the GPU's chunking).
-    unsafe {
-        for e in 0..n {
-            activation::swiglu_forward(gate_up.as_ptr(), act.as_mut_ptr(), inter, n, 1, e);
-            activation::swiglu_backward(
-                gate_up.as_ptr(),
-                dact.as_ptr(),
-                dgu.as_mut_ptr(),
-                inter,
-                n,
-                1,
-                e,
-            );
-            activation::head_residual_forward(z.as_ptr(), a.as_ptr(), h.as_mut_ptr(), n, 1, e);
-            activation::head_residual_backward(
-                a.as_ptr(),
-                dh.as_ptr(),
-                da.as_mut_ptr(),
-                dz.as_mut_ptr(),
-                n,
-                1,
-                e,
-            );
-        }
-    }
+    launch::swiglu_forward(&gate_up, &mut act, inter, n);
+    launch::swiglu_backward(&gate_up, &dact, &mut dgu, inter, n);
+    launch::head_residual_forward(&z, &a, &mut h, n);
+    launch::head_residual_backward(&a, &dh, &mut da, &mut dz, n);
+
     let ((_gu, gu_), (_da, dact_), (_z, z_), (_a, a_), (_dh, dh_)) = (
         upload(&s, &gate_up),
         upload(&s, &dact),
@@ -170,10 +119,10 @@ fn swiglu_and_head_residual_match_host() {
         poisoned(&s, n),
         upload(&s, &dz0),
     );
-    k.swiglu_forward(gu_, gact_, rows, inter).unwrap();
-    k.swiglu_backward((gu_, dact_, gdgu_), rows, inter).unwrap();
+    k.swiglu_forward(gu_, gact_, inter, n).unwrap();
+    k.swiglu_backward(gu_, dact_, gdgu_, inter, n).unwrap();
     k.head_residual_forward(z_, a_, gh_, n).unwrap();
-    k.head_residual_backward((a_, dh_, gda_, gdz_), n).unwrap();
+    k.head_residual_backward(a_, dh_, gda_, gdz_, n).unwrap();
     assert_close("swiglu act", &download(&s, &gact), &act, 2e-5, 1e-6, seed);
     assert_close(
         "swiglu dgate_up",
@@ -214,43 +163,26 @@ fn labels_scales_and_fused_loss_match_host() {
     );
     let (mut grad, mut row_loss) = (logits.clone(), vec![0.0f32; tokens]);
     let head = 1;
-    // SAFETY: sizes as the bodies' contracts state.
-    unsafe {
-        for index in 0..heads * tokens {
-            loss::build_labels(
-                ids.as_ptr(),
-                mask.as_ptr(),
-                lens.as_ptr(),
-                labels.as_mut_ptr(),
-                padded_len,
-                tokens,
-                vocab,
-                index,
-            );
-        }
-        for j in 0..heads {
-            loss::head_loss_scales(
-                labels.as_ptr(),
-                tokens,
-                heads,
-                decay,
-                counts.as_mut_ptr(),
-                scales.as_mut_ptr(),
-                j,
-            );
-        }
-        for row in 0..tokens {
-            let l = labels.as_ptr().add(head * tokens);
-            loss::vocab_loss_row(
-                grad.as_mut_ptr(),
-                l,
-                scales.as_ptr().add(head),
-                row_loss.as_mut_ptr(),
-                vocab,
-                row,
-            );
-        }
-    }
+    launch::build_labels(
+        &ids,
+        &mask,
+        &lens,
+        &mut labels,
+        padded_len,
+        tokens,
+        vocab,
+        heads,
+    );
+    launch::head_loss_scales(&labels, &mut counts, &mut scales, tokens, heads, decay);
+    launch::vocab_loss_row(
+        &labels[head * tokens..],
+        &scales[head..],
+        &mut grad,
+        &mut row_loss,
+        vocab,
+        tokens,
+    );
+
     let ((_i, ids_), (_m, mask_), (_l, lens_)) =
         (upload(&s, &ids), upload(&s, &mask), upload(&s, &lens));
     let (glabels, glabels_) = upload(&s, &vec![i32::MIN; heads * tokens]);
@@ -261,25 +193,18 @@ fn labels_scales_and_fused_loss_match_host() {
         poisoned(&s, tokens),
     );
     k.build_labels(
-        (ids_, mask_, lens_, glabels_),
-        padded_len,
-        tokens,
-        heads,
-        vocab,
+        ids_, mask_, lens_, glabels_, padded_len, tokens, vocab, heads,
     )
     .unwrap();
-    k.head_loss_scales((glabels_, gcounts_, gscales_), tokens, heads, decay)
+    k.head_loss_scales(glabels_, gcounts_, gscales_, tokens, heads, decay)
         .unwrap();
-    let labels_of_head = glabels_ + (head * tokens * 4) as u64;
     k.vocab_loss_row(
-        (
-            glogits_,
-            labels_of_head,
-            gscales_ + (head * 4) as u64,
-            gloss_,
-        ),
-        tokens,
+        glabels_.offset(head * tokens).unwrap(),
+        gscales_.offset(head).unwrap(),
+        glogits_,
+        gloss_,
         vocab,
+        tokens,
     )
     .unwrap();
     assert_eq!(download(&s, &glabels), labels, "labels (seed {seed})");
@@ -314,7 +239,9 @@ fn grad_norm_and_adamw_match_host() {
     let params = uniform(&mut r, n, -1.0, 1.0);
     let grads = uniform(&mut r, n, -0.1, 0.1);
     let m0 = uniform(&mut r, n, -0.01, 0.01);
-    let v0 = uniform(&mut r, n, 0.0, 1e-4);
+    // Some second moments subnormal: the device `sqrt` must not turn them into infinities.
+    let mut v0 = uniform(&mut r, n, 0.0, 1e-4);
+    v0.iter_mut().step_by(97).for_each(|v| *v = 1e-40);
     let step = 3;
     let (lr, b1, b2) = (1e-3f32, 0.9f32, 0.95f32);
     let hyper = adamw::AdamWStep {
@@ -326,6 +253,19 @@ fn grad_norm_and_adamw_match_host() {
         step_size: lr / (1.0 - b1.powi(step)),
         bias_correction2_sqrt: (1.0 - b2.powi(step)).sqrt(),
     };
+    let chunks = n.div_ceil(chunk);
+    let (mut partials, mut norm, mut clip) = (vec![0.0; chunks], [0.0f32], [0.0f32]);
+    let (mut p, mut m, mut v) = (params.clone(), m0.clone(), v0.clone());
+    launch::sum_squares_partials(&grads, &mut partials, n, chunk);
+    launch::finish_grad_norm(&partials, &mut norm, &mut clip, chunks, max_norm);
+    launch::adamw_update(&grads, &norm, &clip, &[hyper], &mut p, &mut m, &mut v, n);
+
+    let ((gp, gp_), (_g, g_), (gm, gm_), (gv, gv_)) = (
+        upload(&s, &params),
+        upload(&s, &grads),
+        upload(&s, &m0),
+        upload(&s, &v0),
+    );
     let hyper_floats = [
         hyper.lr,
         hyper.beta1,
@@ -335,56 +275,27 @@ fn grad_norm_and_adamw_match_host() {
         hyper.step_size,
         hyper.bias_correction2_sqrt,
     ];
-    let chunks = n.div_ceil(chunk);
-    let (mut partials, mut norm, mut clip) = (vec![0.0; chunks], [0.0f32], [0.0f32]);
-    let (mut p, mut m, mut v) = (params.clone(), m0.clone(), v0.clone());
-    // SAFETY: sizes as the bodies' contracts state.
-    unsafe {
-        for c in 0..chunks {
-            reduce::sum_squares_partials(grads.as_ptr(), n, chunk, partials.as_mut_ptr(), c);
-        }
-        reduce::finish_grad_norm(
-            partials.as_ptr(),
-            chunks,
-            max_norm,
-            norm.as_mut_ptr(),
-            clip.as_mut_ptr(),
-        );
-        for e in 0..n {
-            adamw::adamw_update(
-                p.as_mut_ptr(),
-                grads.as_ptr(),
-                m.as_mut_ptr(),
-                v.as_mut_ptr(),
-                norm.as_ptr(),
-                clip.as_ptr(),
-                hyper,
-                n,
-                1,
-                e,
-            );
-        }
-    }
-    let ((gp, gp_), (_g, g_), (gm, gm_), (gv, gv_)) = (
-        upload(&s, &params),
-        upload(&s, &grads),
-        upload(&s, &m0),
-        upload(&s, &v0),
-    );
     let ((_pa, pa_), (gnorm, gnorm_), (gclip, gclip_), (_h, h_)) = (
         poisoned(&s, chunks),
         poisoned(&s, 1),
         poisoned(&s, 1),
         upload(&s, &hyper_floats),
     );
+    // SAFETY: `AdamWStep` is seven f32s, `repr(C)`.
+    let h_ = unsafe { h_.cast::<adamw::AdamWStep>() };
     k.sum_squares_partials(g_, pa_, n, chunk).unwrap();
-    k.finish_grad_norm((pa_, gnorm_, gclip_), chunks, max_norm)
+    k.finish_grad_norm(pa_, gnorm_, gclip_, chunks, max_norm)
         .unwrap();
-    k.adamw_update((gp_, g_, gm_, gv_), (gnorm_, gclip_, h_), n)
+    k.adamw_update(g_, gnorm_, gclip_, h_, gp_, gm_, gv_, n)
         .unwrap();
     assert_close("grad norm", &download(&s, &gnorm), &norm, 1e-5, 0.0, seed);
     assert_close("clip scale", &download(&s, &gclip), &clip, 1e-5, 0.0, seed);
-    assert_close("params", &download(&s, &gp), &p, 1e-5, 1e-7, seed);
+    let got = download(&s, &gp);
+    assert!(
+        got.iter().all(|p| p.is_finite()),
+        "non-finite parameter (seed {seed})"
+    );
+    assert_close("params", &got, &p, 1e-5, 1e-7, seed);
     assert_close("exp_avg", &download(&s, &gm), &m, 1e-5, 1e-9, seed);
     assert_close("exp_avg_sq", &download(&s, &gv), &v, 1e-5, 1e-12, seed);
 }
@@ -400,18 +311,27 @@ fn sum_partials_and_finish_sum_match_host() {
     let values = uniform(&mut r, n, -1.0, 1.0);
     let chunks = n.div_ceil(chunk);
     let (mut partials, mut total) = (vec![0.0; chunks], [0.0f32]);
-    // SAFETY: sizes as the bodies' contracts state.
-    unsafe {
-        for c in 0..chunks {
-            reduce::sum_partials(values.as_ptr(), n, chunk, partials.as_mut_ptr(), c);
-        }
-        reduce::finish_sum(partials.as_ptr(), chunks, total.as_mut_ptr());
-    }
+    launch::sum_partials(&values, &mut partials, n, chunk);
+    launch::finish_sum(&partials, &mut total, chunks);
     let ((_v, v_), (_p, p_), (gt, gt_)) =
         (upload(&s, &values), poisoned(&s, chunks), poisoned(&s, 1));
     k.sum_partials(v_, p_, n, chunk).unwrap();
-    k.finish_sum(p_, chunks, gt_).unwrap();
+    k.finish_sum(p_, gt_, chunks).unwrap();
     assert_close("sum", &download(&s, &gt), &total, 1e-5, 1e-5, seed);
+}
+
+#[test]
+fn a_short_buffer_is_an_error_not_a_launch() {
+    let Some(k) = launcher("a_short_buffer_is_an_error_not_a_launch") else {
+        return;
+    };
+    let s = k.stream().clone();
+    let ((_x, x_), (_y, y_)) = (poisoned(&s, 10), poisoned(&s, 1));
+    let error = k.sum_partials(x_, y_, 10, 4).unwrap_err().to_string();
+    assert!(
+        error.contains("`partials` holds 1 elements, the launch needs 3"),
+        "{error}"
+    );
 }
 
 #[test]
@@ -457,7 +377,17 @@ fn row_major_gemm_matches_f64_for_every_transpose() {
             .collect();
         let ((_a, a_), (_b, b_), (gc, gc_)) = (upload(&s, &a), upload(&s, &b), upload(&s, &c0));
         // SAFETY: the buffers hold the stated shapes.
-        unsafe { gemm.row_major((op_a, a_), (op_b, b_), gc_, (m, n, kk), alpha, beta) }.unwrap();
+        unsafe {
+            gemm.row_major(
+                (op_a, a_.addr()),
+                (op_b, b_.addr()),
+                gc_.addr(),
+                (m, n, kk),
+                alpha,
+                beta,
+            )
+        }
+        .unwrap();
         assert_close(
             &format!("gemm {op_a:?}{op_b:?}"),
             &download(&s, &gc),

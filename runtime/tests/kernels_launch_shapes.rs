@@ -1,7 +1,8 @@
 //! The GPU launch shapes on the host: element-range kernels called with `chunk_len = 1` for every index (one
 //! element per thread, as the CUDA wrappers launch them) and the norm weight gradient with other row chunkings
 //! must give the same results as the host launchers' long chunks — bitwise for elementwise kernels, whose
-//! per-element arithmetic does not depend on the chunking.
+//! per-element arithmetic does not depend on the chunking. The row kernels (one warp per row on the GPU) run
+//! on 32 threads per row, one per lane, and must match the host launchers bit for bit.
 
 use draftpipe_gpu_kernels::{activation, adamw, norm};
 use draftpipe_runtime::cpu::kernels;
@@ -164,4 +165,225 @@ fn norm_weight_grad_is_deterministic_and_chunking_only_regroups_the_sum() {
             );
         }
     }
+}
+
+/// The GPU's plane launch shape on the host: 32 threads run a row's body together, each as one lane of a
+/// [`ThreadLane`] plane (its share of the indices, the butterfly exchanged through shared slots between
+/// barriers), as the warp lanes do. Every lane writes what its share and the leader rule say, so a missed
+/// element, a race between a lane's read and another's write, or a reduction in another order shows up as a
+/// difference from the host launcher's [`HostPlane`](draftpipe_gpu_kernels::plane::HostPlane) run, which must
+/// match it bit for bit.
+mod warp_on_threads {
+    use std::sync::{Barrier, Mutex};
+
+    use draftpipe_gpu_kernels::plane::{LaneValue, Plane, WIDTH};
+
+    /// What the lanes of one simulated warp share.
+    pub struct Exchange {
+        slots: Mutex<[[u8; 16]; WIDTH]>,
+        barrier: Barrier,
+    }
+
+    impl Exchange {
+        pub fn new() -> Self {
+            Self {
+                slots: Mutex::new([[0; 16]; WIDTH]),
+                barrier: Barrier::new(WIDTH),
+            }
+        }
+    }
+
+    /// Lane `lane` of a warp simulated by 32 threads.
+    #[derive(Clone, Copy)]
+    pub struct ThreadLane<'a> {
+        pub lane: usize,
+        pub exchange: &'a Exchange,
+    }
+
+    impl ThreadLane<'_> {
+        /// `value` of lane `lane ^ mask`, like `shfl.sync.bfly`.
+        fn shuffle_xor<T: LaneValue>(self, value: T, mask: usize) -> T {
+            assert!(size_of::<T>() <= 16);
+            {
+                let mut slots = self.exchange.slots.lock().unwrap();
+                // SAFETY: `T` is plain data of at most 16 bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (&raw const value).cast::<u8>(),
+                        slots[self.lane].as_mut_ptr(),
+                        size_of::<T>(),
+                    )
+                };
+            }
+            self.exchange.barrier.wait();
+            let other = {
+                let slots = self.exchange.slots.lock().unwrap();
+                // SAFETY: the partner lane stored a `T` in its slot before the barrier.
+                unsafe { std::ptr::read_unaligned(slots[self.lane ^ mask].as_ptr().cast::<T>()) }
+            };
+            self.exchange.barrier.wait();
+            other
+        }
+    }
+
+    impl Plane for ThreadLane<'_> {
+        fn is_leader(self) -> bool {
+            self.lane == 0
+        }
+
+        fn reduce<S: Copy, T: LaneValue>(
+            self,
+            n: usize,
+            init: S,
+            mut step: impl FnMut(S, usize) -> S,
+            lift: impl Fn(S) -> T,
+            combine: impl Fn(T, T) -> T,
+        ) -> T {
+            let mut state = init;
+            let mut i = self.lane;
+            while i < n {
+                state = step(state, i);
+                i += WIDTH;
+            }
+            let mut value = lift(state);
+            let mut distance = WIDTH / 2;
+            while distance > 0 {
+                value = combine(value, self.shuffle_xor(value, distance));
+                distance /= 2;
+            }
+            value
+        }
+
+        fn for_each(self, n: usize, mut body: impl FnMut(usize)) {
+            let mut i = self.lane;
+            while i < n {
+                body(i);
+                i += WIDTH;
+            }
+        }
+    }
+
+    /// A raw pointer the lane threads share (each writes only what its share says).
+    #[derive(Clone, Copy)]
+    pub struct Shared<T>(pub *mut T);
+    // SAFETY: the lanes write disjoint elements or the leader alone writes; the barriers order the rest.
+    unsafe impl<T> Send for Shared<T> {}
+    // SAFETY: as above.
+    unsafe impl<T> Sync for Shared<T> {}
+
+    /// Runs `body(plane, index)` for `index` in `0..count`, each index on 32 lane threads.
+    pub fn launch(count: usize, body: impl Fn(ThreadLane<'_>, usize) + Sync) {
+        for index in 0..count {
+            let exchange = Exchange::new();
+            std::thread::scope(|scope| {
+                for lane in 0..WIDTH {
+                    let (exchange, body) = (&exchange, &body);
+                    scope.spawn(move || body(ThreadLane { lane, exchange }, index));
+                }
+            });
+        }
+    }
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn plane_kernels_on_simulated_warps_match_the_host_launchers_bitwise() {
+    use draftpipe_gpu_kernels::{loss, reduce};
+    use warp_on_threads::{Shared, launch};
+
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(79);
+    // 70 and 1001 columns: partial last lane rounds; 5 rows.
+    let (rows, cols, vocab) = (5, 70, 1001);
+
+    let x = values(&mut rng, rows * cols);
+    let w = values(&mut rng, cols);
+    let dy = values(&mut rng, rows * cols);
+    let (mut y_host, mut inv_host) = (vec![f32::NAN; rows * cols], vec![f32::NAN; rows]);
+    kernels::rmsnorm_forward(&x, &w, &mut y_host, &mut inv_host, 1e-6);
+    let mut dx_host = x.clone();
+    kernels::rmsnorm_backward_input(&x, &w, &inv_host, &dy, &mut dx_host, true);
+    let (mut y, mut inv, mut dx) = (vec![f32::NAN; rows * cols], vec![f32::NAN; rows], x.clone());
+    let (yp, invp, dxp) = (
+        Shared(y.as_mut_ptr()),
+        Shared(inv.as_mut_ptr()),
+        Shared(dx.as_mut_ptr()),
+    );
+    let (xs, ws, dys) = (
+        Shared(x.as_ptr().cast_mut()),
+        Shared(w.as_ptr().cast_mut()),
+        Shared(dy.as_ptr().cast_mut()),
+    );
+    launch(rows, |plane, row| {
+        let (yp, invp, dxp, xs, ws, dys) = (yp, invp, dxp, xs, ws, dys);
+        // SAFETY: buffers sized for `rows × cols`; the lanes write as the kernels' contracts say.
+        unsafe {
+            norm::rmsnorm_forward(xs.0, ws.0, yp.0, invp.0, cols, 1e-6, plane, row);
+            norm::rmsnorm_backward_input(
+                xs.0,
+                ws.0,
+                inv_host.as_ptr(),
+                dys.0,
+                dxp.0,
+                cols,
+                true,
+                plane,
+                row,
+            );
+        }
+    });
+    assert_eq!(bits(&y), bits(&y_host), "rmsnorm y");
+    assert_eq!(bits(&inv), bits(&inv_host), "rmsnorm inv_rms");
+    assert_eq!(bits(&dx), bits(&dx_host), "rmsnorm dx");
+
+    let logits_in: Vec<f32> = values(&mut rng, rows * vocab);
+    let labels: Vec<i32> = vec![3, -1, 1000, 0, 517];
+    let (mut grad_host, mut loss_host) = (logits_in.clone(), vec![f32::NAN; rows]);
+    kernels::vocab_loss(&mut grad_host, &labels, 0.7, &mut loss_host, vocab);
+    let (mut grad, mut row_loss, scale) = (logits_in.clone(), vec![f32::NAN; rows], 0.7f32);
+    let (gp, lp) = (Shared(grad.as_mut_ptr()), Shared(row_loss.as_mut_ptr()));
+    launch(rows, |plane, row| {
+        let (gp, lp) = (gp, lp);
+        // SAFETY: `grad` holds `rows × vocab`, `labels`/`row_loss` `rows`; labels are below `vocab`.
+        unsafe { loss::vocab_loss_row(gp.0, labels.as_ptr(), &scale, lp.0, vocab, plane, row) }
+    });
+    assert_eq!(bits(&grad), bits(&grad_host), "vocab loss gradient");
+    assert_eq!(bits(&row_loss), bits(&loss_host), "vocab loss rows");
+
+    let n: usize = 10_007;
+    let chunk_len = 1000;
+    let chunks = n.div_ceil(chunk_len);
+    let v = values(&mut rng, n);
+    let mut host_partials = vec![f32::NAN; chunks];
+    let host_total = kernels::sum(&v, chunk_len, &mut host_partials);
+    let (host_norm, host_clip) = kernels::grad_norm(&v, chunk_len, &mut host_partials, 5.0);
+    let (mut sums, mut squares) = (vec![f32::NAN; chunks], vec![f32::NAN; chunks]);
+    let (mut total, mut norm_out, mut clip) = ([f32::NAN], [f32::NAN], [f32::NAN]);
+    let (sp, qp) = (Shared(sums.as_mut_ptr()), Shared(squares.as_mut_ptr()));
+    launch(chunks, |plane, chunk| {
+        let (sp, qp) = (sp, qp);
+        // SAFETY: `v` holds `n`, the partials `chunks` elements.
+        unsafe {
+            reduce::sum_partials(v.as_ptr(), sp.0, n, chunk_len, plane, chunk);
+            reduce::sum_squares_partials(v.as_ptr(), qp.0, n, chunk_len, plane, chunk);
+        }
+    });
+    let (tp, np, cp) = (
+        Shared(total.as_mut_ptr()),
+        Shared(norm_out.as_mut_ptr()),
+        Shared(clip.as_mut_ptr()),
+    );
+    launch(1, |plane, _| {
+        let (tp, np, cp) = (tp, np, cp);
+        // SAFETY: the partials hold `chunks` elements, the outputs one each.
+        unsafe {
+            reduce::finish_sum(sums.as_ptr(), tp.0, chunks, plane);
+            reduce::finish_grad_norm(squares.as_ptr(), np.0, cp.0, chunks, 5.0, plane);
+        }
+    });
+    assert_eq!(total[0].to_bits(), host_total.to_bits(), "sum");
+    assert_eq!(norm_out[0].to_bits(), host_norm.to_bits(), "grad norm");
+    assert_eq!(clip[0].to_bits(), host_clip.to_bits(), "clip scale");
 }

@@ -4,13 +4,17 @@
 //! the PTX lacks, and on stack frames or register spills in any kernel (every entry point is on the hot path of
 //! a step). Prints the registers per kernel (docs/gpu.md keeps the table).
 //!
+//! A second test reads the `.entry` parameter lists of the embedded PTX and checks each against the argument
+//! list the CUDA launcher pushes (count and byte widths, both generated from the kernel table): a launch whose
+//! arguments do not match its entry point would read garbage without any error.
+//!
 //! `ptxas` comes from `scripts/install-ptxas.sh` (or `PTXAS=/path/to/ptxas`). Without it, or in a build without
 //! PTX, the test prints one line and passes, except under `CI=true`, where either absence is a failure.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-use draftpipe_runtime::cuda::{EMBEDDED_PTX, KERNEL_NAMES};
+use draftpipe_runtime::cuda::{EMBEDDED_PTX, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS};
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
@@ -155,6 +159,70 @@ fn every_kernel_assembles_for_sm90_without_spills() {
         heavy.is_empty(),
         "kernels with a stack frame or spills: {heavy:?}"
     );
+}
+
+/// The byte width of each `.param` of every `.entry` in `ptx`, in order: `(name, widths)`.
+fn entry_parameters(ptx: &str) -> Vec<(String, Vec<usize>)> {
+    let mut entries = Vec::new();
+    let mut lines = ptx.lines();
+    while let Some(line) = lines.next() {
+        let Some(rest) = line.split(".entry ").nth(1) else {
+            continue;
+        };
+        let name = rest.split('(').next().unwrap_or_default().trim().to_owned();
+        let mut widths = Vec::new();
+        for param in lines.by_ref() {
+            let param = param.trim();
+            if param.starts_with(')') {
+                break;
+            }
+            let kind = param
+                .strip_prefix(".param .")
+                .and_then(|p| p.split_whitespace().next())
+                .unwrap_or_else(|| panic!("entry {name}: unexpected parameter line `{param}`"));
+            let bits: usize = kind[1..]
+                .parse()
+                .unwrap_or_else(|_| panic!("entry {name}: parameter type `{kind}`"));
+            widths.push(bits / 8);
+        }
+        entries.push((name, widths));
+    }
+    entries
+}
+
+#[test]
+fn entry_parameters_match_the_launchers_arguments() {
+    let ptx = match EMBEDDED_PTX {
+        Ok(ptx) => ptx,
+        Err(reason) => {
+            return skip_or_fail(&format!("the runtime was built without PTX: {reason}"));
+        }
+    };
+    let entries = entry_parameters(ptx);
+    assert_eq!(
+        entries.len(),
+        LAUNCH_ARGUMENT_WIDTHS.len(),
+        "PTX entries {:?}",
+        entries.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    for (name, pushed) in LAUNCH_ARGUMENT_WIDTHS {
+        let (_, declared) = entries
+            .iter()
+            .find(|(entry, _)| entry == name)
+            .unwrap_or_else(|| panic!("kernel {name} is launched but has no .entry in the PTX"));
+        assert_eq!(
+            declared.as_slice(),
+            *pushed,
+            "kernel {name}: PTX parameter widths vs the launcher's arguments"
+        );
+    }
+}
+
+#[test]
+fn entry_parameter_parser_reads_llc_output() {
+    let ptx = "// .globl\tk\n.visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .f32 k_param_1,\n\
+               \t.param .u32 k_param_2\n)\n{\n}\n";
+    assert_eq!(entry_parameters(ptx), vec![("k".to_owned(), vec![8, 4, 4])]);
 }
 
 #[test]

@@ -26,12 +26,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::result as driver;
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode_enum};
+use cudarc::driver::sys::{
+    CUdeviceptr, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode_enum,
+};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr as _, PinnedHostSlice,
 };
 use draftpipe_compiler::plan::{BackendKind, LaunchMode, WorkspaceLayout};
 use draftpipe_compiler::workspace::{CUBLAS_WORKSPACE_BYTES, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+use draftpipe_gpu_kernels::adamw::AdamWStep;
 
 use super::{
     AdamWHyper, Backend, BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand,
@@ -44,17 +47,39 @@ use crate::cuda::{
 /// A device allocation and its address (taken once: event tracking is off, so the address is all we need).
 pub struct DeviceBuffer<T> {
     _slice: CudaSlice<T>,
-    ptr: DevicePtr,
+    ptr: CUdeviceptr,
 }
 
-fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr {
-    let (raw, start, _) = view.parts();
-    raw.ptr + (start * size_of::<T>()) as DevicePtr
+/// The typed device pointer of a read view: its first element and its length.
+fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
+    let (raw, start, len) = view.parts();
+    // SAFETY: a view lies inside its buffer's allocation (checked when the view was made).
+    unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
 }
 
-fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr {
-    let (raw, start, _) = view.parts();
-    raw.ptr + (start * size_of::<T>()) as DevicePtr
+/// The typed device pointer of a write view.
+fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
+    let (raw, start, len) = view.parts();
+    // SAFETY: as for `ptr`.
+    unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
+}
+
+/// The element `index` of a pointer (a one-element view of a small device vector such as `[norm, clip]`).
+fn element<T>(pointer: DevicePtr<T>, index: usize) -> DevicePtr<T> {
+    pointer
+        .offset(index)
+        .unwrap_or_else(|| panic!("element {index} of a {}-element view", pointer.len()))
+}
+
+/// The seven floats of a step's AdamW scalars as the kernels' [`AdamWStep`].
+fn adamw_step(floats: DevicePtr<f32>) -> DevicePtr<AdamWStep> {
+    assert_eq!(
+        floats.len() * size_of::<f32>(),
+        size_of::<AdamWStep>(),
+        "adamw step: size"
+    );
+    // SAFETY: `AdamWStep` is `repr(C)` of seven f32s, so the bytes are valid and aligned for it.
+    unsafe { floats.cast() }
 }
 
 /// A captured step part. `CudaGraph` holds raw driver handles and so is not `Send`, but a graph exec may be
@@ -240,7 +265,7 @@ impl Backend for CudaBackend {
         // drained below, and the copy is ordered on the compute stream with every step.
         unsafe {
             driver::memcpy_htod_async(
-                ptr_mut(dst),
+                ptr_mut(dst).addr(),
                 &pinned.as_slice().map_err(CudaError::from)?[..src.len()],
                 stream,
             )
@@ -259,7 +284,7 @@ impl Backend for CudaBackend {
         unsafe {
             driver::memcpy_dtoh_async(
                 &mut pinned.as_mut_slice().map_err(CudaError::from)?[..n],
-                ptr(src),
+                ptr(src).addr(),
                 self.compute.cu_stream(),
             )
         }
@@ -290,25 +315,25 @@ impl Backend for CudaBackend {
         // reads this slot); destinations hold the largest bucket's shape, which the caller checked.
         unsafe {
             driver::memcpy_htod_async(
-                ptr_mut(input.hs.at_mut(0, batch.hs.len())),
+                ptr_mut(input.hs.at_mut(0, batch.hs.len())).addr(),
                 &pinned.hs.as_slice().map_err(CudaError::from)?[..batch.hs.len()],
                 stream,
             )
             .map_err(CudaError::from)?;
             driver::memcpy_htod_async(
-                ptr_mut(input.input_ids.at_mut(0, batch.input_ids.len())),
+                ptr_mut(input.input_ids.at_mut(0, batch.input_ids.len())).addr(),
                 &pinned.input_ids.as_slice().map_err(CudaError::from)?[..batch.input_ids.len()],
                 stream,
             )
             .map_err(CudaError::from)?;
             driver::memcpy_htod_async(
-                ptr_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())),
+                ptr_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())).addr(),
                 &pinned.seq_lens.as_slice().map_err(CudaError::from)?[..batch.seq_lens.len()],
                 stream,
             )
             .map_err(CudaError::from)?;
             driver::memcpy_htod_async(
-                ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())),
+                ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())).addr(),
                 &pinned.loss_mask.as_slice().map_err(CudaError::from)?[..batch.loss_mask.len()],
                 stream,
             )
@@ -358,7 +383,7 @@ impl Backend for CudaBackend {
         unsafe {
             driver::memcpy_dtoh_async(
                 readback.as_mut_slice().map_err(CudaError::from)?,
-                ptr(scalars),
+                ptr(scalars).addr(),
                 self.compute.cu_stream(),
             )
         }
@@ -391,7 +416,7 @@ impl Backend for CudaBackend {
         // SAFETY: `dst` holds `n` f32s; the memset is ordered on the compute stream.
         let result = unsafe {
             cudarc::driver::sys::cuMemsetD32Async(
-                ptr_mut(dst),
+                ptr_mut(dst).addr(),
                 value.to_bits(),
                 n,
                 self.compute.cu_stream(),
@@ -406,7 +431,12 @@ impl Backend for CudaBackend {
         let bytes = src.len() * size_of::<f32>();
         // SAFETY: both views hold `bytes`; distinct buffers (a `Dst` and a `Src` cannot alias).
         unsafe {
-            driver::memcpy_dtod_async(ptr_mut(dst), ptr(src), bytes, self.compute.cu_stream())
+            driver::memcpy_dtod_async(
+                ptr_mut(dst).addr(),
+                ptr(src).addr(),
+                bytes,
+                self.compute.cu_stream(),
+            )
         }
         .map_err(CudaError::from)?;
         Ok(())
@@ -427,9 +457,9 @@ impl Backend for CudaBackend {
         // `Operand::new`); `c` is a write view, so it overlaps neither input.
         unsafe {
             self.gemm.row_major_at(
-                (op(&a), ptr(a.data)),
-                (op(&b), ptr(b.data)),
-                ptr_mut(c),
+                (op(&a), ptr(a.data).addr()),
+                (op(&b), ptr(b.data).addr()),
+                ptr_mut(c).addr(),
                 mnk,
                 (alpha, beta),
                 precision,
@@ -452,10 +482,13 @@ impl Backend for CudaBackend {
             "rmsnorm_forward: sizes"
         );
         self.kernels.rmsnorm_forward(
-            (ptr(x), ptr(weight), ptr_mut(y), ptr_mut(inv_rms)),
-            rows,
+            ptr(x),
+            ptr(weight),
+            ptr_mut(y),
+            ptr_mut(inv_rms),
             cols,
             eps,
+            rows,
         )?;
         Ok(())
     }
@@ -476,10 +509,14 @@ impl Backend for CudaBackend {
             "rmsnorm_backward_input: sizes"
         );
         self.kernels.rmsnorm_backward_input(
-            (ptr(x), ptr(weight), ptr(inv_rms), ptr(dy), ptr_mut(dx)),
-            rows,
+            ptr(x),
+            ptr(weight),
+            ptr(inv_rms),
+            ptr(dy),
+            ptr_mut(dx),
             cols,
-            accumulate,
+            u32::from(accumulate),
+            rows,
         )?;
         Ok(())
     }
@@ -500,13 +537,16 @@ impl Backend for CudaBackend {
         );
         let partials = ptr_mut(partials);
         self.kernels.rmsnorm_weight_grad_partials(
-            (ptr(x), ptr(inv_rms), ptr(dy), partials),
+            ptr(x),
+            ptr(inv_rms),
+            ptr(dy),
+            partials,
             rows,
             cols,
             NORM_ROWS_PER_CHUNK,
         )?;
         self.kernels
-            .column_sums(partials, ptr_mut(dweight), chunks, cols, false)?;
+            .column_sums(partials, ptr_mut(dweight), chunks, cols, 0)?;
         Ok(())
     }
 
@@ -516,10 +556,13 @@ impl Backend for CudaBackend {
         act: Dst<'_, Self, f32>,
         inter: usize,
     ) -> BackendResult {
-        let rows = act.len() / inter.max(1);
-        assert!(gate_up.len() == 2 * act.len(), "swiglu_forward: sizes");
+        let n = act.len();
+        assert!(
+            gate_up.len() == 2 * n && n.is_multiple_of(inter.max(1)),
+            "swiglu_forward: sizes"
+        );
         self.kernels
-            .swiglu_forward(ptr(gate_up), ptr_mut(act), rows, inter)?;
+            .swiglu_forward(ptr(gate_up), ptr_mut(act), inter, n)?;
         Ok(())
     }
 
@@ -530,13 +573,15 @@ impl Backend for CudaBackend {
         dgate_up: Dst<'_, Self, f32>,
         inter: usize,
     ) -> BackendResult {
-        let rows = dact.len() / inter.max(1);
+        let n = dact.len();
         assert!(
-            gate_up.len() == 2 * dact.len() && dgate_up.len() == gate_up.len(),
+            gate_up.len() == 2 * n
+                && dgate_up.len() == gate_up.len()
+                && n.is_multiple_of(inter.max(1)),
             "swiglu_backward: sizes"
         );
         self.kernels
-            .swiglu_backward((ptr(gate_up), ptr(dact), ptr_mut(dgate_up)), rows, inter)?;
+            .swiglu_backward(ptr(gate_up), ptr(dact), ptr_mut(dgate_up), inter, n)?;
         Ok(())
     }
 
@@ -566,7 +611,7 @@ impl Backend for CudaBackend {
             "head_residual_backward: sizes"
         );
         self.kernels
-            .head_residual_backward((ptr(a), ptr(dh), ptr_mut(da), ptr_mut(dz)), n)?;
+            .head_residual_backward(ptr(a), ptr(dh), ptr_mut(da), ptr_mut(dz), n)?;
         Ok(())
     }
 
@@ -589,16 +634,14 @@ impl Backend for CudaBackend {
         );
         let heads = labels.len() / tokens.max(1);
         self.kernels.build_labels(
-            (
-                ptr(input_ids),
-                ptr(loss_mask),
-                ptr(seq_lens),
-                ptr_mut(labels),
-            ),
+            ptr(input_ids),
+            ptr(loss_mask),
+            ptr(seq_lens),
+            ptr_mut(labels),
             padded_len,
             tokens,
-            heads,
             vocab,
+            heads,
         )?;
         Ok(())
     }
@@ -615,9 +658,12 @@ impl Backend for CudaBackend {
             heads > 0 && scales.len() == heads && labels.len().is_multiple_of(heads),
             "head_loss_scales: sizes"
         );
+        let tokens = labels.len() / heads;
         self.kernels.head_loss_scales(
-            (ptr(labels), ptr_mut(counts), ptr_mut(scales)),
-            labels.len() / heads,
+            ptr(labels),
+            ptr_mut(counts),
+            ptr_mut(scales),
+            tokens,
             heads,
             head_decay,
         )?;
@@ -638,9 +684,12 @@ impl Backend for CudaBackend {
             "vocab_loss: sizes"
         );
         self.kernels.vocab_loss_row(
-            (ptr_mut(logits), ptr(labels), ptr(scale), ptr_mut(row_loss)),
-            rows,
+            ptr(labels),
+            ptr(scale),
+            ptr_mut(logits),
+            ptr_mut(row_loss),
             vocab,
+            rows,
         )?;
         Ok(())
     }
@@ -657,7 +706,7 @@ impl Backend for CudaBackend {
         let partials = ptr_mut(partials);
         self.kernels
             .sum_partials(ptr(values), partials, n, REDUCE_CHUNK)?;
-        self.kernels.finish_sum(partials, chunks, ptr_mut(out))?;
+        self.kernels.finish_sum(partials, ptr_mut(out), chunks)?;
         Ok(())
     }
 
@@ -679,7 +728,9 @@ impl Backend for CudaBackend {
         self.kernels
             .sum_squares_partials(ptr(values), partials, n, REDUCE_CHUNK)?;
         self.kernels.finish_grad_norm(
-            (partials, norm, norm + size_of::<f32>() as DevicePtr),
+            partials,
+            element(norm, 0),
+            element(norm, 1),
             chunks,
             max_norm,
         )?;
@@ -705,8 +756,14 @@ impl Backend for CudaBackend {
             weight_decay,
         } = hyper;
         self.kernels.adamw_advance(
-            (ptr(grad_norm), ptr_mut(state), ptr_mut(step)),
-            [lr, beta1, beta2, eps, weight_decay],
+            ptr(grad_norm),
+            ptr_mut(state),
+            adamw_step(ptr_mut(step)),
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
         )?;
         Ok(())
     }
@@ -731,13 +788,13 @@ impl Backend for CudaBackend {
         );
         let norm = ptr(norm_and_clip);
         self.kernels.adamw_update(
-            (
-                ptr_mut(params),
-                ptr(grads),
-                ptr_mut(exp_avg),
-                ptr_mut(exp_avg_sq),
-            ),
-            (norm, norm + size_of::<f32>() as DevicePtr, ptr(step)),
+            ptr(grads),
+            element(norm, 0),
+            element(norm, 1),
+            adamw_step(ptr(step)),
+            ptr_mut(params),
+            ptr_mut(exp_avg),
+            ptr_mut(exp_avg_sq),
             n,
         )?;
         Ok(())
@@ -748,7 +805,9 @@ impl Backend for CudaBackend {
             let n = grads.len();
             // SAFETY: `grads` holds `n` f32s on this communicator's device; every rank enqueues the same call
             // once per step, outside any graph.
-            unsafe { all_reduce.enqueue_average(ptr_mut(grads), n, self.compute.cu_stream()) }?;
+            unsafe {
+                all_reduce.enqueue_average(ptr_mut(grads).addr(), n, self.compute.cu_stream())
+            }?;
         }
         Ok(())
     }

@@ -1,9 +1,16 @@
-//! Safe host launchers for the `draftpipe-gpu-kernels` bodies: each checks buffer lengths against the launch
-//! shape, then calls the kernel for every index of its launch (the host's "grid").
+//! Safe host launchers for the `draftpipe-gpu-kernels` bodies.
 //!
-//! Element-range kernels run in chunks of [`HOST_CHUNK`] elements so their inner loops vectorise.
+//! ```text
+//!  kernel table (gpu-kernels/src/table.rs) ──▶ launch::NAME(reads, writes, scalars): checks every slice against
+//!                                             its declared length, then runs the launch shape on the host
+//!  the functions below ──▶ the step's API: sizes taken from the slices, composite launches (two-pass sums)
+//! ```
 //!
-//! Each launcher is compiled twice from its one body (the `launcher!` macro): for the baseline x86-64 target and for
+//! Host launch shapes: `threads(count)` is a loop over the indices, `planes(count)` runs a
+//! [`HostPlane`] (the lanes as a loop) per index, `elements(n)` runs chunks of [`HOST_CHUNK`] elements so the
+//! inner loops vectorise.
+//!
+//! Each generated launcher is compiled twice from its one body: for the baseline x86-64 target and for
 //! AVX2 + FMA, picked at run time by what the CPU has. The kernels' `exp`/`rsqrt` polynomials are what bound the
 //! loss and activation kernels, and twice the lanes nearly halve them. Both copies give bit-identical results:
 //! the kernels fix their summation order in code, and Rust never fuses `a * b + c` into an FMA on its own, so the
@@ -13,45 +20,12 @@
 //! Every launcher panics when a buffer is shorter than its shape needs: the step sizes all buffers from one
 //! bucket shape, so a mismatch is a bug, and the check is what makes the `unsafe` kernel calls sound.
 
-use draftpipe_gpu_kernels::{activation, adamw, loss, norm, reduce};
-
 pub use draftpipe_gpu_kernels::adamw::AdamWStep;
 pub use draftpipe_gpu_kernels::loss::IGNORE_LABEL;
+use draftpipe_gpu_kernels::plane::HostPlane;
 
 /// Elements per call of an element-range kernel on the host.
 pub const HOST_CHUNK: usize = 4096;
-
-/// Defines a launcher over one body compiled twice: as written for the baseline target, and inside a
-/// `#[target_feature(enable = "avx2,fma")]` copy, where the `#[inline(always)]` kernel bodies vectorise with
-/// 8 lanes. The copy runs when `simd_available` says the CPU has both features.
-macro_rules! launcher {
-    (
-        $(#[$attr:meta])*
-        pub fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
-    ) => {
-        $(#[$attr])*
-        pub fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[allow(clippy::too_many_arguments)]
-            #[inline(always)]
-            fn baseline($($arg: $ty),*) $(-> $ret)? $body
-
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[allow(clippy::too_many_arguments)]
-                #[target_feature(enable = "avx2,fma")]
-                fn avx2_fma($($arg: $ty),*) $(-> $ret)? {
-                    baseline($($arg),*)
-                }
-
-                if simd_available() {
-                    // SAFETY: `simd_available` checked that this CPU has AVX2 and FMA.
-                    return unsafe { avx2_fma($($arg),*) };
-                }
-            }
-            baseline($($arg),*)
-        }
-    };
-}
 
 /// Whether the launchers take their AVX2 + FMA copies: the CPU has both (std detects them once and caches the
 /// answer), and, in this crate's unit tests, the calling thread has not asked for the baseline.
@@ -64,33 +38,125 @@ fn simd_available() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
-launcher! {
+#[cfg(test)]
+thread_local! {
+    /// Launches that took the AVX2 + FMA copies on this thread (the bit-identity test checks they ran).
+    static WIDE_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Generates [`launch`]: one host launcher per kernel of the table, over one body compiled twice (baseline and
+/// inside a `#[target_feature(enable = "avx2,fma")]` copy, where the `#[inline(always)]` kernel bodies vectorise
+/// with 8 lanes). The copy runs when `simd_available` says the CPU has both features.
+macro_rules! host_launchers {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident {
+            reads: [$($read:ident: $read_ty:ty = $read_len:expr),* $(,)?],
+            writes: [$($write:ident: $write_ty:ty = $write_len:expr),* $(,)?],
+            scalars: [$($scalar:ident: $scalar_ty:ty),* $(,)?],
+            launch: $shape:ident($($count:expr)?),
+            body: |$($bind:ident),*| $body:expr,
+        }
+    )*) => {
+        /// One launcher per kernel of the table, arguments in the table's order (reads, writes, scalars).
+        pub mod launch {
+            use super::*;
+            $(
+                $(#[$doc])*
+                ///
+                /// # Panics
+                /// When a slice is shorter than the length the kernel table declares for it.
+                #[allow(clippy::too_many_arguments)]
+                pub fn $name(
+                    $($read: &[$read_ty],)*
+                    $($write: &mut [$write_ty],)*
+                    $($scalar: $scalar_ty,)*
+                ) {
+                    #[allow(clippy::too_many_arguments)]
+                    #[inline(always)]
+                    fn baseline(
+                        $($read: &[$read_ty],)*
+                        $($write: &mut [$write_ty],)*
+                        $($scalar: $scalar_ty,)*
+                    ) {
+                        $(assert!(
+                            $read.len() >= $read_len,
+                            concat!(stringify!($name), ": ", stringify!($read), " holds {} elements, needs {}"),
+                            $read.len(),
+                            $read_len
+                        );)*
+                        $(assert!(
+                            $write.len() >= $write_len,
+                            concat!(stringify!($name), ": ", stringify!($write), " holds {} elements, needs {}"),
+                            $write.len(),
+                            $write_len
+                        );)*
+                        $(let $read = $read.as_ptr();)*
+                        $(let $write = $write.as_mut_ptr();)*
+                        host_launchers!(@run $shape($($count)?) |$($bind),*| $body);
+                    }
+
+                    #[cfg(target_arch = "x86_64")]
+                    {
+                        #[allow(clippy::too_many_arguments)]
+                        #[target_feature(enable = "avx2,fma")]
+                        fn avx2_fma(
+                            $($read: &[$read_ty],)*
+                            $($write: &mut [$write_ty],)*
+                            $($scalar: $scalar_ty,)*
+                        ) {
+                            baseline($($read,)* $($write,)* $($scalar,)*)
+                        }
+
+                        if simd_available() {
+                            #[cfg(test)]
+                            WIDE_LAUNCHES.with(|n| n.set(n.get() + 1));
+                            // SAFETY: `simd_available` checked that this CPU has AVX2 and FMA.
+                            return unsafe { avx2_fma($($read,)* $($write,)* $($scalar,)*) };
+                        }
+                    }
+                    baseline($($read,)* $($write,)* $($scalar,)*)
+                }
+            )*
+        }
+    };
+    // SAFETY (every arm): the lengths checked above cover every index of the launch; the writes are unique
+    // borrows, so they overlap nothing.
+    (@run threads($count:expr) |$index:ident| $body:expr) => {
+        for $index in 0..$count {
+            unsafe { $body };
+        }
+    };
+    (@run planes($count:expr) |$plane:ident, $index:ident| $body:expr) => {
+        for $index in 0..$count {
+            let $plane = HostPlane;
+            unsafe { $body };
+        }
+    };
+    (@run plane() |$plane:ident| $body:expr) => {{
+        let $plane = HostPlane;
+        unsafe { $body };
+    }};
+    (@run elements($n:expr) |$chunk_len:ident, $chunk:ident| $body:expr) => {
+        let $chunk_len = HOST_CHUNK;
+        for $chunk in 0..($n).div_ceil(HOST_CHUNK) {
+            unsafe { $body };
+        }
+    };
+}
+
+draftpipe_gpu_kernels::kernel_table!(host_launchers);
+
 /// RMSNorm forward over `rows = x.len() / weight.len()` rows; `y = x / rms ⊙ weight`, `inv_rms[r] = 1/rms`.
 pub fn rmsnorm_forward(x: &[f32], weight: &[f32], y: &mut [f32], inv_rms: &mut [f32], eps: f32) {
-    let cols = weight.len();
-    let rows = inv_rms.len();
+    let (rows, cols) = (inv_rms.len(), weight.len());
     assert!(
         x.len() == rows * cols && y.len() == rows * cols,
         "rmsnorm_forward: buffer sizes"
     );
-    for row in 0..rows {
-        // SAFETY: the lengths checked above cover every row.
-        unsafe {
-            norm::rmsnorm_forward(
-                x.as_ptr(),
-                weight.as_ptr(),
-                y.as_mut_ptr(),
-                inv_rms.as_mut_ptr(),
-                cols,
-                eps,
-                row,
-            )
-        };
-    }
-}
+    launch::rmsnorm_forward(x, weight, y, inv_rms, cols, eps, rows);
 }
 
-launcher! {
 /// RMSNorm input gradient; `dx = ∂L/∂x` (or `dx += ∂L/∂x` with `accumulate`).
 pub fn rmsnorm_backward_input(
     x: &[f32],
@@ -100,32 +166,24 @@ pub fn rmsnorm_backward_input(
     dx: &mut [f32],
     accumulate: bool,
 ) {
-    let cols = weight.len();
-    let rows = inv_rms.len();
+    let (rows, cols) = (inv_rms.len(), weight.len());
     let n = rows * cols;
     assert!(
         x.len() == n && dy.len() == n && dx.len() == n,
         "rmsnorm_backward_input: buffer sizes"
     );
-    for row in 0..rows {
-        // SAFETY: the lengths checked above cover every row; `dx` is a unique borrow.
-        unsafe {
-            norm::rmsnorm_backward_input(
-                x.as_ptr(),
-                weight.as_ptr(),
-                inv_rms.as_ptr(),
-                dy.as_ptr(),
-                dx.as_mut_ptr(),
-                cols,
-                accumulate,
-                row,
-            )
-        };
-    }
-}
+    launch::rmsnorm_backward_input(
+        x,
+        weight,
+        inv_rms,
+        dy,
+        dx,
+        cols,
+        u32::from(accumulate),
+        rows,
+    );
 }
 
-launcher! {
 /// RMSNorm weight gradient `dw[c] = Σ_r dy[r,c]·x[r,c]·inv_rms[r]` by the two-pass reduction, using
 /// `partials` (at least `ceil(rows / rows_per_chunk) · cols` elements) as scratch.
 pub fn rmsnorm_weight_grad(
@@ -136,62 +194,23 @@ pub fn rmsnorm_weight_grad(
     partials: &mut [f32],
     rows_per_chunk: usize,
 ) {
-    let cols = dw.len();
-    let rows = inv_rms.len();
+    let (rows, cols) = (inv_rms.len(), dw.len());
     assert!(rows_per_chunk > 0, "rmsnorm_weight_grad: empty chunk");
-    let chunks = rows.div_ceil(rows_per_chunk);
     assert!(
         x.len() == rows * cols && dy.len() == rows * cols,
         "rmsnorm_weight_grad: buffer sizes"
     );
-    assert!(
-        partials.len() >= chunks * cols,
-        "rmsnorm_weight_grad: partials too short"
-    );
-    for index in 0..chunks * cols {
-        // SAFETY: the lengths checked above cover every chunk and column.
-        unsafe {
-            norm::rmsnorm_weight_grad_partials(
-                x.as_ptr(),
-                inv_rms.as_ptr(),
-                dy.as_ptr(),
-                partials.as_mut_ptr(),
-                rows,
-                cols,
-                rows_per_chunk,
-                index,
-            )
-        };
-    }
-    for col in 0..cols {
-        // SAFETY: `partials` holds `chunks · cols` elements, `dw` `cols`.
-        unsafe { norm::column_sums(partials.as_ptr(), dw.as_mut_ptr(), chunks, cols, false, col) };
-    }
-}
+    launch::rmsnorm_weight_grad_partials(x, inv_rms, dy, partials, rows, cols, rows_per_chunk);
+    launch::column_sums(partials, dw, rows.div_ceil(rows_per_chunk), cols, 0);
 }
 
-launcher! {
 /// SwiGLU forward: `act = silu(gate) ⊙ up` from `[gate | up]` rows of width `2 · inter`.
 pub fn swiglu_forward(gate_up: &[f32], act: &mut [f32], inter: usize) {
     let n = act.len();
     assert_eq!(gate_up.len(), 2 * n, "swiglu_forward: buffer sizes");
-    for chunk in 0..n.div_ceil(HOST_CHUNK) {
-        // SAFETY: sizes checked above; the kernel clips the last chunk to `n`.
-        unsafe {
-            activation::swiglu_forward(
-                gate_up.as_ptr(),
-                act.as_mut_ptr(),
-                inter,
-                n,
-                HOST_CHUNK,
-                chunk,
-            )
-        };
-    }
-}
+    launch::swiglu_forward(gate_up, act, inter, n);
 }
 
-launcher! {
 /// SwiGLU backward into the `[dgate | dup]` rows of `dgate_up`.
 pub fn swiglu_backward(gate_up: &[f32], dact: &[f32], dgate_up: &mut [f32], inter: usize) {
     let n = dact.len();
@@ -199,24 +218,9 @@ pub fn swiglu_backward(gate_up: &[f32], dact: &[f32], dgate_up: &mut [f32], inte
         gate_up.len() == 2 * n && dgate_up.len() == 2 * n,
         "swiglu_backward: buffer sizes"
     );
-    for chunk in 0..n.div_ceil(HOST_CHUNK) {
-        // SAFETY: sizes checked above; `dgate_up` is a unique borrow.
-        unsafe {
-            activation::swiglu_backward(
-                gate_up.as_ptr(),
-                dact.as_ptr(),
-                dgate_up.as_mut_ptr(),
-                inter,
-                n,
-                HOST_CHUNK,
-                chunk,
-            )
-        };
-    }
-}
+    launch::swiglu_backward(gate_up, dact, dgate_up, inter, n);
 }
 
-launcher! {
 /// Head residual forward `h = z + silu(a)`.
 pub fn head_residual_forward(z: &[f32], a: &[f32], h: &mut [f32]) {
     let n = h.len();
@@ -224,23 +228,9 @@ pub fn head_residual_forward(z: &[f32], a: &[f32], h: &mut [f32]) {
         z.len() == n && a.len() == n,
         "head_residual_forward: buffer sizes"
     );
-    for chunk in 0..n.div_ceil(HOST_CHUNK) {
-        // SAFETY: sizes checked above; `h` is a unique borrow.
-        unsafe {
-            activation::head_residual_forward(
-                z.as_ptr(),
-                a.as_ptr(),
-                h.as_mut_ptr(),
-                n,
-                HOST_CHUNK,
-                chunk,
-            )
-        };
-    }
-}
+    launch::head_residual_forward(z, a, h, n);
 }
 
-launcher! {
 /// Head residual backward: `da = dh · silu'(a)` (the gradient with respect to `a`) and `dz += dh`.
 ///
 /// `da` is a separate buffer although the kernel allows `da = dh`: distinct buffers pass the compiler's runtime
@@ -251,25 +241,10 @@ pub fn head_residual_backward(a: &[f32], dh: &[f32], da: &mut [f32], dz: &mut [f
         dh.len() == n && da.len() == n && dz.len() == n,
         "head_residual_backward: buffer sizes"
     );
-    for chunk in 0..n.div_ceil(HOST_CHUNK) {
-        // SAFETY: sizes checked above; `da` and `dz` are unique borrows, so they overlap nothing.
-        unsafe {
-            activation::head_residual_backward(
-                a.as_ptr(),
-                dh.as_ptr(),
-                da.as_mut_ptr(),
-                dz.as_mut_ptr(),
-                n,
-                HOST_CHUNK,
-                chunk,
-            )
-        };
-    }
-}
+    launch::head_residual_backward(a, dh, da, dz, n);
 }
 
-launcher! {
-/// Labels of every head, `labels[j · tokens + t]` (see [`loss::build_labels`]).
+/// Labels of every head, `labels[j · tokens + t]` (see [`draftpipe_gpu_kernels::loss::build_labels`]).
 pub fn build_labels(
     input_ids: &[u32],
     loss_mask: &[u8],
@@ -287,25 +262,12 @@ pub fn build_labels(
         loss_mask.len() == tokens && labels.len().is_multiple_of(tokens.max(1)),
         "build_labels: buffer sizes"
     );
-    for index in 0..labels.len() {
-        // SAFETY: sizes checked above; `index < heads · tokens`.
-        unsafe {
-            loss::build_labels(
-                input_ids.as_ptr(),
-                loss_mask.as_ptr(),
-                seq_lens.as_ptr(),
-                labels.as_mut_ptr(),
-                padded_len,
-                tokens,
-                vocab,
-                index,
-            )
-        };
-    }
-}
+    let heads = labels.len() / tokens.max(1);
+    launch::build_labels(
+        input_ids, loss_mask, seq_lens, labels, padded_len, tokens, vocab, heads,
+    );
 }
 
-launcher! {
 /// Valid-label counts and loss scales of every head.
 pub fn head_loss_scales(labels: &[i32], head_decay: f32, counts: &mut [u32], scales: &mut [f32]) {
     let heads = counts.len();
@@ -313,25 +275,16 @@ pub fn head_loss_scales(labels: &[i32], head_decay: f32, counts: &mut [u32], sca
         scales.len() == heads && heads > 0 && labels.len().is_multiple_of(heads),
         "head_loss_scales: buffer sizes"
     );
-    let tokens = labels.len() / heads;
-    for head in 0..heads {
-        // SAFETY: sizes checked above.
-        unsafe {
-            loss::head_loss_scales(
-                labels.as_ptr(),
-                tokens,
-                heads,
-                head_decay,
-                counts.as_mut_ptr(),
-                scales.as_mut_ptr(),
-                head,
-            )
-        };
-    }
-}
+    launch::head_loss_scales(
+        labels,
+        counts,
+        scales,
+        labels.len() / heads,
+        heads,
+        head_decay,
+    );
 }
 
-launcher! {
 /// Fused cross-entropy over the rows of a logits chunk `[rows, vocab]`: per-row scaled loss into `row_loss`,
 /// the scaled logits gradient in place. Labels must be `< vocab` or negative (ignored).
 pub fn vocab_loss(
@@ -350,50 +303,19 @@ pub fn vocab_loss(
         labels.iter().all(|&l| l < vocab as i32),
         "vocab_loss: label out of range"
     );
-    for row in 0..rows {
-        // SAFETY: sizes and label range checked above.
-        unsafe {
-            loss::vocab_loss_row(
-                logits.as_mut_ptr(),
-                labels.as_ptr(),
-                &scale,
-                row_loss.as_mut_ptr(),
-                vocab,
-                row,
-            )
-        };
-    }
-}
+    launch::vocab_loss_row(labels, &[scale], logits, row_loss, vocab, rows);
 }
 
-launcher! {
 /// Deterministic sum of `values` through `partials` (at least `ceil(n / chunk_len)` elements).
 pub fn sum(values: &[f32], chunk_len: usize, partials: &mut [f32]) -> f32 {
+    assert!(chunk_len > 0, "sum: empty chunk");
     let chunks = values.len().div_ceil(chunk_len);
-    assert!(
-        chunk_len > 0 && partials.len() >= chunks,
-        "sum: partials too short"
-    );
-    for chunk in 0..chunks {
-        // SAFETY: sizes checked above.
-        unsafe {
-            reduce::sum_partials(
-                values.as_ptr(),
-                values.len(),
-                chunk_len,
-                partials.as_mut_ptr(),
-                chunk,
-            )
-        };
-    }
-    let mut total = 0.0;
-    // SAFETY: `partials` holds `chunks` elements.
-    unsafe { reduce::finish_sum(partials.as_ptr(), chunks, &mut total) };
-    total
-}
+    launch::sum_partials(values, partials, values.len(), chunk_len);
+    let mut total = [0.0];
+    launch::finish_sum(partials, &mut total, chunks);
+    total[0]
 }
 
-launcher! {
 /// Global L2 norm of `values` and the clip scale for `max_norm` (`≤ 0`: no clipping), by the deterministic
 /// two-pass reduction through `partials` (at least `ceil(n / chunk_len)` elements).
 pub fn grad_norm(
@@ -402,31 +324,14 @@ pub fn grad_norm(
     partials: &mut [f32],
     max_norm: f32,
 ) -> (f32, f32) {
+    assert!(chunk_len > 0, "grad_norm: empty chunk");
     let chunks = values.len().div_ceil(chunk_len);
-    assert!(
-        chunk_len > 0 && partials.len() >= chunks,
-        "grad_norm: partials too short"
-    );
-    for chunk in 0..chunks {
-        // SAFETY: sizes checked above.
-        unsafe {
-            reduce::sum_squares_partials(
-                values.as_ptr(),
-                values.len(),
-                chunk_len,
-                partials.as_mut_ptr(),
-                chunk,
-            )
-        };
-    }
-    let (mut norm, mut scale) = (0.0, 0.0);
-    // SAFETY: `partials` holds `chunks` elements; the outputs are locals.
-    unsafe { reduce::finish_grad_norm(partials.as_ptr(), chunks, max_norm, &mut norm, &mut scale) };
-    (norm, scale)
-}
+    launch::sum_squares_partials(values, partials, values.len(), chunk_len);
+    let (mut norm, mut scale) = ([0.0], [0.0]);
+    launch::finish_grad_norm(partials, &mut norm, &mut scale, chunks, max_norm);
+    (norm[0], scale[0])
 }
 
-launcher! {
 /// One fused AdamW pass over all parameters; a no-op when `grad_norm` is not finite.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_update(
@@ -443,48 +348,34 @@ pub fn adamw_update(
         grads.len() == n && exp_avg.len() == n && exp_avg_sq.len() == n,
         "adamw_update: buffer sizes"
     );
-    for chunk in 0..n.div_ceil(HOST_CHUNK) {
-        // SAFETY: sizes checked above; the three mutable buffers are distinct unique borrows.
-        unsafe {
-            adamw::adamw_update(
-                params.as_mut_ptr(),
-                grads.as_ptr(),
-                exp_avg.as_mut_ptr(),
-                exp_avg_sq.as_mut_ptr(),
-                &grad_norm,
-                &clip_scale,
-                hyper,
-                n,
-                HOST_CHUNK,
-                chunk,
-            )
-        };
-    }
-}
+    launch::adamw_update(
+        grads,
+        &[grad_norm],
+        &[clip_scale],
+        &[hyper],
+        params,
+        exp_avg,
+        exp_avg_sq,
+        n,
+    );
 }
 
 /// Advances AdamW's device state `[steps, β1^steps, β2^steps]` and writes the step's scalars (seven floats in
 /// [`AdamWStep`] order) when `grad_norm` is finite; a skipped step changes nothing.
 pub fn adamw_advance(grad_norm: f32, hyper: [f32; 5], state: &mut [f64], step: &mut [f32]) {
-    assert!(
-        state.len() == 3 && step.len() == size_of::<AdamWStep>() / size_of::<f32>(),
-        "adamw_advance: buffer sizes"
-    );
     let [lr, beta1, beta2, eps, weight_decay] = hyper;
-    let mut scalars = adamw_step_from_floats(step);
-    // SAFETY: `state` holds three elements (checked above); `scalars` is a local.
-    unsafe {
-        adamw::adamw_advance(
-            &grad_norm,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            state.as_mut_ptr(),
-            &mut scalars,
-        )
-    };
+    let mut scalars = [adamw_step_from_floats(step)];
+    launch::adamw_advance(
+        &[grad_norm],
+        state,
+        &mut scalars,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    );
+    let [scalars] = scalars;
     step.copy_from_slice(&[
         scalars.lr,
         scalars.beta1,
@@ -551,6 +442,8 @@ pub fn adamw_step_scalars(
 #[cfg(test)]
 pub(crate) mod tests {
     use std::cell::Cell;
+
+    use super::WIDE_LAUNCHES;
 
     thread_local! {
         /// Set by a test to make the launchers take their baseline copies on its thread.
@@ -633,7 +526,19 @@ pub(crate) mod tests {
             let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             (trace, bits(&state.params), bits(&state.exp_avg_sq))
         };
-        let (wide, baseline) = (train(false), train(true));
+        let wide_before = WIDE_LAUNCHES.with(std::cell::Cell::get);
+        let wide = train(false);
+        let wide_launches = WIDE_LAUNCHES.with(std::cell::Cell::get) - wide_before;
+        let baseline = train(true);
+        assert!(
+            wide_launches > 0,
+            "the AVX2 + FMA copies never ran, so the comparison below would be vacuous"
+        );
+        assert_eq!(
+            WIDE_LAUNCHES.with(std::cell::Cell::get) - wide_before,
+            wide_launches,
+            "a baseline-only run took the AVX2 + FMA copies"
+        );
         assert!(
             wide == baseline,
             "AVX2 and baseline steps differ (seed {seed})"

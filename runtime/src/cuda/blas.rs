@@ -6,16 +6,16 @@
 use std::ffi::c_int;
 use std::sync::Arc;
 
+use cudarc::cublas::result;
 use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+    cublasComputeType_t, cublasGemmAlgo_t, cublasHandle_t, cublasOperation_t, cudaDataType_t,
 };
-use cudarc::cublas::{CudaBlas, result};
+use cudarc::driver::sys::CUdeviceptr as DevicePtr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _};
 use draftpipe_compiler::plan::Precision;
 use draftpipe_compiler::workspace::CUBLAS_WORKSPACE_BYTES;
 
 use super::CudaError;
-use super::launch::DevicePtr;
 
 /// Whether an operand is used as stored or transposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,10 +36,28 @@ impl Op {
 }
 
 /// A cuBLAS handle bound to one stream, with its own workspace.
+///
+/// The handle is created and destroyed here rather than through cudarc's `CudaBlas`, whose drop unwraps the
+/// result of `cublasDestroy`: after a device fault that call fails, and the panic would replace the fault's
+/// error (or abort a thread already unwinding). Here a failed destroy is ignored: there is nothing left to free.
 #[derive(Debug)]
 pub struct Gemm {
-    blas: CudaBlas,
+    handle: cublasHandle_t,
+    stream: Arc<CudaStream>,
     _workspace: CudaSlice<u8>,
+}
+
+// SAFETY: a cuBLAS handle may move between threads; `&self` calls enqueue on the handle's one stream, which
+// cuBLAS allows from one thread at a time, as the drafter's `&mut` step guarantees.
+unsafe impl Send for Gemm {}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        // Errors are ignored (see the type's docs); the context must be current for the destroy.
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the handle was created in `Gemm::with_workspace` and is destroyed once, here.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
 }
 
 fn dim(value: usize) -> Result<c_int, CudaError> {
@@ -60,18 +78,23 @@ impl Gemm {
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
-        let blas = CudaBlas::new(stream.clone())?;
+        stream.context().bind_to_thread()?;
         let workspace = stream.alloc_zeros::<u8>(bytes.max(1))?;
-        let (address, _) = workspace.device_ptr(&stream);
-        // SAFETY: the workspace lives as long as the handle (both owned by `Gemm`) and is used on its stream.
+        let handle = result::create_handle()?;
+        let gemm = Self {
+            handle,
+            stream,
+            _workspace: workspace,
+        };
+        let (address, _) = gemm._workspace.device_ptr(&gemm.stream);
+        // SAFETY: the handle is live; the workspace lives as long as the handle (both owned by `Gemm`) and is
+        // used on its stream.
         unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), address as *mut _, bytes)
+            result::set_stream(handle, gemm.stream.cu_stream() as _)?;
+            cudarc::cublas::sys::cublasSetWorkspace_v2(handle, address as *mut _, bytes)
                 .result()?;
         }
-        Ok(Self {
-            blas,
-            _workspace: workspace,
-        })
+        Ok(gemm)
     }
 
     /// Row-major `C[m, n] = alpha · op_a(A)·op_b(B) + beta · C`, where `A` is stored `[m, k]` (`[k, m]` when
@@ -95,7 +118,7 @@ impl Gemm {
         // in the module docs, with leading dimensions equal to the stored row lengths.
         unsafe {
             result::sgemm(
-                *self.blas.handle(),
+                self.handle,
                 op_b.cublas(),
                 op_a.cublas(),
                 dim(n)?,
@@ -140,7 +163,7 @@ impl Gemm {
         // SAFETY: as `row_major`: the caller guarantees the buffers; Bᵀ-then-Aᵀ in column-major order.
         unsafe {
             result::gemm_ex(
-                *self.blas.handle(),
+                self.handle,
                 op_b.cublas(),
                 op_a.cublas(),
                 dim(n)?,

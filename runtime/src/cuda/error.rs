@@ -35,6 +35,18 @@ pub enum CudaError {
     /// The all-reduce must be attached before the first step (graphs capture it).
     #[error("gradient all-reduce attached after the first step")]
     LateAllReduce,
+    /// A kernel argument's buffer holds fewer elements than the kernel table declares for the launch.
+    #[error("kernel `{kernel}`: `{argument}` holds {len} elements, the launch needs {needed}")]
+    BufferTooShort {
+        /// The kernel.
+        kernel: &'static str,
+        /// Its argument.
+        argument: &'static str,
+        /// Elements the buffer holds from the pointer on.
+        len: usize,
+        /// Elements the launch reads or writes.
+        needed: usize,
+    },
     /// A launch needs more blocks than a grid can hold.
     #[error("a launch over {0} indices exceeds the grid limit")]
     LaunchTooLarge(usize),

@@ -16,14 +16,15 @@ mod device;
 mod error;
 mod launch;
 mod module;
+mod nccl;
 
 pub use crate::backend::cuda::CudaBackend;
-pub use allreduce::GradientAllReduce;
+pub use allreduce::{GradientAllReduce, GroupAbort};
 pub use blas::{Gemm, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
 pub use error::CudaError;
-pub use launch::{BLOCK_THREADS, DevicePtr, Launcher};
-pub use module::{EMBEDDED_PTX, KERNEL_NAMES, KernelModule, embedded_ptx};
+pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
+pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
 
 use draftpipe_compiler::plan::{
     AdamWSpec, BackendKind, BucketPlan, LaunchMode, LossSpec, ModelPlan, Precision, WorkspaceLayout,

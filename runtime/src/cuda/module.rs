@@ -6,6 +6,7 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 
 use super::CudaError;
+use super::launch::KERNEL_NAMES;
 
 include!(concat!(env!("OUT_DIR"), "/embedded_ptx.rs"));
 
@@ -13,28 +14,6 @@ include!(concat!(env!("OUT_DIR"), "/embedded_ptx.rs"));
 pub fn embedded_ptx() -> Result<&'static str, CudaError> {
     EMBEDDED_PTX.map_err(CudaError::BuiltWithoutKernels)
 }
-
-/// Every entry point the CUDA backend launches (`gpu-kernels/src/ptx.rs` exports them; the PTX check test
-/// asserts each is present).
-pub const KERNEL_NAMES: [&str; 17] = [
-    "rmsnorm_forward",
-    "rmsnorm_backward_input",
-    "rmsnorm_weight_grad_partials",
-    "column_sums",
-    "swiglu_forward",
-    "swiglu_backward",
-    "head_residual_forward",
-    "head_residual_backward",
-    "build_labels",
-    "head_loss_scales",
-    "vocab_loss_row",
-    "sum_partials",
-    "sum_squares_partials",
-    "finish_sum",
-    "finish_grad_norm",
-    "adamw_update",
-    "adamw_advance",
-];
 
 /// The drafter kernels loaded into one context; the driver JIT-compiles the PTX for the card it finds.
 #[derive(Debug, Clone)]

@@ -443,9 +443,18 @@ impl Threads<'_> {
                             leave();
                         });
                         let finished = match ordinal {
-                            Some(ordinal) => worker::run(context, start, |state| {
-                                devices::open_gpu(plan, ordinal, communicator, state)
-                            }),
+                            Some(ordinal) => {
+                                if let Some(communicator) = &communicator {
+                                    let nccl = communicator.group_abort();
+                                    round.on_abort(move || {
+                                        // The run already carries the error that aborted the group.
+                                        let _ = nccl.abort();
+                                    });
+                                }
+                                worker::run(context, start, |state| {
+                                    devices::open_gpu(plan, ordinal, communicator, state)
+                                })
+                            }
                             None => worker::run(context, start, |state| {
                                 devices::open_cpu(plan, gradients.clone(), state)
                             }),

@@ -96,12 +96,24 @@ pub(super) fn run<B: Backend>(
                 device: context.device,
                 source,
             });
-            context.round.leave(|| true);
+            abort_or_leave(&context);
             Finished {
                 stop: StopReason::Interrupted,
                 step: context.first_step,
             }
         }
+    }
+}
+
+/// Takes a failed worker out of the round. A GPU worker aborts the group: its peers may already wait inside an
+/// NCCL collective this rank will never join, and the abort hooks end those communicators. A CPU worker leaves,
+/// which completes a round the others wait in.
+fn abort_or_leave(context: &WorkerContext<'_>) {
+    if matches!(context.device, Device::Gpu(_)) && context.plan.drafter.sync == SyncMode::AllReduce
+    {
+        context.round.abort();
+    } else {
+        context.round.leave(|| true);
     }
 }
 
@@ -147,12 +159,18 @@ impl<'a, B: Backend> Worker<'a, B> {
     }
 
     fn run(mut self) -> Finished {
-        let stop = self.train().unwrap_or_else(|source| {
-            self.fail(source);
-            StopReason::Interrupted
-        });
-        // Leaving once, whatever the reason, shortens the others' next round so they stop before a step.
-        self.context.round.leave(|| true);
+        let stop = match self.train() {
+            Ok(stop) => {
+                // Leaving shortens the others' next round so they stop before a step.
+                self.context.round.leave(|| true);
+                stop
+            }
+            Err(source) => {
+                self.fail(source);
+                abort_or_leave(&self.context);
+                StopReason::Interrupted
+            }
+        };
         if let Err(source) = self.collect_last() {
             self.fail(source);
         }

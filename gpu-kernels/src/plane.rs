@@ -1,0 +1,251 @@
+//! Cooperative lanes: a *plane* of [`WIDTH`] lanes works on one row together (cubecl's plane operations are
+//! the model). Kernels that reduce along a row (the vocabulary loss, RMSNorm, the reduction passes) are written
+//! once over [`Plane`]:
+//!
+//! ```text
+//!  GPU   one warp per row: lane l takes elements l, l + 32, l + 64, … (adjacent lanes read adjacent addresses,
+//!        so every load is coalesced), folds them into a lane state, and `shfl.sync.bfly` combines the 32 states
+//!  host  the same body with its lanes as a loop: 32 lane states in an array, filled in the same order, combined
+//!        by the same butterfly tree, so a host run gives lane 0's bits (and the 32-wide loop vectorises)
+//! ```
+//!
+//! A butterfly gives every lane the same result when `combine` is commutative (floating-point `+`, `max` and
+//! the online log-sum-exp pair are), so a body may use the reduced value on every lane without broadcasting it.
+//! The order of additions is fixed by the lane split and the tree, so results are deterministic on both sides.
+
+/// Lanes of a plane: the warp size of every NVIDIA GPU.
+pub const WIDTH: usize = 32;
+
+/// A value lanes exchange in a reduction: `f32`, `f64`, or pairs of them.
+pub trait LaneValue: Copy {
+    /// The value of lane `lane ^ mask` (every lane of the warp calls it together).
+    #[cfg(target_arch = "nvptx64")]
+    fn shuffle_xor(self, mask: u32) -> Self;
+}
+
+impl LaneValue for f32 {
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    fn shuffle_xor(self, mask: u32) -> Self {
+        f32::from_bits(device::shuffle_xor_b32(self.to_bits(), mask))
+    }
+}
+
+impl LaneValue for f64 {
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    fn shuffle_xor(self, mask: u32) -> Self {
+        let bits = self.to_bits();
+        let lo = device::shuffle_xor_b32(bits as u32, mask) as u64;
+        let hi = device::shuffle_xor_b32((bits >> 32) as u32, mask) as u64;
+        f64::from_bits(hi << 32 | lo)
+    }
+}
+
+impl<A: LaneValue, B: LaneValue> LaneValue for (A, B) {
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    fn shuffle_xor(self, mask: u32) -> Self {
+        (self.0.shuffle_xor(mask), self.1.shuffle_xor(mask))
+    }
+}
+
+/// The lanes working on one row.
+pub trait Plane: Copy {
+    /// Whether this is lane 0, the one that writes a row's single results (on the host: always).
+    fn is_leader(self) -> bool;
+
+    /// Folds `step` over `0..n`, each lane over its share (`i ≡ lane mod WIDTH`, ascending) starting from `init`;
+    /// maps every lane's state with `lift` and combines the lanes with `combine` by a butterfly. Every lane
+    /// returns the result (for a commutative `combine`, the same bits).
+    fn reduce<S: Copy, T: LaneValue>(
+        self,
+        n: usize,
+        init: S,
+        step: impl FnMut(S, usize) -> S,
+        lift: impl Fn(S) -> T,
+        combine: impl Fn(T, T) -> T,
+    ) -> T;
+
+    /// Runs `body(i)` for every `i` in `0..n`, once, split over the lanes; bodies of different `i` must be
+    /// independent (no lane reads what another writes).
+    fn for_each(self, n: usize, body: impl FnMut(usize));
+
+    /// `Σ f(i)` over `0..n` in f32.
+    #[inline(always)]
+    fn sum(self, n: usize, mut f: impl FnMut(usize) -> f32) -> f32 {
+        self.reduce(n, 0.0f32, |acc, i| acc + f(i), |acc| acc, |a, b| a + b)
+    }
+}
+
+/// The host plane: the lanes run as a loop on the calling thread.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostPlane;
+
+impl Plane for HostPlane {
+    #[inline(always)]
+    fn is_leader(self) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn reduce<S: Copy, T: LaneValue>(
+        self,
+        n: usize,
+        init: S,
+        mut step: impl FnMut(S, usize) -> S,
+        lift: impl Fn(S) -> T,
+        combine: impl Fn(T, T) -> T,
+    ) -> T {
+        let mut lanes = [init; WIDTH];
+        let full = n - n % WIDTH;
+        let mut base = 0;
+        while base < full {
+            for (lane, state) in lanes.iter_mut().enumerate() {
+                *state = step(*state, base + lane);
+            }
+            base += WIDTH;
+        }
+        for (lane, state) in lanes.iter_mut().take(n - full).enumerate() {
+            *state = step(*state, full + lane);
+        }
+        let mut values = [lift(init); WIDTH];
+        for (value, state) in values.iter_mut().zip(lanes) {
+            *value = lift(state);
+        }
+        // Lane 0's view of the butterfly: at distance d it combines its value with lane d's.
+        let mut distance = WIDTH / 2;
+        while distance > 0 {
+            for lane in 0..distance {
+                values[lane] = combine(values[lane], values[lane + distance]);
+            }
+            distance /= 2;
+        }
+        values[0]
+    }
+
+    #[inline(always)]
+    fn for_each(self, n: usize, mut body: impl FnMut(usize)) {
+        for i in 0..n {
+            body(i);
+        }
+    }
+}
+
+/// One warp of a GPU launch working on one row.
+#[cfg(target_arch = "nvptx64")]
+#[derive(Debug, Clone, Copy)]
+pub struct Warp {
+    lane: usize,
+}
+
+#[cfg(target_arch = "nvptx64")]
+impl Warp {
+    /// The warp of the calling thread, which is lane `lane` of it.
+    ///
+    /// # Safety
+    /// Every lane of the warp runs the same body with this plane (the shuffles name all 32 lanes).
+    #[inline(always)]
+    pub unsafe fn new(lane: usize) -> Self {
+        Self { lane }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+impl Plane for Warp {
+    #[inline(always)]
+    fn is_leader(self) -> bool {
+        self.lane == 0
+    }
+
+    #[inline(always)]
+    fn reduce<S: Copy, T: LaneValue>(
+        self,
+        n: usize,
+        init: S,
+        mut step: impl FnMut(S, usize) -> S,
+        lift: impl Fn(S) -> T,
+        combine: impl Fn(T, T) -> T,
+    ) -> T {
+        let mut state = init;
+        let mut i = self.lane;
+        while i < n {
+            state = step(state, i);
+            i += WIDTH;
+        }
+        let mut value = lift(state);
+        let mut distance = WIDTH as u32 / 2;
+        while distance > 0 {
+            value = combine(value, value.shuffle_xor(distance));
+            distance /= 2;
+        }
+        value
+    }
+
+    #[inline(always)]
+    fn for_each(self, n: usize, mut body: impl FnMut(usize)) {
+        let mut i = self.lane;
+        while i < n {
+            body(i);
+            i += WIDTH;
+        }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+mod device {
+    //! The warp shuffle (`core::arch::nvptx` has none).
+    use core::arch::asm;
+
+    /// `shfl.sync.bfly` over the full warp: lane `l` gets lane `l ^ mask`'s `value`. The clamp operand is
+    /// `0x1f` (the last lane of a 32-lane segment), not 32.
+    #[inline(always)]
+    pub fn shuffle_xor_b32(value: u32, mask: u32) -> u32 {
+        let out: u32;
+        // SAFETY: every lane of the warp executes the shuffle together (the `Warp::new` contract).
+        unsafe {
+            asm!(
+                "shfl.sync.bfly.b32 {out}, {value}, {mask}, 0x1f, 0xffffffff;",
+                out = out(reg32) out,
+                value = in(reg32) value,
+                mask = in(reg32) mask,
+            )
+        };
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_plane_sums_lane_shares_then_the_tree() {
+        for n in [0usize, 1, 31, 32, 33, 100, 1000] {
+            let values: [f32; 1000] = core::array::from_fn(|i| (i as f32 * 0.37).sin());
+            let got = HostPlane.sum(n, |i| values[i]);
+            // The same order written out: lane sums ascending, then the halving tree.
+            let mut lanes = [0.0f32; WIDTH];
+            for i in 0..n {
+                lanes[i % WIDTH] += values[i];
+            }
+            let mut d = WIDTH / 2;
+            while d > 0 {
+                for l in 0..d {
+                    lanes[l] += lanes[l + d];
+                }
+                d /= 2;
+            }
+            assert_eq!(got.to_bits(), lanes[0].to_bits(), "n = {n}");
+            let exact: f64 = values[..n].iter().map(|&v| v as f64).sum();
+            assert!((got as f64 - exact).abs() < 1e-4, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn for_each_visits_every_index_once() {
+        let mut seen = [0u8; 77];
+        HostPlane.for_each(77, |i| seen[i] += 1);
+        assert!(seen.iter().all(|&s| s == 1));
+    }
+}

@@ -1,0 +1,252 @@
+//! The kernel table: every kernel declared once (name, arguments, launch shape, body), and everything that must
+//! agree with the declaration generated from it.
+//!
+//! ```text
+//!  kernel_table!(generator) ──▶ gpu-kernels/src/ptx.rs        extern "ptx-kernel" entry points (nvptx64)
+//!                          ├──▶ runtime/src/cpu/kernels.rs   host launchers over slices (lengths checked)
+//!                          ├──▶ runtime/src/cuda/launch.rs   CUDA launcher, one method per kernel, typed pointers
+//!                          └──▶ KERNELS (below)              names and argument widths, for the PTX check
+//! ```
+//!
+//! An entry reads:
+//!
+//! ```text
+//!  name {
+//!      reads:   [arg: element type = length, ...],   device pointers the kernel only reads
+//!      writes:  [arg: element type = length, ...],   device pointers it writes (and may read)
+//!      scalars: [arg: type, ...],                    plain values (usize, u32 flags, f32)
+//!      launch:  shape(count),
+//!      body:    |launch bindings| call of the body in its module,
+//!  }
+//! ```
+//!
+//! The argument order of the entry point, of both launchers and of the kernel's ABI is reads, writes,
+//! scalars. Lengths and counts are expressions over the scalars. Launch shapes:
+//!
+//! | shape | GPU | host | body binds |
+//! | --- | --- | --- | --- |
+//! | `threads(count)` | one thread per index | a loop over the indices | `index` |
+//! | `planes(count)` | one warp per index, 8 per block | a [`HostPlane`](crate::plane::HostPlane) per index | `plane, index` |
+//! | `plane()` | one warp | one host plane | `plane` |
+//! | `elements(n)` | one thread per element (`chunk_len = 1`) | chunks of `HOST_CHUNK` | `chunk_len, chunk` |
+//!
+//! The table is a `macro_rules!` callback: `kernel_table!(my_generator)` expands to `my_generator! { ... }`
+//! with every entry, so each consumer writes only the generator for its side.
+
+/// `ceil(a / b)`, and 0 for `b = 0` (a count computed on the device must not reach a division panic).
+#[inline(always)]
+pub const fn div_ceil(a: usize, b: usize) -> usize {
+    if b == 0 { 0 } else { a.div_ceil(b) }
+}
+
+/// Expands `$generator! { entries }` with the whole kernel table (see the module docs for the entry syntax).
+#[macro_export]
+macro_rules! kernel_table {
+    ($generator:ident) => {
+        $generator! {
+            /// RMSNorm forward: `y = x / rms(x) ⊙ weight` per row, and `inv_rms = 1 / rms`.
+            rmsnorm_forward {
+                reads: [x: f32 = rows * cols, weight: f32 = cols],
+                writes: [y: f32 = rows * cols, inv_rms: f32 = rows],
+                scalars: [cols: usize, eps: f32, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::norm::rmsnorm_forward(x, weight, y, inv_rms, cols, eps, plane, row),
+            }
+            /// RMSNorm input gradient per row (`accumulate != 0`: added to `dx`).
+            rmsnorm_backward_input {
+                reads: [x: f32 = rows * cols, weight: f32 = cols, inv_rms: f32 = rows, dy: f32 = rows * cols],
+                writes: [dx: f32 = rows * cols],
+                scalars: [cols: usize, accumulate: u32, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::norm::rmsnorm_backward_input(
+                    x, weight, inv_rms, dy, dx, cols, accumulate != 0, plane, row
+                ),
+            }
+            /// First pass of the RMSNorm weight gradient: one partial per (chunk of rows, column).
+            rmsnorm_weight_grad_partials {
+                reads: [x: f32 = rows * cols, inv_rms: f32 = rows, dy: f32 = rows * cols],
+                writes: [partials: f32 = $crate::table::div_ceil(rows, rows_per_chunk) * cols],
+                scalars: [rows: usize, cols: usize, rows_per_chunk: usize],
+                launch: threads($crate::table::div_ceil(rows, rows_per_chunk) * cols),
+                body: |index| $crate::norm::rmsnorm_weight_grad_partials(
+                    x, inv_rms, dy, partials, rows, cols, rows_per_chunk, index
+                ),
+            }
+            /// Column sums of a `[rows, cols]` matrix (`accumulate != 0`: added to `out`).
+            column_sums {
+                reads: [values: f32 = rows * cols],
+                writes: [out: f32 = cols],
+                scalars: [rows: usize, cols: usize, accumulate: u32],
+                launch: threads(cols),
+                body: |col| $crate::norm::column_sums(values, out, rows, cols, accumulate != 0, col),
+            }
+            /// SwiGLU forward over `n = rows · inter` outputs from `[gate | up]` rows.
+            swiglu_forward {
+                reads: [gate_up: f32 = 2 * n],
+                writes: [act: f32 = n],
+                scalars: [inter: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::activation::swiglu_forward(gate_up, act, inter, n, chunk_len, chunk),
+            }
+            /// SwiGLU backward into `[dgate | dup]` rows.
+            swiglu_backward {
+                reads: [gate_up: f32 = 2 * n, dact: f32 = n],
+                writes: [dgate_up: f32 = 2 * n],
+                scalars: [inter: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::activation::swiglu_backward(
+                    gate_up, dact, dgate_up, inter, n, chunk_len, chunk
+                ),
+            }
+            /// Head residual forward `h = z + silu(a)`.
+            head_residual_forward {
+                reads: [z: f32 = n, a: f32 = n],
+                writes: [h: f32 = n],
+                scalars: [n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::activation::head_residual_forward(z, a, h, n, chunk_len, chunk),
+            }
+            /// Head residual backward: `da = dh · silu'(a)` (on the GPU `da` may be `dh`), `dz += dh`.
+            head_residual_backward {
+                reads: [a: f32 = n, dh: f32 = n],
+                writes: [da: f32 = n, dz: f32 = n],
+                scalars: [n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::activation::head_residual_backward(
+                    a, dh, da, dz, n, chunk_len, chunk
+                ),
+            }
+            /// Labels `[heads, tokens]` from the batch's ids, loss mask and sequence lengths.
+            build_labels {
+                reads: [
+                    input_ids: u32 = tokens,
+                    loss_mask: u8 = tokens,
+                    seq_lens: u32 = $crate::table::div_ceil(tokens, padded_len),
+                ],
+                writes: [labels: i32 = heads * tokens],
+                scalars: [padded_len: usize, tokens: usize, vocab: usize, heads: usize],
+                launch: threads(heads * tokens),
+                body: |index| $crate::loss::build_labels(
+                    input_ids, loss_mask, seq_lens, labels, padded_len, tokens, vocab, index
+                ),
+            }
+            /// Valid-label counts and loss scales per head.
+            head_loss_scales {
+                reads: [labels: i32 = heads * tokens],
+                writes: [counts: u32 = heads, scales: f32 = heads],
+                scalars: [tokens: usize, heads: usize, head_decay: f32],
+                launch: threads(heads),
+                body: |head| $crate::loss::head_loss_scales(labels, tokens, heads, head_decay, counts, scales, head),
+            }
+            /// Fused cross-entropy of `rows` logits rows, the gradient written over the logits.
+            vocab_loss_row {
+                reads: [labels: i32 = rows, scale: f32 = 1],
+                writes: [logits: f32 = rows * vocab, row_loss: f32 = rows],
+                scalars: [vocab: usize, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::loss::vocab_loss_row(logits, labels, scale, row_loss, vocab, plane, row),
+            }
+            /// Partial sums of `n` values, one per chunk of `chunk_len`.
+            sum_partials {
+                reads: [values: f32 = n],
+                writes: [partials: f32 = $crate::table::div_ceil(n, chunk_len)],
+                scalars: [n: usize, chunk_len: usize],
+                launch: planes($crate::table::div_ceil(n, chunk_len)),
+                body: |plane, chunk| $crate::reduce::sum_partials(values, partials, n, chunk_len, plane, chunk),
+            }
+            /// Partial sums of squares of `n` values, one per chunk of `chunk_len`.
+            sum_squares_partials {
+                reads: [values: f32 = n],
+                writes: [partials: f32 = $crate::table::div_ceil(n, chunk_len)],
+                scalars: [n: usize, chunk_len: usize],
+                launch: planes($crate::table::div_ceil(n, chunk_len)),
+                body: |plane, chunk| $crate::reduce::sum_squares_partials(values, partials, n, chunk_len, plane, chunk),
+            }
+            /// `out = Σ partials[..count]`.
+            finish_sum {
+                reads: [partials: f32 = count],
+                writes: [out: f32 = 1],
+                scalars: [count: usize],
+                launch: plane(),
+                body: |plane| $crate::reduce::finish_sum(partials, out, count, plane),
+            }
+            /// Gradient norm and clip scale from the squared partials (`max_norm ≤ 0`: no clipping).
+            finish_grad_norm {
+                reads: [partials: f32 = count],
+                writes: [norm: f32 = 1, clip_scale: f32 = 1],
+                scalars: [count: usize, max_norm: f32],
+                launch: plane(),
+                body: |plane| $crate::reduce::finish_grad_norm(partials, norm, clip_scale, count, max_norm, plane),
+            }
+            /// One fused AdamW update of `n` parameters; `hyper` is the step's scalars in device memory.
+            adamw_update {
+                reads: [
+                    grads: f32 = n,
+                    grad_norm: f32 = 1,
+                    clip_scale: f32 = 1,
+                    hyper: $crate::adamw::AdamWStep = 1,
+                ],
+                writes: [params: f32 = n, exp_avg: f32 = n, exp_avg_sq: f32 = n],
+                scalars: [n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::adamw::adamw_update(
+                    params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, *hyper, n, chunk_len, chunk
+                ),
+            }
+            /// Advances AdamW's device state `[steps, β1^steps, β2^steps]` for one applied step and writes that
+            /// step's scalars; a skipped step (non-finite `grad_norm`) advances nothing.
+            adamw_advance {
+                reads: [grad_norm: f32 = 1],
+                writes: [state: f64 = 3, step: $crate::adamw::AdamWStep = 1],
+                scalars: [lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32],
+                launch: threads(1),
+                body: |_index| $crate::adamw::adamw_advance(
+                    grad_norm, lr, beta1, beta2, eps, weight_decay, state, step
+                ),
+            }
+        }
+    };
+}
+
+/// One kernel's entry in [`KERNELS`]: its name and the byte width of each argument of its entry point, in
+/// order (pointers are 8 bytes on nvptx64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSignature {
+    /// The exported name.
+    pub name: &'static str,
+    /// Byte width of each argument.
+    pub argument_widths: &'static [usize],
+}
+
+/// Bytes of a device pointer to `T` on nvptx64, whatever the host's pointer width.
+#[allow(clippy::extra_unused_type_parameters)] // the table's repetition names the element type
+const fn device_pointer_width<T>() -> usize {
+    8
+}
+
+macro_rules! signatures {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident {
+            reads: [$($read:ident: $read_ty:ty = $read_len:expr),* $(,)?],
+            writes: [$($write:ident: $write_ty:ty = $write_len:expr),* $(,)?],
+            scalars: [$($scalar:ident: $scalar_ty:ty),* $(,)?],
+            launch: $shape:ident($($count:expr)?),
+            body: |$($bind:ident),*| $body:expr,
+        }
+    )*) => {
+        /// Every kernel of the table, in table order, with the argument widths of its entry point.
+        pub const KERNELS: &[KernelSignature] = &[$(
+            KernelSignature {
+                name: stringify!($name),
+                argument_widths: &[
+                    $(device_pointer_width::<$read_ty>(),)*
+                    $(device_pointer_width::<$write_ty>(),)*
+                    $(size_of::<$scalar_ty>(),)*
+                ],
+            },
+        )*];
+    };
+}
+
+kernel_table!(signatures);
