@@ -143,47 +143,10 @@ pub unsafe fn vocab_loss_row(
         }
         let label = label as usize;
         let target = *logits.add(label);
-        let (max, sum) = plane.reduce(
-            vocab,
-            (f32::NEG_INFINITY, 0.0f32),
-            |(m, s), v| online_exp_sum(m, s, *logits.add(v)),
-            |state| state,
-            combine_exp_sums,
-        );
         let scale = *scale;
-        let factor = scale / sum;
-        plane.for_each(vocab, |v| {
-            let p = crate::math::exp(*logits.add(v) - max) * factor;
-            *logits.add(v) = if v == label { p - scale } else { p };
-        });
+        let (max, sum) = plane.softmax_gradient_in_place(logits, vocab, label, scale);
         if plane.is_leader() {
             *row_loss.add(row) = scale * (max + crate::math::ln(sum) - target);
         }
-    }
-}
-
-/// One element `x` into a running `(max, Σ e^(x − max))`: one `exp`, of the smaller minus the larger.
-#[inline(always)]
-fn online_exp_sum(max: f32, sum: f32, x: f32) -> (f32, f32) {
-    let grows = x > max;
-    let (hi, lo) = if grows { (x, max) } else { (max, x) };
-    let e = crate::math::exp(lo - hi);
-    (hi, if grows { sum * e + 1.0 } else { sum + e })
-}
-
-/// Two lanes' `(max, sum)` into one (commutative, so every lane of a butterfly gets the same bits); a lane
-/// that saw no element (`sum = 0`) contributes nothing.
-#[inline(always)]
-fn combine_exp_sums(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
-    if b.1 == 0.0 {
-        a
-    } else if a.1 == 0.0 {
-        b
-    } else {
-        let hi = if a.0 > b.0 { a.0 } else { b.0 };
-        (
-            hi,
-            a.1 * crate::math::exp(a.0 - hi) + b.1 * crate::math::exp(b.0 - hi),
-        )
     }
 }

@@ -76,6 +76,66 @@ pub trait Plane: Copy {
     fn sum(self, n: usize, mut f: impl FnMut(usize) -> f32) -> f32 {
         self.reduce(n, 0.0f32, |acc, i| acc + f(i), |acc| acc, |a, b| a + b)
     }
+
+    /// The cross-entropy gradient of one row in place: `x[i] ← scale·softmax(x)[i] − scale·[i = label]`, and
+    /// returns `(max, Σ e^(x(i) − max))` of the input for the loss. A warp folds every element into an online
+    /// pair (each logit read once for the pair, once for the gradient, one `exp` each time); the host overrides
+    /// it with the classic three passes (max, `exp` in place while summing, scale), one `exp` per element in
+    /// loops it vectorises.
+    ///
+    /// # Safety
+    /// `x` holds `n` elements; `label < n`.
+    #[inline(always)]
+    unsafe fn softmax_gradient_in_place(
+        self,
+        x: *mut f32,
+        n: usize,
+        label: usize,
+        scale: f32,
+    ) -> (f32, f32) {
+        // SAFETY: the caller's contract; each lane writes only the elements it read.
+        unsafe {
+            let (max, sum) = self.reduce(
+                n,
+                (f32::NEG_INFINITY, 0.0f32),
+                |(max, sum), i| online_exp_sum(max, sum, *x.add(i)),
+                |pair| pair,
+                combine_exp_sums,
+            );
+            let factor = scale / sum;
+            self.for_each(n, |i| {
+                let p = crate::math::exp(*x.add(i) - max) * factor;
+                *x.add(i) = if i == label { p - scale } else { p };
+            });
+            (max, sum)
+        }
+    }
+}
+
+/// One element `x` into a running `(max, Σ e^(x − max))`: one `exp`, of the smaller minus the larger.
+#[inline(always)]
+fn online_exp_sum(max: f32, sum: f32, x: f32) -> (f32, f32) {
+    let grows = x > max;
+    let (hi, lo) = if grows { (x, max) } else { (max, x) };
+    let e = crate::math::exp(lo - hi);
+    (hi, if grows { sum * e + 1.0 } else { sum + e })
+}
+
+/// Two lanes' `(max, sum)` into one (commutative, so every lane of a butterfly gets the same bits); a lane
+/// that saw no element (`sum = 0`) contributes nothing.
+#[inline(always)]
+fn combine_exp_sums(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
+    if b.1 == 0.0 {
+        a
+    } else if a.1 == 0.0 {
+        b
+    } else {
+        let hi = if a.0 > b.0 { a.0 } else { b.0 };
+        (
+            hi,
+            a.1 * crate::math::exp(a.0 - hi) + b.1 * crate::math::exp(b.0 - hi),
+        )
+    }
 }
 
 /// The host plane: the lanes run as a loop on the calling thread.
@@ -128,6 +188,41 @@ impl Plane for HostPlane {
     fn for_each(self, n: usize, mut body: impl FnMut(usize)) {
         for i in 0..n {
             body(i);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn softmax_gradient_in_place(
+        self,
+        x: *mut f32,
+        n: usize,
+        label: usize,
+        scale: f32,
+    ) -> (f32, f32) {
+        // SAFETY: the caller's contract; one thread, so the label's element is written after the scale pass.
+        unsafe {
+            // NaN is skipped by the max and surfaces in the sum, as in the online pair.
+            let max = self.reduce(
+                n,
+                f32::NEG_INFINITY,
+                |max, i| {
+                    let v = *x.add(i);
+                    if v > max { v } else { max }
+                },
+                |max| max,
+                |a, b| if a > b { a } else { b },
+            );
+            let sum = self.sum(n, |i| {
+                let e = crate::math::exp(*x.add(i) - max);
+                *x.add(i) = e;
+                e
+            });
+            let factor = scale / sum;
+            for i in 0..n {
+                *x.add(i) *= factor;
+            }
+            *x.add(label) -= scale;
+            (max, sum)
         }
     }
 }

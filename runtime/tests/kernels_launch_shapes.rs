@@ -2,7 +2,8 @@
 //! element per thread, as the CUDA wrappers launch them) and the norm weight gradient with other row chunkings
 //! must give the same results as the host launchers' long chunks — bitwise for elementwise kernels, whose
 //! per-element arithmetic does not depend on the chunking. The row kernels (one warp per row on the GPU) run
-//! on 32 threads per row, one per lane, and must match the host launchers bit for bit.
+//! on 32 threads per row, one per lane, and must match the host launchers bit for bit, except the vocabulary
+//! loss, whose softmax sums the host takes in two passes instead of the warp's online pair (within 1e-6).
 
 use draftpipe_gpu_kernels::{activation, adamw, norm};
 use draftpipe_runtime::cpu::kernels;
@@ -289,8 +290,21 @@ fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
 
+/// Every pair finite and within `tolerance`, relative to the larger magnitude (absolute below 1).
+fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite() && w.is_finite(), "{what}[{i}]: {g} vs {w}");
+        let scale = g.abs().max(w.abs()).max(1.0);
+        assert!(
+            (g - w).abs() <= tolerance * scale,
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
 #[test]
-fn plane_kernels_on_simulated_warps_match_the_host_launchers_bitwise() {
+fn plane_kernels_on_simulated_warps_match_the_host_launchers() {
     use draftpipe_gpu_kernels::{loss, reduce};
     use warp_on_threads::{Shared, launch};
 
@@ -349,8 +363,10 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers_bitwise() {
         // SAFETY: `grad` holds `rows × vocab`, `labels`/`row_loss` `rows`; labels are below `vocab`.
         unsafe { loss::vocab_loss_row(gp.0, labels.as_ptr(), &scale, lp.0, vocab, plane, row) }
     });
-    assert_eq!(bits(&grad), bits(&grad_host), "vocab loss gradient");
-    assert_eq!(bits(&row_loss), bits(&loss_host), "vocab loss rows");
+    // The one exception to bit identity: the warp folds each logit into an online (max, Σ exp) pair while the
+    // host takes two vectorisable passes (`Plane::max_and_exp_sum`), so the sums round differently.
+    assert_close(&grad, &grad_host, 1e-6, "vocab loss gradient");
+    assert_close(&row_loss, &loss_host, 1e-6, "vocab loss rows");
 
     let n: usize = 10_007;
     let chunk_len = 1000;
