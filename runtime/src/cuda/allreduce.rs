@@ -19,7 +19,7 @@ use cudarc::driver::sys::CUstream;
 
 use super::CudaError;
 use super::nccl::{AVG, Comm, nccl};
-use cudarc::driver::sys::CUdeviceptr as DevicePtr;
+use cudarc::driver::sys::CUdeviceptr;
 
 /// The communicators of one group, aborted together exactly once.
 #[derive(Debug)]
@@ -159,7 +159,7 @@ impl GradientAllReduce {
     /// `grads` holds `n` f32s on this communicator's device; every rank enqueues the same call.
     pub(crate) unsafe fn enqueue_average(
         &self,
-        grads: DevicePtr,
+        grads: CUdeviceptr,
         n: usize,
         stream: CUstream,
     ) -> Result<(), CudaError> {

@@ -10,7 +10,7 @@ use cudarc::cublas::result;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasHandle_t, cublasOperation_t, cudaDataType_t,
 };
-use cudarc::driver::sys::CUdeviceptr as DevicePtr;
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _};
 use draftpipe_compiler::plan::Precision;
 use draftpipe_compiler::workspace::CUBLAS_WORKSPACE_BYTES;
@@ -105,9 +105,9 @@ impl Gemm {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn row_major(
         &self,
-        (op_a, a): (Op, DevicePtr),
-        (op_b, b): (Op, DevicePtr),
-        c: DevicePtr,
+        (op_a, a): (Op, CUdeviceptr),
+        (op_b, b): (Op, CUdeviceptr),
+        c: CUdeviceptr,
         (m, n, k): (usize, usize, usize),
         alpha: f32,
         beta: f32,
@@ -145,9 +145,9 @@ impl Gemm {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn row_major_at(
         &self,
-        (op_a, a): (Op, DevicePtr),
-        (op_b, b): (Op, DevicePtr),
-        c: DevicePtr,
+        (op_a, a): (Op, CUdeviceptr),
+        (op_b, b): (Op, CUdeviceptr),
+        c: CUdeviceptr,
         (m, n, k): (usize, usize, usize),
         (alpha, beta): (f32, f32),
         precision: Precision,
