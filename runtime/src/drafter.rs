@@ -201,8 +201,9 @@ impl<B: Backend> Drafter<B> {
         buckets: &[BucketPlan],
     ) -> Result<Self, DrafterError> {
         let offsets = MlpOffsets::new(model)?;
-        let layout = WorkspaceLayout::mlp(&model.spec, buckets, &loss, backend.kind(), precision)
-            .ok_or(DrafterError::WorkspaceTooLarge)?;
+        let layout =
+            WorkspaceLayout::mlp(offsets.spec(), buckets, &loss, backend.kind(), precision)
+                .ok_or(DrafterError::WorkspaceTooLarge)?;
         let mlp = Mlp::new(
             &mut backend,
             (model, offsets),

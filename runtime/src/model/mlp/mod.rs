@@ -79,7 +79,7 @@ impl<B: Backend> Mlp<B> {
             exp_avg_sq: backend.alloc(p)?,
         };
         Ok(Self {
-            spec: model.spec,
+            spec: offsets.spec,
             offsets,
             loss,
             optimizer,
@@ -366,6 +366,7 @@ impl<B: Backend> Mlp<B> {
             eps,
             weight_decay,
             clip_grad_norm,
+            schedule: _,
         } = self.optimizer;
         let (ws, state) = (&mut self.ws, &mut self.state);
         be.grad_norm(
