@@ -50,7 +50,7 @@ pub enum TargetWeightsError {
         /// The path as written.
         pattern: String,
         /// The cause.
-        source: SourceError,
+        source: Box<SourceError>,
     },
     /// No file of the checkpoint holds a tensor the drafter needs.
     #[error("target weights: no file holds tensor `{tensor}` (searched {files})")]
@@ -75,7 +75,7 @@ pub enum TargetWeightsError {
     File(#[from] TensorFileError),
     /// The synthetic target could not be built.
     #[error("synthetic target weights: {0}")]
-    Synthetic(SourceError),
+    Synthetic(Box<SourceError>),
     /// `vocab × hidden` does not fit in memory sizes.
     #[error("target weights of {vocab} × {hidden} elements do not fit in the address space")]
     TooLarge {
@@ -130,7 +130,7 @@ impl TargetWeights {
     ) -> Result<Self, TargetWeightsError> {
         element_count(vocab, hidden)?;
         let target = SyntheticTarget::new(seed, vocab, hidden, taps)
-            .map_err(TargetWeightsError::Synthetic)?;
+            .map_err(|e| TargetWeightsError::Synthetic(Box::new(e)))?;
         Ok(Self {
             vocab,
             hidden,
@@ -153,7 +153,7 @@ impl TargetWeights {
         let elements = element_count(vocab, hidden)?;
         let files_err = |source| TargetWeightsError::Files {
             pattern: pattern.to_owned(),
-            source,
+            source: Box::new(source),
         };
         let paths = expand_pattern(pattern).map_err(files_err)?;
         let mut files = paths
