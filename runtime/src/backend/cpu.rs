@@ -17,7 +17,7 @@ use super::{
 use crate::allreduce::AllReduce;
 use crate::cpu::gemm::{Mat, gemm};
 use crate::cpu::kernels;
-use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS};
 
 /// The host as a backend. See the module docs.
 pub struct CpuBackend {
@@ -26,8 +26,9 @@ pub struct CpuBackend {
     round_b: Vec<f32>,
     /// The data-parallel group whose mean the gradients take, if any.
     group: Option<Arc<AllReduce>>,
-    /// The step results "read back" per ring slot (a plain copy: host memory).
-    results: [[f32; 3]; 2],
+    /// The step results "read back" per ring slot (a plain copy: host memory), as long as the layout's
+    /// `step_scalars`.
+    results: [Vec<f32>; 2],
     allocated: u64,
 }
 
@@ -81,11 +82,12 @@ impl CpuBackend {
         let round = |name| vec![0.0f32; layout.elements(name).unwrap_or(0)];
         let (round_a, round_b) = (round("gemm_round_a"), round("gemm_round_b"));
         let allocated = 4 * (round_a.len() + round_b.len()) as u64;
+        let scalars = layout.elements("step_scalars").unwrap_or(STEP_SCALARS);
         Self {
             round_a,
             round_b,
             group: None,
-            results: [[0.0; 3]; 2],
+            results: std::array::from_fn(|_| vec![0.0; scalars]),
             allocated,
         }
     }
@@ -179,8 +181,10 @@ impl Backend for CpuBackend {
     }
 
     fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
+        let values = &self.results[ring];
         Ok(StepResults {
-            scalars: self.results[ring],
+            scalars: [values[0], values[1], values[2]],
+            extra: values[STEP_SCALARS..].to_vec(),
             device_ms: None,
         })
     }

@@ -33,7 +33,9 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr as _, PinnedHostSlice,
 };
 use draftpipe_compiler::plan::{BackendKind, LaunchMode, WorkspaceLayout};
-use draftpipe_compiler::workspace::{CUBLAS_WORKSPACE_BYTES, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+use draftpipe_compiler::workspace::{
+    CUBLAS_WORKSPACE_BYTES, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS,
+};
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 
 use super::{
@@ -168,7 +170,8 @@ impl CudaBackend {
         let timing = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
         let stream_only = || ctx.new_event(None);
         // SAFETY: read-back buffers must be cached host memory (not write-combined): flags 0.
-        let readback = || unsafe { ctx.alloc_pinned_with_flags::<f32>(3, 0) };
+        let scalars = layout.elements("step_scalars").unwrap_or(STEP_SCALARS);
+        let readback = || unsafe { ctx.alloc_pinned_with_flags::<f32>(scalars, 0) };
         let backend = Self {
             copied: (0..layout.input_slots)
                 .map(|_| stream_only())
@@ -379,7 +382,12 @@ impl Backend for CudaBackend {
             .record(&self.compute)
             .map_err(CudaError::from)?;
         let readback = &mut self.readback[ring];
-        // SAFETY: `scalars` holds three f32s; the pinned destination is read only after `done[ring]`.
+        assert_eq!(
+            scalars.len(),
+            readback.len(),
+            "end_step: the step scalars are the layout's"
+        );
+        // SAFETY: `scalars` holds as many f32s as the pinned destination, which is read only after `done[ring]`.
         unsafe {
             driver::memcpy_dtoh_async(
                 readback.as_mut_slice().map_err(CudaError::from)?,
@@ -397,16 +405,22 @@ impl Backend for CudaBackend {
     fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
         self.done[ring].synchronize().map_err(CudaError::from)?;
         let values = self.readback[ring].as_slice().map_err(CudaError::from)?;
-        let scalars = <[f32; 3]>::try_from(values).map_err(|_| CudaError::LengthMismatch {
-            what: "readback",
-            got: values.len(),
-            expected: 3,
-        })?;
+        if values.len() < STEP_SCALARS {
+            return Err(CudaError::LengthMismatch {
+                what: "readback",
+                got: values.len(),
+                expected: STEP_SCALARS,
+            }
+            .into());
+        }
+        let scalars = [values[0], values[1], values[2]];
+        let extra = values[STEP_SCALARS..].to_vec();
         let device_ms = self.start[ring]
             .elapsed_ms(&self.stop[ring])
             .map_err(CudaError::from)?;
         Ok(StepResults {
             scalars,
+            extra,
             device_ms: Some(device_ms),
         })
     }

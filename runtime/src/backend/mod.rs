@@ -303,10 +303,13 @@ pub enum StepPart {
 }
 
 /// The host-side view of a finished step: what [`Backend::read_results`] returns.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepResults {
     /// `[grad_norm, clip_scale, loss]`.
     pub scalars: [f32; 3],
+    /// The model's further read-back values after those three (`dflash`: correct rows per block slot; empty
+    /// for `mlp`).
+    pub extra: Vec<f32>,
     /// Device time of the step, when the backend measures it (CUDA events); `None` on the CPU.
     pub device_ms: Option<f32>,
 }
@@ -393,7 +396,8 @@ pub trait Backend: Sized + Send {
         body: &mut dyn FnMut(&mut Self) -> BackendResult,
     ) -> BackendResult;
 
-    /// Marks the end of the step reading `slot` and queues the read-back of its `scalars` into `ring`.
+    /// Marks the end of the step reading `slot` and queues the read-back of its `scalars` into `ring` (the
+    /// layout's whole `step_scalars` buffer).
     fn end_step(&mut self, slot: usize, ring: usize, scalars: Src<'_, Self, f32>) -> BackendResult;
 
     /// Waits for the step in `ring` and returns its scalars.
