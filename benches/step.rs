@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
+use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, LrSchedule, MlpSpec, ModelPlan};
 use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::cpu::CpuDrafter;
 use draftpipe_runtime::params::FlatState;
@@ -159,9 +159,11 @@ fn bench_step(c: &mut Criterion) {
         eps: 1e-8,
         weight_decay: 0.01,
         clip_grad_norm: Some(1.0),
+        schedule: LrSchedule::CONSTANT,
     };
     let loss = LossSpec {
         head_decay: 0.8,
+        position_decay: None,
         chunk_tokens: CHUNK,
     };
     let mut drafter = CpuDrafter::new(&model, loss, optimizer, &[bucket]);

@@ -25,7 +25,7 @@
 //! drafter d on cpu { model = mlp(hidden = 32, blocks = 1, intermediate = 64, heads = 2) }
 //! "#;
 //! let plan = draftpipe_compiler::compile_source("tiny.pipe", source).unwrap();
-//! assert_eq!(plan.model.spec.din, 128);
+//! assert_eq!(plan.model.spec.as_mlp().unwrap().din, 128);
 //! assert_eq!(plan.buckets[0].sequences, 4);
 //! ```
 

@@ -89,6 +89,20 @@ pub struct TargetStage {
     /// producer-bound pipeline on any machine. `None`: as fast as the source goes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_rate: Option<f64>,
+    /// The target's frozen weights a `dflash` drafter reads (embedding and `lm_head`); `None`: none given, which
+    /// only a synthetic target allows (it generates its own from its seed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightsSpec>,
+}
+
+/// Where the target's frozen weights are read from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WeightsSpec {
+    /// A safetensors checkpoint: one file, a directory of shards, or a glob of files.
+    Safetensors {
+        /// The path as written in the `.pipe` file.
+        path: String,
+    },
 }
 
 impl TargetStage {
@@ -250,11 +264,15 @@ impl Precision {
     }
 }
 
-/// Multi-head cross-entropy loss.
+/// Multi-head (`mlp`) or multi-position (`dflash`) cross-entropy loss.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LossSpec {
-    /// Head `j` is weighted `head_decay^j`.
+    /// `mlp`: head `j` is weighted `head_decay^j` (1 on `dflash`, where the checker refuses the key).
     pub head_decay: f32,
+    /// `dflash`: block slot `k ≥ 1` is weighted `exp(−(k−1)/position_decay)` (SpecForge's `loss_decay_gamma`);
+    /// `None`: every slot weighs the same. Always `None` on `mlp`, where the checker refuses the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position_decay: Option<f32>,
     /// Tokens per chunk of the fused vocabulary loss.
     pub chunk_tokens: usize,
 }
@@ -274,6 +292,80 @@ pub struct AdamWSpec {
     pub weight_decay: f32,
     /// Global gradient-norm clip, when configured.
     pub clip_grad_norm: Option<f32>,
+    /// The learning rate's schedule over the drafter's `steps` (constant unless `schedule = ...` says otherwise).
+    #[serde(default)]
+    pub schedule: LrSchedule,
+}
+
+/// The shape of the learning-rate schedule (Hugging Face's `get_*_schedule_with_warmup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum ScheduleKind {
+    /// `lr` every step (after the warmup, if any).
+    #[default]
+    Constant,
+    /// Linear warmup from 0, then linear decay to 0 at the last step.
+    Linear,
+    /// Linear warmup from 0, then half a cosine down to 0 at the last step.
+    Cosine,
+}
+
+impl ScheduleKind {
+    /// The `.pipe` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScheduleKind::Constant => "constant",
+            ScheduleKind::Linear => "linear",
+            ScheduleKind::Cosine => "cosine",
+        }
+    }
+}
+
+/// The learning-rate schedule, resolved to steps by the compiler. With `s` the steps applied before this one
+/// and `T` the drafter's `steps`: `s < warmup_steps`: `lr·s/max(1, warmup_steps)`; then `Linear`:
+/// `lr·max(0, (T−s)/max(1, T−warmup_steps))`, `Cosine`: `lr·max(0, ½(1 + cos(π·(s−w)/max(1, T−w))))`,
+/// `Constant`: `lr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LrSchedule {
+    /// The shape after the warmup.
+    pub kind: ScheduleKind,
+    /// Steps of linear warmup from 0 (a `warmup` fraction is resolved against `steps`).
+    pub warmup_steps: u64,
+}
+
+impl LrSchedule {
+    /// The default: the configured `lr` at every step.
+    pub const CONSTANT: LrSchedule = LrSchedule {
+        kind: ScheduleKind::Constant,
+        warmup_steps: 0,
+    };
+
+    /// The multiplier of `lr` for the step that follows `applied` applied steps, out of `total` (the host's
+    /// copy of the formula above, for reports and tests; the device computes its own).
+    ///
+    /// # Examples
+    /// ```
+    /// use draftpipe_compiler::plan::{LrSchedule, ScheduleKind};
+    ///
+    /// let cosine = LrSchedule { kind: ScheduleKind::Cosine, warmup_steps: 2 };
+    /// assert_eq!(cosine.factor(0, 10), 0.0);
+    /// assert_eq!(cosine.factor(1, 10), 0.5);
+    /// assert_eq!(cosine.factor(2, 10), 1.0);
+    /// assert!(cosine.factor(10, 10).abs() < 1e-12);
+    /// ```
+    pub fn factor(&self, applied: u64, total: u64) -> f64 {
+        let (s, w, t) = (applied as f64, self.warmup_steps as f64, total as f64);
+        if applied < self.warmup_steps {
+            return s / w.max(1.0);
+        }
+        let progress = (s - w) / (t - w).max(1.0);
+        match self.kind {
+            ScheduleKind::Constant => 1.0,
+            ScheduleKind::Linear => ((t - s) / (t - w).max(1.0)).max(0.0),
+            ScheduleKind::Cosine => {
+                (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+            }
+        }
+    }
 }
 
 /// Dimensions of the `mlp` drafter.
@@ -321,11 +413,74 @@ impl TensorView {
     }
 }
 
-/// The drafter model: dimensions, parameter count and named flat layout.
+/// The drafter model family and its dimensions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ModelSpec {
+    /// `model = mlp(...)`.
+    Mlp(MlpSpec),
+    /// `model = dflash(...)`.
+    Dflash(DflashSpec),
+}
+
+impl From<MlpSpec> for ModelSpec {
+    fn from(spec: MlpSpec) -> Self {
+        ModelSpec::Mlp(spec)
+    }
+}
+
+impl From<DflashSpec> for ModelSpec {
+    fn from(spec: DflashSpec) -> Self {
+        ModelSpec::Dflash(spec)
+    }
+}
+
+impl ModelSpec {
+    /// The `.pipe` name of the family: `mlp` or `dflash`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ModelSpec::Mlp(_) => "mlp",
+            ModelSpec::Dflash(_) => "dflash",
+        }
+    }
+
+    /// The `mlp` dimensions, when this is an `mlp`.
+    pub fn as_mlp(&self) -> Option<&MlpSpec> {
+        match self {
+            ModelSpec::Mlp(spec) => Some(spec),
+            ModelSpec::Dflash(_) => None,
+        }
+    }
+
+    /// The `dflash` dimensions, when this is a `dflash`.
+    pub fn as_dflash(&self) -> Option<&DflashSpec> {
+        match self {
+            ModelSpec::Dflash(spec) => Some(spec),
+            ModelSpec::Mlp(_) => None,
+        }
+    }
+
+    /// The closed-form count of trained parameters.
+    pub fn parameter_count(&self) -> usize {
+        match self {
+            ModelSpec::Mlp(spec) => spec.parameter_count(),
+            ModelSpec::Dflash(spec) => spec.parameter_count(),
+        }
+    }
+
+    /// The flat layout of the trained parameters, in buffer order.
+    pub fn layout(&self) -> Vec<TensorView> {
+        match self {
+            ModelSpec::Mlp(spec) => spec.layout(),
+            ModelSpec::Dflash(spec) => spec.layout(),
+        }
+    }
+}
+
+/// The drafter model: family and dimensions, parameter count and named flat layout.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelPlan {
-    /// Dimensions.
-    pub spec: MlpSpec,
+    /// Family and dimensions.
+    pub spec: ModelSpec,
     /// Total parameters (the flat buffer's length).
     pub parameters: usize,
     /// Named views, in buffer order.
@@ -344,11 +499,12 @@ impl ModelPlan {
     /// let model = ModelPlan::new(spec);
     /// assert_eq!(model.parameters, model.layout.iter().map(|view| view.len()).sum::<usize>());
     /// ```
-    pub fn new(spec: MlpSpec) -> Self {
+    pub fn new(spec: impl Into<ModelSpec>) -> Self {
+        let spec = spec.into();
         Self {
-            spec,
             parameters: spec.parameter_count(),
             layout: spec.layout(),
+            spec,
         }
     }
 }
@@ -389,27 +545,125 @@ impl MlpSpec {
             shapes.push((format!("heads.{j}.weight"), vec![h, h]));
         }
         shapes.push(("lm_head.weight".into(), vec![v, h]));
-        let mut offset = 0;
-        shapes
-            .into_iter()
-            .map(|(name, shape)| {
-                let view = TensorView {
-                    name,
-                    shape,
-                    offset,
-                };
-                offset += view.len();
-                view
-            })
-            .collect()
+        pack(shapes)
+    }
+}
+
+/// Lays `shapes` out back to back from offset 0.
+fn pack(shapes: Vec<(String, Vec<usize>)>) -> Vec<TensorView> {
+    let mut offset = 0;
+    shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let view = TensorView {
+                name,
+                shape,
+                offset,
+            };
+            offset += view.len();
+            view
+        })
+        .collect()
+}
+
+/// Qwen3's RMSNorm epsilon, which z-lab's `DFlashDraftModel` config carries as `rms_norm_eps`.
+pub const DFLASH_RMS_NORM_EPS: f32 = 1e-6;
+
+/// Dimensions of the `dflash` drafter (SpecForge's / z-lab's `DFlashDraftModel`): a context projection of the
+/// tapped target layers, `layers` Qwen3 decoder layers over blocks of `block` slots, the target's frozen
+/// embedding and `lm_head` (not part of the trained parameters).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DflashSpec {
+    /// The target's hidden size `H`, which is also the drafter's width.
+    pub hidden: usize,
+    /// Tapped target layers `L`; the context projection `fc` reads `L·H` per token.
+    pub taps: usize,
+    /// The target section's `tap_layers` as written: indices into the hidden-states tuple, whose entry 0 is the
+    /// embeddings (target layer `i` is tap `i + 1`).
+    pub tap_layers: Vec<usize>,
+    /// The target's vocabulary (embedding and `lm_head` rows).
+    pub vocab: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention: `heads % kv_heads == 0`).
+    pub kv_heads: usize,
+    /// Width of one head (even: RoPE rotates pairs).
+    pub head_dim: usize,
+    /// SwiGLU intermediate size.
+    pub intermediate: usize,
+    /// Slots per block: the anchor token, then `block − 1` mask tokens to predict.
+    pub block: usize,
+    /// Most anchors (blocks) drawn per sequence.
+    pub anchors: usize,
+    /// The token id of the masked slots (`< vocab`).
+    pub mask_token: u32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RMSNorm epsilon of every norm ([`DFLASH_RMS_NORM_EPS`]).
+    pub rms_norm_eps: f32,
+}
+
+impl DflashSpec {
+    /// The closed-form count of trained parameters (frozen embedding and `lm_head` excluded).
+    ///
+    /// # Examples
+    /// ```
+    /// use draftpipe_compiler::plan::{DflashSpec, DFLASH_RMS_NORM_EPS};
+    ///
+    /// let spec = DflashSpec {
+    ///     hidden: 64, taps: 3, tap_layers: vec![1, 2, 3], vocab: 512, layers: 2, heads: 4, kv_heads: 2,
+    ///     head_dim: 16, intermediate: 128, block: 4, anchors: 64, mask_token: 511, rope_theta: 10000.0,
+    ///     rms_norm_eps: DFLASH_RMS_NORM_EPS,
+    /// };
+    /// assert_eq!(spec.parameter_count(), spec.layout().iter().map(|v| v.len()).sum::<usize>());
+    /// ```
+    pub fn parameter_count(&self) -> usize {
+        let h = self.hidden;
+        let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        h * self.taps * h + h + self.layers * self.layer_parameters(h, q, kv) + h
+    }
+
+    fn layer_parameters(&self, h: usize, q: usize, kv: usize) -> usize {
+        2 * h + q * h + 2 * kv * h + 2 * self.head_dim + h * q + 3 * self.intermediate * h
+    }
+
+    /// The flat layout in z-lab's names and order, PyTorch `[out, in]` weight shapes.
+    pub fn layout(&self) -> Vec<TensorView> {
+        let (h, hd, i) = (self.hidden, self.head_dim, self.intermediate);
+        let (q, kv) = (self.heads * hd, self.kv_heads * hd);
+        let mut shapes: Vec<(String, Vec<usize>)> = vec![
+            ("fc.weight".into(), vec![h, self.taps * h]),
+            ("hidden_norm.weight".into(), vec![h]),
+        ];
+        for l in 0..self.layers {
+            let p = format!("layers.{l}");
+            shapes.extend([
+                (format!("{p}.input_layernorm.weight"), vec![h]),
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.q_norm.weight"), vec![hd]),
+                (format!("{p}.self_attn.k_norm.weight"), vec![hd]),
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+                (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+                (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+            ]);
+        }
+        shapes.push(("norm.weight".into(), vec![h]));
+        pack(shapes)
     }
 }
 
 impl Plan {
     /// The workspace one drafter worker on `device` allocates (see [`WorkspaceLayout`]).
+    /// `None` when a size overflows, or for a `dflash` model until its workspace is described.
     pub fn workspace_layout(&self, device: Device) -> Option<WorkspaceLayout> {
         WorkspaceLayout::mlp(
-            &self.model.spec,
+            self.model.spec.as_mlp()?,
             &self.buckets,
             &self.drafter.loss,
             BackendKind::of(device),
@@ -444,6 +698,10 @@ pub struct DeviceMemory {
     pub gradients: u64,
     /// AdamW first and second moments.
     pub optimizer_state: u64,
+    /// The target's frozen embedding and `lm_head` a `dflash` drafter reads (f32), one copy per worker; 0 for
+    /// `mlp`.
+    #[serde(default)]
+    pub frozen_weights: u64,
     /// Activations and loss workspace, sized for the bucket that needs the most and shared by all buckets
     /// (a worker runs one step at a time); one per worker on the device.
     pub workspaces: u64,
@@ -454,7 +712,12 @@ pub struct DeviceMemory {
 impl DeviceMemory {
     /// Sum of all parts.
     pub fn total(&self) -> u64 {
-        self.parameters + self.gradients + self.optimizer_state + self.workspaces + self.hs_pool
+        self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.frozen_weights
+            + self.workspaces
+            + self.hs_pool
     }
 }
 

@@ -24,14 +24,14 @@ fn dflash_parameter_count_matches_the_closed_formula() {
     assert_eq!(plan.model.parameters, expected);
     assert_eq!(
         plan.model.spec,
-        MlpSpec {
+        ModelSpec::Mlp(MlpSpec {
             din,
             hidden: h,
             blocks,
             intermediate: i,
             heads,
             vocab: v
-        }
+        })
     );
 }
 
@@ -115,6 +115,7 @@ fn quickstart_memory_matches_the_documented_formula() {
             parameters: 2 * 4 * p,
             gradients: 2 * 4 * p,
             optimizer_state: 2 * 8 * p,
+            frozen_weights: 0,
             workspaces: 2 * workspace,
             hs_pool: 16 * item,
         }]
@@ -153,7 +154,10 @@ fn step_flops_follow_the_formula() {
     let backward_gemm = 2 * forward_gemm - 2 * t * h * din;
     let expected = forward_gemm + backward_gemm + 4 * t * heads * v + 12 * p;
     assert!(plan.buckets.iter().all(|b| b.step_flops == expected));
-    assert_eq!(cost::step_flops(&plan.model.spec, 16384), Some(expected));
+    assert_eq!(
+        cost::step_flops(plan.model.spec.as_mlp().unwrap(), 16384),
+        Some(expected)
+    );
 }
 
 #[test]
@@ -175,6 +179,7 @@ fn defaults_are_documented_values() {
         plan.drafter.loss,
         LossSpec {
             head_decay: 0.8,
+            position_decay: None,
             chunk_tokens: 1024
         }
     );
@@ -208,6 +213,7 @@ fn defaults_are_documented_values() {
         plan.drafter.loss,
         LossSpec {
             head_decay: 1.0,
+            position_decay: None,
             chunk_tokens: 1024
         }
     );

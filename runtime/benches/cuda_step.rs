@@ -16,7 +16,7 @@ use std::time::Instant;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, result as driver};
 use draftpipe_compiler::plan::{
-    AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan, Precision,
+    AdamWSpec, BucketPlan, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_runtime::batch::HsBatch;
@@ -198,6 +198,7 @@ fn dflash_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
     let model = ModelPlan::new(spec);
     let loss = LossSpec {
         head_decay: 0.8,
+        position_decay: None,
         chunk_tokens: 4096,
     };
     let adamw = AdamWSpec {
@@ -207,6 +208,7 @@ fn dflash_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
         eps: 1e-8,
         weight_decay: 0.01,
         clip_grad_norm: Some(1.0),
+        schedule: LrSchedule::CONSTANT,
     };
     let bucket = BucketPlan {
         padded_len: 4096,

@@ -89,6 +89,7 @@ fn safetensors_fill(c: &mut Criterion) {
             shuffle_seed: None,
         },
         max_rate: None,
+        weights: None,
     };
     let dataset =
         SafetensorsDataset::open(&path.to_string_lossy(), &target, &shapes).expect("dataset");

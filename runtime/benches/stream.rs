@@ -109,6 +109,7 @@ fn target() -> TargetStage {
             read_timeout_ms: 30_000,
         },
         max_rate: None,
+        weights: None,
     }
 }
 

@@ -20,7 +20,7 @@ mod cpu_step_support;
 use backends::TestDevice;
 use cpu_step_support::*;
 use draftpipe_compiler::plan::{
-    AdamWSpec, BackendKind, Device, MlpSpec, Precision, WorkspaceLayout,
+    AdamWSpec, BackendKind, Device, LrSchedule, MlpSpec, Precision, WorkspaceLayout,
 };
 use draftpipe_runtime::backend::Backend;
 use draftpipe_runtime::batch::HsBatch;
@@ -284,6 +284,7 @@ fn task_adamw(lr: f32) -> AdamWSpec {
         eps: 1e-8,
         weight_decay: 0.0,
         clip_grad_norm: Some(1.0),
+        schedule: LrSchedule::CONSTANT,
     }
 }
 

@@ -2,7 +2,7 @@
 //! embedded-PTX accessors agree with each other.
 
 use draftpipe_compiler::plan::{
-    AdamWSpec, BucketPlan, LaunchMode, LossSpec, MlpSpec, ModelPlan, Precision,
+    AdamWSpec, BucketPlan, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
 };
 use draftpipe_runtime::backend::BackendError;
 use draftpipe_runtime::cuda::{
@@ -23,6 +23,7 @@ fn no_driver_is_an_error_not_a_panic() {
     let model = ModelPlan::new(spec);
     let loss = LossSpec {
         head_decay: 0.8,
+        position_decay: None,
         chunk_tokens: 4,
     };
     let adamw = AdamWSpec {
@@ -32,6 +33,7 @@ fn no_driver_is_an_error_not_a_panic() {
         eps: 1e-8,
         weight_decay: 0.0,
         clip_grad_norm: None,
+        schedule: LrSchedule::CONSTANT,
     };
     let buckets = [BucketPlan {
         padded_len: 4,

@@ -5,7 +5,7 @@
 //! Stated bound: after 8 steps every parameter is within `2e-6 · (1 + |p|)` of the reference, and every moment
 //! within `1e-6` of the largest moment.
 
-use draftpipe_compiler::plan::{AdamWSpec, MlpSpec, ModelPlan};
+use draftpipe_compiler::plan::{AdamWSpec, LrSchedule, MlpSpec, ModelPlan};
 use draftpipe_runtime::cpu::CpuDrafter;
 use draftpipe_runtime::params::FlatState;
 use rand::rngs::Xoshiro256PlusPlus;
@@ -57,6 +57,7 @@ fn setup(optimizer: AdamWSpec) -> (CpuDrafter, FlatState, ReferenceAdamW) {
     let model = ModelPlan::new(SPEC);
     let loss = draftpipe_compiler::plan::LossSpec {
         head_decay: 0.8,
+        position_decay: None,
         chunk_tokens: 8,
     };
     let drafter = CpuDrafter::new(&model, loss, optimizer, &[]);
@@ -81,6 +82,7 @@ fn adamw_matches_pytorch_algorithm_over_several_steps() {
             eps: 1e-8,
             weight_decay,
             clip_grad_norm: clip,
+            schedule: LrSchedule::CONSTANT,
         };
         let (mut drafter, mut state, mut reference) = setup(spec);
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(11);
@@ -140,6 +142,7 @@ fn non_finite_gradients_skip_the_step_without_touching_state() {
         eps: 1e-8,
         weight_decay: 0.1,
         clip_grad_norm: Some(1.0),
+        schedule: LrSchedule::CONSTANT,
     };
     let (mut drafter, mut state, _) = setup(spec);
     state.grads.fill(0.01);

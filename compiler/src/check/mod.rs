@@ -20,7 +20,10 @@ use crate::ast::{
 };
 use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
-use crate::plan::{DeclaredDevice, MlpSpec, ModelPlan, Plan, StepPhase, SyncMode};
+use crate::plan::{
+    DFLASH_RMS_NORM_EPS, DeclaredDevice, DflashSpec, MlpSpec, ModelPlan, ModelSpec, Plan,
+    SourceSpec, StepPhase, SyncMode, TargetStage,
+};
 use crate::span::Span;
 
 pub use devices::{MAX_DEVICES, device_name};
@@ -86,6 +89,12 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         stages::check_launch_placement(s, d, p, &mut errs);
         stages::check_precision_placement(s, d, p, &mut errs);
     }
+    let schedule = drafter
+        .as_ref()
+        .and_then(|(_, d)| stages::check_schedule(d, &mut errs));
+    if let (Some((ts, t)), Some((_, d))) = (&target, &drafter) {
+        check_model_against_target(ts, t, d, &mut errs);
+    }
     let queue = sections
         .queues
         .first()
@@ -120,7 +129,8 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         queue.and_then(|(s, q)| stages::queue_spec(s, q)),
         drafter
             .zip(drafter_placement)
-            .and_then(|((s, d), p)| stages::drafter_stage(s, d, p)),
+            .zip(schedule)
+            .and_then(|(((s, d), p), schedule)| stages::drafter_stage(s, d, p, schedule)),
         drafter_section,
         telemetry,
     );
@@ -135,14 +145,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     else {
         return Err(errs);
     };
-    let spec = MlpSpec {
-        din: target.hs_width(),
-        hidden: dims.hidden,
-        blocks: dims.blocks,
-        intermediate: dims.intermediate,
-        heads: dims.heads,
-        vocab: target.vocab,
-    };
+    let spec = model_spec(&target, dims);
     let too_large = |what: &str| {
         vec![
             Diagnostic::error(
@@ -158,8 +161,8 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     if parameter_count_wide(&spec) > MAX_PARAMETERS {
         return Err(too_large("parameter count"));
     }
-    let buckets =
-        cost::bucket_plans(&target, &queue, &spec).ok_or_else(|| too_large("cost per step"))?;
+    let buckets = cost::bucket_plans(&target, &queue, &spec, &drafter.loss)
+        .ok_or_else(|| too_large("cost per step"))?;
     let memory = cost::device_memory(
         &drafter.placement,
         &spec,
@@ -211,8 +214,96 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     })
 }
 
+/// The model's dimensions: the drafter's, with input width and vocabulary (and for `dflash` the width) from the
+/// target.
+fn model_spec(target: &TargetStage, dims: stages::ModelDims) -> ModelSpec {
+    match dims {
+        stages::ModelDims::Mlp(dims) => ModelSpec::Mlp(MlpSpec {
+            din: target.hs_width(),
+            hidden: dims.hidden,
+            blocks: dims.blocks,
+            intermediate: dims.intermediate,
+            heads: dims.heads,
+            vocab: target.vocab,
+        }),
+        stages::ModelDims::Dflash(dims) => ModelSpec::Dflash(DflashSpec {
+            hidden: target.hidden,
+            taps: target.tap_layers.len(),
+            tap_layers: target.tap_layers.iter().map(|&l| l as usize).collect(),
+            vocab: target.vocab,
+            layers: dims.layers,
+            heads: dims.heads,
+            kv_heads: dims.kv_heads,
+            head_dim: dims.head_dim,
+            intermediate: dims.intermediate,
+            block: dims.block,
+            anchors: dims.anchors,
+            mask_token: dims.mask_token.0,
+            rope_theta: dims.rope_theta,
+            rms_norm_eps: DFLASH_RMS_NORM_EPS,
+        }),
+    }
+}
+
+/// Rules between the drafter's model and the target: the mask token is a token of the target's vocabulary; a
+/// `dflash` drafter reads the target's frozen embedding and `lm_head`, so a target that is not synthetic must
+/// say where they are, and an `mlp` (which trains its own head) must not be given any.
+fn check_model_against_target(
+    target_section: &StageSection,
+    target: &stages::TargetParts,
+    drafter: &stages::DrafterParts,
+    errs: &mut Errs,
+) {
+    let Some(kind) = drafter.model_kind else {
+        return;
+    };
+    if let (Some(stages::ModelDims::Dflash(dims)), Some(vocab)) = (drafter.model, target.vocab) {
+        let (token, span) = dims.mask_token;
+        if token as usize >= vocab {
+            errs.push(
+                Diagnostic::error(
+                    span,
+                    format!(
+                        "`mask_token` {token} is outside the target's vocabulary of {vocab} tokens"
+                    ),
+                )
+                .label("not a token id")
+                .help(format!(
+                    "use the target's mask (or another unused) token id, below {vocab}"
+                )),
+            );
+        }
+    }
+    let synthetic = matches!(target.source, Some(SourceSpec::Synthetic { .. }));
+    match (kind.dflash, &target.weights) {
+        (true, None) if target.source.is_some() && !synthetic => errs.push(
+            Diagnostic::error(
+                kind.span,
+                format!(
+                    "a `dflash` drafter needs the target's frozen weights, and target `{}` has no `weights`",
+                    target_section.name.name
+                ),
+            )
+            .label("reads the target's embedding and lm_head")
+            .related(target_section.header, "no `weights` here")
+            .help("add `weights = safetensors(path = \"DIR\")` to the target (a file, a directory of shards or a glob)"),
+        ),
+        (false, Some((_, span))) => errs.push(
+            Diagnostic::error(*span, "`weights` are read by `dflash` drafters; this drafter is `mlp`")
+                .label("not used by an `mlp`")
+                .related(kind.span, "model is `mlp`")
+                .help("remove `weights` (the mlp trains its own lm_head)"),
+        ),
+        _ => {}
+    }
+}
+
 /// The closed-form parameter count in `u128`, safe to evaluate before the dimensions are known to fit.
-fn parameter_count_wide(spec: &MlpSpec) -> u128 {
+fn parameter_count_wide(spec: &ModelSpec) -> u128 {
+    let spec = match spec {
+        ModelSpec::Mlp(spec) => spec,
+        ModelSpec::Dflash(spec) => return dflash_parameter_count_wide(spec),
+    };
     let w = |x: usize| x as u128;
     let (din, h, blocks, i, heads, v) = (
         w(spec.din),
@@ -223,6 +314,14 @@ fn parameter_count_wide(spec: &MlpSpec) -> u128 {
         w(spec.vocab),
     );
     h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h
+}
+
+fn dflash_parameter_count_wide(spec: &DflashSpec) -> u128 {
+    let w = |x: usize| x as u128;
+    let (h, hd) = (w(spec.hidden), w(spec.head_dim));
+    let (q, kv) = (w(spec.heads) * hd, w(spec.kv_heads) * hd);
+    let layer = 2 * h + q * h + 2 * kv * h + 2 * hd + h * q + 3 * w(spec.intermediate) * h;
+    h * w(spec.taps) * h + 2 * h + w(spec.layers) * layer
 }
 
 fn sort_sections<'a>(file: &'a PipelineFile, errs: &mut Errs) -> Sections<'a> {
@@ -435,19 +534,10 @@ fn check_memory(
             Vec<String>,
         )| {
             h.memory_bytes == have.memory_bytes
-                && (
-                    n.parameters,
-                    n.gradients,
-                    n.optimizer_state,
-                    n.workspaces,
-                    n.hs_pool,
-                ) == (
-                    need.parameters,
-                    need.gradients,
-                    need.optimizer_state,
-                    need.workspaces,
-                    need.hs_pool,
-                )
+                && crate::plan::DeviceMemory {
+                    device: need.device,
+                    ..(*n).clone()
+                } == *need
         };
         match over.iter_mut().find(same) {
             Some(group) => group.3.push(device_name(need.device)),
@@ -474,11 +564,15 @@ fn check_memory(
             .label("does not fit")
             .related(decl_span, format!("{} declared", names.join(", ")))
             .help(format!(
-                "needed: parameters {} + gradients {} + optimizer state {} + workspaces {} + hs pool {}; \
+                "needed: parameters {} + gradients {} + optimizer state {}{} + workspaces {} + hs pool {}; \
                  shrink the queue capacity, the buckets or the model",
                 format_bytes(need.parameters),
                 format_bytes(need.gradients),
                 format_bytes(need.optimizer_state),
+                match need.frozen_weights {
+                    0 => String::new(),
+                    bytes => format!(" + frozen target weights {}", format_bytes(bytes)),
+                },
                 format_bytes(need.workspaces),
                 format_bytes(need.hs_pool)
             )),

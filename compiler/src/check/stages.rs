@@ -8,8 +8,9 @@ use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, LaunchMode, LossSpec, Placement,
-    Precision, PullPolicy, QueueSpec, SourceSpec, SyncMode, TargetStage, TelemetrySpec,
+    AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, LaunchMode, LossSpec, LrSchedule,
+    Placement, Precision, PullPolicy, QueueSpec, ScheduleKind, SourceSpec, SyncMode, TargetStage,
+    TelemetrySpec, WeightsSpec,
 };
 use crate::span::Span;
 
@@ -35,6 +36,8 @@ pub(crate) struct TargetParts {
     pub lengths: Option<(usize, usize, Span)>,
     /// `max_rate`, when given: `Some(None)` when it had errors.
     pub max_rate: Option<Option<f64>>,
+    /// `weights`, when given (`Some(None)`: given but invalid), and where.
+    pub weights: Option<(Option<WeightsSpec>, Span)>,
 }
 
 pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetParts {
@@ -74,6 +77,12 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
             |x| x > 0.0 && x.is_finite(),
         )
     });
+    let weights = f.optional("weights").map(|v| {
+        let example = "safetensors(path = \"models/qwen3-8b\")";
+        let spec = values::call(errs, "weights", v, &["safetensors"], example)
+            .and_then(|call| weights(errs, call));
+        (spec, v.span)
+    });
     f.finish(errs);
     TargetParts {
         hidden,
@@ -83,7 +92,20 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
         source,
         lengths,
         max_rate,
+        weights,
     }
+}
+
+/// `safetensors(path = "...")`: a file, a directory of shards or a glob of the target's checkpoint.
+fn weights(errs: &mut Errs, call: &Call) -> Option<WeightsSpec> {
+    let mut f = Fields::new(&call.args, "`safetensors(...)`".to_owned(), call.span, errs);
+    let path = f
+        .required("path", "\"models/qwen3-8b\"")
+        .and_then(|v| values::nonempty_string(errs, "path", v));
+    f.finish(errs);
+    Some(WeightsSpec::Safetensors {
+        path: path?.to_owned(),
+    })
 }
 
 fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
@@ -339,6 +361,10 @@ pub(crate) fn target_stage(
             Some(rate) => Some(rate?),
             None => None,
         },
+        weights: match parts.weights {
+            Some((weights, _)) => Some(weights?),
+            None => None,
+        },
     })
     .map(|mut stage| {
         let default_limit = stage.default_max_message_bytes();
@@ -463,11 +489,54 @@ pub(crate) struct MlpDims {
     pub heads: usize,
 }
 
+/// The `dflash(...)` dimensions a drafter section gives (width, taps and vocabulary come from the target).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DflashDims {
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub block: usize,
+    pub anchors: usize,
+    /// The mask token and where it is written: it must lie inside the target's vocabulary.
+    pub mask_token: (u32, Span),
+    pub rope_theta: f32,
+}
+
+/// The model a drafter section gives.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ModelDims {
+    Mlp(MlpDims),
+    Dflash(DflashDims),
+}
+
+/// The model family as written (`mlp`, `dflash`) and where, known even when its arguments have errors, so the
+/// rules that depend on the family (loss keys, target weights) still run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ModelKind {
+    pub dflash: bool,
+    pub span: Span,
+}
+
+/// `schedule` as written, before `steps` resolves a warmup fraction: `Ok(steps)` or `Err(fraction)`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ScheduleParts {
+    pub kind: ScheduleKind,
+    pub warmup: Result<u64, f64>,
+    /// The warmup's value (for errors that need `steps`), or the whole `schedule` value.
+    pub warmup_span: Span,
+    pub span: Span,
+}
+
 /// What the drafter section yields.
 pub(crate) struct DrafterParts {
-    pub model: Option<MlpDims>,
+    pub model: Option<ModelDims>,
+    pub model_kind: Option<ModelKind>,
     pub loss: Option<LossSpec>,
     pub optimizer: Option<AdamWSpec>,
+    /// `schedule`, when written (`Some(None)`: written but invalid); `None`: constant.
+    pub schedule: Option<Option<ScheduleParts>>,
     pub sync: Option<SyncMode>,
     pub launch: Option<LaunchMode>,
     /// Where `launch` was written, if it was: it applies to GPU drafters only.
@@ -482,13 +551,21 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
     let context = format!("drafter `{}`", section.name.name);
     let mut f = Fields::new(&section.block.entries, context, section.header, errs);
     let example = "mlp(hidden = 1024, blocks = 2, intermediate = 2816, heads = 4)";
-    let model = f
+    let model_call = f
         .required("model", example)
-        .and_then(|v| values::call(errs, "model", v, &["mlp"], example))
-        .and_then(|c| mlp(errs, c));
+        .and_then(|v| values::call(errs, "model", v, &["mlp", "dflash"], example));
+    let model_kind = model_call.map(|c| ModelKind {
+        dflash: c.name.name == "dflash",
+        span: c.name.span,
+    });
+    let model = model_call.and_then(|c| match c.name.name.as_str() {
+        "dflash" => dflash(errs, c).map(ModelDims::Dflash),
+        _ => mlp(errs, c).map(ModelDims::Mlp),
+    });
     let loss = match f.optional("loss") {
         None => Some(LossSpec {
             head_decay: DEFAULT_HEAD_DECAY,
+            position_decay: None,
             chunk_tokens: DEFAULT_CHUNK_TOKENS,
         }),
         Some(v) => values::call(
@@ -498,13 +575,14 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
             &["cross_entropy"],
             "cross_entropy(head_decay = 0.8)",
         )
-        .and_then(|c| loss(errs, c)),
+        .and_then(|c| loss(errs, c, model_kind)),
     };
     let optimizer = match f.optional("optimizer") {
         None => Some(adamw_defaults()),
         Some(v) => values::call(errs, "optimizer", v, &["adamw"], "adamw(lr = 1e-3)")
             .and_then(|c| adamw(errs, c)),
     };
+    let schedule = f.optional("schedule").map(|v| schedule(errs, v));
     let sync = match f.optional("sync") {
         None => Some(SyncMode::AllReduce),
         Some(v) => values::choice(
@@ -545,8 +623,10 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
     f.finish(errs);
     DrafterParts {
         model,
+        model_kind,
         loss,
         optimizer,
+        schedule,
         sync,
         launch,
         launch_span,
@@ -603,12 +683,123 @@ pub(crate) fn check_precision_placement(
     }
 }
 
+/// Resolves `schedule` against `steps`: linear and cosine decay to 0 at the last step, so they need `steps`,
+/// and a warmup must fit in them. A fraction `f` warms up for `floor(f·steps)` steps (SpecForge's and Hugging
+/// Face's `int(warmup_ratio · total_steps)`).
+pub(crate) fn check_schedule(parts: &DrafterParts, errs: &mut Errs) -> Option<LrSchedule> {
+    let Some(written) = parts.schedule else {
+        return Some(LrSchedule::CONSTANT);
+    };
+    let written = written?;
+    let steps = parts.steps?;
+    let needs_steps = written.kind != ScheduleKind::Constant || written.warmup != Ok(0);
+    let Some(steps) = steps.filter(|_| needs_steps) else {
+        if needs_steps {
+            errs.push(
+                Diagnostic::error(
+                    written.span,
+                    format!(
+                        "`schedule = {}` with a warmup needs the drafter's `steps`",
+                        written.kind.name()
+                    ),
+                )
+                .label("no step count to schedule over")
+                .help("add `steps = N` to the drafter, or use `schedule = constant`"),
+            );
+            return None;
+        }
+        return Some(LrSchedule::CONSTANT);
+    };
+    let warmup_steps = match written.warmup {
+        Ok(count) if count > steps => {
+            errs.push(
+                Diagnostic::error(
+                    written.warmup_span,
+                    format!("`warmup` is {count} steps, more than the drafter's {steps} `steps`"),
+                )
+                .label("longer than the run")
+                .help(format!(
+                    "use at most {steps} steps, or a fraction of the run such as `warmup = 0.04`"
+                )),
+            );
+            return None;
+        }
+        Ok(count) => count,
+        Err(fraction) => (fraction * steps as f64).floor() as u64,
+    };
+    Some(LrSchedule {
+        kind: written.kind,
+        warmup_steps,
+    })
+}
+
+/// `schedule = constant | linear(warmup = f) | cosine(warmup = f)`: `warmup` a fraction of `steps` in
+/// `[0, 1)` or a whole number of steps; bare `linear` and `cosine` have no warmup.
+fn schedule(errs: &mut Errs, value: &Value) -> Option<ScheduleParts> {
+    let kinds = [
+        ("constant", ScheduleKind::Constant),
+        ("linear", ScheduleKind::Linear),
+        ("cosine", ScheduleKind::Cosine),
+    ];
+    match &value.kind {
+        ValueKind::Call(_) => {}
+        _ => {
+            let kind = values::choice(errs, "schedule", value, &kinds)?;
+            return Some(ScheduleParts {
+                kind,
+                warmup: Ok(0),
+                warmup_span: value.span,
+                span: value.span,
+            });
+        }
+    }
+    let names = kinds.map(|(name, _)| name);
+    let call = values::call(errs, "schedule", value, &names, "cosine(warmup = 0.04)")?;
+    let kind = kinds
+        .iter()
+        .find(|(name, _)| *name == call.name.name)
+        .map(|(_, kind)| *kind)?;
+    let context = format!("`{}(...)`", call.name.name);
+    let mut f = Fields::new(&call.args, context, call.span, errs);
+    let warmup = f.optional("warmup").map(|v| (warmup(errs, v), v.span));
+    f.finish(errs);
+    let (warmup, warmup_span) = match warmup {
+        Some((warmup, span)) => (warmup?, span),
+        None => (Ok(0), call.span),
+    };
+    Some(ScheduleParts {
+        kind,
+        warmup,
+        warmup_span,
+        span: value.span,
+    })
+}
+
+/// A warmup: an integer is a step count, a float a fraction of `steps` in `[0, 1)`.
+fn warmup(errs: &mut Errs, value: &Value) -> Option<Result<u64, f64>> {
+    match value.kind {
+        ValueKind::Integer(_) => values::count(errs, "warmup", value, 0).map(|n| Ok(n as u64)),
+        _ => values::real_where(
+            errs,
+            "warmup",
+            value,
+            (
+                "as a fraction of `steps` must lie in [0, 1) (write a step count as an integer)",
+                "0.04",
+            ),
+            |x| (0.0..1.0).contains(&x),
+        )
+        .map(Err),
+    }
+}
+
 /// Builds the drafter stage (and its model dimensions) once its parts and placement are known to be valid.
 pub(crate) fn drafter_stage(
     section: &StageSection,
     parts: DrafterParts,
     placement: Placement,
-) -> Option<(DrafterStage, MlpDims)> {
+    schedule: LrSchedule,
+) -> Option<(DrafterStage, ModelDims)> {
     let precision = match parts.precision {
         None => Precision::default_for(*placement.workers.first()?),
         Some((precision, _)) => precision?,
@@ -617,7 +808,10 @@ pub(crate) fn drafter_stage(
         name: section.name.name.clone(),
         placement,
         loss: parts.loss?,
-        optimizer: parts.optimizer?,
+        optimizer: AdamWSpec {
+            schedule,
+            ..parts.optimizer?
+        },
         sync: parts.sync?,
         launch: parts.launch?,
         precision,
@@ -645,7 +839,113 @@ fn mlp(errs: &mut Errs, call: &Call) -> Option<MlpDims> {
     })
 }
 
-fn loss(errs: &mut Errs, call: &Call) -> Option<LossSpec> {
+/// Largest `layers` of a `dflash` drafter.
+const MAX_DFLASH_LAYERS: u64 = 256;
+/// Largest `head_dim`.
+const MAX_HEAD_DIM: u64 = 1024;
+/// Largest `block` (slots per block).
+const MAX_BLOCK: u64 = 1024;
+/// Largest `anchors` per sequence.
+const MAX_ANCHORS: u64 = 1 << 20;
+
+fn dflash(errs: &mut Errs, call: &Call) -> Option<DflashDims> {
+    let mut f = Fields::new(&call.args, "`dflash(...)`".to_owned(), call.span, errs);
+    let mut dim = |key: &'static str, example: &str, (min, max): (u64, u64), errs: &mut Errs| {
+        f.required(key, example)
+            .and_then(|v| values::count_in(errs, key, v, min, max).map(|n| (n, v)))
+    };
+    let layers = dim("layers", "5", (1, MAX_DFLASH_LAYERS), errs);
+    let heads = dim("heads", "32", (1, MAX_REPEATS), errs);
+    let kv_heads = dim("kv_heads", "8", (1, MAX_REPEATS), errs);
+    let head_dim = dim("head_dim", "128", (2, MAX_HEAD_DIM), errs);
+    let intermediate = dim("intermediate", "12288", (1, MAX_DIM), errs);
+    let block = dim("block", "16", (2, MAX_BLOCK), errs);
+    let anchors = dim("anchors", "512", (1, MAX_ANCHORS), errs);
+    let mask_token = dim("mask_token", "151669", (0, u64::from(u32::MAX)), errs);
+    let rope_theta = f.required("rope_theta", "1000000").and_then(|v| {
+        values::real_where(
+            errs,
+            "rope_theta",
+            v,
+            ("must be positive", "1000000"),
+            |x| x > 0.0 && x.is_finite() && (x as f32).is_finite() && (x as f32) > 0.0,
+        )
+    });
+    f.finish(errs);
+    let mut ok = true;
+    if let (Some((heads, _)), Some((kv_heads, kv_value))) = (heads, kv_heads)
+        && heads % kv_heads != 0
+    {
+        errs.push(
+            Diagnostic::error(
+                kv_value.span,
+                format!("`heads` ({heads}) is not a multiple of `kv_heads` ({kv_heads})"),
+            )
+            .label("does not divide `heads`")
+            .help("grouped-query attention shares each key/value head by `heads / kv_heads` query heads: pick a divisor of `heads`"),
+        );
+        ok = false;
+    }
+    if let Some((head_dim, value)) = head_dim
+        && head_dim % 2 != 0
+    {
+        out_of_range(
+            errs,
+            "head_dim",
+            value,
+            "must be even (RoPE rotates pairs of dimensions)",
+            head_dim,
+            "for example `head_dim = 128`",
+        );
+        ok = false;
+    }
+    let (mask_token, mask_value) = mask_token?;
+    Some(DflashDims {
+        layers: layers?.0,
+        heads: heads?.0,
+        kv_heads: kv_heads?.0,
+        head_dim: head_dim?.0,
+        intermediate: intermediate?.0,
+        block: block?.0,
+        anchors: anchors?.0,
+        mask_token: (u32::try_from(mask_token).ok()?, mask_value.span),
+        rope_theta: rope_theta? as f32,
+    })
+    .filter(|_| ok)
+}
+
+/// Refuses a loss key written for the other model family.
+fn loss_key_for(
+    errs: &mut Errs,
+    (key, value): (&str, &Value),
+    model: Option<ModelKind>,
+    wanted_dflash: bool,
+) -> bool {
+    let Some(model) = model.filter(|m| m.dflash != wanted_dflash) else {
+        return true;
+    };
+    let (applies, other, instead) = if wanted_dflash {
+        ("dflash", "mlp", "`head_decay` weighs the mlp's heads")
+    } else {
+        (
+            "mlp",
+            "dflash",
+            "`position_decay` weighs the dflash block's slots",
+        )
+    };
+    errs.push(
+        Diagnostic::error(
+            value.span,
+            format!("`{key}` applies to `{applies}` drafters; this drafter is `{other}`"),
+        )
+        .label(format!("not a `{other}` setting"))
+        .related(model.span, format!("model is `{other}`"))
+        .help(format!("remove `{key}` ({instead})")),
+    );
+    false
+}
+
+fn loss(errs: &mut Errs, call: &Call, model: Option<ModelKind>) -> Option<LossSpec> {
     let mut f = Fields::new(
         &call.args,
         "`cross_entropy(...)`".to_owned(),
@@ -654,9 +954,22 @@ fn loss(errs: &mut Errs, call: &Call) -> Option<LossSpec> {
     );
     let head_decay = match f.optional("head_decay") {
         None => Some(DEFAULT_HEAD_DECAY as f64),
+        Some(v) if !loss_key_for(errs, ("head_decay", v), model, false) => None,
         Some(v) => values::real_where(errs, "head_decay", v, ("must lie in (0, 1]", "0.8"), |x| {
             x > 0.0 && x <= 1.0
         }),
+    };
+    let position_decay = match f.optional("position_decay") {
+        None => Some(None),
+        Some(v) if !loss_key_for(errs, ("position_decay", v), model, true) => None,
+        Some(v) => values::real_where(
+            errs,
+            "position_decay",
+            v,
+            ("must be positive", "7.0"),
+            |x| x > 0.0 && x.is_finite() && (x as f32) > 0.0 && (x as f32).is_finite(),
+        )
+        .map(|x| Some(x as f32)),
     };
     let chunk_tokens = match f.optional("chunk_tokens") {
         None => Some(DEFAULT_CHUNK_TOKENS),
@@ -665,6 +978,7 @@ fn loss(errs: &mut Errs, call: &Call) -> Option<LossSpec> {
     f.finish(errs);
     Some(LossSpec {
         head_decay: head_decay? as f32,
+        position_decay: position_decay?,
         chunk_tokens: chunk_tokens?,
     })
 }
@@ -678,6 +992,7 @@ pub fn adamw_defaults() -> AdamWSpec {
         eps: 1e-8,
         weight_decay: 0.01,
         clip_grad_norm: None,
+        schedule: LrSchedule::CONSTANT,
     }
 }
 
@@ -743,6 +1058,7 @@ fn adamw(errs: &mut Errs, call: &Call) -> Option<AdamWSpec> {
         eps: eps? as f32,
         weight_decay: weight_decay? as f32,
         clip_grad_norm: clip_grad_norm?,
+        schedule: LrSchedule::CONSTANT,
     })
 }
 

@@ -456,7 +456,9 @@ pub(crate) mod tests {
         use crate::batch::HsBatch;
         use crate::cpu::CpuDrafter;
         use crate::params::FlatState;
-        use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
+        use draftpipe_compiler::plan::{
+            AdamWSpec, BucketPlan, LossSpec, LrSchedule, MlpSpec, ModelPlan,
+        };
         use rand::rngs::Xoshiro256PlusPlus;
         use rand::{RngExt, SeedableRng};
 
@@ -484,6 +486,7 @@ pub(crate) mod tests {
         };
         let loss = LossSpec {
             head_decay: 0.8,
+            position_decay: None,
             chunk_tokens: 50,
         };
         let optimizer = AdamWSpec {
@@ -493,6 +496,7 @@ pub(crate) mod tests {
             eps: 1e-8,
             weight_decay: 0.01,
             clip_grad_norm: Some(0.5),
+            schedule: LrSchedule::CONSTANT,
         };
         let seed = rand::rng().random::<u64>();
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);

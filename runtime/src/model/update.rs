@@ -64,6 +64,7 @@ pub fn update<B: Backend>(
         eps,
         weight_decay,
         clip_grad_norm,
+        schedule: _,
     } = *optimizer;
     be.grad_norm(
         state.grads.all(),

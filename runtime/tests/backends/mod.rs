@@ -44,7 +44,10 @@ impl TestDevice for Cpu {
     ) -> Drafter<CpuBackend> {
         let (loss, _, precision) = settings;
         let layout = WorkspaceLayout::mlp(
-            &model.spec,
+            model
+                .spec
+                .as_mlp()
+                .expect("the backend tests train mlp models"),
             buckets,
             &loss,
             draftpipe_compiler::plan::BackendKind::Cpu,

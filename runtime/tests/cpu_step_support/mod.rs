@@ -2,7 +2,7 @@
 //! whole drafter loss (written from the model's definition, sharing no code with the kernels).
 #![allow(dead_code)]
 
-use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, MlpSpec, ModelPlan};
+use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, LrSchedule, MlpSpec, ModelPlan};
 use draftpipe_runtime::batch::HsBatch;
 use rand::RngExt;
 use rand::rngs::Xoshiro256PlusPlus;
@@ -32,6 +32,7 @@ pub fn adamw(lr: f32) -> AdamWSpec {
         eps: 1e-8,
         weight_decay: 0.0,
         clip_grad_norm: None,
+        schedule: LrSchedule::CONSTANT,
     }
 }
 
@@ -39,6 +40,7 @@ pub fn adamw(lr: f32) -> AdamWSpec {
 pub fn loss(head_decay: f32, chunk_tokens: usize) -> LossSpec {
     LossSpec {
         head_decay,
+        position_decay: None,
         chunk_tokens,
     }
 }

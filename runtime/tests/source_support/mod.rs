@@ -39,6 +39,7 @@ pub fn plan(
             batch_tokens,
             source,
             max_rate: None,
+            weights: None,
         },
         queue: QueueSpec {
             name: "hs".into(),
@@ -56,6 +57,7 @@ pub fn plan(
             },
             loss: LossSpec {
                 head_decay: 0.8,
+                position_decay: None,
                 chunk_tokens: 64,
             },
             optimizer: AdamWSpec {
@@ -65,6 +67,7 @@ pub fn plan(
                 eps: 1e-8,
                 weight_decay: 0.0,
                 clip_grad_norm: None,
+                schedule: draftpipe_compiler::plan::LrSchedule::CONSTANT,
             },
             sync: SyncMode::AllReduce,
             launch: LaunchMode::Eager,

@@ -17,6 +17,8 @@ pub(super) struct BlockOffsets {
 /// Where each tensor lives in the flat buffers, checked against the shapes the step assumes.
 #[derive(Debug, Clone)]
 pub struct MlpOffsets {
+    /// The dimensions the offsets were read for.
+    pub(super) spec: MlpSpec,
     pub(super) fc: usize,
     pub(super) blocks: Vec<BlockOffsets>,
     pub(super) norm: usize,
@@ -33,6 +35,9 @@ pub enum LayoutError {
     /// A dimension is zero.
     #[error("model layout: a dimension is zero")]
     EmptyDimension,
+    /// The plan's model family is not the one this step trains.
+    #[error("model `{0}` cannot be trained by this build yet (only `mlp` can)")]
+    Unsupported(&'static str),
     /// The parameter count differs from the layout's.
     #[error("model has {got} parameters, its layout {expected}")]
     Parameters {
@@ -44,13 +49,21 @@ pub enum LayoutError {
 }
 
 impl MlpOffsets {
+    /// The dimensions the offsets were read for.
+    pub fn spec(&self) -> &MlpSpec {
+        &self.spec
+    }
+
     /// Reads the offsets from the model's layout.
     ///
     /// # Errors
     /// [`LayoutError`] when a tensor is missing or mis-shaped, `gate` and `up` are not adjacent (the fused
     /// `[gate | up]` product relies on it), or a dimension is zero.
     pub fn new(model: &ModelPlan) -> Result<Self, LayoutError> {
-        let spec = &model.spec;
+        let spec = model
+            .spec
+            .as_mlp()
+            .ok_or(LayoutError::Unsupported(model.spec.kind()))?;
         let layout: &[TensorView] = &model.layout;
         let find = |name: String, shape: &[usize]| -> Result<usize, LayoutError> {
             match layout.iter().find(|v| v.name == name) {
@@ -92,6 +105,7 @@ impl MlpOffsets {
             })
             .collect::<Result<_, _>>()?;
         Ok(Self {
+            spec: *spec,
             fc: find("fc.weight".into(), &[h, din])?,
             blocks,
             norm: find("norm.weight".into(), &[h])?,

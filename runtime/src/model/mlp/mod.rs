@@ -73,7 +73,7 @@ impl<B: Backend> Mlp<B> {
     ) -> Result<Self, AllocateError> {
         let state = FlatBuffers::zeroed(backend, model.parameters)?;
         Ok(Self {
-            spec: model.spec,
+            spec: offsets.spec,
             offsets,
             loss,
             optimizer,

@@ -13,6 +13,9 @@
 //! - hs_pool: `capacity × max item bytes` once per device, an item being `T·(4·din + 4 + 1) + 4·sequences`
 //!   bytes (hidden states, token ids, loss mask, sequence lengths, as in the runtime's `HsBatch`).
 //!
+//! The `dflash` drafter's figures are in [`dflash`]; its memory adds the frozen embedding and `lm_head`
+//! (`frozen_weights`, f32 today) per worker.
+//!
 //! Target devices are not in the memory plan: the frozen target's memory is outside draftpipe's control.
 //!
 //! **FLOPs of one step**: `6·T·(H·din + L·3·I·H + heads·H² + heads·H·V) − 2·T·H·din + 4·T·heads·V + 12·P`
@@ -24,10 +27,12 @@
 //! once; every logit chunk written once and read once.
 
 use crate::plan::{
-    BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, Placement, Precision, QueueSpec,
-    TargetStage,
+    BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, ModelSpec, Placement, Precision,
+    QueueSpec, TargetStage,
 };
 use crate::workspace::{BackendKind, WorkspaceLayout};
+
+pub mod dflash;
 
 const F32: u128 = 4;
 
@@ -94,7 +99,8 @@ pub fn step_bytes(spec: &MlpSpec, tokens: usize) -> Option<u64> {
 pub fn bucket_plans(
     target: &TargetStage,
     queue: &QueueSpec,
-    spec: &MlpSpec,
+    spec: &ModelSpec,
+    loss: &LossSpec,
 ) -> Option<Vec<BucketPlan>> {
     queue
         .buckets
@@ -102,31 +108,63 @@ pub fn bucket_plans(
         .map(|&padded_len| {
             let sequences = target.batch_tokens / padded_len;
             let tokens = sequences * padded_len;
+            let (step_flops, step_bytes) = match spec {
+                ModelSpec::Mlp(spec) => (step_flops(spec, tokens)?, step_bytes(spec, tokens)?),
+                ModelSpec::Dflash(spec) => (
+                    dflash::step_flops(spec, padded_len, sequences)?,
+                    dflash::step_bytes(spec, padded_len, sequences, loss)?,
+                ),
+            };
             Some(BucketPlan {
                 padded_len,
                 sequences,
                 tokens,
-                step_flops: step_flops(spec, tokens)?,
-                step_bytes: step_bytes(spec, tokens)?,
+                step_flops,
+                step_bytes,
             })
         })
         .collect()
 }
 
+/// Bytes of one worker's workspace on `backend`: the mlp's [`WorkspaceLayout`], or the dflash estimate.
+fn workspace_bytes(
+    spec: &ModelSpec,
+    buckets: &[BucketPlan],
+    loss: &LossSpec,
+    backend: BackendKind,
+    precision: Precision,
+) -> Option<u64> {
+    match spec {
+        ModelSpec::Mlp(spec) => {
+            WorkspaceLayout::mlp(spec, buckets, loss, backend, precision)?.bytes()
+        }
+        ModelSpec::Dflash(spec) => {
+            let shapes: Vec<(usize, usize)> = buckets
+                .iter()
+                .map(|b| (b.padded_len, b.sequences))
+                .collect();
+            dflash::workspace_bytes(spec, &shapes, loss, backend)
+        }
+    }
+}
+
 /// Memory on each drafter device, in device order; `None` when a figure (or a device's total) overflows `u64`.
 pub fn device_memory(
     drafters: &Placement,
-    spec: &MlpSpec,
+    spec: &ModelSpec,
     buckets: &[BucketPlan],
     loss: &LossSpec,
     precision: Precision,
     capacity: usize,
 ) -> Option<Vec<DeviceMemory>> {
     let params = F32 * wide(spec.parameter_count());
+    let (din, frozen) = match spec {
+        ModelSpec::Mlp(spec) => (spec.din, 0),
+        ModelSpec::Dflash(spec) => (spec.taps * spec.hidden, dflash::frozen_bytes(spec)?),
+    };
     let mut largest_item = 0;
     for b in buckets {
-        largest_item =
-            largest_item.max(u128::from(item_bytes(spec.din, b.padded_len, b.sequences)?));
+        largest_item = largest_item.max(u128::from(item_bytes(din, b.padded_len, b.sequences)?));
     }
     let mut devices: Vec<Device> = drafters.workers.clone();
     devices.sort_unstable();
@@ -135,14 +173,19 @@ pub fn device_memory(
         .into_iter()
         .map(|device| {
             let replicas = drafters.workers.iter().filter(|d| **d == device).count() as u128;
-            let layout =
-                WorkspaceLayout::mlp(spec, buckets, loss, BackendKind::of(device), precision)?;
-            let workspace = u128::from(layout.bytes()?);
+            let workspace = u128::from(workspace_bytes(
+                spec,
+                buckets,
+                loss,
+                BackendKind::of(device),
+                precision,
+            )?);
             let memory = DeviceMemory {
                 device,
                 parameters: fit(replicas * params)?,
                 gradients: fit(replicas * params)?,
                 optimizer_state: fit(replicas * 2 * params)?,
+                frozen_weights: fit(replicas * u128::from(frozen))?,
                 workspaces: fit(replicas * workspace)?,
                 hs_pool: fit(wide(capacity) * largest_item)?,
             };
@@ -151,6 +194,7 @@ pub fn device_memory(
                 memory.parameters,
                 memory.gradients,
                 memory.optimizer_state,
+                memory.frozen_weights,
                 memory.workspaces,
                 memory.hs_pool,
             ];
@@ -209,6 +253,7 @@ mod tests {
         };
         let loss = LossSpec {
             head_decay: 1.0,
+            position_decay: None,
             chunk_tokens: 1,
         };
         let layout =

@@ -1,0 +1,133 @@
+//! The `dflash` drafter in the language: the spec the checker builds from `model = dflash(...)`, the tensor
+//! table (z-lab's names, order and shapes), the loss and schedule keys, and the target's frozen weights.
+
+use draftpipe_compiler::compile_source;
+use draftpipe_compiler::plan::*;
+
+/// The issue's example, on a synthetic target (which needs no `weights`).
+const ISSUE_EXAMPLE: &str = r#"
+pipeline "dflash-example"
+target t on cpu {
+    hidden       = 64
+    tap_layers   = [1, 2, 3]
+    vocab        = 512
+    batch_tokens = 64
+    source       = synthetic(seed = 1, lengths = 8..32)
+}
+queue q from t to d { capacity = 4  buckets = [32] }
+drafter d on cpu {
+    model     = dflash(layers = 2, heads = 4, kv_heads = 2, head_dim = 16, intermediate = 128, block = 4, anchors = 64, mask_token = 511, rope_theta = 10000)
+    loss      = cross_entropy(position_decay = 7.0)
+    optimizer = adamw(lr = 1e-3, betas = (0.9, 0.999), eps = 1e-8, weight_decay = 0.0)
+    schedule  = cosine(warmup = 0.04)
+    steps     = 100
+}
+"#;
+
+fn example_spec() -> DflashSpec {
+    DflashSpec {
+        hidden: 64,
+        taps: 3,
+        tap_layers: vec![1, 2, 3],
+        vocab: 512,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 128,
+        block: 4,
+        anchors: 64,
+        mask_token: 511,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-6,
+    }
+}
+
+#[test]
+fn the_issue_example_compiles_to_its_dflash_spec() {
+    let plan = compile_source("example.pipe", ISSUE_EXAMPLE).unwrap();
+    assert_eq!(plan.model.spec, ModelSpec::Dflash(example_spec()));
+    assert_eq!(plan.drafter.loss.position_decay, Some(7.0));
+    assert_eq!(
+        plan.drafter.optimizer.schedule,
+        LrSchedule {
+            kind: ScheduleKind::Cosine,
+            warmup_steps: 4
+        }
+    );
+    assert_eq!(plan.target.weights, None);
+}
+
+#[test]
+fn tensor_table_has_zlab_names_in_order_with_out_in_shapes() {
+    let spec = example_spec();
+    let layout = spec.layout();
+    let (h, q, kv, hd, i) = (64, 64, 32, 16, 128);
+    let mut expected: Vec<(String, Vec<usize>)> = vec![
+        ("fc.weight".into(), vec![h, 3 * h]),
+        ("hidden_norm.weight".into(), vec![h]),
+    ];
+    for l in 0..2 {
+        for (name, shape) in [
+            ("input_layernorm.weight", vec![h]),
+            ("self_attn.q_proj.weight", vec![q, h]),
+            ("self_attn.k_proj.weight", vec![kv, h]),
+            ("self_attn.v_proj.weight", vec![kv, h]),
+            ("self_attn.q_norm.weight", vec![hd]),
+            ("self_attn.k_norm.weight", vec![hd]),
+            ("self_attn.o_proj.weight", vec![h, q]),
+            ("post_attention_layernorm.weight", vec![h]),
+            ("mlp.gate_proj.weight", vec![i, h]),
+            ("mlp.up_proj.weight", vec![i, h]),
+            ("mlp.down_proj.weight", vec![h, i]),
+        ] {
+            expected.push((format!("layers.{l}.{name}"), shape));
+        }
+    }
+    expected.push(("norm.weight".into(), vec![h]));
+    let got: Vec<(String, Vec<usize>)> = layout
+        .iter()
+        .map(|v| (v.name.clone(), v.shape.clone()))
+        .collect();
+    assert_eq!(got, expected);
+    // Back to back from 0, and the closed form agrees.
+    let mut offset = 0;
+    for view in &layout {
+        assert_eq!(view.offset, offset, "{}", view.name);
+        offset += view.len();
+    }
+    let per_layer = 2 * h + q * h + 2 * kv * h + 2 * hd + h * q + 3 * i * h;
+    assert_eq!(offset, h * 3 * h + h + 2 * per_layer + h);
+    assert_eq!(spec.parameter_count(), offset);
+    let plan = compile_source("example.pipe", ISSUE_EXAMPLE).unwrap();
+    assert_eq!(plan.model.parameters, offset);
+    assert_eq!(plan.model.layout, layout);
+}
+
+#[test]
+fn mlp_plans_keep_a_constant_schedule_and_no_position_decay() {
+    let source = include_str!("../../pipelines/quickstart.pipe");
+    let plan = compile_source("quickstart.pipe", source).unwrap();
+    assert!(plan.model.spec.as_mlp().is_some());
+    assert_eq!(plan.drafter.optimizer.schedule, LrSchedule::CONSTANT);
+    assert_eq!(plan.drafter.loss.position_decay, None);
+}
+
+#[test]
+fn schedule_factor_follows_hugging_face() {
+    let linear = LrSchedule {
+        kind: ScheduleKind::Linear,
+        warmup_steps: 10,
+    };
+    assert_eq!(linear.factor(0, 110), 0.0);
+    assert_eq!(linear.factor(5, 110), 0.5);
+    assert_eq!(linear.factor(10, 110), 1.0);
+    assert_eq!(linear.factor(60, 110), 0.5);
+    assert_eq!(linear.factor(110, 110), 0.0);
+    assert_eq!(LrSchedule::CONSTANT.factor(7, 10), 1.0);
+    let cosine = LrSchedule {
+        kind: ScheduleKind::Cosine,
+        warmup_steps: 0,
+    };
+    assert!((cosine.factor(50, 100) - 0.5).abs() < 1e-12);
+}
