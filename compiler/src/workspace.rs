@@ -243,7 +243,9 @@ impl WorkspaceLayout {
     }
 
     /// The `dflash` drafter's workspace for `buckets` on `backend` at `precision`; `None` when a size
-    /// overflows. Besides `T`, `S` and `C` (over block rows): `Q = S·A·B` block rows (`A` anchors, `B` slots),
+    /// overflows. Besides `T`, `S` and `C` (over block rows): `Q = S·A·B` block rows (`A` the block slots of a
+    /// sequence, [`DflashSpec::block_slots`]: `anchors`, fewer when the bucket has fewer anchor positions; `B`
+    /// slots per block), the largest over the buckets,
     /// `D = L·H` the tapped width, `NL` layers, `qd = heads·head_dim`, `kd = kv_heads·head_dim`. Every buffer is
     /// linear in `T` or in `Q` (attention keeps only `lse` per query and head, never `Q × keys`), so at fixed
     /// anchors the workspace grows linearly with the context length.
@@ -282,13 +284,14 @@ impl WorkspaceLayout {
             head_dim: hd,
             intermediate: i,
             block,
-            anchors,
             ..
         } = *spec;
         let m = |a: usize, b: usize| a.checked_mul(b);
         let t = buckets.iter().map(|b| b.tokens).max().unwrap_or(0);
         let s = buckets.iter().map(|b| b.sequences).max().unwrap_or(0);
-        let blocks = m(s, anchors)?;
+        let blocks = buckets.iter().try_fold(0, |most: usize, b| {
+            Some(most.max(m(b.sequences, spec.block_slots(b.padded_len))?))
+        })?;
         let q = m(blocks, block)?;
         let c = loss.chunk_tokens.clamp(1, q.max(1));
         let d = m(taps, h)?;
@@ -305,9 +308,6 @@ impl WorkspaceLayout {
             Some(())
         };
         use Dtype::{F32, F64, I32, U8, U32};
-        // The target's frozen embedding and lm_head (never in the optimizer; tied ones are held twice).
-        add("embed", F32, m(v, h))?;
-        add("lm_head", F32, m(v, h))?;
         // Context: fc output, after hidden_norm (every layer's K/V input), its norm statistics.
         add("ctx_pre", F32, Some(th))?;
         add("ctx", F32, Some(th))?;

@@ -14,7 +14,6 @@ use crate::allreduce::AllReduce;
 use crate::backend::cpu::CpuBackend;
 use crate::cuda::{CudaDrafter, GradientAllReduce, embedded_ptx, open_device};
 use crate::drafter::{Drafter, DrafterError};
-use crate::model::mlp::LayoutError;
 use crate::params::FlatState;
 
 use super::error::RunError;
@@ -71,9 +70,6 @@ pub(super) fn open_cpu(
     state: &FlatState,
 ) -> Result<Drafter<CpuBackend>, DrafterError> {
     let stage = &plan.drafter;
-    if plan.model.spec.as_mlp().is_none() {
-        return Err(LayoutError::Unsupported(plan.model.spec.kind()).into());
-    }
     let layout = plan
         .workspace_layout(Device::Cpu)
         .ok_or(DrafterError::WorkspaceTooLarge)?;

@@ -27,10 +27,13 @@ pub struct PlanSlot<B: Backend> {
     pub inv_weight_sum: Buf<B, f32>,
 }
 
-/// The `dflash` workspace (names as in [`WorkspaceLayout::dflash`]; per-layer buffers are stacked).
+/// The `dflash` workspace (names as in [`WorkspaceLayout::dflash`]; per-layer buffers are stacked) and the
+/// target's frozen tensors, which `compile` reports apart (`frozen_weights`).
 #[allow(missing_docs)] // each field is the layout buffer of the same name
 pub struct DflashWorkspace<B: Backend> {
+    /// The target's frozen embedding `[V, H]`.
     pub embed: Buf<B, f32>,
+    /// The target's frozen `lm_head` `[V, H]` (a tied one is a second copy of the embedding).
     pub lm_head: Buf<B, f32>,
     pub(crate) ctx_pre: Buf<B, f32>,
     pub(crate) ctx: Buf<B, f32>,
@@ -96,11 +99,16 @@ pub struct DflashWorkspace<B: Backend> {
 
 impl<B: Backend> DflashWorkspace<B> {
     /// Allocates every buffer `layout` lists for this backend's step (the backend-specific entries, cuBLAS's
-    /// workspace or the CPU's rounding buffers, are the backend's own).
+    /// workspace or the CPU's rounding buffers, are the backend's own), and the two frozen `[V, H]` tensors of
+    /// `frozen` elements each.
     ///
     /// # Errors
     /// When the layout lacks a buffer or the backend cannot allocate.
-    pub fn allocate(be: &mut B, layout: &WorkspaceLayout) -> Result<Self, AllocateError> {
+    pub fn allocate(
+        be: &mut B,
+        layout: &WorkspaceLayout,
+        frozen: usize,
+    ) -> Result<Self, AllocateError> {
         fn take<B: Backend, T: Element>(
             be: &mut B,
             layout: &WorkspaceLayout,
@@ -137,8 +145,8 @@ impl<B: Backend> DflashWorkspace<B> {
             });
         }
         Ok(Self {
-            embed: take(be, layout, "embed")?,
-            lm_head: take(be, layout, "lm_head")?,
+            embed: be.alloc(frozen)?,
+            lm_head: be.alloc(frozen)?,
             ctx_pre: take(be, layout, "ctx_pre")?,
             ctx: take(be, layout, "ctx")?,
             ctx_inv_rms: take(be, layout, "ctx_inv_rms")?,

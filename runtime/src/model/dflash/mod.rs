@@ -68,6 +68,7 @@ impl<B: Backend> Dflash<B> {
         layout: &WorkspaceLayout,
     ) -> Result<Self, AllocateError> {
         let spec = offsets.spec();
+        // `anchors` is the bucket's (see `stage_plan`).
         let geometry = BlockGeometry {
             block: spec.block,
             anchors: spec.anchors,
@@ -80,7 +81,7 @@ impl<B: Backend> Dflash<B> {
             precision,
             chunk_rows: layout.chunk_rows,
             state: FlatBuffers::zeroed(backend, model.parameters)?,
-            ws: DflashWorkspace::allocate(backend, layout)?,
+            ws: DflashWorkspace::allocate(backend, layout, spec.vocab * spec.hidden)?,
             offsets,
             plan: BlockPlan::default(),
         })
@@ -121,7 +122,11 @@ impl<B: Backend> Dflash<B> {
             loss_mask: &batch.loss_mask,
             seq_lens: &batch.seq_lens,
         };
-        self.plan.build(&self.geometry, input, seed, step);
+        let geometry = BlockGeometry {
+            anchors: self.spec().block_slots(batch.padded_len),
+            ..self.geometry
+        };
+        self.plan.build(&geometry, input, seed, step);
         let plan = &self.plan;
         let dev = &mut self.ws.plans[slot];
         let (t, q) = (plan.context_positions.len(), plan.query_rows());
@@ -164,7 +169,7 @@ impl<B: Backend> Dflash<B> {
 
     /// Rows of the step: `(T, Q, blocks)`.
     fn rows(&self, shape: StepShape) -> (usize, usize, usize) {
-        let blocks = shape.sequences * self.geometry.anchors;
+        let blocks = shape.sequences * self.spec().block_slots(shape.padded_len);
         (shape.tokens(), blocks * self.geometry.block, blocks)
     }
 
