@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
-use crate::backend::{AdamWHyper, Backend, BackendResult, Operand, Precision};
+use crate::backend::{AdamWHyper, Backend, BackendResult, Operand, Precision, SCHEDULE_CONSTANT};
 use crate::cpu::PhaseTimes;
 
 mod buffers;
@@ -382,6 +382,10 @@ impl<B: Backend> Mlp<B> {
                 beta2,
                 eps,
                 weight_decay,
+                // The plan's schedule arrives with the language's `schedule` key (issue 10).
+                schedule_kind: SCHEDULE_CONSTANT,
+                warmup: 0.0,
+                total: 0.0,
             },
             ws.adamw_state.all_mut(),
             ws.adamw_step.all_mut(),
