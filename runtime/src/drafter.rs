@@ -275,6 +275,12 @@ impl<B: Backend> Drafter<B> {
         self.sampler = (seed, first_step);
     }
 
+    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`); call it before the
+    /// first step (a captured update keeps the value). Without it a linear or cosine schedule has no length.
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        self.model.set_schedule_total(total_steps);
+    }
+
     /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) into a `dflash` model.
     ///
     /// # Errors

@@ -38,9 +38,11 @@ use draftpipe_compiler::workspace::{
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 
+use super::cuda_dflash as dflash;
 use super::{
-    AdamWHyper, Backend, BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand,
-    Precision, Src, StepPart, StepResults, gemm_shape,
+    AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
+    BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand, Precision, Src, StepPart,
+    StepResults, gemm_shape,
 };
 use crate::cuda::{
     CudaError, DevicePtr, Gemm, GradientAllReduce, KernelModule, Launcher, Op, open_device,
@@ -53,14 +55,14 @@ pub struct DeviceBuffer<T> {
 }
 
 /// The typed device pointer of a read view: its first element and its length.
-fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(super) fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: a view lies inside its buffer's allocation (checked when the view was made).
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
 }
 
 /// The typed device pointer of a write view.
-fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(super) fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: as for `ptr`.
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
@@ -762,22 +764,19 @@ impl Backend for CudaBackend {
             grad_norm.len() == 1 && state.len() == 3 && step.len() == 7,
             "adamw_advance: sizes"
         );
-        let AdamWHyper {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } = hyper;
+        let (constants, schedule) = (hyper.constants(), hyper.schedule());
         self.kernels.adamw_advance(
             ptr(grad_norm),
             ptr_mut(state),
             adamw_step(ptr_mut(step)),
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
+            constants.lr,
+            constants.beta1,
+            constants.beta2,
+            constants.eps,
+            constants.weight_decay,
+            schedule.kind,
+            schedule.warmup,
+            schedule.total,
         )?;
         Ok(())
     }
@@ -812,6 +811,70 @@ impl Backend for CudaBackend {
             n,
         )?;
         Ok(())
+    }
+
+    fn embedding_gather(
+        &mut self,
+        table: Src<'_, Self, f32>,
+        ids: Src<'_, Self, u32>,
+        out: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        dflash::embedding_gather(&self.kernels, table, ids, out)
+    }
+
+    fn rope(
+        &mut self,
+        x: Dst<'_, Self, f32>,
+        positions: Src<'_, Self, u32>,
+        theta: f32,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> BackendResult {
+        dflash::rope(&self.kernels, x, positions, theta, heads, head_dim, inverse)
+    }
+
+    fn weighted_vocab_loss(
+        &mut self,
+        logits: Dst<'_, Self, f32>,
+        labels: Src<'_, Self, i32>,
+        weights: Src<'_, Self, f32>,
+        norm: Src<'_, Self, f32>,
+        row_loss: Dst<'_, Self, f32>,
+        correct: Dst<'_, Self, f32>,
+        vocab: usize,
+    ) -> BackendResult {
+        dflash::weighted_vocab_loss(
+            &self.kernels,
+            logits,
+            labels,
+            weights,
+            norm,
+            row_loss,
+            correct,
+            vocab,
+        )
+    }
+
+    fn attention_forward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        out: Dst<'_, Self, f32>,
+        lse: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        dflash::attention_forward(&self.kernels, inputs, shape, out, lse)
+    }
+
+    fn attention_backward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        saved: AttentionSaved<'_, Self>,
+        delta: Dst<'_, Self, f32>,
+        grads: AttentionGrads<'_, Self>,
+    ) -> BackendResult {
+        dflash::attention_backward(&self.kernels, inputs, shape, saved, delta, grads)
     }
 
     fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult {

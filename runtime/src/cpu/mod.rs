@@ -12,6 +12,7 @@
 //! vectors are swapped into the backend's buffers for the call and back out (no copy), so the step stays free of
 //! allocation in steady state.
 
+pub mod attention;
 pub(crate) mod gemm;
 mod head_loss;
 pub mod kernels;

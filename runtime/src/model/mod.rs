@@ -103,6 +103,14 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Sets the step count the learning-rate schedule runs over.
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        match self {
+            Model::Mlp(m) => m.set_schedule_total(total_steps),
+            Model::Dflash(m) => m.set_schedule_total(total_steps),
+        }
+    }
+
     /// The shared update.
     pub fn update(&mut self, be: &mut B) -> BackendResult {
         match self {

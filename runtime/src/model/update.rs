@@ -8,7 +8,11 @@
 
 use draftpipe_compiler::plan::AdamWSpec;
 
-use crate::backend::{AdamWHyper, Backend, BackendResult, Buf};
+use draftpipe_compiler::plan::ScheduleKind;
+
+use crate::backend::{
+    AdamWHyper, Backend, BackendResult, Buf, SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR,
+};
 
 /// Parameters, gradients and AdamW moments, each one flat buffer in the model's layout order.
 pub struct FlatBuffers<B: Backend> {
@@ -49,11 +53,13 @@ pub struct UpdateBuffers<'a, B: Backend> {
     pub adamw_state: &'a mut Buf<B, f64>,
 }
 
-/// Gradient norm and clip scale into `step_scalars[0..2]`, AdamW's step state advanced on the device, and
-/// one fused AdamW pass; a non-finite norm skips the update and leaves the step count alone.
+/// Gradient norm and clip scale into `step_scalars[0..2]`, AdamW's step state advanced on the device (the
+/// learning rate of the plan's schedule over `total_steps`, computed there from the applied-step count so a
+/// captured graph replays it), and one fused AdamW pass; a non-finite norm skips the update and leaves the
+/// step count alone.
 pub fn update<B: Backend>(
     be: &mut B,
-    optimizer: &AdamWSpec,
+    (optimizer, total_steps): (&AdamWSpec, u64),
     state: &mut FlatBuffers<B>,
     ws: UpdateBuffers<'_, B>,
 ) -> BackendResult {
@@ -64,7 +70,7 @@ pub fn update<B: Backend>(
         eps,
         weight_decay,
         clip_grad_norm,
-        schedule: _,
+        schedule,
     } = *optimizer;
     be.grad_norm(
         state.grads.all(),
@@ -80,6 +86,13 @@ pub fn update<B: Backend>(
             beta2,
             eps,
             weight_decay,
+            schedule_kind: match schedule.kind {
+                ScheduleKind::Constant => SCHEDULE_CONSTANT,
+                ScheduleKind::Linear => SCHEDULE_LINEAR,
+                ScheduleKind::Cosine => SCHEDULE_COSINE,
+            },
+            warmup: schedule.warmup_steps as f32,
+            total: total_steps as f32,
         },
         ws.adamw_state.all_mut(),
         ws.adamw_step.all_mut(),

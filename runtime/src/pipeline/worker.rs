@@ -88,6 +88,7 @@ pub(super) fn run<B: Backend>(
 ) -> Finished {
     let opened = open(&start).map(|mut drafter| {
         drafter.seed_sampler(context.options.init_seed, context.first_step);
+        drafter.set_schedule_total(context.plan.drafter.steps.unwrap_or(0));
         drafter
     });
     drop(start);

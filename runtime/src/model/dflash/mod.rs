@@ -29,7 +29,10 @@ use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
 
-use crate::backend::{Backend, BackendResult, Operand, Precision};
+use crate::backend::{
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Operand,
+    Precision,
+};
 use crate::batch::HsBatch;
 use crate::cpu::PhaseTimes;
 use crate::model::mlp::{AllocateError, StepShape};
@@ -44,6 +47,7 @@ pub struct Dflash<B: Backend> {
     offsets: DflashOffsets,
     geometry: BlockGeometry,
     optimizer: AdamWSpec,
+    schedule_total: u64,
     precision: Precision,
     chunk_rows: usize,
     /// The flat state (trained tensors only).
@@ -78,6 +82,7 @@ impl<B: Backend> Dflash<B> {
         Ok(Self {
             geometry,
             optimizer,
+            schedule_total: 0,
             precision,
             chunk_rows: layout.chunk_rows,
             state: FlatBuffers::zeroed(backend, model.parameters)?,
@@ -179,7 +184,6 @@ impl<B: Backend> Dflash<B> {
         let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
         let (qd, kd) = (heads * hd, kvh * hd);
         let (eps, theta) = (spec.rms_norm_eps, spec.rope_theta);
-        let scale = 1.0 / (hd as f32).sqrt();
         let (t, q, blocks) = self.rows(shape);
         let (p, at) = (self.precision, &self.offsets);
         let (ws, params) = (&mut self.ws, &self.state.params);
@@ -292,16 +296,17 @@ impl<B: Backend> Dflash<B> {
                 )?;
             }
             be.attention_forward(
-                ws.q.at(l * q * qd, q * qd),
-                ws.k_ctx.at(l * t * kd, t * kd),
-                ws.v_ctx.at(l * t * kd, t * kd),
-                ws.k_blk.at(l * q * kd, q * kd),
-                ws.v_blk.at(l * q * kd, q * kd),
-                plan.query_ranges.at(0, 4 * q),
+                AttentionInputs {
+                    q: ws.q.at(l * q * qd, q * qd),
+                    k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
+                    v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
+                    k_blk: ws.k_blk.at(l * q * kd, q * kd),
+                    v_blk: ws.v_blk.at(l * q * kd, q * kd),
+                    query_ranges: plan.query_ranges.at(0, 4 * q),
+                },
+                AttentionShape::new(heads, kvh, hd),
                 ws.attn.at_mut(l * q * qd, q * qd),
                 ws.lse.at_mut(l * q * heads, q * heads),
-                (heads, kvh, hd),
-                scale,
             )?;
             // m = x + attn · Woᵀ
             be.copy(ws.mid.at_mut(l * qh, qh), x.at(0, qh))?;
@@ -409,7 +414,6 @@ impl<B: Backend> Dflash<B> {
         let (h, d, i) = (spec.hidden, spec.taps * spec.hidden, spec.intermediate);
         let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
         let (qd, kd) = (heads * hd, kvh * hd);
-        let scale = 1.0 / (hd as f32).sqrt();
         let theta = spec.rope_theta;
         let (t, q, _) = self.rows(shape);
         let (p, at) = (self.precision, &self.offsets);
@@ -512,33 +516,30 @@ impl<B: Backend> Dflash<B> {
                 p,
             )?;
             be.attention_backward(
-                (
-                    ws.q.at(l * q * qd, q * qd),
-                    ws.k_ctx.at(l * t * kd, t * kd),
-                    ws.v_ctx.at(l * t * kd, t * kd),
-                    ws.k_blk.at(l * q * kd, q * kd),
-                    ws.v_blk.at(l * q * kd, q * kd),
-                ),
-                (
-                    ws.attn.at(l * q * qd, q * qd),
-                    ws.dattn.at(0, q * qd),
-                    ws.lse.at(l * q * heads, q * heads),
-                ),
-                (
-                    plan.query_ranges.at(0, 4 * q),
-                    plan.context_key_ranges.at(0, 2 * t),
-                    plan.block_key_ranges.at(0, 2 * q),
-                ),
+                AttentionInputs {
+                    q: ws.q.at(l * q * qd, q * qd),
+                    k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
+                    v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
+                    k_blk: ws.k_blk.at(l * q * kd, q * kd),
+                    v_blk: ws.v_blk.at(l * q * kd, q * kd),
+                    query_ranges: plan.query_ranges.at(0, 4 * q),
+                },
+                AttentionShape::new(heads, kvh, hd),
+                AttentionSaved {
+                    out: ws.attn.at(l * q * qd, q * qd),
+                    dout: ws.dattn.at(0, q * qd),
+                    lse: ws.lse.at(l * q * heads, q * heads),
+                    key_ranges_ctx: plan.context_key_ranges.at(0, 2 * t),
+                    key_ranges_blk: plan.block_key_ranges.at(0, 2 * q),
+                },
                 ws.attn_delta.at_mut(0, q * heads),
-                (
-                    ws.dq.at_mut(0, q * qd),
-                    ws.dk_ctx.at_mut(0, t * kd),
-                    ws.dv_ctx.at_mut(0, t * kd),
-                    ws.dk_blk.at_mut(0, q * kd),
-                    ws.dv_blk.at_mut(0, q * kd),
-                ),
-                (heads, kvh, hd),
-                scale,
+                AttentionGrads {
+                    dq: ws.dq.at_mut(0, q * qd),
+                    dk_ctx: ws.dk_ctx.at_mut(0, t * kd),
+                    dv_ctx: ws.dv_ctx.at_mut(0, t * kd),
+                    dk_blk: ws.dk_blk.at_mut(0, q * kd),
+                    dv_blk: ws.dv_blk.at_mut(0, q * kd),
+                },
             )?;
             let normed = Operand::new(ws.normed.at(l * qh, qh), q, h);
             // Queries: inverse RoPE, q_norm, projection; dn starts here.
@@ -664,12 +665,18 @@ impl<B: Backend> Dflash<B> {
         )
     }
 
+    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`; before the first step,
+    /// since a captured update keeps it).
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        self.schedule_total = total_steps;
+    }
+
     /// The shared update ([`update::update`]) on this model's buffers.
     pub fn update(&mut self, be: &mut B) -> BackendResult {
         let ws = &mut self.ws;
         update::update(
             be,
-            &self.optimizer,
+            (&self.optimizer, self.schedule_total),
             &mut self.state,
             UpdateBuffers {
                 grad_norm_partials: &mut ws.grad_norm_partials,

@@ -50,6 +50,7 @@ pub struct Mlp<B: Backend> {
     offsets: MlpOffsets,
     loss: LossSpec,
     optimizer: AdamWSpec,
+    schedule_total: u64,
     precision: Precision,
     chunk_rows: usize,
     /// The flat state.
@@ -77,6 +78,7 @@ impl<B: Backend> Mlp<B> {
             offsets,
             loss,
             optimizer,
+            schedule_total: 0,
             precision,
             chunk_rows: layout.chunk_rows,
             state,
@@ -350,12 +352,18 @@ impl<B: Backend> Mlp<B> {
         )
     }
 
+    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`; before the first step,
+    /// since a captured update keeps it).
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        self.schedule_total = total_steps;
+    }
+
     /// The shared update ([`update::update`]) on this model's buffers.
     pub fn update(&mut self, be: &mut B) -> BackendResult {
         let ws = &mut self.ws;
         update::update(
             be,
-            &self.optimizer,
+            (&self.optimizer, self.schedule_total),
             &mut self.state,
             UpdateBuffers {
                 grad_norm_partials: &mut ws.grad_norm_partials,
