@@ -13,7 +13,9 @@ use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 use crate::allreduce::AllReduce;
 use crate::backend::cpu::CpuBackend;
 use crate::cuda::{CudaDrafter, GradientAllReduce, embedded_ptx, open_device};
+use crate::backend::Backend;
 use crate::drafter::{Drafter, DrafterError};
+use crate::target_weights::TargetWeights;
 use crate::params::FlatState;
 
 use super::error::RunError;
@@ -67,7 +69,7 @@ pub(super) fn prepare(plan: &Plan, ordinals: &[usize]) -> Result<Vec<GradientAll
 pub(super) fn open_cpu(
     plan: &Plan,
     group: Option<Arc<AllReduce>>,
-    state: &FlatState,
+    (state, frozen): (&FlatState, Option<&TargetWeights>),
 ) -> Result<Drafter<CpuBackend>, DrafterError> {
     let stage = &plan.drafter;
     let layout = plan
@@ -83,8 +85,21 @@ pub(super) fn open_cpu(
         (stage.loss, stage.optimizer, stage.precision),
         &plan.buckets,
     )?;
-    drafter.upload_state(state)?;
+    upload(&mut drafter, state, frozen)?;
     Ok(drafter)
+}
+
+/// Loads the starting replica and, for `dflash`, the frozen target tensors into `drafter`.
+fn upload<B: Backend>(
+    drafter: &mut Drafter<B>,
+    state: &FlatState,
+    frozen: Option<&TargetWeights>,
+) -> Result<(), DrafterError> {
+    drafter.upload_state(state)?;
+    if let Some(weights) = frozen {
+        drafter.upload_frozen(weights.embedding(), weights.lm_head())?;
+    }
+    Ok(())
 }
 
 /// A CUDA drafter for `plan` on GPU `ordinal` with its communicator, on the starting `state`.
@@ -92,7 +107,7 @@ pub(super) fn open_gpu(
     plan: &Plan,
     ordinal: usize,
     all_reduce: Option<GradientAllReduce>,
-    state: &FlatState,
+    (state, frozen): (&FlatState, Option<&TargetWeights>),
 ) -> Result<CudaDrafter, DrafterError> {
     let stage = &plan.drafter;
     let mut drafter = CudaDrafter::on_device(
@@ -103,7 +118,7 @@ pub(super) fn open_gpu(
         stage.launch,
         all_reduce,
     )?;
-    drafter.upload_state(state)?;
+    upload(&mut drafter, state, frozen)?;
     Ok(drafter)
 }
 
