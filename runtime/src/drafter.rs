@@ -287,7 +287,9 @@ impl<B: Backend> Drafter<B> {
     /// [`DrafterError::Frozen`] for an `mlp` or tensors of the wrong size; backend failures.
     pub fn upload_frozen(&mut self, embed: &[f32], lm_head: &[f32]) -> Result<(), DrafterError> {
         let Some(model) = self.model.as_dflash_mut() else {
-            return Err(DrafterError::Frozen("the mlp drafter has no frozen tensors".into()));
+            return Err(DrafterError::Frozen(
+                "the mlp drafter has no frozen tensors".into(),
+            ));
         };
         let expected = model.spec().vocab * model.spec().hidden;
         for (name, len) in [("embedding", embed.len()), ("lm_head", lm_head.len())] {

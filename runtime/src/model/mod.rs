@@ -59,9 +59,8 @@ impl<B: Backend> Model<B> {
         match &model.spec {
             ModelSpec::Mlp(_) => {
                 let offsets = MlpOffsets::new(model)?;
-                let layout =
-                    WorkspaceLayout::mlp(offsets.spec(), buckets, &loss, kind, precision)
-                        .ok_or(BuildError::WorkspaceTooLarge)?;
+                let layout = WorkspaceLayout::mlp(offsets.spec(), buckets, &loss, kind, precision)
+                    .ok_or(BuildError::WorkspaceTooLarge)?;
                 let mlp = Mlp::new(
                     backend,
                     (model, offsets),

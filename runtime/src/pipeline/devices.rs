@@ -11,12 +11,12 @@ use std::sync::Arc;
 use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
+use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::cuda::{CudaDrafter, GradientAllReduce, embedded_ptx, open_device};
-use crate::backend::Backend;
 use crate::drafter::{Drafter, DrafterError};
-use crate::target_weights::TargetWeights;
 use crate::params::FlatState;
+use crate::target_weights::TargetWeights;
 
 use super::error::RunError;
 

@@ -42,9 +42,9 @@ use crate::batch::HsBatch;
 use crate::checkpoint::{load_checkpoint, load_weights};
 use crate::cuda::GradientAllReduce;
 use crate::params::FlatState;
-use crate::target_weights::TargetWeights;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
 use crate::source::{BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, open_sources};
+use crate::target_weights::TargetWeights;
 use crate::telemetry::{
     Diagnosis, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
 };

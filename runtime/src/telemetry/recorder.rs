@@ -395,9 +395,8 @@ impl Telemetry {
                         last_loss: (c.loss_count.load(Ordering::Relaxed) > 0).then_some(last),
                         tau_sum: f64::from_bits(c.tau_sum_bits.load(Ordering::Relaxed)),
                         tau_count: c.tau_count.load(Ordering::Relaxed),
-                        last_tau: (c.tau_count.load(Ordering::Relaxed) > 0).then(|| {
-                            f64::from_bits(c.last_tau_bits.load(Ordering::Relaxed))
-                        }),
+                        last_tau: (c.tau_count.load(Ordering::Relaxed) > 0)
+                            .then(|| f64::from_bits(c.last_tau_bits.load(Ordering::Relaxed))),
                         last_slot_accuracy: c.slot_accuracy_bits
                             [..c.slot_metrics.load(Ordering::Relaxed) as usize]
                             .iter()

@@ -174,7 +174,10 @@ pub fn reference(
                 .iter()
                 .map(|&x| f64::from(x))
                 .collect();
-            rmsnorm(&linear(w.get("fc.weight"), &hs, h), w.get("hidden_norm.weight"))
+            rmsnorm(
+                &linear(w.get("fc.weight"), &hs, h),
+                w.get("hidden_norm.weight"),
+            )
         })
         .collect();
     let blocks: Vec<Block> = anchors
@@ -220,7 +223,10 @@ pub fn reference(
             .enumerate()
             .map(|(row, c)| heads_of(wk, k_norm, c, kv_heads, hd, row % s, theta))
             .collect();
-        let ctx_v: Vec<Vec<f64>> = context.iter().map(|c| linear(wv, c, kv_heads * hd)).collect();
+        let ctx_v: Vec<Vec<f64>> = context
+            .iter()
+            .map(|c| linear(wv, c, kv_heads * hd))
+            .collect();
         let position = |row: usize| blocks[row / b].anchor + row % b;
         let blk_q: Vec<Vec<Vec<f64>>> = normed
             .iter()
@@ -232,7 +238,10 @@ pub fn reference(
             .enumerate()
             .map(|(row, n)| heads_of(wk, k_norm, n, kv_heads, hd, position(row), theta))
             .collect();
-        let blk_v: Vec<Vec<f64>> = normed.iter().map(|n| linear(wv, n, kv_heads * hd)).collect();
+        let blk_v: Vec<Vec<f64>> = normed
+            .iter()
+            .map(|n| linear(wv, n, kv_heads * hd))
+            .collect();
         for row in 0..x.len() {
             let blk = &blocks[row / b];
             let mut attn = vec![0.0; heads * hd];
@@ -247,9 +256,10 @@ pub fn reference(
                     })
                     .collect();
                 let first = row - row % b;
-                keys.extend((first..first + b).map(|r| {
-                    (&blk_k[r][kvh][..], &blk_v[r][kvh * hd..(kvh + 1) * hd])
-                }));
+                keys.extend(
+                    (first..first + b)
+                        .map(|r| (&blk_k[r][kvh][..], &blk_v[r][kvh * hd..(kvh + 1) * hd])),
+                );
                 let scores: Vec<f64> = keys
                     .iter()
                     .map(|(k, _)| q.iter().zip(*k).map(|(a, c)| a * c).sum::<f64>() * scale)

@@ -30,8 +30,8 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{
-    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Operand,
-    Precision,
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult,
+    Operand, Precision,
 };
 use crate::batch::HsBatch;
 use crate::cpu::PhaseTimes;
@@ -143,7 +143,10 @@ impl<B: Backend> Dflash<B> {
             dev.context_key_ranges.at_mut(0, 2 * t),
             &plan.context_key_ranges,
         )?;
-        be.upload(dev.block_key_ranges.at_mut(0, 2 * q), &plan.block_key_ranges)?;
+        be.upload(
+            dev.block_key_ranges.at_mut(0, 2 * q),
+            &plan.block_key_ranges,
+        )?;
         be.upload(dev.labels.at_mut(0, q), &plan.labels)?;
         be.upload(dev.weights.at_mut(0, q), &plan.weights)?;
         be.upload(dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
@@ -543,7 +546,14 @@ impl<B: Backend> Dflash<B> {
             )?;
             let normed = Operand::new(ws.normed.at(l * qh, qh), q, h);
             // Queries: inverse RoPE, q_norm, projection; dn starts here.
-            be.rope(ws.dq.at_mut(0, q * qd), blk_positions, theta, heads, hd, true)?;
+            be.rope(
+                ws.dq.at_mut(0, q * qd),
+                blk_positions,
+                theta,
+                heads,
+                hd,
+                true,
+            )?;
             be.rmsnorm_weight_grad(
                 ws.q_raw.at(l * q * qd, q * qd),
                 ws.q_inv_rms.at(l * q * heads, q * heads),
@@ -560,11 +570,25 @@ impl<B: Backend> Dflash<B> {
                 false,
             )?;
             let dq_raw = Operand::new(ws.dq_raw.at(0, q * qd), q, qd);
-            be.gemm(grads.at_mut(w.q_proj, qd * h), dq_raw.t(), normed, 1.0, 0.0, p)?;
+            be.gemm(
+                grads.at_mut(w.q_proj, qd * h),
+                dq_raw.t(),
+                normed,
+                1.0,
+                0.0,
+                p,
+            )?;
             let wq = Operand::new(params.at(w.q_proj, qd * h), qd, h);
             be.gemm(ws.dnormed.at_mut(0, qh), dq_raw, wq, 1.0, 0.0, p)?;
             // Block keys (k_norm's gradient from these rows into scratch) and values.
-            be.rope(ws.dk_blk.at_mut(0, q * kd), blk_positions, theta, kvh, hd, true)?;
+            be.rope(
+                ws.dk_blk.at_mut(0, q * kd),
+                blk_positions,
+                theta,
+                kvh,
+                hd,
+                true,
+            )?;
             be.rmsnorm_weight_grad(
                 ws.k_blk_raw.at(l * q * kd, q * kd),
                 ws.k_blk_inv_rms.at(l * q * kvh, q * kvh),
@@ -584,12 +608,33 @@ impl<B: Backend> Dflash<B> {
             let wv = Operand::new(params.at(w.v_proj, kd * h), kd, h);
             let dk_blk = Operand::new(ws.dk_blk_raw.at(0, q * kd), q, kd);
             let dv_blk = Operand::new(ws.dv_blk.at(0, q * kd), q, kd);
-            be.gemm(grads.at_mut(w.k_proj, kd * h), dk_blk.t(), normed, 1.0, 0.0, p)?;
+            be.gemm(
+                grads.at_mut(w.k_proj, kd * h),
+                dk_blk.t(),
+                normed,
+                1.0,
+                0.0,
+                p,
+            )?;
             be.gemm(ws.dnormed.at_mut(0, qh), dk_blk, wk, 1.0, 1.0, p)?;
-            be.gemm(grads.at_mut(w.v_proj, kd * h), dv_blk.t(), normed, 1.0, 0.0, p)?;
+            be.gemm(
+                grads.at_mut(w.v_proj, kd * h),
+                dv_blk.t(),
+                normed,
+                1.0,
+                0.0,
+                p,
+            )?;
             be.gemm(ws.dnormed.at_mut(0, qh), dv_blk, wv, 1.0, 1.0, p)?;
             // Context keys and values: into k/v_proj's gradients and dc (accumulated over layers).
-            be.rope(ws.dk_ctx.at_mut(0, t * kd), ctx_positions, theta, kvh, hd, true)?;
+            be.rope(
+                ws.dk_ctx.at_mut(0, t * kd),
+                ctx_positions,
+                theta,
+                kvh,
+                hd,
+                true,
+            )?;
             be.rmsnorm_weight_grad(
                 ws.k_ctx_raw.at(l * t * kd, t * kd),
                 ws.k_ctx_inv_rms.at(l * t * kvh, t * kvh),

@@ -64,7 +64,10 @@ impl DflashOffsets {
             anchors,
             ..
         } = spec;
-        if [h, taps, vocab, layers, heads, kv_heads, hd, i, block, anchors].contains(&0)
+        if [
+            h, taps, vocab, layers, heads, kv_heads, hd, i, block, anchors,
+        ]
+        .contains(&0)
             || heads % kv_heads != 0
             || hd % 2 != 0
         {

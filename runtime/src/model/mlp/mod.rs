@@ -17,8 +17,8 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{Backend, BackendResult, Operand, Precision};
-use crate::model::update::{self, UpdateBuffers};
 use crate::cpu::PhaseTimes;
+use crate::model::update::{self, UpdateBuffers};
 
 mod buffers;
 
