@@ -177,7 +177,7 @@ fn norm_weight_grad_is_deterministic_and_chunking_only_regroups_the_sum() {
 mod warp_on_threads {
     use std::sync::{Barrier, Mutex};
 
-    use draftpipe_gpu_kernels::plane::{LaneValue, Plane, WIDTH};
+    use draftpipe_gpu_kernels::plane::{LaneRow, LaneValue, Plane, ROW_SLOTS, WIDTH, lane_rows};
 
     /// What the lanes of one simulated warp share.
     pub struct Exchange {
@@ -228,8 +228,36 @@ mod warp_on_threads {
     }
 
     impl Plane for ThreadLane<'_> {
+        type Row = LaneRow;
+
         fn is_leader(self) -> bool {
             self.lane == 0
+        }
+
+        fn row_zero(self) -> LaneRow {
+            [0.0; ROW_SLOTS]
+        }
+
+        fn row_load(self, n: usize, f: impl FnMut(usize) -> f32) -> LaneRow {
+            lane_rows::load(self.lane, n, f)
+        }
+
+        fn row_dot(self, a: &LaneRow, b: &LaneRow, n: usize) -> f32 {
+            let mut value = lane_rows::dot_partial(self.lane, a, b, n);
+            let mut distance = WIDTH / 2;
+            while distance > 0 {
+                value += self.shuffle_xor(value, distance);
+                distance /= 2;
+            }
+            value
+        }
+
+        fn row_scale_add(self, acc: &mut LaneRow, alpha: f32, p: f32, x: &LaneRow, n: usize) {
+            lane_rows::scale_add(acc, alpha, p, x, n)
+        }
+
+        fn row_store(self, row: &LaneRow, n: usize, f: impl FnMut(usize, f32)) {
+            lane_rows::store(self.lane, row, n, f)
         }
 
         fn reduce<S: Copy, T: LaneValue>(
