@@ -25,7 +25,7 @@ use update::FlatBuffers;
 /// once per part (not per kernel), and `Drafter<B>` keeps one type per backend for every caller.
 pub enum Model<B: Backend> {
     /// `model = mlp(...)`.
-    Mlp(Mlp<B>),
+    Mlp(Box<Mlp<B>>),
     /// `model = dflash(...)`.
     Dflash(Box<Dflash<B>>),
 }
@@ -69,7 +69,7 @@ impl<B: Backend> Model<B> {
                     precision,
                     &layout,
                 )?;
-                Ok((Model::Mlp(mlp), layout))
+                Ok((Model::Mlp(Box::new(mlp)), layout))
             }
             ModelSpec::Dflash(_) => {
                 let offsets = DflashOffsets::new(model)?;
