@@ -110,6 +110,14 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Forward and loss only (evaluation).
+    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        match self {
+            Model::Mlp(m) => m.forward_loss(be, shape, slot),
+            Model::Dflash(m) => m.forward_loss(be, shape, slot),
+        }
+    }
+
     /// The shared update.
     pub fn update(&mut self, be: &mut B) -> BackendResult {
         match self {
