@@ -4,8 +4,8 @@
 //! per-element arithmetic does not depend on the chunking. The row kernels (one warp per row on the GPU) run
 //! on 32 threads per row, one per lane, and must match the host launchers bit for bit, except the vocabulary
 //! loss, whose softmax sums the host takes in two passes instead of the warp's online pair (within 1e-6). The
-//! DFlash kernels likewise: attention (planes per query or key tile and head) bit-identical, the weighted loss
-//! within 1e-6, the embedding gather one element per index bitwise.
+//! DFlash kernels likewise: attention (planes per query or key tile and head) within 1e-5 (the host plane's row
+//! dot products sum in 8 lanes, a warp's in 32), the weighted loss within 1e-6, the embedding gather bitwise.
 
 use draftpipe_gpu_kernels::{activation, adamw, norm};
 use draftpipe_runtime::cpu::kernels;
@@ -443,9 +443,11 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers() {
 
 /// The DFlash kernels' GPU launch shapes on the host: the attention kernels (a plane per query tile or key
 /// tile and head) and the weighted loss (a plane per row) on simulated warps against the host launchers, and
-/// the embedding gather one element per index against the host's chunks. Attention is bit-identical (its
-/// dot products follow `Plane::reduce`'s order on both); the loss is within 1e-6 (the softmax sums, as for
-/// `vocab_loss_row`), its `correct` flags exact.
+/// the embedding gather one element per index against the host's chunks. Attention is within 1e-5 (the host
+/// plane's dot products keep 8 partial sums where a warp keeps 32 lane sums: a few ulp on the scores, which
+/// the exponentials turn into relative error; the delta pass, a plain plane sum, is
+/// bit-identical); the loss is within 1e-6 (the softmax sums, as for `vocab_loss_row`), its `correct`
+/// flags exact.
 #[test]
 fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
     use draftpipe_gpu_kernels::attention::{self, KEY_TILE, QUERY_TILE};
@@ -456,14 +458,16 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(80);
     // 11 queries: a partial query tile; 9 context keys: a partial key tile; head_dim 40: a partial lane round.
     let (queries, context, heads, kv_heads, head_dim, scale) = (11usize, 9usize, 4, 2, 40, 0.16f32);
-    let q = values(&mut rng, queries * heads * head_dim);
+    // Inputs in [-1, 1): scores of a few units, as after RMSNorm'd projections.
+    let mut unit = |n: usize| -> Vec<f32> { values(&mut rng, n).iter().map(|v| v / 4.0).collect() };
+    let q = unit(queries * heads * head_dim);
     let (k_ctx, v_ctx) = (
-        values(&mut rng, context * kv_heads * head_dim),
-        values(&mut rng, context * kv_heads * head_dim),
+        unit(context * kv_heads * head_dim),
+        unit(context * kv_heads * head_dim),
     );
     let (k_blk, v_blk) = (
-        values(&mut rng, queries * kv_heads * head_dim),
-        values(&mut rng, queries * kv_heads * head_dim),
+        unit(queries * kv_heads * head_dim),
+        unit(queries * kv_heads * head_dim),
     );
     let ranges: Vec<u32> = (0..queries as u32)
         .flat_map(|r| [0, (r * 3) % 10, r / 4 * 4, (r / 4 * 4 + 4).min(11)])
@@ -575,8 +579,8 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
             )
         }
     });
-    assert_eq!(bits(&out), bits(&out_host), "attention output");
-    assert_eq!(bits(&lse), bits(&lse_host), "attention lse");
+    assert_close(&out, &out_host, 1e-5, "attention output");
+    assert_close(&lse, &lse_host, 1e-5, "attention lse");
     on_warps(rows, |plane, index| {
         // SAFETY: `out`, `dout` hold `rows · head_dim`, `delta` `rows`.
         unsafe {
@@ -621,7 +625,7 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
             )
         }
     });
-    assert_eq!(bits(&dq), bits(&dq_host), "attention dq");
+    assert_close(&dq, &dq_host, 1e-5, "attention dq");
     on_warps(context.div_ceil(KEY_TILE) * kv_heads, |plane, index| {
         let (kp, vp) = (kp, vp);
         // SAFETY: as for the forward; each plane writes its own key tile's rows.
@@ -647,8 +651,8 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
             )
         }
     });
-    assert_eq!(bits(&dk), bits(&dk_host), "attention dk");
-    assert_eq!(bits(&dv), bits(&dv_host), "attention dv");
+    assert_close(&dk, &dk_host, 1e-5, "attention dk");
+    assert_close(&dv, &dv_host, 1e-5, "attention dv");
 
     let (loss_rows, vocab) = (5, 1001);
     let logits_in = values(&mut rng, loss_rows * vocab);
