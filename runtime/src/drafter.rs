@@ -165,6 +165,17 @@ impl BlockMetrics {
     }
 }
 
+/// What [`Drafter::evaluate`] reports for one batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// The batch's loss.
+    pub loss: f32,
+    /// Its tokens.
+    pub tokens: u64,
+    /// `dflash`: per-slot accuracy and τ.
+    pub blocks: Option<BlockMetrics>,
+}
+
 /// What one finished step reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutcome {
@@ -519,6 +530,39 @@ impl<B: Backend> Drafter<B> {
         } else {
             Ok(None)
         }
+    }
+
+    /// Evaluates `batch` without training: forward and loss only, waited for. `dflash` draws the batch's
+    /// anchors as a step at the current step index would. Nothing of the model changes.
+    ///
+    /// # Errors
+    /// [`DrafterError::StepInFlight`] while a step's outcome is still to be collected ([`Drafter::finish`]);
+    /// [`StepError`] for a batch that does not fit; backend failures.
+    pub fn evaluate(&mut self, batch: &HsBatch) -> Result<Evaluation, DrafterError> {
+        if !self.in_flight.is_empty() {
+            return Err(DrafterError::StepInFlight);
+        }
+        self.stage(batch)?;
+        let Staged {
+            bucket,
+            slot,
+            tokens,
+            labelled,
+        } = self.staged.take().ok_or(DrafterError::NothingStaged)?;
+        let shape = StepShape {
+            padded_len: self.buckets[bucket].padded_len,
+            sequences: self.buckets[bucket].sequences,
+        };
+        let (be, model) = (&mut self.backend, &mut self.model);
+        be.begin_step(slot, 0)?;
+        model.forward_loss(be, shape, slot)?;
+        be.end_step(slot, 0, model.step_scalars().all())?;
+        let results = be.read_results(0)?;
+        Ok(Evaluation {
+            loss: results.scalars[2],
+            tokens,
+            blocks: labelled.map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
+        })
     }
 
     /// Waits for the oldest step in flight and reads its results.

@@ -1,6 +1,7 @@
 //! The `dflash` step on every backend present, through `test_device!`: the loss and the gradient of every
 //! trained tensor against the independent f64 reference (`dflash_support`) and its central finite differences,
-//! the per-slot accuracy against the reference's, and the loss and τ improving on a learnable task.
+//! the per-slot accuracy against the reference's, evaluation (forward only) agreeing with the step and training
+//! nothing, and the loss and τ improving on a learnable task.
 //!
 //! Tolerances (f32 step against f64 finite differences): loss within 1e-5 relative; each tensor's sampled
 //! gradient within 2e-3 of the largest sampled gradient norm over all tensors plus 2e-3 of its own (the f32
@@ -152,6 +153,11 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
     drafter.upload_frozen(&embed, &lm).expect("frozen");
     drafter.upload_state(&init).expect("upload");
     drafter.seed_sampler(seed, 0);
+    // Evaluation first: forward and loss only, the parameters untouched.
+    let evaluation = drafter.evaluate(&batch).expect("evaluate");
+    let mut untouched = init.clone();
+    drafter.download_state(&mut untouched).expect("download");
+    assert_eq!(untouched.params, init.params, "evaluate trains nothing");
     drafter.stage(&batch).expect("stage");
     let mut outcomes: Vec<_> = drafter.step().expect("step").into_iter().collect();
     outcomes.extend(drafter.finish().expect("finish"));
@@ -190,6 +196,8 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
         D::NAME,
         expected.loss
     );
+    assert_eq!(evaluation.loss, outcome.loss, "evaluate computes the step's loss");
+    assert_eq!(evaluation.blocks, outcome.blocks, "and its metrics");
     // Per-slot accuracy against the reference's argmax counts.
     let blocks = outcome.blocks.expect("dflash metrics");
     for (k, acc) in blocks.slot_accuracy.iter().enumerate() {

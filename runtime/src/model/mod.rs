@@ -25,7 +25,7 @@ use update::FlatBuffers;
 /// once per part (not per kernel), and `Drafter<B>` keeps one type per backend for every caller.
 pub enum Model<B: Backend> {
     /// `model = mlp(...)`.
-    Mlp(Mlp<B>),
+    Mlp(Box<Mlp<B>>),
     /// `model = dflash(...)`.
     Dflash(Box<Dflash<B>>),
 }
@@ -69,7 +69,7 @@ impl<B: Backend> Model<B> {
                     precision,
                     &layout,
                 )?;
-                Ok((Model::Mlp(mlp), layout))
+                Ok((Model::Mlp(Box::new(mlp)), layout))
             }
             ModelSpec::Dflash(_) => {
                 let offsets = DflashOffsets::new(model)?;
@@ -107,6 +107,14 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => m.set_schedule_total(total_steps),
             Model::Dflash(m) => m.set_schedule_total(total_steps),
+        }
+    }
+
+    /// Forward and loss only (evaluation).
+    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        match self {
+            Model::Mlp(m) => m.forward_loss(be, shape, slot),
+            Model::Dflash(m) => m.forward_loss(be, shape, slot),
         }
     }
 

@@ -175,6 +175,13 @@ impl<B: Backend> Dflash<B> {
         })
     }
 
+    /// Forward and weighted loss only (evaluation, [`crate::drafter::Drafter::evaluate`]): the loss and the
+    /// per-slot correct counts into the step scalars, no gradient of any parameter.
+    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss(be, shape, slot)
+    }
+
     /// Rows of the step: `(T, Q, blocks)`.
     fn rows(&self, shape: StepShape) -> (usize, usize, usize) {
         let blocks = shape.sequences * self.spec().block_slots(shape.padded_len);

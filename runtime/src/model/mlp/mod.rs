@@ -113,6 +113,13 @@ impl<B: Backend> Mlp<B> {
         })
     }
 
+    /// Forward and fused loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves
+    /// behind are partial and belong to no step.
+    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss_and_heads(be, shape, slot)
+    }
+
     fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
         let MlpSpec {
             din,
