@@ -322,3 +322,33 @@ fn qwen3_8b_step_flops_and_memory_follow_the_formulas() {
     );
     assert!(memory.total() < 141 << 30);
 }
+
+#[test]
+fn dflash_plans_round_trip_through_json() {
+    for source in [
+        include_str!("../../pipelines/dflash-5x3.pipe"),
+        include_str!("../../pipelines/dflash-quickstart.pipe"),
+    ] {
+        let plan = compile_source("dflash.pipe", source).unwrap();
+        let json = serde_json::to_string(&plan).unwrap();
+        let back: Plan = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, plan);
+    }
+    // A plan written before these fields existed still reads: no weights, no position decay, constant schedule.
+    let plan = compile_source(
+        "quickstart.pipe",
+        include_str!("../../pipelines/quickstart.pipe"),
+    )
+    .unwrap();
+    let mut json: serde_json::Value = serde_json::to_value(&plan).unwrap();
+    json["drafter"]["optimizer"]
+        .as_object_mut()
+        .unwrap()
+        .remove("schedule");
+    json["memory"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("frozen_weights");
+    let back: Plan = serde_json::from_value(json).unwrap();
+    assert_eq!(back, plan);
+}
