@@ -14,7 +14,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use draftpipe_compiler::plan::{Device, Placement, SourceSpec, TargetStage};
+use draftpipe_compiler::plan::{Device, HsDtype, Placement, SourceSpec, TargetStage};
 use draftpipe_runtime::source::stream::wire::{Hello, PROTOCOL_VERSION};
 use draftpipe_runtime::source::{BatchPool, BucketShapes, Producer, StreamConfig, open_stream};
 use safetensors::Dtype;
@@ -109,6 +109,7 @@ fn target() -> TargetStage {
             read_timeout_ms: 30_000,
         },
         max_rate: None,
+        hs_dtype: Some(HsDtype::Bf16),
     }
 }
 
@@ -118,6 +119,7 @@ fn stream_into_pool(body: &[u8]) -> f64 {
     let shapes = BucketShapes {
         buckets: vec![(SEQ, ROWS)],
         din: DIN,
+        hs_dtype: HsDtype::Bf16,
     };
     let (sources, status) = open_stream(StreamConfig {
         listen: "127.0.0.1:0".into(),

@@ -8,8 +8,8 @@ use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, LaunchMode, LossSpec, Placement,
-    Precision, PullPolicy, QueueSpec, SourceSpec, SyncMode, TargetStage, TelemetrySpec,
+    AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, HsDtype, LaunchMode, LossSpec,
+    Placement, Precision, PullPolicy, QueueSpec, SourceSpec, SyncMode, TargetStage, TelemetrySpec,
 };
 use crate::span::Span;
 
@@ -35,6 +35,8 @@ pub(crate) struct TargetParts {
     pub lengths: Option<(usize, usize, Span)>,
     /// `max_rate`, when given: `Some(None)` when it had errors.
     pub max_rate: Option<Option<f64>>,
+    /// `hs_dtype`, when given: `Some(None)` when it had errors.
+    pub hs_dtype: Option<Option<HsDtype>>,
 }
 
 pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetParts {
@@ -74,6 +76,18 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
             |x| x > 0.0 && x.is_finite(),
         )
     });
+    let hs_dtype = f.optional("hs_dtype").map(|v| {
+        values::choice(
+            errs,
+            "hs_dtype",
+            v,
+            &[
+                ("bf16", HsDtype::Bf16),
+                ("f16", HsDtype::F16),
+                ("f32", HsDtype::F32),
+            ],
+        )
+    });
     f.finish(errs);
     TargetParts {
         hidden,
@@ -83,6 +97,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
         source,
         lengths,
         max_rate,
+        hs_dtype,
     }
 }
 
@@ -327,6 +342,11 @@ pub(crate) fn target_stage(
     parts: TargetParts,
     placement: Placement,
 ) -> Option<TargetStage> {
+    let source = parts.source?;
+    let hs_dtype = match parts.hs_dtype {
+        Some(dtype) => Some(dtype?),
+        None => HsDtype::default_for(&source),
+    };
     Some(TargetStage {
         name: section.name.name.clone(),
         placement,
@@ -334,11 +354,12 @@ pub(crate) fn target_stage(
         tap_layers: parts.tap_layers?,
         vocab: parts.vocab?,
         batch_tokens: parts.batch_tokens?.0,
-        source: parts.source?,
+        source,
         max_rate: match parts.max_rate {
             Some(rate) => Some(rate?),
             None => None,
         },
+        hs_dtype,
     })
     .map(|mut stage| {
         let default_limit = stage.default_max_message_bytes();

@@ -39,6 +39,7 @@ pub fn plan(
             batch_tokens,
             source,
             max_rate: None,
+            hs_dtype: None,
         },
         queue: QueueSpec {
             name: "hs".into(),

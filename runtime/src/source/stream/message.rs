@@ -18,7 +18,7 @@ use crate::batch::HsBatch;
 use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
 use crate::source::{BucketShapes, SourceError};
 use crate::tensor_file::{
-    TensorBlob, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
+    TensorBlob, TensorFileError, TensorProblem, decode_floats_into, decode_ids, decode_mask,
 };
 
 /// The first NaN or infinity among little-endian floats of `dtype` (an exponent of all ones), with its index.
@@ -192,7 +192,7 @@ impl Message {
             let (start, end) = (slot * padded + len, (slot + 1) * padded);
             out.input_ids[start..end].fill(0);
             out.loss_mask[start..end].fill(0);
-            out.hs[start * din..end * din].fill(0.0);
+            out.hs.zero(start * din..end * din);
         }
         self.next += 1;
         Ok(())
@@ -237,8 +237,17 @@ impl Message {
         let (dtype, bytes) = self
             .blob
             .element_bytes(HIDDEN_STATES, first * din..(first + len) * din)?;
-        if !decode_floats(dtype, bytes, &mut out.hs[base * din..(base + len) * din]) {
+        if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
             return Err(corrupt(HIDDEN_STATES));
+        }
+        // An f32 message into a narrower `hs_dtype` can round a huge finite value to infinity.
+        let hs = out.hs.as_slice().slice(base * din..(base + len) * din);
+        if let Some((at, value)) = hs.first_non_finite() {
+            let problem = TensorProblem::NonFinite {
+                value,
+                at: first * din + at,
+            };
+            return Err(TensorFileError::tensor(&origin, HIDDEN_STATES, problem).into());
         }
         Ok(())
     }
