@@ -70,12 +70,10 @@ fn an_unknown_hs_dtype_is_refused_where_it_is_written() {
 
 #[test]
 fn the_dflash_pool_halves_its_hidden_states_in_bf16() {
-    let f32_plan = compile_source("dflash.pipe", DFLASH).unwrap();
-    let bf16_text = DFLASH.replace(
-        "    source       = synthetic(seed = 7, lengths = 256..16384)\n",
-        "    source       = synthetic(seed = 7, lengths = 256..16384)\n    hs_dtype     = bf16\n",
-    );
-    let bf16_plan = compile_source("dflash.pipe", &bf16_text).unwrap();
+    let bf16_plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    assert_eq!(bf16_plan.target.hs_dtype, Some(HsDtype::Bf16));
+    let f32_text = DFLASH.replace("hs_dtype     = bf16", "hs_dtype     = f32");
+    let f32_plan = compile_source("dflash.pipe", &f32_text).unwrap();
     let pool = |plan: &draftpipe_compiler::plan::Plan| {
         plan.memory
             .iter()

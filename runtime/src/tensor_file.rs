@@ -314,7 +314,7 @@ pub fn decode_floats(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
 /// Returns false for another dtype or when the elements do not fit.
 pub fn decode_floats_into(dtype: Dtype, bytes: &[u8], out: &mut HsData, start: usize) -> bool {
     let width = dtype.bitsize() / 8;
-    if !is_float_dtype(dtype) || width == 0 || bytes.len() % width != 0 {
+    if !is_float_dtype(dtype) || width == 0 || !bytes.len().is_multiple_of(width) {
         return false;
     }
     let len = bytes.len() / width;

@@ -324,7 +324,7 @@ fn losses(slots: HsDtype, data: &[HsBatch], precision: Precision) -> Vec<f32> {
     };
     let layout = WorkspaceLayout::mlp(
         &model.spec,
-        &[bucket.clone()],
+        std::slice::from_ref(&bucket),
         &loss,
         BackendKind::Cpu,
         precision,
@@ -339,6 +339,12 @@ fn losses(slots: HsDtype, data: &[HsBatch], precision: Precision) -> Vec<f32> {
         slots,
     )
     .unwrap();
+    // What the drafter allocates is what the layout (and so `compile`) counts: the state and, for narrow
+    // slots, the slots in that precision plus the f32 tile.
+    assert_eq!(
+        drafter.allocated_bytes(),
+        layout.bytes().unwrap() + 16 * model.parameters as u64
+    );
     drafter.upload_state(&FlatState::init(&model, 9)).unwrap();
     data.iter()
         .map(|batch| {
