@@ -1,5 +1,5 @@
-//! Loopback throughput of the stream source: bf16 hidden states from a producer socket into pooled batches
-//! (checked, bucketed, decoded, acknowledged), against a plain TCP copy of the same bytes in the same run.
+//! Loopback throughput of the stream source: bf16 hidden states from a producer socket into bf16 pooled batches
+//! (checked, bucketed, copied, acknowledged), against a plain TCP copy of the same bytes in the same run.
 //!
 //! ```text
 //! cargo bench -p draftpipe-runtime --bench stream -- [ROUNDS]
