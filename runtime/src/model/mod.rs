@@ -15,6 +15,7 @@ use draftpipe_compiler::plan::{
 };
 
 use crate::backend::{Backend, BackendResult, Buf, InputSlot};
+use crate::batch::HsDtype;
 use crate::cpu::PhaseTimes;
 use dflash::{Dflash, DflashOffsets};
 use mlp::{AllocateError, LayoutError, Mlp, MlpOffsets, StepShape};
@@ -45,7 +46,10 @@ pub enum BuildError {
 }
 
 impl<B: Backend> Model<B> {
-    /// The model `plan` describes on `backend`, with its workspace for `buckets` (allocated here, once).
+    /// The model `plan` describes on `backend`, with its workspace for `buckets` (allocated here, once) and
+    /// batches whose hidden states are held in `hs_dtype`: the `mlp` reads them in that precision on the CPU
+    /// ([`WorkspaceLayout::with_hs_dtype`]); `dflash`'s input slots stay f32 and a narrower batch widens when
+    /// it is staged.
     ///
     /// # Errors
     /// [`BuildError`].
@@ -54,12 +58,14 @@ impl<B: Backend> Model<B> {
         model: &ModelPlan,
         (loss, optimizer, precision): (LossSpec, AdamWSpec, Precision),
         buckets: &[BucketPlan],
+        hs_dtype: HsDtype,
     ) -> Result<(Self, WorkspaceLayout), BuildError> {
         let kind = backend.kind();
         match &model.spec {
             ModelSpec::Mlp(_) => {
                 let offsets = MlpOffsets::new(model)?;
                 let layout = WorkspaceLayout::mlp(offsets.spec(), buckets, &loss, kind, precision)
+                    .and_then(|layout| layout.with_hs_dtype(kind, hs_dtype))
                     .ok_or(BuildError::WorkspaceTooLarge)?;
                 let mlp = Mlp::new(
                     backend,
@@ -86,6 +92,14 @@ impl<B: Backend> Model<B> {
                 )?;
                 Ok((Model::Dflash(Box::new(dflash)), layout))
             }
+        }
+    }
+
+    /// The precision the input slots hold hidden states in (a narrower batch widens when staged).
+    pub fn slot_hs_dtype(&self) -> HsDtype {
+        match self {
+            Model::Mlp(m) => m.ws.inputs[0].hs.dtype(),
+            Model::Dflash(d) => d.ws.inputs[0].hs.dtype(),
         }
     }
 

@@ -4,7 +4,7 @@
 
 use draftpipe_compiler::plan::WorkspaceLayout;
 
-use crate::backend::{Backend, Buf, Element, InputSlot};
+use crate::backend::{Backend, Buf, Element, HsBuf, InputSlot};
 use crate::model::mlp::{AllocateError, MissingBuffer};
 
 /// One input slot's block plan on the device (see [`super::blocks::BlockPlan`]).
@@ -128,7 +128,9 @@ impl<B: Backend> DflashWorkspace<B> {
         for slot in 0..layout.input_slots {
             let name = |n: &str| format!("input{slot}.{n}");
             inputs.push(InputSlot {
-                hs: take(be, layout, &name("hs"))?,
+                // f32 whatever the batch's precision: staging widens a narrower batch (the layout keeps
+                // dflash's slots f32).
+                hs: HsBuf::F32(take(be, layout, &name("hs"))?),
                 input_ids: take(be, layout, &name("input_ids"))?,
                 seq_lens: take(be, layout, &name("seq_lens"))?,
                 loss_mask: take(be, layout, &name("loss_mask"))?,

@@ -3,7 +3,9 @@
 
 use draftpipe_compiler::plan::{MlpSpec, ModelPlan, TensorView, WorkspaceLayout};
 
-use crate::backend::{Backend, Buf, Element, InputSlot};
+use draftpipe_compiler::workspace::Dtype;
+
+use crate::backend::{Backend, Buf, Element, HsBuf, InputSlot};
 
 /// Element offsets of one SwiGLU block's tensors in the flat buffers.
 #[derive(Debug, Clone, Copy)]
@@ -178,8 +180,18 @@ impl<B: Backend> MlpWorkspace<B> {
         }
         let inputs = (0..layout.input_slots)
             .map(|slot| {
+                let hs = format!("input{slot}.hs");
+                let dtype = layout
+                    .buffers
+                    .iter()
+                    .find(|b| b.name == hs)
+                    .map(|b| b.dtype);
                 Ok(InputSlot {
-                    hs: take(backend, layout, &format!("input{slot}.hs"))?,
+                    hs: match dtype {
+                        Some(Dtype::Bf16) => HsBuf::Bf16(take(backend, layout, &hs)?),
+                        Some(Dtype::F16) => HsBuf::F16(take(backend, layout, &hs)?),
+                        _ => HsBuf::F32(take(backend, layout, &hs)?),
+                    },
                     input_ids: take(backend, layout, &format!("input{slot}.input_ids"))?,
                     seq_lens: take(backend, layout, &format!("input{slot}.seq_lens"))?,
                     loss_mask: take(backend, layout, &format!("input{slot}.loss_mask"))?,
