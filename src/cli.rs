@@ -78,11 +78,16 @@ pub struct RunArgs {
     /// Checkpoint period in steps, with `--save`.
     #[arg(long, value_name = "N", default_value_t = 100, requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     pub save_every: u64,
+    /// The dtype of the checkpoint's `model.safetensors`: `bf16` for serving engines (the exact f32 weights then
+    /// go to `optimizer.safetensors`, so `--resume` stays exact).
+    #[arg(long, value_enum, value_name = "DTYPE", default_value_t = SaveDtype::F32, requires = "save")]
+    pub save_dtype: SaveDtype,
     /// Continue exactly from a checkpoint directory written by `--save`.
     #[arg(long, value_name = "DIR", conflicts_with = "init")]
     pub resume: Option<PathBuf>,
-    /// Start from the weights in this `model.safetensors` (fresh optimizer state).
-    #[arg(long, value_name = "FILE")]
+    /// Start from these weights, fresh optimizer state: a `model.safetensors` (F32, BF16 or F16; from `--save`
+    /// or PyTorch) or a directory holding one (a `config.json` beside it is checked against the pipeline).
+    #[arg(long, value_name = "DIR|FILE")]
     pub init: Option<PathBuf>,
     /// Write status lines as JSON objects, one per line.
     #[arg(long)]
@@ -143,6 +148,24 @@ pub struct SimulateArgs {
     /// Seed of the simulated variability.
     #[arg(long, value_name = "SEED", default_value_t = 1)]
     pub seed: u64,
+}
+
+/// The dtypes `--save-dtype` offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SaveDtype {
+    /// 32-bit floats: exactly the trained weights.
+    F32,
+    /// bfloat16, rounded to nearest even: what serving engines load, half the size.
+    Bf16,
+}
+
+impl From<SaveDtype> for draftpipe_runtime::checkpoint::WeightsDtype {
+    fn from(dtype: SaveDtype) -> Self {
+        match dtype {
+            SaveDtype::F32 => Self::F32,
+            SaveDtype::Bf16 => Self::Bf16,
+        }
+    }
 }
 
 /// Output formats of `draftpipe compile`.

@@ -39,7 +39,7 @@ use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::batch::HsBatch;
-use crate::checkpoint::{load_checkpoint, load_weights};
+use crate::checkpoint::{load_checkpoint, load_initial_weights};
 use crate::cuda::GradientAllReduce;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
@@ -137,7 +137,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
         });
     }
     if let Some(file) = &options.init {
-        state.params = load_weights(file, &plan.model)?;
+        state.params = load_initial_weights(file, &plan.model)?;
     }
     Ok(Start {
         state,
