@@ -23,7 +23,7 @@ fn compile(c: &mut Criterion) {
     });
     let broken = DFLASH
         .replace("capacity  = 60", "capcity = 60")
-        .replace("lr = 3e-4", "lr = -3e-4");
+        .replace("lr = 6e-4", "lr = -6e-4");
     c.bench_function("compile/dflash-5x3-two-errors", |b| {
         b.iter(|| {
             let errors = draftpipe_compiler::compile_source("dflash-5x3.pipe", black_box(&broken))

@@ -131,11 +131,14 @@ fn compile_text_summarises_the_plan() {
         "on gpu 0..5",
         "on gpu 5..8",
         "capacity 60",
-        "189,664,256 parameters",
+        "model dflash",
+        "1,048,626,432 parameters",
+        "layers.{i}.mlp.gate_proj.weight             [12288, 4096]     50,331,648      5      251,658,240",
         "memory per device",
+        "frozen",
         "gpu 7",
         "cost per step",
-        "16384",
+        "8192",
     ] {
         assert!(stdout.contains(needle), "missing `{needle}` in\n{stdout}");
     }

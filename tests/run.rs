@@ -389,7 +389,7 @@ fn a_gpu_drafter_without_a_usable_gpu_is_a_clear_error() {
         return;
     }
     let dir = scratch("gpu-unavailable");
-    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/dflash-5x3.pipe");
+    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/mlp-5x3.pipe");
     let output = draftpipe(&["run", pipe.to_str().unwrap()], &dir);
     let stderr = text(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "stderr: {stderr}");

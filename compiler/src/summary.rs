@@ -173,14 +173,25 @@ impl fmt::Display for Summary<'_> {
              weight_decay {}, clip_grad_norm {clip}){schedule}",
             d.loss.chunk_tokens, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay
         )?;
+        write_tensor_table(f, plan)?;
+        // Only a model that reads the target's frozen weights has the column.
+        let frozen = plan.memory.iter().any(|m| m.frozen_weights > 0);
+        let frozen_cell = |text: String| {
+            if frozen {
+                format!(" {text:>11}")
+            } else {
+                String::new()
+            }
+        };
         writeln!(f, "\nmemory per device")?;
         writeln!(
             f,
-            "  {:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            "  {:<8} {:>11} {:>11} {:>11}{} {:>11} {:>11} {:>11} {:>11}",
             "device",
             "parameters",
             "gradients",
             "optimizer",
+            frozen_cell("frozen".to_owned()),
             "workspaces",
             "hs pool",
             "total",
@@ -194,11 +205,12 @@ impl fmt::Display for Summary<'_> {
                 .map_or("-".to_owned(), |dd| format_bytes(dd.memory_bytes));
             writeln!(
                 f,
-                "  {:<8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+                "  {:<8} {:>11} {:>11} {:>11}{} {:>11} {:>11} {:>11} {:>11}",
                 device_name(mem.device),
                 format_bytes(mem.parameters),
                 format_bytes(mem.gradients),
                 format_bytes(mem.optimizer_state),
+                frozen_cell(format_bytes(mem.frozen_weights)),
                 format_bytes(mem.workspaces),
                 format_bytes(mem.hs_pool),
                 format_bytes(mem.total()),
@@ -231,6 +243,94 @@ impl fmt::Display for Summary<'_> {
             .map_or(String::new(), |t| format!(", trace to {t}"));
         write!(f, "telemetry: every {} ms{trace}", plan.telemetry.every_ms)
     }
+}
+
+/// Tensors that differ only in a layer, block or head index, with their shape and how many there are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorGroup {
+    /// The name with the index written `{i}`, e.g. `layers.{i}.mlp.up_proj.weight`.
+    pub name: String,
+    /// Shape of each.
+    pub shape: Vec<usize>,
+    /// How many tensors (1 for an unrepeated one).
+    pub count: usize,
+}
+
+/// Groups `layout` by name with indices replaced by `{i}` (and shape), in order of first appearance.
+///
+/// # Examples
+/// ```
+/// use draftpipe_compiler::plan::{MlpSpec, ModelPlan};
+/// use draftpipe_compiler::summary::tensor_groups;
+///
+/// let model = ModelPlan::new(MlpSpec { din: 8, hidden: 4, blocks: 3, intermediate: 6, heads: 2, vocab: 10 });
+/// let groups = tensor_groups(&model.layout);
+/// assert_eq!(groups[1].name, "blocks.{i}.norm.weight");
+/// assert_eq!(groups[1].count, 3);
+/// ```
+pub fn tensor_groups(layout: &[crate::plan::TensorView]) -> Vec<TensorGroup> {
+    let mut groups: Vec<TensorGroup> = Vec::new();
+    for view in layout {
+        let name = view
+            .name
+            .split('.')
+            .map(|part| {
+                if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+                    "{i}"
+                } else {
+                    part
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(".");
+        match groups
+            .iter_mut()
+            .find(|g| g.name == name && g.shape == view.shape)
+        {
+            Some(group) => group.count += 1,
+            None => groups.push(TensorGroup {
+                name,
+                shape: view.shape.clone(),
+                count: 1,
+            }),
+        }
+    }
+    groups
+}
+
+/// The trained parameters by tensor: name, shape, elements, and for repeated tensors (per layer, block or head)
+/// the repeat count and the total.
+fn write_tensor_table(f: &mut fmt::Formatter<'_>, plan: &Plan) -> fmt::Result {
+    let groups = tensor_groups(&plan.model.layout);
+    let shapes: Vec<String> = groups.iter().map(|g| format!("{:?}", g.shape)).collect();
+    let name_width = groups.iter().map(|g| g.name.len()).max().unwrap_or(0);
+    let shape_width = shapes.iter().map(String::len).max().unwrap_or(0);
+    writeln!(f, "\nparameters by tensor")?;
+    writeln!(
+        f,
+        "  {:<name_width$}  {:<shape_width$}  {:>13}  {:>5}  {:>15}",
+        "tensor", "shape", "each", "×", "parameters"
+    )?;
+    for (group, shape) in groups.iter().zip(&shapes) {
+        let each: usize = group.shape.iter().product();
+        writeln!(
+            f,
+            "  {:<name_width$}  {shape:<shape_width$}  {:>13}  {:>5}  {:>15}",
+            group.name,
+            group_digits(each as u64),
+            group.count,
+            group_digits((each * group.count) as u64)
+        )?;
+    }
+    writeln!(
+        f,
+        "  {:<name_width$}  {:<shape_width$}  {:>13}  {:>5}  {:>15}",
+        "total",
+        "",
+        "",
+        "",
+        group_digits(plan.model.parameters as u64)
+    )
 }
 
 /// `cpu x2`, `gpu 5..8`, `gpu [0, 2]`.

@@ -131,3 +131,152 @@ fn schedule_factor_follows_hugging_face() {
     };
     assert!((cosine.factor(50, 100) - 0.5).abs() < 1e-12);
 }
+
+/// The issue's example with `schedule` and `steps` replaced.
+fn with_schedule(schedule: &str, steps: &str) -> String {
+    ISSUE_EXAMPLE
+        .replace("    schedule  = cosine(warmup = 0.04)\n", schedule)
+        .replace("    steps     = 100\n", steps)
+}
+
+fn schedule_of(schedule: &str, steps: &str) -> LrSchedule {
+    let source = with_schedule(schedule, steps);
+    let plan = compile_source("schedule.pipe", &source).unwrap_or_else(|d| panic!("{d}"));
+    plan.drafter.optimizer.schedule
+}
+
+#[test]
+fn warmup_is_a_fraction_of_steps_or_a_step_count() {
+    let lr = |kind, warmup_steps| LrSchedule { kind, warmup_steps };
+    let steps = "    steps     = 10\n";
+    assert_eq!(
+        schedule_of("    schedule  = linear(warmup = 3)\n", steps),
+        lr(ScheduleKind::Linear, 3)
+    );
+    // A fraction rounds down, as `int(warmup_ratio * total_steps)` does.
+    assert_eq!(
+        schedule_of("    schedule  = cosine(warmup = 0.999)\n", steps),
+        lr(ScheduleKind::Cosine, 9)
+    );
+    assert_eq!(
+        schedule_of("    schedule  = cosine(warmup = 10)\n", steps),
+        lr(ScheduleKind::Cosine, 10)
+    );
+    assert_eq!(
+        schedule_of("    schedule  = linear\n", steps),
+        lr(ScheduleKind::Linear, 0)
+    );
+    assert_eq!(
+        schedule_of("    schedule  = constant(warmup = 0.5)\n", steps),
+        lr(ScheduleKind::Constant, 5)
+    );
+    // Constant needs no step count; the default is constant.
+    assert_eq!(
+        schedule_of("    schedule  = constant\n", ""),
+        LrSchedule::CONSTANT
+    );
+    assert_eq!(schedule_of("", ""), LrSchedule::CONSTANT);
+}
+
+#[test]
+fn every_model_takes_a_schedule() {
+    let source = include_str!("../../pipelines/quickstart.pipe").replace(
+        "    steps     = 300\n",
+        "    steps     = 300\n    schedule  = cosine(warmup = 0.1)\n",
+    );
+    let plan = compile_source("quickstart.pipe", &source).unwrap_or_else(|d| panic!("{d}"));
+    assert_eq!(
+        plan.drafter.optimizer.schedule,
+        LrSchedule {
+            kind: ScheduleKind::Cosine,
+            warmup_steps: 30
+        }
+    );
+}
+
+#[test]
+fn a_recorded_target_with_weights_carries_them_into_the_plan() {
+    let source = ISSUE_EXAMPLE.replace(
+        "    source       = synthetic(seed = 1, lengths = 8..32)\n",
+        "    weights      = safetensors(path = \"models/target\")\n    source       = safetensors(path = \"data/*.safetensors\")\n",
+    );
+    let plan = compile_source("weights.pipe", &source).unwrap_or_else(|d| panic!("{d}"));
+    assert_eq!(
+        plan.target.weights,
+        Some(WeightsSpec::Safetensors {
+            path: "models/target".into()
+        })
+    );
+    // The frozen tables are in the memory plan: embedding and lm_head, f32.
+    assert_eq!(plan.memory[0].frozen_weights, 2 * 4 * 512 * 64);
+}
+
+/// The error messages of `source`, one per line.
+fn errors(source: &str) -> String {
+    match compile_source("bad.pipe", source) {
+        Ok(_) => panic!("compiled:\n{source}"),
+        Err(d) => d
+            .iter()
+            .map(|d| d.message.clone())
+            .collect::<Vec<_>>()
+            .join("\n"),
+    }
+}
+
+#[test]
+fn every_dflash_dimension_is_range_checked() {
+    let model = "dflash(layers = 2, heads = 4, kv_heads = 2, head_dim = 16, intermediate = 128, block = 4, anchors = 64, mask_token = 511, rope_theta = 10000)";
+    for (from, to, expected) in [
+        ("layers = 2", "layers = 0", "`layers` must be at least 1"),
+        ("heads = 4,", "heads = 0,", "`heads` must be at least 1"),
+        (
+            "kv_heads = 2",
+            "kv_heads = 0",
+            "`kv_heads` must be at least 1",
+        ),
+        (
+            "head_dim = 16",
+            "head_dim = 0",
+            "`head_dim` must be at least 2",
+        ),
+        (
+            "head_dim = 16",
+            "head_dim = 2048",
+            "`head_dim` must be at most 1024",
+        ),
+        (
+            "intermediate = 128",
+            "intermediate = 0",
+            "`intermediate` must be at least 1",
+        ),
+        ("block = 4", "block = 4096", "`block` must be at most 1024"),
+        (
+            "anchors = 64",
+            "anchors = 2000000",
+            "`anchors` must be at most 1048576",
+        ),
+        (
+            "mask_token = 511",
+            "mask_token = -1",
+            "`mask_token` must be at least 0",
+        ),
+        (
+            "rope_theta = 10000",
+            "rope_theta = 0",
+            "`rope_theta` must be positive",
+        ),
+        (
+            "rope_theta = 10000",
+            "rope_theta = 1e39",
+            "`rope_theta` must be positive",
+        ),
+        ("layers = 2", "layers = 300", "`layers` must be at most 256"),
+    ] {
+        let source = ISSUE_EXAMPLE.replace(model, &model.replace(from, to));
+        assert_ne!(source, ISSUE_EXAMPLE, "{from}");
+        let text = errors(&source);
+        assert!(text.contains(expected), "{to}: {text}");
+    }
+    let source = ISSUE_EXAMPLE.replace("position_decay = 7.0", "position_decay = 0");
+    assert!(errors(&source).contains("`position_decay` must be positive"));
+}

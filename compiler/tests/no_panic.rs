@@ -3,9 +3,11 @@
 
 use proptest::prelude::*;
 
-const VALID: [&str; 2] = [
+const VALID: [&str; 4] = [
     include_str!("../../pipelines/quickstart.pipe"),
     include_str!("../../pipelines/dflash-5x3.pipe"),
+    include_str!("../../pipelines/dflash-quickstart.pipe"),
+    include_str!("../../pipelines/mlp-5x3.pipe"),
 ];
 
 /// Compiles and, on failure, renders every diagnostic: the two things a user ever does with a file.
@@ -124,7 +126,7 @@ proptest! {
 
     #[test]
     fn mutated_valid_files_never_panic(
-        which in 0usize..2,
+        which in 0usize..VALID.len(),
         mutations in proptest::collection::vec(mutation(), 1..4),
     ) {
         let mut source = VALID[which].to_owned();
@@ -150,14 +152,19 @@ fn deeply_nested_values_are_an_error_not_a_crash() {
 
 #[test]
 fn huge_dimensions_are_rejected_without_overflow() {
-    let source = VALID[1]
+    let mlp = include_str!("../../pipelines/mlp-5x3.pipe")
         .replace("hidden = 1024", "hidden = 4294967296")
         .replace("intermediate = 2816", "intermediate = 4294967296");
-    let diagnostics = draftpipe_compiler::compile_source("huge.pipe", &source).unwrap_err();
-    assert!(
-        diagnostics.to_string().contains("too large"),
-        "{diagnostics}"
-    );
+    let dflash = VALID[1]
+        .replace("hidden       = 4096", "hidden       = 4294967296")
+        .replace("intermediate = 12288", "intermediate = 4294967296");
+    for source in [mlp, dflash] {
+        let diagnostics = draftpipe_compiler::compile_source("huge.pipe", &source).unwrap_err();
+        assert!(
+            diagnostics.to_string().contains("too large"),
+            "{diagnostics}"
+        );
+    }
 }
 
 #[test]

@@ -5,11 +5,12 @@ use draftpipe_compiler::plan::*;
 use draftpipe_compiler::{compile_source, cost};
 
 const QUICKSTART: &str = include_str!("../../pipelines/quickstart.pipe");
-const DFLASH: &str = include_str!("../../pipelines/dflash-5x3.pipe");
+/// The five-target, three-drafter topology with the mlp drafter at Qwen3-8B's target shapes.
+const MLP_5X3: &str = include_str!("../../pipelines/mlp-5x3.pipe");
 
 #[test]
-fn dflash_parameter_count_matches_the_closed_formula() {
-    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+fn mlp_5x3_parameter_count_matches_the_closed_formula() {
+    let plan = compile_source("mlp-5x3.pipe", MLP_5X3).unwrap();
     // din = 4096 × 3 taps; H = 1024, I = 2816, 2 blocks, 4 heads, V = 151936.
     let (din, h, i, blocks, heads, v) = (
         12288usize,
@@ -37,7 +38,7 @@ fn dflash_parameter_count_matches_the_closed_formula() {
 
 #[test]
 fn layout_is_contiguous_with_pytorch_names_and_out_in_shapes() {
-    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    let plan = compile_source("mlp-5x3.pipe", MLP_5X3).unwrap();
     let layout = &plan.model.layout;
     let names: Vec<&str> = layout.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(
@@ -123,8 +124,8 @@ fn quickstart_memory_matches_the_documented_formula() {
 }
 
 #[test]
-fn dflash_memory_is_per_drafter_gpu() {
-    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+fn mlp_5x3_memory_is_per_drafter_gpu() {
+    let plan = compile_source("mlp-5x3.pipe", MLP_5X3).unwrap();
     let devices: Vec<Device> = plan.memory.iter().map(|m| m.device).collect();
     assert_eq!(devices, [Device::Gpu(5), Device::Gpu(6), Device::Gpu(7)]);
     let m = &plan.memory[0];
@@ -147,7 +148,7 @@ fn dflash_memory_is_per_drafter_gpu() {
 
 #[test]
 fn step_flops_follow_the_formula() {
-    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    let plan = compile_source("mlp-5x3.pipe", MLP_5X3).unwrap();
     let (t, din, h, i, l, heads, v) = (16384u64, 12288u64, 1024u64, 2816u64, 2u64, 4u64, 151936u64);
     let p = plan.model.parameters as u64;
     let forward_gemm = 2 * t * (h * din + l * 3 * i * h + heads * h * h + heads * h * v);
@@ -224,9 +225,9 @@ fn defaults_are_documented_values() {
 }
 
 #[test]
-fn dflash_plan_reads_every_setting() {
-    let plan = compile_source("dflash.pipe", DFLASH).unwrap();
-    assert_eq!(plan.name, "dflash-qwen3-8b");
+fn mlp_5x3_plan_reads_every_setting() {
+    let plan = compile_source("mlp-5x3.pipe", MLP_5X3).unwrap();
+    assert_eq!(plan.name, "mlp-qwen3-8b");
     assert_eq!(plan.devices.len(), 8);
     assert_eq!(
         plan.devices[3],
@@ -260,7 +261,7 @@ fn dflash_plan_reads_every_setting() {
     assert_eq!(plan.drafter.loss.chunk_tokens, 4096);
     assert_eq!(
         plan.telemetry.trace.as_deref(),
-        Some("runs/dflash/trace.json")
+        Some("runs/mlp-5x3/trace.json")
     );
 }
 

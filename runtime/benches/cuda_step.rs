@@ -2,7 +2,7 @@
 //!
 //! - AdamW bandwidth against a device-to-device copy measured in the same run (target ≥ 85 %);
 //! - the fused vocabulary loss against a version that materialises all logits (time and logits memory);
-//! - the whole step of the `dflash-5x3.pipe` drafter (din 12288, hidden 1024, 2 blocks, intermediate 2816,
+//! - the whole step of the `mlp-5x3.pipe` drafter (din 12288, hidden 1024, 2 blocks, intermediate 2816,
 //!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode with f32 GEMMs, and in graph mode
 //!   with TF32 and bf16 GEMMs (`precision`): tokens/s, device busy % with the next batch always staged (target
 //!   ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each section's rows are printed as soon as they are measured.

@@ -21,5 +21,6 @@ pub mod pipeline;
 pub mod queue;
 pub mod simulate;
 pub mod source;
+pub mod target_weights;
 pub mod telemetry;
 pub mod tensor_file;

@@ -347,12 +347,12 @@ fn compiled_bytes_per_worker(plan: &draftpipe_compiler::plan::Plan, device: Devi
     (memory.parameters + memory.gradients + memory.optimizer_state + memory.workspaces) / workers
 }
 
-/// A drafter allocates exactly what `compile` reports: the quickstart on this backend, and the dflash pipeline
+/// A drafter allocates exactly what `compile` reports: the quickstart on this backend, and the mlp-5x3 pipeline
 /// on CUDA (its CPU layout is computed by the same code but not allocated here: ~8 GB).
 fn allocation_equals_the_compiled_layout<D: TestDevice>(device: &D) {
     let mut cases = vec![shipped("quickstart.pipe")];
     if D::NAME == "cuda" {
-        cases.push(shipped("dflash-5x3.pipe"));
+        cases.push(shipped("mlp-5x3.pipe"));
     }
     for mut plan in cases {
         let kind_device = if D::NAME == "cpu" {

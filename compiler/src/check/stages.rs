@@ -695,13 +695,14 @@ pub(crate) fn check_schedule(parts: &DrafterParts, errs: &mut Errs) -> Option<Lr
     let needs_steps = written.kind != ScheduleKind::Constant || written.warmup != Ok(0);
     let Some(steps) = steps.filter(|_| needs_steps) else {
         if needs_steps {
+            let what = match written.kind {
+                ScheduleKind::Constant => "a warmup".to_owned(),
+                kind => format!("`schedule = {}`", kind.name()),
+            };
             errs.push(
                 Diagnostic::error(
                     written.span,
-                    format!(
-                        "`schedule = {}` with a warmup needs the drafter's `steps`",
-                        written.kind.name()
-                    ),
+                    format!("{what} is laid out over the drafter's `steps`, and it has none"),
                 )
                 .label("no step count to schedule over")
                 .help("add `steps = N` to the drafter, or use `schedule = constant`"),
@@ -924,12 +925,13 @@ fn loss_key_for(
     let Some(model) = model.filter(|m| m.dflash != wanted_dflash) else {
         return true;
     };
-    let (applies, other, instead) = if wanted_dflash {
-        ("dflash", "mlp", "`head_decay` weighs the mlp's heads")
+    let (applies, other, article, instead) = if wanted_dflash {
+        ("dflash", "mlp", "an", "`head_decay` weighs the mlp's heads")
     } else {
         (
             "mlp",
             "dflash",
+            "a",
             "`position_decay` weighs the dflash block's slots",
         )
     };
@@ -938,7 +940,7 @@ fn loss_key_for(
             value.span,
             format!("`{key}` applies to `{applies}` drafters; this drafter is `{other}`"),
         )
-        .label(format!("not a `{other}` setting"))
+        .label(format!("not {article} `{other}` setting"))
         .related(model.span, format!("model is `{other}`"))
         .help(format!("remove `{key}` ({instead})")),
     );

@@ -18,6 +18,13 @@
 //! [`MAX_BASIS_ELEMENTS`] floats: one row per token when it fits, else the normalised sum of two rows picked by
 //! hashing the token, so huge vocabularies cost bounded memory.
 //!
+//! **Frozen embedding and `lm_head`** (what a `dflash` drafter reads from a target): the embedding of token `x`
+//! is the same `embedding(x)` the hidden states are built from, and the `lm_head` row of `x` is
+//! `embedding(x) / √hidden`. So the target's hidden states carry, in its own embedding space, the next tokens'
+//! embeddings, and a drafter that recovers `embedding(next)` from them scores `next` highest through the
+//! `lm_head`: the scale makes the logits of an unaligned, RMS-normalised vector about unit variance, as a
+//! trained head's are, and those of an aligned one about `√hidden` above the rest.
+//!
 //! **Batches.** The batch at global position `p` is a pure function of `(seed, p)`: its RNG is seeded from both.
 //! Its bucket is drawn with probability proportional to `P(length in bucket) / sequences per item`, the rate at
 //! which a stream of uniformly distributed lengths routed to buckets would complete items; its sequence
@@ -169,6 +176,30 @@ impl SyntheticTarget {
     /// Width of one token's hidden state: `hidden × taps`.
     pub fn din(&self) -> usize {
         self.hidden * self.taps
+    }
+
+    /// Hidden size of one tapped layer.
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// The frozen embedding table, `[vocab, hidden]` row-major: row `x` is `embedding(x)` (module docs).
+    pub fn embedding_table(&self) -> Vec<f32> {
+        let mut table = vec![0.0; self.vocab * self.hidden];
+        for (token, row) in table.chunks_exact_mut(self.hidden).enumerate() {
+            self.add_embedding(token as u32, 1.0, row);
+        }
+        table
+    }
+
+    /// The frozen `lm_head`, `[vocab, hidden]` row-major: row `x` is `embedding(x) / √hidden` (module docs).
+    pub fn lm_head_table(&self) -> Vec<f32> {
+        let mut table = vec![0.0; self.vocab * self.hidden];
+        let scale = 1.0 / (self.hidden as f32).sqrt();
+        for (token, row) in table.chunks_exact_mut(self.hidden).enumerate() {
+            self.add_embedding(token as u32, scale, row);
+        }
+        table
     }
 
     /// The chain's `k`-th successor of `token` (`k < SUCCESSORS`; `k = 0` is the most likely).
