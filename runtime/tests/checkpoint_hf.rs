@@ -198,8 +198,11 @@ fn qwen3_8b_drafter() -> DflashSpec {
 }
 
 #[test]
-fn config_for_qwen3_8b_shapes_matches_the_hand_checked_file() {
+fn config_for_dflash_5x3_matches_the_hand_checked_file() {
+    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../pipelines/dflash-5x3.pipe");
+    let plan = draftpipe_compiler::compile_file(&pipe).unwrap();
     let spec = qwen3_8b_drafter();
+    assert_eq!(plan.model.spec.as_dflash(), Some(&spec));
     let generated = dflash_config(&spec, WeightsDtype::Bf16);
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/dflash-5x3.config.json");
     let hand: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
