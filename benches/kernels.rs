@@ -6,6 +6,12 @@
 //! `fused_loss` compares the chunked loss of one head with the variant that materialises all `T × V` logits
 //! (same code, one chunk of T rows), and prints the peak heap of each.
 //!
+//! `attention` times the DFlash attention forward and backward on the host (4 sequences of 256 context rows,
+//! 32 anchors each spread over the sequence, blocks of 4, 4 query heads over 2 kv heads of 16: the shapes of
+//! the issue's example pipeline with longer sequences), with `Throughput::Elements` = the floating-point
+//! operations of the unmasked (query, head, key) pairs only (forward `4·hd` per pair, backward `14·hd`: both
+//! passes recompute the scores), and prints how many pairs a dense `[queries × keys]` computation would touch.
+//!
 //! Run: `cargo bench --bench kernels -- --warm-up-time 1 --measurement-time 3`.
 
 use criterion::{
@@ -182,5 +188,114 @@ fn bench_fused_loss(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_kernels, bench_fused_loss);
+/// The ranges of a DFlash block plan: `sequences` of `len` context rows, `anchors` per sequence evenly spread,
+/// `block` query rows each. Returns `(query_ranges, key_ranges_ctx, key_ranges_blk, unmasked pairs)`.
+fn dflash_ranges(
+    sequences: usize,
+    len: usize,
+    anchors: usize,
+    block: usize,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>, usize) {
+    let (mut query, mut key_ctx, mut key_blk, mut pairs) = (vec![], vec![], vec![], 0);
+    let mut row = 0u32;
+    for s in 0..sequences {
+        let start = (s * len) as u32;
+        let first_row = row;
+        let anchor_at = |j: usize| (j * (len - 1) / anchors) as u32;
+        for j in 0..anchors {
+            for _ in 0..block {
+                query.extend([start, start + anchor_at(j), row, row + block as u32]);
+                key_blk.extend([row, row + block as u32]);
+                pairs += anchor_at(j) as usize + block;
+            }
+            row += block as u32;
+        }
+        for position in 0..len as u32 {
+            let first = (0..anchors).find(|&j| anchor_at(j) > position);
+            key_ctx.extend(match first {
+                Some(j) => [first_row + (j * block) as u32, row],
+                None => [0, 0],
+            });
+        }
+    }
+    (query, key_ctx, key_blk, pairs)
+}
+
+fn bench_attention(c: &mut Criterion) {
+    use draftpipe_runtime::backend::AttentionShape;
+    use draftpipe_runtime::cpu::attention::{
+        AttentionGradSlices, AttentionSlices, attention_backward, attention_forward,
+    };
+    let (sequences, len, anchors, block) = (4, 256, 32, 4);
+    let shape = AttentionShape::new(4, 2, 16);
+    let (query_ranges, key_ctx, key_blk, pairs_per_head) =
+        dflash_ranges(sequences, len, anchors, block);
+    let (queries, context) = (sequences * anchors * block, sequences * len);
+    let (q_len, ctx_len, blk_len) = (
+        queries * shape.heads * shape.head_dim,
+        context * shape.kv_heads * shape.head_dim,
+        queries * shape.kv_heads * shape.head_dim,
+    );
+    let inputs = [
+        values(q_len, 21),
+        values(ctx_len, 22),
+        values(ctx_len, 23),
+        values(blk_len, 24),
+        values(blk_len, 25),
+    ];
+    let slices = AttentionSlices {
+        q: &inputs[0],
+        k_ctx: &inputs[1],
+        v_ctx: &inputs[2],
+        k_blk: &inputs[3],
+        v_blk: &inputs[4],
+        query_ranges: &query_ranges,
+    };
+    let pairs = pairs_per_head * shape.heads;
+    let dense = queries * shape.heads * (context + queries);
+    println!(
+        "attention: {queries} queries × {} heads, {pairs} unmasked (query, head, key) pairs of {dense} dense \
+         ({:.1} %)",
+        shape.heads,
+        100.0 * pairs as f64 / dense as f64
+    );
+    let (mut out, mut lse) = (vec![0.0; q_len], vec![0.0; queries * shape.heads]);
+    attention_forward(slices, shape, &mut out, &mut lse);
+    let dout = values(q_len, 26);
+    let mut delta = vec![0.0; queries * shape.heads];
+    let mut grads: [Vec<f32>; 5] =
+        [q_len, ctx_len, ctx_len, blk_len, blk_len].map(|n| vec![0.0; n]);
+    let mut group = c.benchmark_group("attention");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements((pairs * 4 * shape.head_dim) as u64));
+    group.bench_function("forward", |b| {
+        b.iter(|| attention_forward(slices, shape, &mut out, &mut lse))
+    });
+    group.throughput(Throughput::Elements((pairs * 14 * shape.head_dim) as u64));
+    group.bench_function("backward", |b| {
+        b.iter(|| {
+            let [dq, dk_ctx, dv_ctx, dk_blk, dv_blk] = &mut grads;
+            attention_backward(
+                slices,
+                shape,
+                &out,
+                &dout,
+                &lse,
+                &key_ctx,
+                &key_blk,
+                &mut delta,
+                AttentionGradSlices {
+                    dq,
+                    dk_ctx,
+                    dv_ctx,
+                    dk_blk,
+                    dv_blk,
+                },
+            )
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_kernels, bench_fused_loss, bench_attention);
 criterion_main!(benches);

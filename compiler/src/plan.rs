@@ -606,6 +606,12 @@ pub struct DflashSpec {
 }
 
 impl DflashSpec {
+    /// Block slots per sequence in a bucket of padded length `padded_len`: `anchors`, or the most anchor
+    /// positions the bucket has (`padded_len − 1`, each needing a next token) when that is fewer; at least 1.
+    pub fn block_slots(&self, padded_len: usize) -> usize {
+        self.anchors.min(padded_len.saturating_sub(1)).max(1)
+    }
+
     /// The closed-form count of trained parameters (frozen embedding and `lm_head` excluded).
     ///
     /// # Examples
@@ -660,10 +666,10 @@ impl DflashSpec {
 
 impl Plan {
     /// The workspace one drafter worker on `device` allocates (see [`WorkspaceLayout`]).
-    /// `None` when a size overflows, or for a `dflash` model until its workspace is described.
+    /// `None` when a size overflows.
     pub fn workspace_layout(&self, device: Device) -> Option<WorkspaceLayout> {
-        WorkspaceLayout::mlp(
-            self.model.spec.as_mlp()?,
+        WorkspaceLayout::of_model(
+            &self.model.spec,
             &self.buckets,
             &self.drafter.loss,
             BackendKind::of(device),

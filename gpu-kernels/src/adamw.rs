@@ -73,23 +73,81 @@ pub unsafe fn adamw_update(
     }
 }
 
+/// AdamW's constant hyper-parameters (the learning rate before the schedule).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConstants {
+    /// Peak learning rate.
+    pub lr: f32,
+    /// First-moment decay β1.
+    pub beta1: f32,
+    /// Second-moment decay β2.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+}
+
+/// Schedule kind: the learning rate as given.
+pub const SCHEDULE_CONSTANT: u32 = 0;
+/// Schedule kind: linear warmup, then linear decay to 0 at `total`.
+pub const SCHEDULE_LINEAR: u32 = 1;
+/// Schedule kind: linear warmup, then half a cosine to 0 at `total`.
+pub const SCHEDULE_COSINE: u32 = 2;
+
+/// A learning-rate schedule as Hugging Face's `get_{linear,cosine}_schedule_with_warmup` (or constant).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Schedule {
+    /// [`SCHEDULE_CONSTANT`], [`SCHEDULE_LINEAR`] or [`SCHEDULE_COSINE`] (any other value: constant).
+    pub kind: u32,
+    /// Warmup steps `w`.
+    pub warmup: f32,
+    /// Total steps `T`.
+    pub total: f32,
+}
+
+impl Schedule {
+    /// The learning-rate factor for the step applied after `applied` steps (0 for the first):
+    /// `s < w: s / max(1, w)`; linear: `max(0, (T − s) / max(1, T − w))`; cosine:
+    /// `max(0, ½ (1 + cos(π (s − w) / max(1, T − w))))`; constant: 1.
+    #[inline(always)]
+    pub fn factor(self, applied: f64) -> f64 {
+        let (w, total) = (self.warmup as f64, self.total as f64);
+        let at_least_one = |x: f64| if x > 1.0 { x } else { 1.0 };
+        let non_negative = |x: f64| if x > 0.0 { x } else { 0.0 };
+        if self.kind != SCHEDULE_LINEAR && self.kind != SCHEDULE_COSINE {
+            return 1.0;
+        }
+        if applied < w {
+            return applied / at_least_one(w);
+        }
+        let span = at_least_one(total - w);
+        if self.kind == SCHEDULE_LINEAR {
+            non_negative((total - applied) / span)
+        } else {
+            let progress = ((applied - w) / span) as f32;
+            let (_, cos) = crate::math::sin_cos(core::f32::consts::PI * progress);
+            non_negative(0.5 * (1.0 + cos as f64))
+        }
+    }
+}
+
 /// Advances AdamW's running state for one applied step and writes that step's scalars, on the device, so the
-/// host never computes bias corrections and a skipped step (non-finite `grad_norm[0]`) advances nothing:
-/// `state = [steps, β1^steps, β2^steps]` (f64, as PyTorch computes the corrections in Python floats).
+/// host never computes bias corrections or the scheduled learning rate (a CUDA graph replays the same launch
+/// every step) and a skipped step (non-finite `grad_norm[0]`) advances nothing:
+/// `state = [steps, β1^steps, β2^steps]` (f64, as PyTorch computes the corrections in Python floats). The
+/// step's learning rate is `lr · schedule.factor(steps before this one)`, which also scales the decoupled weight
+/// decay, as a PyTorch scheduler changes the group's `lr`.
 ///
 /// Launch: one index.
 ///
 /// # Safety
 /// `grad_norm` holds one element, `state` three, `step` one [`AdamWStep`].
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn adamw_advance(
     grad_norm: *const f32,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    weight_decay: f32,
+    constants: AdamWConstants,
+    schedule: Schedule,
     state: *mut f64,
     step: *mut AdamWStep,
 ) {
@@ -98,18 +156,19 @@ pub unsafe fn adamw_advance(
         if !(*grad_norm).is_finite() {
             return;
         }
+        let lr = constants.lr as f64 * schedule.factor(*state);
         *state += 1.0;
-        *state.add(1) *= beta1 as f64;
-        *state.add(2) *= beta2 as f64;
+        *state.add(1) *= constants.beta1 as f64;
+        *state.add(2) *= constants.beta2 as f64;
         let bias1 = 1.0 - *state.add(1);
         let bias2 = 1.0 - *state.add(2);
         *step = AdamWStep {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            step_size: (lr as f64 / bias1) as f32,
+            lr: lr as f32,
+            beta1: constants.beta1,
+            beta2: constants.beta2,
+            eps: constants.eps,
+            weight_decay: constants.weight_decay,
+            step_size: (lr / bias1) as f32,
             bias_correction2_sqrt: crate::math::sqrt(bias2 as f32),
         };
     }

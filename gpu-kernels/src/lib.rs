@@ -28,6 +28,12 @@
 //! | [`loss::vocab_loss_row`] | a plane per token row | row |
 //! | [`reduce::sum_partials`], [`reduce::sum_squares_partials`] | a plane per chunk | chunk |
 //! | [`reduce::finish_sum`], [`reduce::finish_grad_norm`] | one plane | — |
+//! | [`embedding::embedding_gather`] | element range | chunk |
+//! | [`rope::rope`] | a thread per index | `row · head_dim/2 + pair` |
+//! | [`loss::weighted_vocab_loss_row`] | a plane per token row | row |
+//! | [`attention::attention_forward`], [`attention::attention_backward_q`] | a plane per (query tile, head) | `tile · heads + head` |
+//! | [`attention::attention_delta`] | a plane per (query, head) | `query · heads + head` |
+//! | [`attention::attention_backward_kv`] | a plane per (key tile, kv head) | `tile · kv_heads + kv head` |
 //!
 //! One training step in kernel order (GEMMs are the caller's):
 //!
@@ -46,6 +52,8 @@
 
 pub mod activation;
 pub mod adamw;
+pub mod attention;
+pub mod embedding;
 pub mod loss;
 pub mod math;
 pub mod norm;
@@ -53,4 +61,5 @@ pub mod plane;
 #[cfg(target_arch = "nvptx64")]
 mod ptx;
 pub mod reduce;
+pub mod rope;
 pub mod table;

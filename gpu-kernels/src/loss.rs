@@ -150,3 +150,56 @@ pub unsafe fn vocab_loss_row(
         }
     }
 }
+
+/// The weighted cross-entropy of one row of a logits chunk (DFlash's decayed loss), fused with its gradient:
+/// with `s = weights[row] · norm[0]` (`norm` is `1 / Σ weights` over the batch, computed when the batch is
+/// staged), `row_loss[row] = s · (logsumexp(logits) − logits[label])`, in place
+/// `logits ← s · (softmax(logits) − onehot(label))`, and `correct[row] = 1` when the row's first largest logit
+/// is the label (`torch.argmax`'s tie rule), else 0. A row without a label (`label < 0`) gets a zero gradient,
+/// loss 0 and `correct` 0.
+///
+/// Three passes over the row: the argmax, then [`Plane::softmax_gradient_in_place`]'s two (an online max and sum
+/// of exponentials, then the gradient).
+///
+/// Launch: one plane per row of the chunk; the pointers point at the chunk's first row.
+///
+/// # Safety
+/// `logits` holds `(row + 1) · vocab` elements, `labels`, `weights`, `row_loss`, `correct` `row + 1`, `norm`
+/// one; labels are `< vocab`; `vocab > 0`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn weighted_vocab_loss_row(
+    logits: *mut f32,
+    labels: *const i32,
+    weights: *const f32,
+    norm: *const f32,
+    row_loss: *mut f32,
+    correct: *mut f32,
+    vocab: usize,
+    plane: impl Plane,
+    row: usize,
+) {
+    // SAFETY: every access is inside row `row` of `logits` or at `row` of the per-row buffers. Every lane reads
+    // the target logit and finishes the argmax (whose shuffles wait for all lanes) before any lane writes.
+    unsafe {
+        let logits = logits.add(row * vocab);
+        let label = *labels.add(row);
+        if label < 0 || label as usize >= vocab {
+            plane.for_each(vocab, |v| *logits.add(v) = 0.0);
+            if plane.is_leader() {
+                *row_loss.add(row) = 0.0;
+                *correct.add(row) = 0.0;
+            }
+            return;
+        }
+        let label = label as usize;
+        let target = *logits.add(label);
+        let best = plane.argmax(vocab, |v| *logits.add(v));
+        let scale = *weights.add(row) * *norm;
+        let (max, sum) = plane.softmax_gradient_in_place(logits, vocab, label, scale);
+        if plane.is_leader() {
+            *row_loss.add(row) = scale * (max + crate::math::ln(sum) - target);
+            *correct.add(row) = if best == label { 1.0 } else { 0.0 };
+        }
+    }
+}

@@ -1,4 +1,4 @@
-//! Scalar maths shared by every kernel: `exp`, `ln`, `rsqrt`, `sigmoid`, `silu` and its derivative.
+//! Scalar maths shared by every kernel: `exp`, `ln`, `rsqrt`, `sigmoid`, `silu` and its derivative, `sin_cos`.
 //!
 //! `core` has no `exp`/`sqrt`/`ln` for `f32` on stable, and `llvm.exp.f32` has no NVPTX lowering, so each helper
 //! has two bodies:
@@ -89,6 +89,39 @@ pub fn silu(x: f32) -> f32 {
 pub fn silu_and_grad(x: f32) -> (f32, f32) {
     let s = sigmoid(x);
     (x * s, s * (1.0 + x * (1.0 - s)))
+}
+
+/// `(sin x, cos x)` with one body on both sides (plain f32 arithmetic, no approximate instruction, so the host
+/// and the device give the same bits): Cephes `sinf`/`cosf`: reduce by multiples of π/2 with a three-part
+/// π/4, then degree-7 (sin) and degree-8 (cos) polynomials on [−π/4, π/4], the quadrant picked by selects.
+/// Within 2 ulp of f64 plus the reduction's error for |x| ≤ 8192 (the three-part constant is exact while the
+/// multiple of π/4 stays below 2^16, so it degrades slowly up to |x| ≈ 5·10^4); RoPE angles are positions
+/// times frequencies ≤ 1, and the learning-rate schedule's are in [0, π].
+#[inline(always)]
+pub fn sin_cos(x: f32) -> (f32, f32) {
+    const FOUR_OVER_PI: f32 = 1.273_239_5;
+    const DP1: f32 = 0.785_156_25;
+    const DP2: f32 = 2.418_756_5e-4;
+    const DP3: f32 = 3.774_895e-8;
+    let negative = x < 0.0;
+    let a = if negative { -x } else { x };
+    // The nearest even multiple of π/4, i.e. the nearest multiple of π/2 (`as` saturates, so no UB).
+    let mut j = (a * FOUR_OVER_PI) as u32;
+    j += j & 1;
+    let y = j as f32;
+    let r = ((a - y * DP1) - y * DP2) - y * DP3;
+    let z = r * r;
+    let sin_r = ((-1.951_529_6e-4 * z + 8.332_161e-3) * z - 1.666_665_5e-1) * z * r + r;
+    let cos_r =
+        ((2.443_315_7e-5 * z - 1.388_731_6e-3) * z + 4.166_664_6e-2) * z * z - 0.5 * z + 1.0;
+    let quadrant = (j >> 1) & 3;
+    let (sin_a, cos_a) = match quadrant {
+        0 => (sin_r, cos_r),
+        1 => (cos_r, -sin_r),
+        2 => (-sin_r, -cos_r),
+        _ => (-cos_r, sin_r),
+    };
+    (if negative { -sin_a } else { sin_a }, cos_a)
 }
 
 /// Host `e^x`: Cephes `expf` (round `x·log2 e` to `n`, reduce by a two-part `ln 2`, degree-6 polynomial, scale
@@ -241,6 +274,31 @@ mod tests {
         assert_eq!(sqrt(f32::INFINITY), f32::INFINITY);
         assert!(sqrt(f32::NAN).is_nan());
         assert!(sqrt(-1.0).is_nan());
+    }
+
+    #[test]
+    fn sin_cos_matches_f64() {
+        let mut worst = 0.0f64;
+        let mut x = -8192.0f32;
+        while x < 8192.0 {
+            let (s, c) = sin_cos(x);
+            let (rs, rc) = (x as f64).sin_cos();
+            worst = worst.max((s as f64 - rs).abs()).max((c as f64 - rc).abs());
+            x += 0.013_7;
+        }
+        assert!(worst < 2.5e-7, "worst absolute error {worst}");
+        for x in [
+            0.0f32,
+            -0.0,
+            1e-30,
+            core::f32::consts::PI,
+            -core::f32::consts::FRAC_PI_2,
+        ] {
+            let (s, c) = sin_cos(x);
+            assert!((s as f64 - (x as f64).sin()).abs() < 1.2e-7, "sin {x}");
+            assert!((c as f64 - (x as f64).cos()).abs() < 1.2e-7, "cos {x}");
+        }
+        assert!(sin_cos(f32::NAN).0.is_nan() && sin_cos(f32::NAN).1.is_nan());
     }
 
     #[test]

@@ -16,6 +16,16 @@
 /// Lanes of a plane: the warp size of every NVIDIA GPU.
 pub const WIDTH: usize = 32;
 
+/// Elements of a register row ([`Plane::Row`]) each lane holds.
+pub const ROW_SLOTS: usize = 4;
+
+/// The longest row a plane keeps in registers: the attention's largest head dimension.
+pub const MAX_ROW: usize = WIDTH * ROW_SLOTS;
+
+/// One lane's share of a register row: element `lane + WIDTH · slot` in `slot` (the split of
+/// [`Plane::for_each`]), so a lane's loads of a row are coalesced with its neighbours'.
+pub type LaneRow = [f32; ROW_SLOTS];
+
 /// A value lanes exchange in a reduction: `f32`, `f64`, or pairs of them.
 pub trait LaneValue: Copy {
     /// The value of lane `lane ^ mask` (every lane of the warp calls it together).
@@ -28,6 +38,14 @@ impl LaneValue for f32 {
     #[inline(always)]
     fn shuffle_xor(self, mask: u32) -> Self {
         f32::from_bits(device::shuffle_xor_b32(self.to_bits(), mask))
+    }
+}
+
+impl LaneValue for u32 {
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    fn shuffle_xor(self, mask: u32) -> Self {
+        device::shuffle_xor_b32(self, mask)
     }
 }
 
@@ -76,6 +94,52 @@ pub trait Plane: Copy {
     fn sum(self, n: usize, mut f: impl FnMut(usize) -> f32) -> f32 {
         self.reduce(n, 0.0f32, |acc, i| acc + f(i), |acc| acc, |a, b| a + b)
     }
+
+    /// The first index of the largest `f(i)` over `0..n` (ties: the lowest index, as `torch.argmax`; NaN is
+    /// never larger, so it is skipped), or 0 when `n = 0`.
+    #[inline(always)]
+    fn argmax(self, n: usize, mut f: impl FnMut(usize) -> f32) -> usize {
+        let (_, index) = self.reduce(
+            n,
+            (f32::NEG_INFINITY, u32::MAX),
+            |(best, at), i| {
+                let v = f(i);
+                // Each lane visits its indices in ascending order, so `>` keeps the first of equal values.
+                if v > best || (at == u32::MAX && !v.is_nan()) {
+                    (v, i as u32)
+                } else {
+                    (best, at)
+                }
+            },
+            |pair| pair,
+            |a, b| {
+                let a_wins = b.1 == u32::MAX
+                    || (a.1 != u32::MAX && (a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)));
+                if a_wins { a } else { b }
+            },
+        );
+        if index == u32::MAX { 0 } else { index as usize }
+    }
+
+    /// A row of up to [`MAX_ROW`] elements in registers, split over the lanes as [`Plane::for_each`] splits
+    /// indices (on the GPU a [`LaneRow`] per lane; on the host the whole row).
+    type Row: Copy;
+
+    /// A row of zeros.
+    fn row_zero(self) -> Self::Row;
+
+    /// The row `f(i)` for `i < n` (`n ≤ MAX_ROW`), zero beyond.
+    fn row_load(self, n: usize, f: impl FnMut(usize) -> f32) -> Self::Row;
+
+    /// `Σ a[i] · b[i]` over `i < n`, summed in [`Plane::reduce`]'s order (each lane's share ascending, then
+    /// the butterfly), so every plane gives the same bits; every lane returns it.
+    fn row_dot(self, a: &Self::Row, b: &Self::Row, n: usize) -> f32;
+
+    /// `acc[i] ← alpha · acc[i] + p · x[i]` for `i < n`.
+    fn row_scale_add(self, acc: &mut Self::Row, alpha: f32, p: f32, x: &Self::Row, n: usize);
+
+    /// `f(i, row[i])` for every `i < n`, each on the lane that holds it (to store a row).
+    fn row_store(self, row: &Self::Row, n: usize, f: impl FnMut(usize, f32));
 
     /// The cross-entropy gradient of one row in place: `x[i] ← scale·softmax(x)[i] − scale·[i = label]`, and
     /// returns `(max, Σ e^(x(i) − max))` of the input for the loss. A warp folds every element into an online
@@ -138,14 +202,72 @@ fn combine_exp_sums(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
     }
 }
 
-/// The host plane: the lanes run as a loop on the calling thread.
+/// Vector lanes of the host plane's register-row operations: rows are zero past their length, so whole groups
+/// of 8 run (one AVX register), and the dot product keeps 8 partial sums.
+const HOST_ROW_LANES: usize = 8;
+
+/// The host plane: the lanes run as a loop on the calling thread. Its register rows ([`Plane::Row`]) are whole
+/// rows handled 8 elements at a time: a dot product sums in another order than a warp's lanes (the one place,
+/// with [`Plane::softmax_gradient_in_place`], where the host does not reproduce lane 0's bits; results agree to
+/// rounding).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostPlane;
 
 impl Plane for HostPlane {
+    type Row = [f32; MAX_ROW];
+
     #[inline(always)]
     fn is_leader(self) -> bool {
         true
+    }
+
+    #[inline(always)]
+    fn row_zero(self) -> Self::Row {
+        [0.0; MAX_ROW]
+    }
+
+    #[inline(always)]
+    fn row_load(self, n: usize, mut f: impl FnMut(usize) -> f32) -> Self::Row {
+        let mut row = [0.0; MAX_ROW];
+        for (i, value) in row.iter_mut().enumerate().take(n) {
+            *value = f(i);
+        }
+        row
+    }
+
+    #[inline(always)]
+    fn row_dot(self, a: &Self::Row, b: &Self::Row, n: usize) -> f32 {
+        let mut acc = [0.0f32; HOST_ROW_LANES];
+        for (x, y) in a
+            .chunks_exact(HOST_ROW_LANES)
+            .zip(b.chunks_exact(HOST_ROW_LANES))
+            .take(n.div_ceil(HOST_ROW_LANES))
+        {
+            for k in 0..HOST_ROW_LANES {
+                acc[k] += x[k] * y[k];
+            }
+        }
+        ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    }
+
+    #[inline(always)]
+    fn row_scale_add(self, acc: &mut Self::Row, alpha: f32, p: f32, x: &Self::Row, n: usize) {
+        for (a, v) in acc
+            .chunks_exact_mut(HOST_ROW_LANES)
+            .zip(x.chunks_exact(HOST_ROW_LANES))
+            .take(n.div_ceil(HOST_ROW_LANES))
+        {
+            for k in 0..HOST_ROW_LANES {
+                a[k] = alpha * a[k] + p * v[k];
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn row_store(self, row: &Self::Row, n: usize, mut f: impl FnMut(usize, f32)) {
+        for (i, &value) in row.iter().enumerate().take(n) {
+            f(i, value);
+        }
     }
 
     #[inline(always)]
@@ -248,9 +370,42 @@ impl Warp {
 
 #[cfg(target_arch = "nvptx64")]
 impl Plane for Warp {
+    type Row = LaneRow;
+
     #[inline(always)]
     fn is_leader(self) -> bool {
         self.lane == 0
+    }
+
+    #[inline(always)]
+    fn row_zero(self) -> Self::Row {
+        [0.0; ROW_SLOTS]
+    }
+
+    #[inline(always)]
+    fn row_load(self, n: usize, f: impl FnMut(usize) -> f32) -> Self::Row {
+        lane_rows::load(self.lane, n, f)
+    }
+
+    #[inline(always)]
+    fn row_dot(self, a: &Self::Row, b: &Self::Row, n: usize) -> f32 {
+        let mut value = lane_rows::dot_partial(self.lane, a, b, n);
+        let mut distance = WIDTH as u32 / 2;
+        while distance > 0 {
+            value += value.shuffle_xor(distance);
+            distance /= 2;
+        }
+        value
+    }
+
+    #[inline(always)]
+    fn row_scale_add(self, acc: &mut Self::Row, alpha: f32, p: f32, x: &Self::Row, n: usize) {
+        lane_rows::scale_add(acc, alpha, p, x, n)
+    }
+
+    #[inline(always)]
+    fn row_store(self, row: &Self::Row, n: usize, f: impl FnMut(usize, f32)) {
+        lane_rows::store(self.lane, row, n, f)
     }
 
     #[inline(always)]
@@ -283,6 +438,58 @@ impl Plane for Warp {
         while i < n {
             body(i);
             i += WIDTH;
+        }
+    }
+}
+
+pub mod lane_rows {
+    //! A lane's share of a register row ([`LaneRow`]), for planes whose lanes run one per thread (the warp,
+    //! and the tests' simulated warps): loops over the constant [`ROW_SLOTS`], so the row stays in registers.
+    use super::{LaneRow, ROW_SLOTS, WIDTH};
+
+    /// Lane `lane`'s elements of the row `f(i)`, `i < n`, zero beyond.
+    #[inline(always)]
+    pub fn load(lane: usize, n: usize, mut f: impl FnMut(usize) -> f32) -> LaneRow {
+        let mut row = [0.0; ROW_SLOTS];
+        for (slot, value) in row.iter_mut().enumerate() {
+            let i = lane + WIDTH * slot;
+            if i < n {
+                *value = f(i);
+            }
+        }
+        row
+    }
+
+    /// Lane `lane`'s part of `Σ a[i] · b[i]`, its elements in ascending order from 0 (as `Plane::reduce`).
+    #[inline(always)]
+    pub fn dot_partial(lane: usize, a: &LaneRow, b: &LaneRow, n: usize) -> f32 {
+        let mut sum = 0.0f32;
+        for slot in 0..ROW_SLOTS {
+            if lane + WIDTH * slot < n {
+                sum += a[slot] * b[slot];
+            }
+        }
+        sum
+    }
+
+    /// `acc ← alpha · acc + p · x` on the lane's elements below `n`.
+    #[inline(always)]
+    pub fn scale_add(acc: &mut LaneRow, alpha: f32, p: f32, x: &LaneRow, n: usize) {
+        // Elements at or past `n` are zero in every row and stay zero; skipping them would only add branches.
+        let _ = n;
+        for slot in 0..ROW_SLOTS {
+            acc[slot] = alpha * acc[slot] + p * x[slot];
+        }
+    }
+
+    /// `f(i, row[slot])` for the lane's elements below `n`.
+    #[inline(always)]
+    pub fn store(lane: usize, row: &LaneRow, n: usize, mut f: impl FnMut(usize, f32)) {
+        for (slot, &value) in row.iter().enumerate() {
+            let i = lane + WIDTH * slot;
+            if i < n {
+                f(i, value);
+            }
         }
     }
 }

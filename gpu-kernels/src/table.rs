@@ -194,14 +194,123 @@ macro_rules! kernel_table {
                 ),
             }
             /// Advances AdamW's device state `[steps, β1^steps, β2^steps]` for one applied step and writes that
-            /// step's scalars; a skipped step (non-finite `grad_norm`) advances nothing.
+            /// step's scalars, the learning rate from the schedule (`schedule`: 0 constant, 1 linear, 2 cosine,
+            /// over `total` steps after `warmup`); a skipped step (non-finite `grad_norm`) advances nothing.
             adamw_advance {
                 reads: [grad_norm: f32 = 1],
                 writes: [state: f64 = 3, step: $crate::adamw::AdamWStep = 1],
-                scalars: [lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32],
+                scalars: [
+                    lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32,
+                    schedule: u32, warmup: f32, total: f32,
+                ],
                 launch: threads(1),
                 body: |_index| $crate::adamw::adamw_advance(
-                    grad_norm, lr, beta1, beta2, eps, weight_decay, state, step
+                    grad_norm,
+                    $crate::adamw::AdamWConstants { lr, beta1, beta2, eps, weight_decay },
+                    $crate::adamw::Schedule { kind: schedule, warmup, total },
+                    state,
+                    step,
+                ),
+            }
+            /// Rows of a frozen embedding table gathered by token id (`out[r] = table[ids[r]]`).
+            embedding_gather {
+                reads: [table: f32 = vocab * hidden, ids: u32 = $crate::table::div_ceil(n, hidden)],
+                writes: [out: f32 = n],
+                scalars: [vocab: usize, hidden: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::embedding::embedding_gather(
+                    table, ids, out, vocab, hidden, n, chunk_len, chunk
+                ),
+            }
+            /// RoPE in place over `[rows, heads, head_dim]` (`inverse != 0`: rotate back, the backward).
+            rope {
+                reads: [positions: u32 = rows],
+                writes: [x: f32 = rows * heads * head_dim],
+                scalars: [rows: usize, heads: usize, head_dim: usize, theta: f32, inverse: u32],
+                launch: threads(rows * (head_dim / 2)),
+                body: |index| $crate::rope::rope(x, positions, heads, head_dim, theta, inverse != 0, index),
+            }
+            /// Weighted fused cross-entropy of `rows` logits rows (DFlash's decayed loss), gradient in place,
+            /// with the argmax hit per row.
+            weighted_vocab_loss_row {
+                reads: [labels: i32 = rows, weights: f32 = rows, norm: f32 = 1],
+                writes: [logits: f32 = rows * vocab, row_loss: f32 = rows, correct: f32 = rows],
+                scalars: [vocab: usize, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::loss::weighted_vocab_loss_row(
+                    logits, labels, weights, norm, row_loss, correct, vocab, plane, row
+                ),
+            }
+            /// Attention forward over a context key set and a block key set, output and log-sum-exp.
+            attention_forward {
+                reads: [
+                    q: f32 = queries * heads * head_dim,
+                    k_ctx: f32 = context * kv_heads * head_dim,
+                    v_ctx: f32 = context * kv_heads * head_dim,
+                    k_blk: f32 = queries * kv_heads * head_dim,
+                    v_blk: f32 = queries * kv_heads * head_dim,
+                    query_ranges: u32 = 4 * queries,
+                ],
+                writes: [out: f32 = queries * heads * head_dim, lse: f32 = queries * heads],
+                scalars: [
+                    queries: usize, context: usize, heads: usize, kv_heads: usize, head_dim: usize, scale: f32,
+                ],
+                launch: planes($crate::table::div_ceil(queries, $crate::attention::QUERY_TILE) * heads),
+                body: |plane, index| $crate::attention::attention_forward(
+                    q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, out, lse,
+                    queries, context, heads, kv_heads, head_dim, scale, plane, index
+                ),
+            }
+            /// `delta = rowsum(dout ∘ out)` per (query, head), for the attention backward.
+            attention_delta {
+                reads: [out: f32 = rows * head_dim, dout: f32 = rows * head_dim],
+                writes: [delta: f32 = rows],
+                scalars: [head_dim: usize, rows: usize],
+                launch: planes(rows),
+                body: |plane, index| $crate::attention::attention_delta(out, dout, delta, head_dim, plane, index),
+            }
+            /// Attention query gradient (query-major, probabilities recomputed from the saved log-sum-exp).
+            attention_backward_q {
+                reads: [
+                    q: f32 = queries * heads * head_dim,
+                    k_ctx: f32 = context * kv_heads * head_dim,
+                    v_ctx: f32 = context * kv_heads * head_dim,
+                    k_blk: f32 = queries * kv_heads * head_dim,
+                    v_blk: f32 = queries * kv_heads * head_dim,
+                    query_ranges: u32 = 4 * queries,
+                    dout: f32 = queries * heads * head_dim,
+                    lse: f32 = queries * heads,
+                    delta: f32 = queries * heads,
+                ],
+                writes: [dq: f32 = queries * heads * head_dim],
+                scalars: [
+                    queries: usize, context: usize, heads: usize, kv_heads: usize, head_dim: usize, scale: f32,
+                ],
+                launch: planes($crate::table::div_ceil(queries, $crate::attention::QUERY_TILE) * heads),
+                body: |plane, index| $crate::attention::attention_backward_q(
+                    q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, dout, lse, delta, dq,
+                    queries, context, heads, kv_heads, head_dim, scale, plane, index
+                ),
+            }
+            /// Attention key and value gradients of one key set (key-major over the queries that see each key).
+            attention_backward_kv {
+                reads: [
+                    q: f32 = queries * heads * head_dim,
+                    dout: f32 = queries * heads * head_dim,
+                    lse: f32 = queries * heads,
+                    delta: f32 = queries * heads,
+                    k: f32 = keys * kv_heads * head_dim,
+                    v: f32 = keys * kv_heads * head_dim,
+                    key_ranges: u32 = 2 * keys,
+                ],
+                writes: [dk: f32 = keys * kv_heads * head_dim, dv: f32 = keys * kv_heads * head_dim],
+                scalars: [
+                    keys: usize, queries: usize, heads: usize, kv_heads: usize, head_dim: usize, scale: f32,
+                ],
+                launch: planes($crate::table::div_ceil(keys, $crate::attention::KEY_TILE) * kv_heads),
+                body: |plane, index| $crate::attention::attention_backward_kv(
+                    q, dout, lse, delta, k, v, key_ranges, dk, dv,
+                    keys, queries, heads, kv_heads, head_dim, scale, plane, index
                 ),
             }
         }

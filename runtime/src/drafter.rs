@@ -1,10 +1,13 @@
 //! A drafter on one backend: the batch checks, staging into input slots, the step (forward/loss/backward, the
-//! gradient average, the update) and the read-back of its results, written once for every backend.
+//! gradient average, the update) and the read-back of its results, written once for every backend and for
+//! both model families ([`Model`]: `mlp`, `dflash`).
 //!
 //! ```text
 //!  stage(batch n+1) ── checks ──▶ Backend::stage (CUDA: pinned copy, async H2D into the free slot)
+//!                                  └─ dflash: block plan of the batch (anchors seeded by (seed, step)) uploaded
 //!  step()  begin_step ─▶ run_part(ForwardBackward{bucket, slot}) ─▶ average_gradients ─▶ run_part(Update)
-//!          ─▶ end_step (read-back of [grad_norm, clip, loss] queued) ─▶ results of step n (CUDA) or n+1 (CPU)
+//!          ─▶ end_step (read-back of [grad_norm, clip, loss, dflash: correct rows per slot] queued)
+//!          ─▶ results of step n (CUDA) or n+1 (CPU), with dflash's per-slot accuracy and τ
 //!  finish() results of the last step still in flight (CUDA), nothing on the CPU
 //! ```
 //!
@@ -16,14 +19,13 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use draftpipe_compiler::plan::{
-    AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision, WorkspaceLayout,
-};
+use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision};
 
 use crate::backend::{Backend, BackendError, HostBatch, StepPart};
 use crate::batch::HsBatch;
 use crate::cpu::PhaseTimes;
-use crate::model::mlp::{AllocateError, LayoutError, Mlp, MlpOffsets, StepShape};
+use crate::model::mlp::{AllocateError, LayoutError, StepShape};
+use crate::model::{BuildError, Model};
 use crate::params::FlatState;
 
 /// A batch or state the drafter cannot train on.
@@ -83,9 +85,8 @@ pub enum StepError {
         /// The state's buffer length.
         got: usize,
     },
-    /// The model plan's layout is not the canonical `mlp` layout this step computes with, or a dimension
-    /// is zero.
-    #[error("model layout differs from the canonical mlp layout or has an empty dimension")]
+    /// The model plan's layout is not the canonical layout this step computes with, or a dimension is zero.
+    #[error("model layout differs from the canonical layout or has an empty dimension")]
     Layout,
     /// The batch has no tokens.
     #[error("batch has no tokens")]
@@ -110,6 +111,9 @@ pub enum DrafterError {
     /// The plan's workspace does not fit in memory sizes.
     #[error("the workspace of this plan overflows the address space")]
     WorkspaceTooLarge,
+    /// The target's frozen tensors do not fit the model (or the model has none).
+    #[error("frozen target weights: {0}")]
+    Frozen(String),
     /// `step` was called without a staged batch.
     #[error("no batch staged: call stage() before step()")]
     NothingStaged,
@@ -118,8 +122,62 @@ pub enum DrafterError {
     StepInFlight,
 }
 
+impl From<BuildError> for DrafterError {
+    fn from(error: BuildError) -> Self {
+        match error {
+            BuildError::Layout(e) => DrafterError::Layout(e),
+            BuildError::Allocate(e) => DrafterError::Allocate(e),
+            BuildError::WorkspaceTooLarge => DrafterError::WorkspaceTooLarge,
+        }
+    }
+}
+
+/// A `dflash` step's block metrics: SpecForge's per-slot accuracy and simulated acceptance length.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockMetrics {
+    /// Accuracy of slots `1..block` (argmax = label over the slot's labelled rows; 0 for a slot without one).
+    pub slot_accuracy: Vec<f32>,
+    /// `τ = 1 + Σ_k Π_{j≤k} acc_j`: the simulated acceptance length with the bonus token counted.
+    pub tau: f32,
+}
+
+impl BlockMetrics {
+    /// The metrics from the correct rows of every slot (slot 0 included, never labelled) and the labelled
+    /// rows of every slot.
+    pub fn new(correct: &[f32], labelled: &[u32]) -> Self {
+        let slot_accuracy: Vec<f32> = correct
+            .iter()
+            .zip(labelled)
+            .skip(1)
+            .map(|(&c, &n)| if n == 0 { 0.0 } else { c / n as f32 })
+            .collect();
+        let accepted: f32 = slot_accuracy
+            .iter()
+            .scan(1.0f32, |chain, &acc| {
+                *chain *= acc;
+                Some(*chain)
+            })
+            .sum();
+        Self {
+            slot_accuracy,
+            tau: 1.0 + accepted,
+        }
+    }
+}
+
+/// What [`Drafter::evaluate`] reports for one batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// The batch's loss.
+    pub loss: f32,
+    /// Its tokens.
+    pub tokens: u64,
+    /// `dflash`: per-slot accuracy and τ.
+    pub blocks: Option<BlockMetrics>,
+}
+
 /// What one finished step reports.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepOutcome {
     /// Index of the step since the drafter was created.
     pub index: u64,
@@ -137,6 +195,8 @@ pub struct StepOutcome {
     pub phases: Option<StepPhases>,
     /// Host time spent in `step()` issuing it (up to, not including, reading back an earlier step), µs.
     pub host_us: f32,
+    /// A `dflash` step's per-slot accuracy and τ (`None` for `mlp`).
+    pub blocks: Option<BlockMetrics>,
 }
 
 impl StepOutcome {
@@ -158,27 +218,30 @@ pub struct StepPhases {
 }
 
 /// A staged batch waiting for its step.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Staged {
     bucket: usize,
     slot: usize,
     tokens: u64,
+    /// `dflash`: labelled rows per block slot.
+    labelled: Option<Vec<u32>>,
 }
 
 /// A launched step whose results are not read yet.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct InFlight {
     index: u64,
     ring: usize,
     tokens: u64,
     phases: Option<StepPhases>,
     host_us: f32,
+    labelled: Option<Vec<u32>>,
 }
 
-/// The `mlp` drafter on backend `B`. See the module docs.
+/// A drafter (either model family) on backend `B`. See the module docs.
 pub struct Drafter<B: Backend> {
     backend: B,
-    model: Mlp<B>,
+    model: Model<B>,
     buckets: Vec<BucketPlan>,
     parameters: usize,
     slots: usize,
@@ -186,6 +249,8 @@ pub struct Drafter<B: Backend> {
     staged: Option<Staged>,
     in_flight: VecDeque<InFlight>,
     launched: u64,
+    /// `dflash`'s anchor draw: the run's seed and the training step of the first step launched here.
+    sampler: (u64, u64),
 }
 
 impl<B: Backend> Drafter<B> {
@@ -193,28 +258,17 @@ impl<B: Backend> Drafter<B> {
     /// parameters and moments zero: load them with [`Drafter::upload_state`].
     ///
     /// # Errors
-    /// [`DrafterError::Layout`] when `model` is not a canonical `mlp` layout; allocation failures.
+    /// [`DrafterError::Layout`] when `model` is not a canonical layout; allocation failures.
     pub fn new(
         mut backend: B,
         model: &ModelPlan,
-        (loss, optimizer, precision): (LossSpec, AdamWSpec, Precision),
+        settings: (LossSpec, AdamWSpec, Precision),
         buckets: &[BucketPlan],
     ) -> Result<Self, DrafterError> {
-        let offsets = MlpOffsets::new(model)?;
-        let layout =
-            WorkspaceLayout::mlp(offsets.spec(), buckets, &loss, backend.kind(), precision)
-                .ok_or(DrafterError::WorkspaceTooLarge)?;
-        let mlp = Mlp::new(
-            &mut backend,
-            (model, offsets),
-            loss,
-            optimizer,
-            precision,
-            &layout,
-        )?;
+        let (built, layout) = Model::new(&mut backend, model, settings, buckets)?;
         Ok(Self {
             backend,
-            model: mlp,
+            model: built,
             buckets: buckets.to_vec(),
             parameters: model.parameters,
             slots: layout.input_slots.max(1),
@@ -222,7 +276,42 @@ impl<B: Backend> Drafter<B> {
             staged: None,
             in_flight: VecDeque::with_capacity(2),
             launched: 0,
+            sampler: (0, 0),
         })
+    }
+
+    /// Seeds `dflash`'s anchor draw with the run's `seed`, the first step launched here being training step
+    /// `first_step` (a resumed run passes its step count, so it draws the anchors the uninterrupted run would).
+    pub fn seed_sampler(&mut self, seed: u64, first_step: u64) {
+        self.sampler = (seed, first_step);
+    }
+
+    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`); call it before the
+    /// first step (a captured update keeps the value). Without it a linear or cosine schedule has no length.
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        self.model.set_schedule_total(total_steps);
+    }
+
+    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) into a `dflash` model.
+    ///
+    /// # Errors
+    /// [`DrafterError::Frozen`] for an `mlp` or tensors of the wrong size; backend failures.
+    pub fn upload_frozen(&mut self, embed: &[f32], lm_head: &[f32]) -> Result<(), DrafterError> {
+        let Some(model) = self.model.as_dflash_mut() else {
+            return Err(DrafterError::Frozen(
+                "the mlp drafter has no frozen tensors".into(),
+            ));
+        };
+        let expected = model.spec().vocab * model.spec().hidden;
+        for (name, len) in [("embedding", embed.len()), ("lm_head", lm_head.len())] {
+            if len != expected {
+                return Err(DrafterError::Frozen(format!(
+                    "{name} has {len} elements, the model needs vocab × hidden = {expected}"
+                )));
+            }
+        }
+        model.upload_frozen(&mut self.backend, embed, lm_head)?;
+        Ok(())
     }
 
     /// The backend.
@@ -231,12 +320,12 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// The backend and the model's buffers (tests, benchmarks).
-    pub fn parts_mut(&mut self) -> (&mut B, &mut Mlp<B>) {
+    pub fn parts_mut(&mut self) -> (&mut B, &mut Model<B>) {
         (&mut self.backend, &mut self.model)
     }
 
     /// The model's buffers.
-    pub fn model(&self) -> &Mlp<B> {
+    pub fn model(&self) -> &Model<B> {
         &self.model
     }
 
@@ -252,11 +341,12 @@ impl<B: Backend> Drafter<B> {
     pub fn upload_state(&mut self, state: &FlatState) -> Result<(), DrafterError> {
         self.check_state(state)?;
         let adamw = self.model.adamw_state_for(state.step);
-        let (be, flat, ws) = (&mut self.backend, &mut self.model.state, &mut self.model.ws);
+        let be = &mut self.backend;
+        let (flat, adamw_state) = self.model.state_mut();
         be.upload(flat.params.all_mut(), &state.params)?;
         be.upload(flat.exp_avg.all_mut(), &state.exp_avg)?;
         be.upload(flat.exp_avg_sq.all_mut(), &state.exp_avg_sq)?;
-        be.upload(ws.adamw_state.all_mut(), &adamw)?;
+        be.upload(adamw_state.all_mut(), &adamw)?;
         Ok(())
     }
 
@@ -270,13 +360,14 @@ impl<B: Backend> Drafter<B> {
             return Err(DrafterError::StepInFlight);
         }
         self.check_state(state)?;
-        let (be, flat, ws) = (&mut self.backend, &self.model.state, &self.model.ws);
+        let be = &mut self.backend;
+        let (flat, adamw_state) = self.model.state_mut();
         be.download(flat.params.all(), &mut state.params)?;
         be.download(flat.grads.all(), &mut state.grads)?;
         be.download(flat.exp_avg.all(), &mut state.exp_avg)?;
         be.download(flat.exp_avg_sq.all(), &mut state.exp_avg_sq)?;
         let mut adamw = [0.0f64; 3];
-        be.download(ws.adamw_state.all(), &mut adamw)?;
+        be.download(adamw_state.all(), &mut adamw)?;
         state.step = adamw[0] as u64;
         Ok(())
     }
@@ -301,7 +392,7 @@ impl<B: Backend> Drafter<B> {
     /// # Errors
     /// [`StepError`] naming what does not fit.
     pub fn check_batch(&self, batch: &HsBatch) -> Result<usize, StepError> {
-        let spec = self.model.spec();
+        let (din, vocab) = self.model.input_width_and_vocab();
         let bucket = self
             .buckets
             .iter()
@@ -310,9 +401,9 @@ impl<B: Backend> Drafter<B> {
                 padded_len: batch.padded_len,
                 sequences: batch.sequences,
             })?;
-        if batch.din != spec.din {
+        if batch.din != din {
             return Err(StepError::WrongDin {
-                expected: spec.din,
+                expected: din,
                 got: batch.din,
             });
         }
@@ -346,11 +437,11 @@ impl<B: Backend> Drafter<B> {
             let start = sequence * batch.padded_len;
             for position in start..start + len as usize {
                 let id = batch.input_ids[position];
-                if id as usize >= spec.vocab {
+                if id as usize >= vocab {
                     return Err(StepError::TokenOutOfRange {
                         position,
                         id,
-                        vocab: spec.vocab,
+                        vocab,
                     });
                 }
             }
@@ -365,15 +456,25 @@ impl<B: Backend> Drafter<B> {
     pub fn stage(&mut self, batch: &HsBatch) -> Result<(), DrafterError> {
         let bucket = self.check_batch(batch)?;
         let slot = self.next_slot;
-        self.backend.stage(
-            slot,
-            HostBatch::from(batch),
-            &mut self.model.ws.inputs[slot],
-        )?;
+        self.backend
+            .stage(slot, HostBatch::from(batch), self.model.input_mut(slot))?;
+        let labelled = match self.model.as_dflash_mut() {
+            Some(model) => {
+                let (seed, first) = self.sampler;
+                let step = first + self.launched;
+                Some(
+                    model
+                        .stage_plan(&mut self.backend, slot, batch, (seed, step))?
+                        .to_vec(),
+                )
+            }
+            None => None,
+        };
         self.staged = Some(Staged {
             bucket,
             slot,
             tokens: batch.tokens() as u64,
+            labelled,
         });
         self.next_slot = (slot + 1) % self.slots;
         Ok(())
@@ -390,6 +491,7 @@ impl<B: Backend> Drafter<B> {
             bucket,
             slot,
             tokens,
+            labelled,
         } = self.staged.take().ok_or(DrafterError::NothingStaged)?;
         let ring = (self.launched % 2) as usize;
         let shape = StepShape {
@@ -404,7 +506,7 @@ impl<B: Backend> Drafter<B> {
             Ok(())
         })?;
         let reduce_started = Instant::now();
-        be.average_gradients(model.state.grads.all_mut())?;
+        be.average_gradients(model.state_mut().0.grads.all_mut())?;
         let update_started = Instant::now();
         be.run_part(StepPart::Update, &mut |be| model.update(be))?;
         let phases = StepPhases {
@@ -412,7 +514,7 @@ impl<B: Backend> Drafter<B> {
             all_reduce: update_started - reduce_started,
             optimizer: update_started.elapsed(),
         };
-        be.end_step(slot, ring, model.ws.step_scalars.all())?;
+        be.end_step(slot, ring, model.step_scalars().all())?;
         let synchronous = !be.asynchronous();
         self.in_flight.push_back(InFlight {
             index: self.launched,
@@ -420,6 +522,7 @@ impl<B: Backend> Drafter<B> {
             tokens,
             phases: synchronous.then_some(phases),
             host_us: begin.elapsed().as_secs_f32() * 1e6,
+            labelled,
         });
         self.launched += 1;
         if synchronous || self.in_flight.len() > 1 {
@@ -427,6 +530,39 @@ impl<B: Backend> Drafter<B> {
         } else {
             Ok(None)
         }
+    }
+
+    /// Evaluates `batch` without training: forward and loss only, waited for. `dflash` draws the batch's
+    /// anchors as a step at the current step index would. Nothing of the model changes.
+    ///
+    /// # Errors
+    /// [`DrafterError::StepInFlight`] while a step's outcome is still to be collected ([`Drafter::finish`]);
+    /// [`StepError`] for a batch that does not fit; backend failures.
+    pub fn evaluate(&mut self, batch: &HsBatch) -> Result<Evaluation, DrafterError> {
+        if !self.in_flight.is_empty() {
+            return Err(DrafterError::StepInFlight);
+        }
+        self.stage(batch)?;
+        let Staged {
+            bucket,
+            slot,
+            tokens,
+            labelled,
+        } = self.staged.take().ok_or(DrafterError::NothingStaged)?;
+        let shape = StepShape {
+            padded_len: self.buckets[bucket].padded_len,
+            sequences: self.buckets[bucket].sequences,
+        };
+        let (be, model) = (&mut self.backend, &mut self.model);
+        be.begin_step(slot, 0)?;
+        model.forward_loss(be, shape, slot)?;
+        be.end_step(slot, 0, model.step_scalars().all())?;
+        let results = be.read_results(0)?;
+        Ok(Evaluation {
+            loss: results.scalars[2],
+            tokens,
+            blocks: labelled.map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
+        })
     }
 
     /// Waits for the oldest step in flight and reads its results.
@@ -446,6 +582,9 @@ impl<B: Backend> Drafter<B> {
             device_ms: results.device_ms,
             phases: step.phases,
             host_us: step.host_us,
+            blocks: step
+                .labelled
+                .map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
         })
     }
 

@@ -330,7 +330,35 @@ fn shipped(file: &str) -> draftpipe_compiler::plan::Plan {
     .expect("shipped pipelines compile")
 }
 
-/// What `compile` reports for one worker on `device` (state plus workspace; the pool is the queue's).
+/// A small `dflash` plan (the issue's example dimensions, two buckets) compiled from source.
+fn small_dflash() -> draftpipe_compiler::plan::Plan {
+    let source = r#"
+pipeline "dflash-small"
+target t on cpu {
+    hidden       = 64
+    tap_layers   = [1, 2, 3]
+    vocab        = 512
+    batch_tokens = 64
+    source       = synthetic(seed = 1, lengths = 8..32)
+}
+queue hs from t to d {
+    capacity  = 4
+    min_ready = 1
+    buckets   = [16, 32]
+    pull      = fifo
+}
+drafter d on cpu {
+    model     = dflash(layers = 2, heads = 4, kv_heads = 2, head_dim = 16, intermediate = 128, block = 4, anchors = 8, mask_token = 511, rope_theta = 10000)
+    loss      = cross_entropy(position_decay = 7.0, chunk_tokens = 32)
+    optimizer = adamw(lr = 1e-3, betas = (0.9, 0.999), eps = 1e-8, weight_decay = 0.0)
+    steps     = 3
+}
+"#;
+    draftpipe_compiler::compile_source("dflash-small.pipe", source).expect("compiles")
+}
+
+/// What `compile` reports for one worker on `device` (state, frozen target tensors and workspace; the pool is
+/// the queue's).
 fn compiled_bytes_per_worker(plan: &draftpipe_compiler::plan::Plan, device: Device) -> u64 {
     let workers = plan
         .drafter
@@ -344,13 +372,18 @@ fn compiled_bytes_per_worker(plan: &draftpipe_compiler::plan::Plan, device: Devi
         .iter()
         .find(|m| m.device == device)
         .expect("memory of the drafter's device");
-    (memory.parameters + memory.gradients + memory.optimizer_state + memory.workspaces) / workers
+    (memory.parameters
+        + memory.gradients
+        + memory.optimizer_state
+        + memory.frozen_weights
+        + memory.workspaces)
+        / workers
 }
 
-/// A drafter allocates exactly what `compile` reports: the quickstart on this backend, and the mlp-5x3 pipeline
-/// on CUDA (its CPU layout is computed by the same code but not allocated here: ~8 GB).
+/// A drafter allocates exactly what `compile` reports: the quickstart and a small dflash plan on this backend,
+/// and the mlp-5x3 pipeline on CUDA (its CPU layout is computed by the same code but not allocated here: ~8 GB).
 fn allocation_equals_the_compiled_layout<D: TestDevice>(device: &D) {
-    let mut cases = vec![shipped("quickstart.pipe")];
+    let mut cases = vec![shipped("quickstart.pipe"), small_dflash()];
     if D::NAME == "cuda" {
         cases.push(shipped("mlp-5x3.pipe"));
     }

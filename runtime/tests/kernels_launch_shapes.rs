@@ -3,7 +3,9 @@
 //! must give the same results as the host launchers' long chunks — bitwise for elementwise kernels, whose
 //! per-element arithmetic does not depend on the chunking. The row kernels (one warp per row on the GPU) run
 //! on 32 threads per row, one per lane, and must match the host launchers bit for bit, except the vocabulary
-//! loss, whose softmax sums the host takes in two passes instead of the warp's online pair (within 1e-6).
+//! loss, whose softmax sums the host takes in two passes instead of the warp's online pair (within 1e-6). The
+//! DFlash kernels likewise: attention (planes per query or key tile and head) within 1e-5 (the host plane's row
+//! dot products sum in 8 lanes, a warp's in 32), the weighted loss within 1e-6, the embedding gather bitwise.
 
 use draftpipe_gpu_kernels::{activation, adamw, norm};
 use draftpipe_runtime::cpu::kernels;
@@ -177,7 +179,7 @@ fn norm_weight_grad_is_deterministic_and_chunking_only_regroups_the_sum() {
 mod warp_on_threads {
     use std::sync::{Barrier, Mutex};
 
-    use draftpipe_gpu_kernels::plane::{LaneValue, Plane, WIDTH};
+    use draftpipe_gpu_kernels::plane::{LaneRow, LaneValue, Plane, ROW_SLOTS, WIDTH, lane_rows};
 
     /// What the lanes of one simulated warp share.
     pub struct Exchange {
@@ -228,8 +230,36 @@ mod warp_on_threads {
     }
 
     impl Plane for ThreadLane<'_> {
+        type Row = LaneRow;
+
         fn is_leader(self) -> bool {
             self.lane == 0
+        }
+
+        fn row_zero(self) -> LaneRow {
+            [0.0; ROW_SLOTS]
+        }
+
+        fn row_load(self, n: usize, f: impl FnMut(usize) -> f32) -> LaneRow {
+            lane_rows::load(self.lane, n, f)
+        }
+
+        fn row_dot(self, a: &LaneRow, b: &LaneRow, n: usize) -> f32 {
+            let mut value = lane_rows::dot_partial(self.lane, a, b, n);
+            let mut distance = WIDTH / 2;
+            while distance > 0 {
+                value += self.shuffle_xor(value, distance);
+                distance /= 2;
+            }
+            value
+        }
+
+        fn row_scale_add(self, acc: &mut LaneRow, alpha: f32, p: f32, x: &LaneRow, n: usize) {
+            lane_rows::scale_add(acc, alpha, p, x, n)
+        }
+
+        fn row_store(self, row: &LaneRow, n: usize, f: impl FnMut(usize, f32)) {
+            lane_rows::store(self.lane, row, n, f)
         }
 
         fn reduce<S: Copy, T: LaneValue>(
@@ -271,6 +301,13 @@ mod warp_on_threads {
     unsafe impl<T> Send for Shared<T> {}
     // SAFETY: as above.
     unsafe impl<T> Sync for Shared<T> {}
+
+    impl<T> Shared<T> {
+        /// The pointer (a method, so a closure captures the whole `Shared`, which is `Sync`).
+        pub fn ptr(self) -> *mut T {
+            self.0
+        }
+    }
 
     /// Runs `body(plane, index)` for `index` in `0..count`, each index on 32 lane threads.
     pub fn launch(count: usize, body: impl Fn(ThreadLane<'_>, usize) + Sync) {
@@ -402,4 +439,291 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers() {
     assert_eq!(total[0].to_bits(), host_total.to_bits(), "sum");
     assert_eq!(norm_out[0].to_bits(), host_norm.to_bits(), "grad norm");
     assert_eq!(clip[0].to_bits(), host_clip.to_bits(), "clip scale");
+}
+
+/// The DFlash kernels' GPU launch shapes on the host: the attention kernels (a plane per query tile or key
+/// tile and head) and the weighted loss (a plane per row) on simulated warps against the host launchers, and
+/// the embedding gather one element per index against the host's chunks. Attention is within 1e-5 (the host
+/// plane's dot products keep 8 partial sums where a warp keeps 32 lane sums: a few ulp on the scores, which
+/// the exponentials turn into relative error; the delta pass, a plain plane sum, is
+/// bit-identical); the loss is within 1e-6 (the softmax sums, as for `vocab_loss_row`), its `correct`
+/// flags exact.
+#[test]
+fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
+    use draftpipe_gpu_kernels::attention::{self, KEY_TILE, QUERY_TILE};
+    use draftpipe_gpu_kernels::{embedding, loss};
+    use draftpipe_runtime::cpu::kernels::launch;
+    use warp_on_threads::{Shared, launch as on_warps};
+
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(80);
+    // 11 queries: a partial query tile; 9 context keys: a partial key tile; head_dim 40: a partial lane round.
+    let (queries, context, heads, kv_heads, head_dim, scale) = (11usize, 9usize, 4, 2, 40, 0.16f32);
+    // Inputs in [-1, 1): scores of a few units, as after RMSNorm'd projections.
+    let mut unit = |n: usize| -> Vec<f32> { values(&mut rng, n).iter().map(|v| v / 4.0).collect() };
+    let q = unit(queries * heads * head_dim);
+    let (k_ctx, v_ctx) = (
+        unit(context * kv_heads * head_dim),
+        unit(context * kv_heads * head_dim),
+    );
+    let (k_blk, v_blk) = (
+        unit(queries * kv_heads * head_dim),
+        unit(queries * kv_heads * head_dim),
+    );
+    let ranges: Vec<u32> = (0..queries as u32)
+        .flat_map(|r| [0, (r * 3) % 10, r / 4 * 4, (r / 4 * 4 + 4).min(11)])
+        .collect();
+    let key_ranges_ctx: Vec<u32> = (0..context as u32).flat_map(|c| [c / 2, 11]).collect();
+    let dout = values(&mut rng, q.len());
+    let rows = queries * heads;
+
+    let (mut out_host, mut lse_host) = (vec![f32::NAN; q.len()], vec![f32::NAN; rows]);
+    launch::attention_forward(
+        &q,
+        &k_ctx,
+        &v_ctx,
+        &k_blk,
+        &v_blk,
+        &ranges,
+        &mut out_host,
+        &mut lse_host,
+        queries,
+        context,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+    );
+    let mut delta_host = vec![f32::NAN; rows];
+    launch::attention_delta(&out_host, &dout, &mut delta_host, head_dim, rows);
+    let mut dq_host = vec![f32::NAN; q.len()];
+    launch::attention_backward_q(
+        &q,
+        &k_ctx,
+        &v_ctx,
+        &k_blk,
+        &v_blk,
+        &ranges,
+        &dout,
+        &lse_host,
+        &delta_host,
+        &mut dq_host,
+        queries,
+        context,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+    );
+    let (mut dk_host, mut dv_host) = (vec![f32::NAN; k_ctx.len()], vec![f32::NAN; v_ctx.len()]);
+    launch::attention_backward_kv(
+        &q,
+        &dout,
+        &lse_host,
+        &delta_host,
+        &k_ctx,
+        &v_ctx,
+        &key_ranges_ctx,
+        &mut dk_host,
+        &mut dv_host,
+        context,
+        queries,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+    );
+    assert!(
+        out_host
+            .iter()
+            .chain(&dq_host)
+            .chain(&dk_host)
+            .all(|v| v.is_finite())
+    );
+
+    let (mut out, mut lse, mut delta) = (
+        vec![f32::NAN; q.len()],
+        vec![f32::NAN; rows],
+        vec![f32::NAN; rows],
+    );
+    let (mut dq, mut dk, mut dv) = (
+        vec![f32::NAN; q.len()],
+        vec![f32::NAN; k_ctx.len()],
+        vec![f32::NAN; v_ctx.len()],
+    );
+    let (op, lp, dp) = (
+        Shared(out.as_mut_ptr()),
+        Shared(lse.as_mut_ptr()),
+        Shared(delta.as_mut_ptr()),
+    );
+    on_warps(queries.div_ceil(QUERY_TILE) * heads, |plane, index| {
+        let (op, lp) = (op, lp);
+        // SAFETY: the buffers hold the layouts of these sizes; each plane writes its own tile's rows.
+        unsafe {
+            attention::attention_forward(
+                q.as_ptr(),
+                k_ctx.as_ptr(),
+                v_ctx.as_ptr(),
+                k_blk.as_ptr(),
+                v_blk.as_ptr(),
+                ranges.as_ptr(),
+                op.0,
+                lp.0,
+                queries,
+                context,
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                plane,
+                index,
+            )
+        }
+    });
+    assert_close(&out, &out_host, 1e-5, "attention output");
+    assert_close(&lse, &lse_host, 1e-5, "attention lse");
+    on_warps(rows, |plane, index| {
+        // SAFETY: `out`, `dout` hold `rows · head_dim`, `delta` `rows`.
+        unsafe {
+            attention::attention_delta(
+                out_host.as_ptr(),
+                dout.as_ptr(),
+                dp.ptr(),
+                head_dim,
+                plane,
+                index,
+            )
+        }
+    });
+    assert_eq!(bits(&delta), bits(&delta_host), "attention delta");
+    let (qp, kp, vp) = (
+        Shared(dq.as_mut_ptr()),
+        Shared(dk.as_mut_ptr()),
+        Shared(dv.as_mut_ptr()),
+    );
+    on_warps(queries.div_ceil(QUERY_TILE) * heads, |plane, index| {
+        // SAFETY: as for the forward.
+        unsafe {
+            attention::attention_backward_q(
+                q.as_ptr(),
+                k_ctx.as_ptr(),
+                v_ctx.as_ptr(),
+                k_blk.as_ptr(),
+                v_blk.as_ptr(),
+                ranges.as_ptr(),
+                dout.as_ptr(),
+                lse_host.as_ptr(),
+                delta_host.as_ptr(),
+                qp.ptr(),
+                queries,
+                context,
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                plane,
+                index,
+            )
+        }
+    });
+    assert_close(&dq, &dq_host, 1e-5, "attention dq");
+    on_warps(context.div_ceil(KEY_TILE) * kv_heads, |plane, index| {
+        let (kp, vp) = (kp, vp);
+        // SAFETY: as for the forward; each plane writes its own key tile's rows.
+        unsafe {
+            attention::attention_backward_kv(
+                q.as_ptr(),
+                dout.as_ptr(),
+                lse_host.as_ptr(),
+                delta_host.as_ptr(),
+                k_ctx.as_ptr(),
+                v_ctx.as_ptr(),
+                key_ranges_ctx.as_ptr(),
+                kp.0,
+                vp.0,
+                context,
+                queries,
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                plane,
+                index,
+            )
+        }
+    });
+    assert_close(&dk, &dk_host, 1e-5, "attention dk");
+    assert_close(&dv, &dv_host, 1e-5, "attention dv");
+
+    let (loss_rows, vocab) = (5, 1001);
+    let logits_in = values(&mut rng, loss_rows * vocab);
+    let labels: Vec<i32> = vec![3, -1, 1000, 0, 517];
+    let weights = [0.5f32, 1.0, 0.25, 2.0, 0.75];
+    let norm = 0.4f32;
+    let (mut grad_host, mut loss_host, mut correct_host) = (
+        logits_in.clone(),
+        vec![f32::NAN; loss_rows],
+        vec![f32::NAN; loss_rows],
+    );
+    kernels::weighted_vocab_loss(
+        &mut grad_host,
+        &labels,
+        &weights,
+        norm,
+        &mut loss_host,
+        &mut correct_host,
+        vocab,
+    );
+    let (mut grad, mut row_loss, mut correct) = (
+        logits_in,
+        vec![f32::NAN; loss_rows],
+        vec![f32::NAN; loss_rows],
+    );
+    let (gp, lp, cp) = (
+        Shared(grad.as_mut_ptr()),
+        Shared(row_loss.as_mut_ptr()),
+        Shared(correct.as_mut_ptr()),
+    );
+    on_warps(loss_rows, |plane, row| {
+        let (gp, lp, cp) = (gp, lp, cp);
+        // SAFETY: `grad` holds `rows × vocab`, the per-row buffers `rows`; labels are below `vocab`.
+        unsafe {
+            loss::weighted_vocab_loss_row(
+                gp.0,
+                labels.as_ptr(),
+                weights.as_ptr(),
+                &norm,
+                lp.0,
+                cp.0,
+                vocab,
+                plane,
+                row,
+            )
+        }
+    });
+    assert_close(&grad, &grad_host, 1e-6, "weighted loss gradient");
+    assert_close(&row_loss, &loss_host, 1e-6, "weighted loss rows");
+    assert_eq!(correct, correct_host, "weighted loss correct");
+
+    let (vocab, hidden, ids) = (50usize, 37usize, [3u32, 49, 0, 17, 3]);
+    let table = values(&mut rng, vocab * hidden);
+    let n = ids.len() * hidden;
+    let mut gathered_host = vec![f32::NAN; n];
+    kernels::embedding_gather(&table, &ids, &mut gathered_host);
+    let mut gathered = vec![f32::NAN; n];
+    for index in 0..n {
+        // SAFETY: `table` holds `vocab · hidden`, `ids` `n / hidden`, `gathered` `n`; `index < n`.
+        unsafe {
+            embedding::embedding_gather(
+                table.as_ptr(),
+                ids.as_ptr(),
+                gathered.as_mut_ptr(),
+                vocab,
+                hidden,
+                n,
+                1,
+                index,
+            )
+        }
+    }
+    assert_eq!(bits(&gathered), bits(&gathered_host), "embedding gather");
 }

@@ -71,6 +71,8 @@ fn summary(depths: Vec<u64>, producer_blocked_s: f64, drafters: Vec<DrafterSumma
         wall_s: WALL_S,
         skipped_nonfinite: 0,
         final_loss: Some(2.5),
+        final_tau: None,
+        final_slot_accuracy: Vec::new(),
         producers: vec![producer(producer_blocked_s), producer(producer_blocked_s)],
         drafters,
         queue: QueueSummary {

@@ -126,7 +126,8 @@ pub fn bucket_plans(
         .collect()
 }
 
-/// Bytes of one worker's workspace on `backend`: the mlp's [`WorkspaceLayout`], or the dflash estimate.
+/// Bytes of one worker's workspace on `backend`: the model's [`WorkspaceLayout`], the list the runtime
+/// allocates.
 fn workspace_bytes(
     spec: &ModelSpec,
     buckets: &[BucketPlan],
@@ -134,18 +135,7 @@ fn workspace_bytes(
     backend: BackendKind,
     precision: Precision,
 ) -> Option<u64> {
-    match spec {
-        ModelSpec::Mlp(spec) => {
-            WorkspaceLayout::mlp(spec, buckets, loss, backend, precision)?.bytes()
-        }
-        ModelSpec::Dflash(spec) => {
-            let shapes: Vec<(usize, usize)> = buckets
-                .iter()
-                .map(|b| (b.padded_len, b.sequences))
-                .collect();
-            dflash::workspace_bytes(spec, &shapes, loss, backend)
-        }
-    }
+    WorkspaceLayout::of_model(spec, buckets, loss, backend, precision)?.bytes()
 }
 
 /// Memory on each drafter device, in device order; `None` when a figure (or a device's total) overflows `u64`.

@@ -11,13 +11,15 @@ use std::sync::Arc;
 use draftpipe_compiler::plan::{BackendKind, WorkspaceLayout};
 
 use super::{
-    AdamWHyper, Backend, BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand,
-    Precision, Src, StepPart, StepResults, gemm_shape,
+    AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
+    BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand, Precision, Src, StepPart,
+    StepResults, gemm_shape,
 };
 use crate::allreduce::AllReduce;
+use crate::cpu::attention::{self, AttentionGradSlices, AttentionSlices};
 use crate::cpu::gemm::{Mat, gemm};
 use crate::cpu::kernels;
-use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS};
 
 /// The host as a backend. See the module docs.
 pub struct CpuBackend {
@@ -26,14 +28,26 @@ pub struct CpuBackend {
     round_b: Vec<f32>,
     /// The data-parallel group whose mean the gradients take, if any.
     group: Option<Arc<AllReduce>>,
-    /// The step results "read back" per ring slot (a plain copy: host memory).
-    results: [[f32; 3]; 2],
+    /// The step results "read back" per ring slot (a plain copy: host memory), as long as the layout's
+    /// `step_scalars`.
+    results: [Vec<f32>; 2],
     allocated: u64,
 }
 
 fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
     let (raw, start, len) = view.parts();
     &raw[start..start + len]
+}
+
+fn slices<'a>(inputs: AttentionInputs<'a, CpuBackend>) -> AttentionSlices<'a> {
+    AttentionSlices {
+        q: slice(inputs.q),
+        k_ctx: slice(inputs.k_ctx),
+        v_ctx: slice(inputs.v_ctx),
+        k_blk: slice(inputs.k_blk),
+        v_blk: slice(inputs.v_blk),
+        query_ranges: slice(inputs.query_ranges),
+    }
 }
 
 fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
@@ -81,11 +95,12 @@ impl CpuBackend {
         let round = |name| vec![0.0f32; layout.elements(name).unwrap_or(0)];
         let (round_a, round_b) = (round("gemm_round_a"), round("gemm_round_b"));
         let allocated = 4 * (round_a.len() + round_b.len()) as u64;
+        let scalars = layout.elements("step_scalars").unwrap_or(STEP_SCALARS);
         Self {
             round_a,
             round_b,
             group: None,
-            results: [[0.0; 3]; 2],
+            results: std::array::from_fn(|_| vec![0.0; scalars]),
             allocated,
         }
     }
@@ -179,8 +194,10 @@ impl Backend for CpuBackend {
     }
 
     fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
+        let values = &self.results[ring];
         Ok(StepResults {
-            scalars: self.results[ring],
+            scalars: [values[0], values[1], values[2]],
+            extra: values[STEP_SCALARS..].to_vec(),
             device_ms: None,
         })
     }
@@ -398,16 +415,10 @@ impl Backend for CpuBackend {
         state: Dst<'_, Self, f64>,
         step: Dst<'_, Self, f32>,
     ) -> BackendResult {
-        let AdamWHyper {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } = hyper;
         kernels::adamw_advance(
             slice(grad_norm)[0],
-            [lr, beta1, beta2, eps, weight_decay],
+            hyper.constants(),
+            hyper.schedule(),
             slice_mut(state),
             slice_mut(step),
         );
@@ -434,6 +445,100 @@ impl Backend for CpuBackend {
             norm,
             clip,
             kernels::adamw_step_from_floats(slice(step)),
+        );
+        Ok(())
+    }
+
+    fn embedding_gather(
+        &mut self,
+        table: Src<'_, Self, f32>,
+        ids: Src<'_, Self, u32>,
+        out: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        kernels::embedding_gather(slice(table), slice(ids), slice_mut(out));
+        Ok(())
+    }
+
+    fn rope(
+        &mut self,
+        x: Dst<'_, Self, f32>,
+        positions: Src<'_, Self, u32>,
+        theta: f32,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> BackendResult {
+        kernels::rope(
+            slice_mut(x),
+            slice(positions),
+            theta,
+            heads,
+            head_dim,
+            inverse,
+        );
+        Ok(())
+    }
+
+    fn weighted_vocab_loss(
+        &mut self,
+        logits: Dst<'_, Self, f32>,
+        labels: Src<'_, Self, i32>,
+        weights: Src<'_, Self, f32>,
+        norm: Src<'_, Self, f32>,
+        row_loss: Dst<'_, Self, f32>,
+        correct: Dst<'_, Self, f32>,
+        vocab: usize,
+    ) -> BackendResult {
+        let &[norm] = slice(norm) else {
+            panic!("weighted_vocab_loss: the norm is one element");
+        };
+        kernels::weighted_vocab_loss(
+            slice_mut(logits),
+            slice(labels),
+            slice(weights),
+            norm,
+            slice_mut(row_loss),
+            slice_mut(correct),
+            vocab,
+        );
+        Ok(())
+    }
+
+    fn attention_forward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        out: Dst<'_, Self, f32>,
+        lse: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        attention::attention_forward(slices(inputs), shape, slice_mut(out), slice_mut(lse));
+        Ok(())
+    }
+
+    fn attention_backward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        saved: AttentionSaved<'_, Self>,
+        delta: Dst<'_, Self, f32>,
+        grads: AttentionGrads<'_, Self>,
+    ) -> BackendResult {
+        attention::attention_backward(
+            slices(inputs),
+            shape,
+            slice(saved.out),
+            slice(saved.dout),
+            slice(saved.lse),
+            slice(saved.key_ranges_ctx),
+            slice(saved.key_ranges_blk),
+            slice_mut(delta),
+            AttentionGradSlices {
+                dq: slice_mut(grads.dq),
+                dk_ctx: slice_mut(grads.dk_ctx),
+                dv_ctx: slice_mut(grads.dv_ctx),
+                dk_blk: slice_mut(grads.dk_blk),
+                dv_blk: slice_mut(grads.dv_blk),
+            },
         );
         Ok(())
     }

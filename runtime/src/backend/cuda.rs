@@ -33,12 +33,16 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr as _, PinnedHostSlice,
 };
 use draftpipe_compiler::plan::{BackendKind, LaunchMode, WorkspaceLayout};
-use draftpipe_compiler::workspace::{CUBLAS_WORKSPACE_BYTES, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+use draftpipe_compiler::workspace::{
+    CUBLAS_WORKSPACE_BYTES, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS,
+};
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 
+use super::cuda_dflash as dflash;
 use super::{
-    AdamWHyper, Backend, BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand,
-    Precision, Src, StepPart, StepResults, gemm_shape,
+    AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
+    BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand, Precision, Src, StepPart,
+    StepResults, gemm_shape,
 };
 use crate::cuda::{
     CudaError, DevicePtr, Gemm, GradientAllReduce, KernelModule, Launcher, Op, open_device,
@@ -51,14 +55,14 @@ pub struct DeviceBuffer<T> {
 }
 
 /// The typed device pointer of a read view: its first element and its length.
-fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(super) fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: a view lies inside its buffer's allocation (checked when the view was made).
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
 }
 
 /// The typed device pointer of a write view.
-fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(super) fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: as for `ptr`.
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
@@ -168,7 +172,8 @@ impl CudaBackend {
         let timing = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
         let stream_only = || ctx.new_event(None);
         // SAFETY: read-back buffers must be cached host memory (not write-combined): flags 0.
-        let readback = || unsafe { ctx.alloc_pinned_with_flags::<f32>(3, 0) };
+        let scalars = layout.elements("step_scalars").unwrap_or(STEP_SCALARS);
+        let readback = || unsafe { ctx.alloc_pinned_with_flags::<f32>(scalars, 0) };
         let backend = Self {
             copied: (0..layout.input_slots)
                 .map(|_| stream_only())
@@ -379,7 +384,12 @@ impl Backend for CudaBackend {
             .record(&self.compute)
             .map_err(CudaError::from)?;
         let readback = &mut self.readback[ring];
-        // SAFETY: `scalars` holds three f32s; the pinned destination is read only after `done[ring]`.
+        assert_eq!(
+            scalars.len(),
+            readback.len(),
+            "end_step: the step scalars are the layout's"
+        );
+        // SAFETY: `scalars` holds as many f32s as the pinned destination, which is read only after `done[ring]`.
         unsafe {
             driver::memcpy_dtoh_async(
                 readback.as_mut_slice().map_err(CudaError::from)?,
@@ -397,16 +407,22 @@ impl Backend for CudaBackend {
     fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
         self.done[ring].synchronize().map_err(CudaError::from)?;
         let values = self.readback[ring].as_slice().map_err(CudaError::from)?;
-        let scalars = <[f32; 3]>::try_from(values).map_err(|_| CudaError::LengthMismatch {
-            what: "readback",
-            got: values.len(),
-            expected: 3,
-        })?;
+        if values.len() < STEP_SCALARS {
+            return Err(CudaError::LengthMismatch {
+                what: "readback",
+                got: values.len(),
+                expected: STEP_SCALARS,
+            }
+            .into());
+        }
+        let scalars = [values[0], values[1], values[2]];
+        let extra = values[STEP_SCALARS..].to_vec();
         let device_ms = self.start[ring]
             .elapsed_ms(&self.stop[ring])
             .map_err(CudaError::from)?;
         Ok(StepResults {
             scalars,
+            extra,
             device_ms: Some(device_ms),
         })
     }
@@ -748,22 +764,19 @@ impl Backend for CudaBackend {
             grad_norm.len() == 1 && state.len() == 3 && step.len() == 7,
             "adamw_advance: sizes"
         );
-        let AdamWHyper {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } = hyper;
+        let (constants, schedule) = (hyper.constants(), hyper.schedule());
         self.kernels.adamw_advance(
             ptr(grad_norm),
             ptr_mut(state),
             adamw_step(ptr_mut(step)),
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
+            constants.lr,
+            constants.beta1,
+            constants.beta2,
+            constants.eps,
+            constants.weight_decay,
+            schedule.kind,
+            schedule.warmup,
+            schedule.total,
         )?;
         Ok(())
     }
@@ -798,6 +811,70 @@ impl Backend for CudaBackend {
             n,
         )?;
         Ok(())
+    }
+
+    fn embedding_gather(
+        &mut self,
+        table: Src<'_, Self, f32>,
+        ids: Src<'_, Self, u32>,
+        out: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        dflash::embedding_gather(&self.kernels, table, ids, out)
+    }
+
+    fn rope(
+        &mut self,
+        x: Dst<'_, Self, f32>,
+        positions: Src<'_, Self, u32>,
+        theta: f32,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> BackendResult {
+        dflash::rope(&self.kernels, x, positions, theta, heads, head_dim, inverse)
+    }
+
+    fn weighted_vocab_loss(
+        &mut self,
+        logits: Dst<'_, Self, f32>,
+        labels: Src<'_, Self, i32>,
+        weights: Src<'_, Self, f32>,
+        norm: Src<'_, Self, f32>,
+        row_loss: Dst<'_, Self, f32>,
+        correct: Dst<'_, Self, f32>,
+        vocab: usize,
+    ) -> BackendResult {
+        dflash::weighted_vocab_loss(
+            &self.kernels,
+            logits,
+            labels,
+            weights,
+            norm,
+            row_loss,
+            correct,
+            vocab,
+        )
+    }
+
+    fn attention_forward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        out: Dst<'_, Self, f32>,
+        lse: Dst<'_, Self, f32>,
+    ) -> BackendResult {
+        dflash::attention_forward(&self.kernels, inputs, shape, out, lse)
+    }
+
+    fn attention_backward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        saved: AttentionSaved<'_, Self>,
+        delta: Dst<'_, Self, f32>,
+        grads: AttentionGrads<'_, Self>,
+    ) -> BackendResult {
+        dflash::attention_backward(&self.kernels, inputs, shape, saved, delta, grads)
     }
 
     fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult {

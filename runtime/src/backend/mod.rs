@@ -15,13 +15,20 @@
 //! Scalars a step produces (loss, gradient norm, AdamW's step count) stay in device buffers: nothing on the step
 //! path reads back.
 
+pub mod attention;
 pub mod cpu;
 pub mod cuda;
+mod cuda_dflash;
 
 use std::marker::PhantomData;
 
 use draftpipe_compiler::plan::BackendKind;
 pub use draftpipe_compiler::plan::Precision;
+
+pub use attention::{AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape};
+pub use draftpipe_gpu_kernels::adamw::{
+    SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR, Schedule,
+};
 
 use crate::batch::HsBatch;
 use crate::cuda::CudaError;
@@ -285,6 +292,35 @@ pub struct AdamWHyper {
     pub eps: f32,
     /// Decoupled weight decay.
     pub weight_decay: f32,
+    /// Schedule kind: [`SCHEDULE_CONSTANT`], [`SCHEDULE_LINEAR`] or [`SCHEDULE_COSINE`] (Hugging Face's
+    /// `get_*_schedule_with_warmup`; the factor applies to the step after `s` applied steps).
+    pub schedule_kind: u32,
+    /// Warmup steps.
+    pub warmup: f32,
+    /// Total steps of the schedule (the drafter's `steps`).
+    pub total: f32,
+}
+
+impl AdamWHyper {
+    /// The schedule part, as the kernel takes it.
+    pub fn schedule(&self) -> Schedule {
+        Schedule {
+            kind: self.schedule_kind,
+            warmup: self.warmup,
+            total: self.total,
+        }
+    }
+
+    /// The constant part, as the kernel takes it.
+    pub fn constants(&self) -> draftpipe_gpu_kernels::adamw::AdamWConstants {
+        draftpipe_gpu_kernels::adamw::AdamWConstants {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+        }
+    }
 }
 
 /// A part of a step that a graph-capable backend may capture once and replay: the same key must always
@@ -303,10 +339,13 @@ pub enum StepPart {
 }
 
 /// The host-side view of a finished step: what [`Backend::read_results`] returns.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepResults {
     /// `[grad_norm, clip_scale, loss]`.
     pub scalars: [f32; 3],
+    /// The model's further read-back values after those three (`dflash`: correct rows per block slot; empty
+    /// for `mlp`).
+    pub extra: Vec<f32>,
     /// Device time of the step, when the backend measures it (CUDA events); `None` on the CPU.
     pub device_ms: Option<f32>,
 }
@@ -393,7 +432,8 @@ pub trait Backend: Sized + Send {
         body: &mut dyn FnMut(&mut Self) -> BackendResult,
     ) -> BackendResult;
 
-    /// Marks the end of the step reading `slot` and queues the read-back of its `scalars` into `ring`.
+    /// Marks the end of the step reading `slot` and queues the read-back of its `scalars` into `ring` (the
+    /// layout's whole `step_scalars` buffer).
     fn end_step(&mut self, slot: usize, ring: usize, scalars: Src<'_, Self, f32>) -> BackendResult;
 
     /// Waits for the step in `ring` and returns its scalars.
@@ -551,6 +591,64 @@ pub trait Backend: Sized + Send {
         exp_avg_sq: Dst<'_, Self, f32>,
         norm_and_clip: Src<'_, Self, f32>,
         step: Src<'_, Self, f32>,
+    ) -> BackendResult;
+
+    /// `out[r] = table[ids[r]]`: rows of a frozen embedding table `[vocab, hidden]` by token id
+    /// (`hidden = out.len() / ids.len()`; no gradient).
+    fn embedding_gather(
+        &mut self,
+        table: Src<'_, Self, f32>,
+        ids: Src<'_, Self, u32>,
+        out: Dst<'_, Self, f32>,
+    ) -> BackendResult;
+
+    /// RoPE in place over `x = [positions.len(), heads, head_dim]` (Hugging Face's `rotate_half` pairs
+    /// `(j, j + head_dim/2)`, frequency `theta^(−2j/head_dim)`); `inverse` rotates back (the backward).
+    fn rope(
+        &mut self,
+        x: Dst<'_, Self, f32>,
+        positions: Src<'_, Self, u32>,
+        theta: f32,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> BackendResult;
+
+    /// Weighted fused cross-entropy of a logits chunk `[rows, vocab]`: the gradient
+    /// `weights[r] · norm · (softmax − onehot)` in place, `row_loss = weights[r] · norm · CE`, `correct = 1`
+    /// where the row's argmax is its label (labels −1: zero gradient, loss and `correct`); `norm` is one
+    /// device scalar, `1 / Σ weights`.
+    #[allow(clippy::too_many_arguments)]
+    fn weighted_vocab_loss(
+        &mut self,
+        logits: Dst<'_, Self, f32>,
+        labels: Src<'_, Self, i32>,
+        weights: Src<'_, Self, f32>,
+        norm: Src<'_, Self, f32>,
+        row_loss: Dst<'_, Self, f32>,
+        correct: Dst<'_, Self, f32>,
+        vocab: usize,
+    ) -> BackendResult;
+
+    /// Attention with two key ranges per query (see [`attention`]): `out [Q, heads, head_dim]` and the
+    /// log-sum-exp `lse [Q, heads]` the backward reads (−∞ for a query without keys, whose output is 0).
+    fn attention_forward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        out: Dst<'_, Self, f32>,
+        lse: Dst<'_, Self, f32>,
+    ) -> BackendResult;
+
+    /// Attention backward: every gradient of `grads` overwritten, deterministically (no atomics); `delta`
+    /// is scratch of `[Q, heads]` (`rowsum(dout ∘ out)`).
+    fn attention_backward(
+        &mut self,
+        inputs: AttentionInputs<'_, Self>,
+        shape: AttentionShape,
+        saved: AttentionSaved<'_, Self>,
+        delta: Dst<'_, Self, f32>,
+        grads: AttentionGrads<'_, Self>,
     ) -> BackendResult;
 
     /// Averages `grads` over the data-parallel replicas, when the backend has a group (CPU: the host

@@ -20,7 +20,7 @@
 //! Every launcher panics when a buffer is shorter than its shape needs: the step sizes all buffers from one
 //! bucket shape, so a mismatch is a bug, and the check is what makes the `unsafe` kernel calls sound.
 
-pub use draftpipe_gpu_kernels::adamw::AdamWStep;
+pub use draftpipe_gpu_kernels::adamw::{AdamWConstants, AdamWStep, Schedule};
 pub use draftpipe_gpu_kernels::loss::IGNORE_LABEL;
 use draftpipe_gpu_kernels::plane::HostPlane;
 
@@ -361,9 +361,22 @@ pub fn adamw_update(
 }
 
 /// Advances AdamW's device state `[steps, β1^steps, β2^steps]` and writes the step's scalars (seven floats in
-/// [`AdamWStep`] order) when `grad_norm` is finite; a skipped step changes nothing.
-pub fn adamw_advance(grad_norm: f32, hyper: [f32; 5], state: &mut [f64], step: &mut [f32]) {
-    let [lr, beta1, beta2, eps, weight_decay] = hyper;
+/// [`AdamWStep`] order, the learning rate from `schedule`) when `grad_norm` is finite; a skipped step changes
+/// nothing.
+pub fn adamw_advance(
+    grad_norm: f32,
+    constants: AdamWConstants,
+    schedule: Schedule,
+    state: &mut [f64],
+    step: &mut [f32],
+) {
+    let AdamWConstants {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    } = constants;
     let mut scalars = [adamw_step_from_floats(step)];
     launch::adamw_advance(
         &[grad_norm],
@@ -374,6 +387,9 @@ pub fn adamw_advance(grad_norm: f32, hyper: [f32; 5], state: &mut [f64], step: &
         beta2,
         eps,
         weight_decay,
+        schedule.kind,
+        schedule.warmup,
+        schedule.total,
     );
     let [scalars] = scalars;
     step.copy_from_slice(&[
@@ -385,6 +401,100 @@ pub fn adamw_advance(grad_norm: f32, hyper: [f32; 5], state: &mut [f64], step: &
         scalars.step_size,
         scalars.bias_correction2_sqrt,
     ]);
+}
+
+/// `out[r] = table[ids[r]]` for `rows = ids.len()` rows of `hidden = out.len() / rows` columns.
+///
+/// # Panics
+/// When the sizes disagree or an id is outside the table (`table.len() / hidden` rows).
+pub fn embedding_gather(table: &[f32], ids: &[u32], out: &mut [f32]) {
+    let rows = ids.len();
+    assert!(
+        rows > 0 && out.len().is_multiple_of(rows),
+        "embedding_gather: {} outputs for {rows} ids",
+        out.len()
+    );
+    let hidden = out.len() / rows;
+    assert!(
+        hidden > 0 && table.len().is_multiple_of(hidden),
+        "embedding_gather: table of {} is not a whole number of rows of {hidden}",
+        table.len()
+    );
+    let vocab = table.len() / hidden;
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        panic!("embedding_gather: token id {bad} outside a table of {vocab} rows");
+    }
+    launch::embedding_gather(table, ids, out, vocab, hidden, out.len());
+}
+
+/// RoPE in place over `x = [rows, heads, head_dim]` with `rows = positions.len()` (`inverse`: the backward).
+///
+/// # Panics
+/// When `x` does not hold `rows · heads · head_dim` elements, `head_dim` is odd or `theta ≤ 0`.
+pub fn rope(
+    x: &mut [f32],
+    positions: &[u32],
+    theta: f32,
+    heads: usize,
+    head_dim: usize,
+    inverse: bool,
+) {
+    let rows = positions.len();
+    assert!(
+        x.len() == rows * heads * head_dim && head_dim.is_multiple_of(2) && theta > 0.0,
+        "rope: {} elements for {rows} rows × {heads} heads × {head_dim} (even), theta {theta} > 0",
+        x.len()
+    );
+    launch::rope(
+        positions,
+        x,
+        rows,
+        heads,
+        head_dim,
+        theta,
+        u32::from(inverse),
+    );
+}
+
+/// Weighted fused cross-entropy over the rows of a logits chunk `[rows, vocab]` (see
+/// [`draftpipe_gpu_kernels::loss::weighted_vocab_loss_row`]): gradient in place, `row_loss` and `correct`
+/// per row; `norm` is `1 / Σ weights`.
+///
+/// # Panics
+/// When the sizes disagree or a label is `≥ vocab`.
+#[allow(clippy::too_many_arguments)]
+pub fn weighted_vocab_loss(
+    logits: &mut [f32],
+    labels: &[i32],
+    weights: &[f32],
+    norm: f32,
+    row_loss: &mut [f32],
+    correct: &mut [f32],
+    vocab: usize,
+) {
+    let rows = labels.len();
+    assert!(
+        vocab > 0
+            && logits.len() == rows * vocab
+            && weights.len() == rows
+            && row_loss.len() == rows
+            && correct.len() == rows,
+        "weighted_vocab_loss: buffer sizes"
+    );
+    assert!(
+        labels.iter().all(|&l| l < vocab as i32),
+        "weighted_vocab_loss: label out of range"
+    );
+    launch::weighted_vocab_loss_row(
+        labels,
+        weights,
+        &[norm],
+        logits,
+        row_loss,
+        correct,
+        vocab,
+        rows,
+    );
 }
 
 /// The [`AdamWStep`] stored as seven floats in field order (its `repr(C)` layout).

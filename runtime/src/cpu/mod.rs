@@ -12,6 +12,7 @@
 //! vectors are swapped into the backend's buffers for the call and back out (no copy), so the step stays free of
 //! allocation in steady state.
 
+pub mod attention;
 pub(crate) mod gemm;
 mod head_loss;
 pub mod kernels;
@@ -174,6 +175,9 @@ impl CpuDrafter {
         swap_state(drafter, state)?;
         let staged = drafter.stage(batch);
         let (be, model) = drafter.parts_mut();
+        let model = model
+            .as_mlp_mut()
+            .expect("a CpuDrafter holds an mlp (checked when built)");
         let mut times = PhaseTimes::default();
         let ran = staged.and_then(|()| {
             be.run_part(StepPart::ForwardBackward { bucket, slot: 0 }, &mut |be| {
@@ -196,7 +200,10 @@ impl CpuDrafter {
     /// [`CpuDrafter::forward_backward`]; empty before the first.
     pub fn valid_labels(&self) -> &[u32] {
         match (&self.drafter, self.has_labels) {
-            (Ok(drafter), true) => drafter.model().ws.counts.as_slice(),
+            (Ok(drafter), true) => drafter
+                .model()
+                .as_mlp()
+                .map_or(&[], |mlp| mlp.ws.counts.as_slice()),
             _ => &[],
         }
     }
@@ -214,6 +221,9 @@ impl CpuDrafter {
             .expect("optimizer_step on a model forward_backward refused");
         swap_state(drafter, state).expect("optimizer_step on a state that does not fit the model");
         let (be, model) = drafter.parts_mut();
+        let model = model
+            .as_mlp_mut()
+            .expect("optimizer_step on a model forward_backward refused");
         let steps = model.adamw_state_for(state.step);
         model.ws.adamw_state.as_mut_slice().copy_from_slice(&steps);
         be.run_part(StepPart::Update, &mut |be| model.update(be))
@@ -235,7 +245,7 @@ impl CpuDrafter {
 /// Exchanges `state`'s four vectors with the drafter's flat buffers (a swap, no copy; calling it twice
 /// restores both).
 fn swap_state(drafter: &mut Drafter<CpuBackend>, state: &mut FlatState) -> Result<(), StepError> {
-    let expected = drafter.model().state.params.len();
+    let expected = drafter.model().state().params.len();
     for len in [
         state.params.len(),
         state.grads.len(),
@@ -246,7 +256,7 @@ fn swap_state(drafter: &mut Drafter<CpuBackend>, state: &mut FlatState) -> Resul
             return Err(StepError::StateSize { expected, got: len });
         }
     }
-    let flat = &mut drafter.parts_mut().1.state;
+    let flat = drafter.parts_mut().1.state_mut().0;
     flat.params.swap_vec(&mut state.params);
     flat.grads.swap_vec(&mut state.grads);
     flat.exp_avg.swap_vec(&mut state.exp_avg);

@@ -32,7 +32,6 @@ use draftpipe_compiler::plan::{
 
 use crate::backend::BackendError;
 use crate::drafter::{Drafter, DrafterError};
-use crate::model::mlp::LayoutError;
 
 /// The `mlp` drafter on one CUDA device: the backend-generic [`Drafter`] on a [`CudaBackend`].
 pub type CudaDrafter = Drafter<CudaBackend>;
@@ -54,12 +53,9 @@ impl Drafter<CudaBackend> {
         launch: LaunchMode,
         all_reduce: Option<GradientAllReduce>,
     ) -> Result<Self, DrafterError> {
-        let spec = model
-            .spec
-            .as_mlp()
-            .ok_or(LayoutError::Unsupported(model.spec.kind()))?;
-        let layout = WorkspaceLayout::mlp(spec, buckets, &loss, BackendKind::Cuda, precision)
-            .ok_or(DrafterError::WorkspaceTooLarge)?;
+        let layout =
+            WorkspaceLayout::of_model(&model.spec, buckets, &loss, BackendKind::Cuda, precision)
+                .ok_or(DrafterError::WorkspaceTooLarge)?;
         let mut backend = CudaBackend::new(ordinal, launch, &layout).map_err(BackendError::from)?;
         if let Some(all_reduce) = all_reduce {
             backend = backend.with_all_reduce(all_reduce);

@@ -11,11 +11,12 @@ use std::sync::Arc;
 use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
+use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::cuda::{CudaDrafter, GradientAllReduce, embedded_ptx, open_device};
 use crate::drafter::{Drafter, DrafterError};
-use crate::model::mlp::LayoutError;
 use crate::params::FlatState;
+use crate::target_weights::TargetWeights;
 
 use super::error::RunError;
 
@@ -68,12 +69,9 @@ pub(super) fn prepare(plan: &Plan, ordinals: &[usize]) -> Result<Vec<GradientAll
 pub(super) fn open_cpu(
     plan: &Plan,
     group: Option<Arc<AllReduce>>,
-    state: &FlatState,
+    (state, frozen): (&FlatState, Option<&TargetWeights>),
 ) -> Result<Drafter<CpuBackend>, DrafterError> {
     let stage = &plan.drafter;
-    if plan.model.spec.as_mlp().is_none() {
-        return Err(LayoutError::Unsupported(plan.model.spec.kind()).into());
-    }
     let layout = plan
         .workspace_layout(Device::Cpu)
         .ok_or(DrafterError::WorkspaceTooLarge)?;
@@ -87,8 +85,21 @@ pub(super) fn open_cpu(
         (stage.loss, stage.optimizer, stage.precision),
         &plan.buckets,
     )?;
-    drafter.upload_state(state)?;
+    upload(&mut drafter, state, frozen)?;
     Ok(drafter)
+}
+
+/// Loads the starting replica and, for `dflash`, the frozen target tensors into `drafter`.
+fn upload<B: Backend>(
+    drafter: &mut Drafter<B>,
+    state: &FlatState,
+    frozen: Option<&TargetWeights>,
+) -> Result<(), DrafterError> {
+    drafter.upload_state(state)?;
+    if let Some(weights) = frozen {
+        drafter.upload_frozen(weights.embedding(), weights.lm_head())?;
+    }
+    Ok(())
 }
 
 /// A CUDA drafter for `plan` on GPU `ordinal` with its communicator, on the starting `state`.
@@ -96,7 +107,7 @@ pub(super) fn open_gpu(
     plan: &Plan,
     ordinal: usize,
     all_reduce: Option<GradientAllReduce>,
-    state: &FlatState,
+    (state, frozen): (&FlatState, Option<&TargetWeights>),
 ) -> Result<CudaDrafter, DrafterError> {
     let stage = &plan.drafter;
     let mut drafter = CudaDrafter::on_device(
@@ -107,7 +118,7 @@ pub(super) fn open_gpu(
         stage.launch,
         all_reduce,
     )?;
-    drafter.upload_state(state)?;
+    upload(&mut drafter, state, frozen)?;
     Ok(drafter)
 }
 

@@ -36,6 +36,9 @@ pub enum RunError {
         #[source]
         source: SourceError,
     },
+    /// The target's frozen embedding and `lm_head` (a `dflash` drafter's) could not be had.
+    #[error("target weights: {0}")]
+    TargetWeights(#[from] crate::target_weights::TargetWeightsError),
     /// A drafter failed: a batch it cannot train on, or its device failed.
     #[error("drafter {worker}{} failed", on_device(*device))]
     Step {

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use draftpipe_compiler::plan::{Device, Plan, SyncMode};
+use draftpipe_compiler::plan::{Device, ModelSpec, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::batch::HsBatch;
@@ -44,6 +44,7 @@ use crate::cuda::GradientAllReduce;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
 use crate::source::{BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, open_sources};
+use crate::target_weights::TargetWeights;
 use crate::telemetry::{
     Diagnosis, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
 };
@@ -96,15 +97,21 @@ fn queue_snapshot(stats: QueueStats) -> QueueSnapshot {
     }
 }
 
-/// The replica every drafter starts from: fresh, `--init` weights, or a resumed checkpoint.
+/// The replica every drafter starts from: fresh, `--init` weights, or a resumed checkpoint; and for `dflash`
+/// the target's frozen embedding and `lm_head`, loaded once for every worker.
 struct Start {
     state: FlatState,
     step: u64,
     data_positions: Option<Vec<u64>>,
+    frozen: Option<TargetWeights>,
 }
 
 fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> {
     let mut state = FlatState::init(&plan.model, options.init_seed);
+    let frozen = match plan.model.spec {
+        ModelSpec::Dflash(_) => Some(TargetWeights::load(&plan.target)?),
+        ModelSpec::Mlp(_) => None,
+    };
     if let Some(dir) = &options.resume {
         let checkpoint = load_checkpoint(dir, &plan.model)?;
         if checkpoint.state.plan_name != plan.name {
@@ -134,6 +141,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
             state,
             step: checkpoint.state.step,
             data_positions: Some(checkpoint.state.data_positions),
+            frozen,
         });
     }
     if let Some(file) = &options.init {
@@ -143,6 +151,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
         state,
         step: 0,
         data_positions: None,
+        frozen,
     })
 }
 
@@ -421,6 +430,7 @@ impl Threads<'_> {
                     nonfinite_limit: self.options.max_nonfinite_in_row.max(1),
                 };
                 let start = self.start.state.clone();
+                let frozen = self.start.frozen.as_ref();
                 let communicator = ordinal.and_then(|_| communicators.next());
                 let (shared, round, gradients) = (
                     Arc::clone(self.shared),
@@ -452,11 +462,11 @@ impl Threads<'_> {
                                     });
                                 }
                                 worker::run(context, start, |state| {
-                                    devices::open_gpu(plan, ordinal, communicator, state)
+                                    devices::open_gpu(plan, ordinal, communicator, (state, frozen))
                                 })
                             }
                             None => worker::run(context, start, |state| {
-                                devices::open_cpu(plan, gradients.clone(), state)
+                                devices::open_cpu(plan, gradients.clone(), (state, frozen))
                             }),
                         };
                         leave();

@@ -86,7 +86,11 @@ pub(super) fn run<B: Backend>(
     start: FlatState,
     open: impl FnOnce(&FlatState) -> Result<Drafter<B>, DrafterError>,
 ) -> Finished {
-    let opened = open(&start);
+    let opened = open(&start).map(|mut drafter| {
+        drafter.seed_sampler(context.options.init_seed, context.first_step);
+        drafter.set_schedule_total(context.plan.drafter.steps.unwrap_or(0));
+        drafter
+    });
     drop(start);
     match opened {
         Ok(drafter) => Worker::new(context, drafter).run(),
@@ -330,6 +334,9 @@ impl<'a, B: Backend> Worker<'a, B> {
                 });
             }
         } else {
+            if let Some(blocks) = &outcome.blocks {
+                recorder.block_metrics(f64::from(blocks.tau), &blocks.slot_accuracy);
+            }
             recorder.step_done(outcome.tokens, f64::from(outcome.loss));
             self.nonfinite_in_row = 0;
         }

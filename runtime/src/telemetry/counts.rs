@@ -32,6 +32,14 @@ pub struct DrafterCounts {
     pub loss_count: u64,
     /// The latest finite loss.
     pub last_loss: Option<f64>,
+    /// `dflash`: sum of the steps' finite τ (simulated acceptance length, bonus token counted).
+    pub tau_sum: f64,
+    /// Number of τ in `tau_sum`.
+    pub tau_count: u64,
+    /// The latest τ.
+    pub last_tau: Option<f64>,
+    /// The latest step's accuracy of block slots `1..` (`dflash`; empty otherwise).
+    pub last_slot_accuracy: Vec<f32>,
     /// The part of a step still under way at the snapshot (inside the step, not yet recorded).
     pub open_busy: Duration,
     /// The part of a data wait still under way at the snapshot.

@@ -292,6 +292,12 @@ pub struct Diagnosis {
     pub wall_s: f64,
     /// The latest finite loss.
     pub final_loss: Option<f64>,
+    /// `dflash`: the latest τ and per-slot accuracy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_tau: Option<f64>,
+    /// `dflash`: the latest step's accuracy of block slots `1..`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub final_slot_accuracy: Vec<f32>,
 }
 
 impl Diagnosis {
@@ -472,6 +478,8 @@ impl Diagnosis {
             tokens: summary.tokens,
             wall_s: summary.wall_s,
             final_loss: summary.final_loss,
+            final_tau: summary.final_tau,
+            final_slot_accuracy: summary.final_slot_accuracy.clone(),
         }
     }
 }
@@ -558,10 +566,18 @@ impl fmt::Display for Diagnosis {
             "run \"{}\": {} steps, {} tokens in {:.1} s ({:.0} tok/s)",
             self.plan, self.steps, self.tokens, self.wall_s, rate
         )?;
-        match self.final_loss {
-            Some(loss) => writeln!(f, ", final loss {loss:.4}")?,
-            None => writeln!(f)?,
+        if let Some(loss) = self.final_loss {
+            write!(f, ", final loss {loss:.4}")?;
         }
+        if let Some(tau) = self.final_tau {
+            let slots: Vec<String> = self
+                .final_slot_accuracy
+                .iter()
+                .map(|acc| format!("{acc:.2}"))
+                .collect();
+            write!(f, ", τ {tau:.3} (slot accuracy {})", slots.join(" "))?;
+        }
+        writeln!(f)?;
         writeln!(
             f,
             "bottleneck: {}\n  {}",

@@ -24,7 +24,7 @@
 
 use std::cell::Cell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
@@ -65,6 +65,9 @@ impl PhaseCounter {
 /// Most distinct buckets whose step times are kept apart; a plan with more shares the last entry.
 pub const MAX_BUCKET_STATS: usize = 16;
 
+/// Block slots whose latest accuracy a drafter's counters keep (`dflash`; later slots are left out).
+pub const MAX_SLOT_METRICS: usize = 32;
+
 /// Running sums of one bucket's steady-state step times (seconds, stored as `f64` bits; one writer).
 #[derive(Default)]
 struct BucketCounter {
@@ -95,6 +98,12 @@ struct DrafterCounters {
     loss_sum_bits: AtomicU64,
     loss_count: AtomicU64,
     last_loss_bits: AtomicU64,
+    /// `dflash`: sum and count of the steps' τ, the latest τ, and the latest per-slot accuracies (f32 bits).
+    tau_sum_bits: AtomicU64,
+    tau_count: AtomicU64,
+    last_tau_bits: AtomicU64,
+    slot_accuracy_bits: [AtomicU32; MAX_SLOT_METRICS],
+    slot_metrics: AtomicU32,
     warmup_phases: [AtomicU64; DrafterPhase::COUNT],
     warmup_steps: AtomicU64,
     warmup_wall_ns: AtomicU64,
@@ -384,6 +393,15 @@ impl Telemetry {
                         loss_sum: f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)),
                         loss_count: c.loss_count.load(Ordering::Relaxed),
                         last_loss: (c.loss_count.load(Ordering::Relaxed) > 0).then_some(last),
+                        tau_sum: f64::from_bits(c.tau_sum_bits.load(Ordering::Relaxed)),
+                        tau_count: c.tau_count.load(Ordering::Relaxed),
+                        last_tau: (c.tau_count.load(Ordering::Relaxed) > 0)
+                            .then(|| f64::from_bits(c.last_tau_bits.load(Ordering::Relaxed))),
+                        last_slot_accuracy: c.slot_accuracy_bits
+                            [..c.slot_metrics.load(Ordering::Relaxed) as usize]
+                            .iter()
+                            .map(|bits| f32::from_bits(bits.load(Ordering::Relaxed)))
+                            .collect(),
                         open_busy: Duration::ZERO,
                         open_wait: Duration::ZERO,
                         warmup_phases: std::array::from_fn(|p| {
@@ -601,6 +619,26 @@ impl DrafterRecorder {
             }
             c.steps.fetch_add(1, Ordering::Relaxed);
             self.end_step();
+        });
+    }
+
+    /// Records a `dflash` step's block metrics (before its [`Self::step_done`]): its τ and the accuracy of
+    /// its slots `1..block` (the first [`MAX_SLOT_METRICS`] of them).
+    pub fn block_metrics(&self, tau: f64, slot_accuracy: &[f32]) {
+        let slot = self.slot();
+        slot.write(|| {
+            let c = &slot.counters;
+            if tau.is_finite() {
+                let sum = f64::from_bits(c.tau_sum_bits.load(Ordering::Relaxed)) + tau;
+                c.tau_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
+                c.last_tau_bits.store(tau.to_bits(), Ordering::Relaxed);
+                c.tau_count.fetch_add(1, Ordering::Relaxed);
+            }
+            let kept = slot_accuracy.len().min(MAX_SLOT_METRICS);
+            for (bits, acc) in c.slot_accuracy_bits.iter().zip(&slot_accuracy[..kept]) {
+                bits.store(acc.to_bits(), Ordering::Relaxed);
+            }
+            c.slot_metrics.store(kept as u32, Ordering::Relaxed);
         });
     }
 

@@ -367,6 +367,13 @@ impl<W: Write> Reporter<W> {
             wall_s: snapshot.elapsed.as_secs_f64(),
             skipped_nonfinite: snapshot.skipped(),
             final_loss: snapshot.drafters.iter().find_map(|d| d.last_loss),
+            final_tau: snapshot.drafters.iter().find_map(|d| d.last_tau),
+            final_slot_accuracy: snapshot
+                .drafters
+                .iter()
+                .map(|d| d.last_slot_accuracy.clone())
+                .find(|acc| !acc.is_empty())
+                .unwrap_or_default(),
             drafters: snapshot
                 .drafters
                 .iter()

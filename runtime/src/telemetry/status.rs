@@ -84,6 +84,10 @@ pub struct StatusLine {
     pub drafters: Vec<DrafterStatus>,
     /// Mean of the finite losses reported in the interval (the latest known loss when the interval had none).
     pub loss: Option<f64>,
+    /// `dflash`: mean τ (simulated acceptance length with the bonus token) of the interval's steps (the latest
+    /// when the interval had none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tau: Option<f64>,
     /// Steps skipped so far for non-finite values.
     pub skipped: u64,
     /// The source's own field (`producers=[3/5 connected]`), when it has one.
@@ -152,6 +156,17 @@ impl StatusLine {
             loss_sum += now.loss_sum - before.loss_sum;
             loss_count += now.loss_count.saturating_sub(before.loss_count);
         }
+        let (mut tau_sum, mut tau_count) = (0.0, 0u64);
+        for (i, now) in current.drafters.iter().enumerate() {
+            let before = previous.drafters.get(i).cloned().unwrap_or_default();
+            tau_sum += now.tau_sum - before.tau_sum;
+            tau_count += now.tau_count.saturating_sub(before.tau_count);
+        }
+        let tau = if tau_count > 0 {
+            Some(tau_sum / tau_count as f64)
+        } else {
+            current.drafters.iter().find_map(|d| d.last_tau)
+        };
         let loss = if loss_count > 0 {
             Some(loss_sum / loss_count as f64)
         } else {
@@ -172,6 +187,7 @@ impl StatusLine {
             q_hsb: queue.per_bucket.clone(),
             drafters,
             loss,
+            tau,
             skipped: current.skipped(),
             source: None,
         }
@@ -283,6 +299,9 @@ impl fmt::Display for StatusLine {
         match self.loss {
             Some(loss) => write!(f, " | loss {loss:.4}")?,
             None => write!(f, " | loss -")?,
+        }
+        if let Some(tau) = self.tau {
+            write!(f, " τ {tau:.3}")?;
         }
         if self.skipped > 0 {
             write!(f, " | skipped {}", self.skipped)?;

@@ -351,6 +351,12 @@ pub struct RunSummary {
     pub skipped_nonfinite: u64,
     /// The latest finite loss.
     pub final_loss: Option<f64>,
+    /// `dflash`: the latest τ (simulated acceptance length, bonus token counted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_tau: Option<f64>,
+    /// `dflash`: the latest step's accuracy of block slots `1..`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub final_slot_accuracy: Vec<f32>,
     /// Per drafter totals.
     pub drafters: Vec<DrafterSummary>,
     /// Per producer totals.

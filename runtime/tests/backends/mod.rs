@@ -43,11 +43,8 @@ impl TestDevice for Cpu {
         buckets: &[BucketPlan],
     ) -> Drafter<CpuBackend> {
         let (loss, _, precision) = settings;
-        let layout = WorkspaceLayout::mlp(
-            model
-                .spec
-                .as_mlp()
-                .expect("the backend tests train mlp models"),
+        let layout = WorkspaceLayout::of_model(
+            &model.spec,
             buckets,
             &loss,
             draftpipe_compiler::plan::BackendKind::Cpu,

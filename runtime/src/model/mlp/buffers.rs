@@ -117,18 +117,6 @@ impl MlpOffsets {
     }
 }
 
-/// Parameters, gradients and AdamW moments, each one flat buffer in the model's layout order.
-pub struct FlatBuffers<B: Backend> {
-    /// Parameters.
-    pub params: Buf<B, f32>,
-    /// Gradients of the last step (overwritten each step).
-    pub grads: Buf<B, f32>,
-    /// AdamW first moments.
-    pub exp_avg: Buf<B, f32>,
-    /// AdamW second moments.
-    pub exp_avg_sq: Buf<B, f32>,
-}
-
 /// Every buffer of [`WorkspaceLayout::mlp`], allocated by name.
 pub struct MlpWorkspace<B: Backend> {
     /// Residual stream before each block and after the last, `L + 1` buffers of `[T, H]`.

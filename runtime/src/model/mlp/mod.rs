@@ -16,14 +16,14 @@ use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
-use crate::backend::{AdamWHyper, Backend, BackendResult, Operand, Precision};
+use crate::backend::{Backend, BackendResult, Operand, Precision};
 use crate::cpu::PhaseTimes;
+use crate::model::update::{self, UpdateBuffers};
 
 mod buffers;
 
-pub use buffers::{
-    AllocateError, FlatBuffers, LayoutError, MissingBuffer, MlpOffsets, MlpWorkspace,
-};
+pub use crate::model::update::FlatBuffers;
+pub use buffers::{AllocateError, LayoutError, MissingBuffer, MlpOffsets, MlpWorkspace};
 
 /// RMSNorm epsilon of the model (inside the square root: `x / sqrt(mean(x²) + eps)`).
 pub const RMS_EPS: f32 = 1e-6;
@@ -50,6 +50,7 @@ pub struct Mlp<B: Backend> {
     offsets: MlpOffsets,
     loss: LossSpec,
     optimizer: AdamWSpec,
+    schedule_total: u64,
     precision: Precision,
     chunk_rows: usize,
     /// The flat state.
@@ -71,18 +72,13 @@ impl<B: Backend> Mlp<B> {
         precision: Precision,
         layout: &WorkspaceLayout,
     ) -> Result<Self, AllocateError> {
-        let p = model.parameters;
-        let state = FlatBuffers {
-            params: backend.alloc(p)?,
-            grads: backend.alloc(p)?,
-            exp_avg: backend.alloc(p)?,
-            exp_avg_sq: backend.alloc(p)?,
-        };
+        let state = FlatBuffers::zeroed(backend, model.parameters)?;
         Ok(Self {
             spec: offsets.spec,
             offsets,
             loss,
             optimizer,
+            schedule_total: 0,
             precision,
             chunk_rows: layout.chunk_rows,
             state,
@@ -115,6 +111,13 @@ impl<B: Backend> Mlp<B> {
             loss: loss_done - forward_done,
             backward: loss_done.elapsed(),
         })
+    }
+
+    /// Forward and fused loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves
+    /// behind are partial and belong to no step.
+    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss_and_heads(be, shape, slot)
     }
 
     fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
@@ -356,55 +359,30 @@ impl<B: Backend> Mlp<B> {
         )
     }
 
-    /// Gradient norm and clip scale into `step_scalars[0..2]`, AdamW's step state advanced on the device, and
-    /// one fused AdamW pass; a non-finite norm skips the update and leaves the step count alone.
+    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`; before the first step,
+    /// since a captured update keeps it).
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        self.schedule_total = total_steps;
+    }
+
+    /// The shared update ([`update::update`]) on this model's buffers.
     pub fn update(&mut self, be: &mut B) -> BackendResult {
-        let AdamWSpec {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            clip_grad_norm,
-            schedule: _,
-        } = self.optimizer;
-        let (ws, state) = (&mut self.ws, &mut self.state);
-        be.grad_norm(
-            state.grads.all(),
-            ws.grad_norm_partials.all_mut(),
-            clip_grad_norm.unwrap_or(0.0),
-            ws.step_scalars.at_mut(0, 2),
-        )?;
-        be.adamw_advance(
-            ws.step_scalars.at(0, 1),
-            AdamWHyper {
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
+        let ws = &mut self.ws;
+        update::update(
+            be,
+            (&self.optimizer, self.schedule_total),
+            &mut self.state,
+            UpdateBuffers {
+                grad_norm_partials: &mut ws.grad_norm_partials,
+                step_scalars: &mut ws.step_scalars,
+                adamw_step: &mut ws.adamw_step,
+                adamw_state: &mut ws.adamw_state,
             },
-            ws.adamw_state.all_mut(),
-            ws.adamw_step.all_mut(),
-        )?;
-        be.adamw_update(
-            state.params.all_mut(),
-            state.grads.all(),
-            state.exp_avg.all_mut(),
-            state.exp_avg_sq.all_mut(),
-            ws.step_scalars.at(0, 2),
-            ws.adamw_step.all(),
         )
     }
 
-    /// AdamW's device state for `steps` applied steps: `[steps, β1^steps, β2^steps]`, as PyTorch's corrections
-    /// (computed in f64).
+    /// AdamW's device state for `steps` applied steps ([`update::adamw_state_for`]).
     pub fn adamw_state_for(&self, steps: u64) -> [f64; 3] {
-        let t = steps as f64;
-        [
-            t,
-            f64::from(self.optimizer.beta1).powf(t),
-            f64::from(self.optimizer.beta2).powf(t),
-        ]
+        update::adamw_state_for(&self.optimizer, steps)
     }
 }

@@ -1,0 +1,208 @@
+//! Every buffer of [`WorkspaceLayout::dflash`], allocated by name: the frozen target tensors, the activations
+//! the backward pass reads again, the backward scratch, the optimizer's scalars, and per input slot the batch
+//! and its host-built block plan.
+
+use draftpipe_compiler::plan::WorkspaceLayout;
+
+use crate::backend::{Backend, Buf, Element, InputSlot};
+use crate::model::mlp::{AllocateError, MissingBuffer};
+
+/// One input slot's block plan on the device (see [`super::blocks::BlockPlan`]).
+pub struct PlanSlot<B: Backend> {
+    /// Token id of each block row `[Q]`.
+    pub block_ids: Buf<B, u32>,
+    /// RoPE positions: the context rows `[T]`, then the block rows `[Q]`.
+    pub positions: Buf<B, u32>,
+    /// `[Q, 4]` key ranges of each query row.
+    pub query_ranges: Buf<B, u32>,
+    /// `[T, 2]` query ranges of each context key.
+    pub context_key_ranges: Buf<B, u32>,
+    /// `[Q, 2]` query ranges of each block key.
+    pub block_key_ranges: Buf<B, u32>,
+    /// Label of each block row (−1: none).
+    pub labels: Buf<B, i32>,
+    /// Loss weight of each block row.
+    pub weights: Buf<B, f32>,
+    /// `1 / Σ weights`.
+    pub inv_weight_sum: Buf<B, f32>,
+}
+
+/// The `dflash` workspace (names as in [`WorkspaceLayout::dflash`]; per-layer buffers are stacked) and the
+/// target's frozen tensors, which `compile` reports apart (`frozen_weights`).
+#[allow(missing_docs)] // each field is the layout buffer of the same name
+pub struct DflashWorkspace<B: Backend> {
+    /// The target's frozen embedding `[V, H]`.
+    pub embed: Buf<B, f32>,
+    /// The target's frozen `lm_head` `[V, H]` (a tied one is a second copy of the embedding).
+    pub lm_head: Buf<B, f32>,
+    pub(crate) ctx_pre: Buf<B, f32>,
+    pub(crate) ctx: Buf<B, f32>,
+    pub(crate) ctx_inv_rms: Buf<B, f32>,
+    pub(crate) xs: Vec<Buf<B, f32>>,
+    pub(crate) normed: Buf<B, f32>,
+    pub(crate) inv_rms: Buf<B, f32>,
+    pub(crate) q_raw: Buf<B, f32>,
+    pub(crate) q_inv_rms: Buf<B, f32>,
+    pub(crate) q: Buf<B, f32>,
+    pub(crate) k_blk_raw: Buf<B, f32>,
+    pub(crate) k_blk_inv_rms: Buf<B, f32>,
+    pub(crate) k_blk: Buf<B, f32>,
+    pub(crate) v_blk: Buf<B, f32>,
+    pub(crate) k_ctx_raw: Buf<B, f32>,
+    pub(crate) k_ctx_inv_rms: Buf<B, f32>,
+    pub(crate) k_ctx: Buf<B, f32>,
+    pub(crate) v_ctx: Buf<B, f32>,
+    pub(crate) attn: Buf<B, f32>,
+    pub(crate) lse: Buf<B, f32>,
+    pub(crate) mid: Buf<B, f32>,
+    pub(crate) normed2: Buf<B, f32>,
+    pub(crate) inv_rms2: Buf<B, f32>,
+    pub(crate) gate_up: Buf<B, f32>,
+    pub(crate) act: Buf<B, f32>,
+    pub(crate) z: Buf<B, f32>,
+    pub(crate) final_inv_rms: Buf<B, f32>,
+    pub(crate) logits: Buf<B, f32>,
+    pub(crate) row_loss: Buf<B, f32>,
+    pub(crate) correct: Buf<B, f32>,
+    pub(crate) loss_partials: Buf<B, f32>,
+    pub(crate) ones: Buf<B, f32>,
+    pub(crate) dz: Buf<B, f32>,
+    pub(crate) dx: Buf<B, f32>,
+    pub(crate) dnormed: Buf<B, f32>,
+    pub(crate) dact: Buf<B, f32>,
+    pub(crate) dgate_up: Buf<B, f32>,
+    pub(crate) dattn: Buf<B, f32>,
+    pub(crate) dq: Buf<B, f32>,
+    pub(crate) dq_raw: Buf<B, f32>,
+    pub(crate) attn_delta: Buf<B, f32>,
+    pub(crate) dk_blk: Buf<B, f32>,
+    pub(crate) dv_blk: Buf<B, f32>,
+    pub(crate) dk_blk_raw: Buf<B, f32>,
+    pub(crate) dk_ctx: Buf<B, f32>,
+    pub(crate) dv_ctx: Buf<B, f32>,
+    pub(crate) dk_ctx_raw: Buf<B, f32>,
+    pub(crate) dctx: Buf<B, f32>,
+    pub(crate) dctx_pre: Buf<B, f32>,
+    pub(crate) k_norm_grad: Buf<B, f32>,
+    pub(crate) norm_partials: Buf<B, f32>,
+    pub(crate) grad_norm_partials: Buf<B, f32>,
+    /// `[grad_norm, clip_scale, loss, correct rows of slot 0, 1, …]` of the last step.
+    pub step_scalars: Buf<B, f32>,
+    pub(crate) adamw_step: Buf<B, f32>,
+    /// `[steps applied, β1^steps, β2^steps]`.
+    pub adamw_state: Buf<B, f64>,
+    /// The input slots' batches.
+    pub inputs: Vec<InputSlot<B>>,
+    /// The input slots' block plans.
+    pub plans: Vec<PlanSlot<B>>,
+}
+
+impl<B: Backend> DflashWorkspace<B> {
+    /// Allocates every buffer `layout` lists for this backend's step (the backend-specific entries, cuBLAS's
+    /// workspace or the CPU's rounding buffers, are the backend's own), and the two frozen `[V, H]` tensors of
+    /// `frozen` elements each.
+    ///
+    /// # Errors
+    /// When the layout lacks a buffer or the backend cannot allocate.
+    pub fn allocate(
+        be: &mut B,
+        layout: &WorkspaceLayout,
+        frozen: usize,
+    ) -> Result<Self, AllocateError> {
+        fn take<B: Backend, T: Element>(
+            be: &mut B,
+            layout: &WorkspaceLayout,
+            name: &str,
+        ) -> Result<Buf<B, T>, AllocateError> {
+            let len = layout
+                .elements(name)
+                .ok_or_else(|| MissingBuffer(name.to_owned()))?;
+            Ok(be.alloc(len)?)
+        }
+        let mut xs = Vec::new();
+        while layout.elements(&format!("xs.{}", xs.len())).is_some() {
+            xs.push(take(be, layout, &format!("xs.{}", xs.len()))?);
+        }
+        let mut inputs = Vec::new();
+        let mut plans = Vec::new();
+        for slot in 0..layout.input_slots {
+            let name = |n: &str| format!("input{slot}.{n}");
+            inputs.push(InputSlot {
+                hs: take(be, layout, &name("hs"))?,
+                input_ids: take(be, layout, &name("input_ids"))?,
+                seq_lens: take(be, layout, &name("seq_lens"))?,
+                loss_mask: take(be, layout, &name("loss_mask"))?,
+            });
+            plans.push(PlanSlot {
+                block_ids: take(be, layout, &name("block_ids"))?,
+                positions: take(be, layout, &name("positions"))?,
+                query_ranges: take(be, layout, &name("query_ranges"))?,
+                context_key_ranges: take(be, layout, &name("context_key_ranges"))?,
+                block_key_ranges: take(be, layout, &name("block_key_ranges"))?,
+                labels: take(be, layout, &name("labels"))?,
+                weights: take(be, layout, &name("weights"))?,
+                inv_weight_sum: take(be, layout, &name("inv_weight_sum"))?,
+            });
+        }
+        Ok(Self {
+            embed: be.alloc(frozen)?,
+            lm_head: be.alloc(frozen)?,
+            ctx_pre: take(be, layout, "ctx_pre")?,
+            ctx: take(be, layout, "ctx")?,
+            ctx_inv_rms: take(be, layout, "ctx_inv_rms")?,
+            xs,
+            normed: take(be, layout, "normed")?,
+            inv_rms: take(be, layout, "inv_rms")?,
+            q_raw: take(be, layout, "q_raw")?,
+            q_inv_rms: take(be, layout, "q_inv_rms")?,
+            q: take(be, layout, "q")?,
+            k_blk_raw: take(be, layout, "k_blk_raw")?,
+            k_blk_inv_rms: take(be, layout, "k_blk_inv_rms")?,
+            k_blk: take(be, layout, "k_blk")?,
+            v_blk: take(be, layout, "v_blk")?,
+            k_ctx_raw: take(be, layout, "k_ctx_raw")?,
+            k_ctx_inv_rms: take(be, layout, "k_ctx_inv_rms")?,
+            k_ctx: take(be, layout, "k_ctx")?,
+            v_ctx: take(be, layout, "v_ctx")?,
+            attn: take(be, layout, "attn")?,
+            lse: take(be, layout, "lse")?,
+            mid: take(be, layout, "mid")?,
+            normed2: take(be, layout, "normed2")?,
+            inv_rms2: take(be, layout, "inv_rms2")?,
+            gate_up: take(be, layout, "gate_up")?,
+            act: take(be, layout, "act")?,
+            z: take(be, layout, "z")?,
+            final_inv_rms: take(be, layout, "final_inv_rms")?,
+            logits: take(be, layout, "logits")?,
+            row_loss: take(be, layout, "row_loss")?,
+            correct: take(be, layout, "correct")?,
+            loss_partials: take(be, layout, "loss_partials")?,
+            ones: take(be, layout, "ones")?,
+            dz: take(be, layout, "dz")?,
+            dx: take(be, layout, "dx")?,
+            dnormed: take(be, layout, "dnormed")?,
+            dact: take(be, layout, "dact")?,
+            dgate_up: take(be, layout, "dgate_up")?,
+            dattn: take(be, layout, "dattn")?,
+            dq: take(be, layout, "dq")?,
+            dq_raw: take(be, layout, "dq_raw")?,
+            attn_delta: take(be, layout, "attn_delta")?,
+            dk_blk: take(be, layout, "dk_blk")?,
+            dv_blk: take(be, layout, "dv_blk")?,
+            dk_blk_raw: take(be, layout, "dk_blk_raw")?,
+            dk_ctx: take(be, layout, "dk_ctx")?,
+            dv_ctx: take(be, layout, "dv_ctx")?,
+            dk_ctx_raw: take(be, layout, "dk_ctx_raw")?,
+            dctx: take(be, layout, "dctx")?,
+            dctx_pre: take(be, layout, "dctx_pre")?,
+            k_norm_grad: take(be, layout, "k_norm_grad")?,
+            norm_partials: take(be, layout, "norm_partials")?,
+            grad_norm_partials: take(be, layout, "grad_norm_partials")?,
+            step_scalars: take(be, layout, "step_scalars")?,
+            adamw_step: take(be, layout, "adamw_step")?,
+            adamw_state: take(be, layout, "adamw_state")?,
+            inputs,
+            plans,
+        })
+    }
+}

@@ -1,0 +1,746 @@
+//! The `dflash` drafter's training step (SpecForge's DFlash), written once over [`Backend`]: context
+//! projection, Qwen3 decoder layers over the sampled blocks with the DFlash mask, the target's frozen
+//! `lm_head` in a chunked weighted loss, the full backward, and the update every model shares.
+//!
+//! ```text
+//!  stage     host: block plan (anchors, ids, positions, mask ranges, labels, weights) ──upload──▶ plan slot
+//!  context   c = hidden_norm(hs·fcᵀ)                                        [T, H], once per sequence
+//!  blocks    x₀ = embed[block ids]                                          [Q, H], frozen embedding
+//!  layer     n = rmsnorm(x); q = rope(q_norm(n·Wqᵀ)); k/v of the block rows from n, of the context rows
+//!            from c (not re-normalised: SpecForge's `k_proj(target_hidden)`); a = attention(q, [k_c; k_b],
+//!            [v_c; v_b]) under the ranges; m = x + a·Woᵀ; x' = m + swiglu(rmsnorm(m)·[Wg; Wu]ᵀ)·Wdᵀ
+//!  loss      z = norm(x_L); per chunk of C rows: logits = z·lm_headᵀ → weighted fused CE (gradient in place,
+//!            w·(1/Σw)) → dz; loss = Σ rows; per-slot correct = correctᵀ·1
+//!  backward  the reverse of every line above; RoPE's backward is the inverse rotation; k_norm collects its
+//!            gradient from block and context rows; the frozen embedding and lm_head get none
+//!  update    crate::model::update (shared with mlp)
+//! ```
+//!
+//! Nothing here reads back or allocates on the step path: every size is the bucket's, the loss, the per-slot
+//! correct counts and AdamW's state stay in device buffers, so the CUDA backend can capture each part as a graph.
+//! The block plan is uploaded when the batch is staged (on CUDA that upload waits for the stream, so staging a
+//! DFlash batch does not yet overlap the step in flight; the mlp's does).
+
+pub mod blocks;
+mod buffers;
+mod offsets;
+
+use std::time::Instant;
+
+use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
+
+use crate::backend::{
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult,
+    Operand, Precision,
+};
+use crate::batch::HsBatch;
+use crate::cpu::PhaseTimes;
+use crate::model::mlp::{AllocateError, StepShape};
+use crate::model::update::{self, FlatBuffers, UpdateBuffers};
+
+pub use blocks::{BlockGeometry, BlockPlan, PlanInput};
+pub use buffers::{DflashWorkspace, PlanSlot};
+pub use offsets::DflashOffsets;
+
+/// The `dflash` drafter on one backend: its settings, state buffers, workspace and host block plan.
+pub struct Dflash<B: Backend> {
+    offsets: DflashOffsets,
+    geometry: BlockGeometry,
+    optimizer: AdamWSpec,
+    schedule_total: u64,
+    precision: Precision,
+    chunk_rows: usize,
+    /// The flat state (trained tensors only).
+    pub state: FlatBuffers<B>,
+    /// The workspace.
+    pub ws: DflashWorkspace<B>,
+    plan: BlockPlan,
+}
+
+impl<B: Backend> Dflash<B> {
+    /// The model of `plan` on `backend`, state zeroed, workspace allocated from `layout`; the frozen embedding
+    /// and `lm_head` are zero until [`Dflash::upload_frozen`].
+    ///
+    /// # Errors
+    /// When the layout lacks a buffer or the backend cannot allocate.
+    pub fn new(
+        backend: &mut B,
+        (model, offsets): (&ModelPlan, DflashOffsets),
+        loss: LossSpec,
+        optimizer: AdamWSpec,
+        precision: Precision,
+        layout: &WorkspaceLayout,
+    ) -> Result<Self, AllocateError> {
+        let spec = offsets.spec();
+        // `anchors` is the bucket's (see `stage_plan`).
+        let geometry = BlockGeometry {
+            block: spec.block,
+            anchors: spec.anchors,
+            mask_token: spec.mask_token,
+            position_decay: loss.position_decay.unwrap_or(0.0),
+        };
+        Ok(Self {
+            geometry,
+            optimizer,
+            schedule_total: 0,
+            precision,
+            chunk_rows: layout.chunk_rows,
+            state: FlatBuffers::zeroed(backend, model.parameters)?,
+            ws: DflashWorkspace::allocate(backend, layout, spec.vocab * spec.hidden)?,
+            offsets,
+            plan: BlockPlan::default(),
+        })
+    }
+
+    /// The model's dimensions.
+    pub fn spec(&self) -> &DflashSpec {
+        self.offsets.spec()
+    }
+
+    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) to the device.
+    ///
+    /// # Errors
+    /// Backend failures.
+    ///
+    /// # Panics
+    /// When a tensor's length is not `vocab · hidden` (the caller validated the weights against the plan).
+    pub fn upload_frozen(&mut self, be: &mut B, embed: &[f32], lm_head: &[f32]) -> BackendResult {
+        be.upload(self.ws.embed.all_mut(), embed)?;
+        be.upload(self.ws.lm_head.all_mut(), lm_head)
+    }
+
+    /// Builds the block plan of `batch` (anchors drawn with `(seed, step)`) and copies it into input slot
+    /// `slot`'s plan buffers. Returns the labelled rows per slot.
+    ///
+    /// # Errors
+    /// Backend failures.
+    pub fn stage_plan(
+        &mut self,
+        be: &mut B,
+        slot: usize,
+        batch: &HsBatch,
+        (seed, step): (u64, u64),
+    ) -> BackendResult<&[u32]> {
+        let input = PlanInput {
+            padded_len: batch.padded_len,
+            input_ids: &batch.input_ids,
+            loss_mask: &batch.loss_mask,
+            seq_lens: &batch.seq_lens,
+        };
+        let geometry = BlockGeometry {
+            anchors: self.spec().block_slots(batch.padded_len),
+            ..self.geometry
+        };
+        self.plan.build(&geometry, input, seed, step);
+        let plan = &self.plan;
+        let dev = &mut self.ws.plans[slot];
+        let (t, q) = (plan.context_positions.len(), plan.query_rows());
+        be.upload(dev.block_ids.at_mut(0, q), &plan.block_ids)?;
+        be.upload(dev.positions.at_mut(0, t), &plan.context_positions)?;
+        be.upload(dev.positions.at_mut(t, q), &plan.block_positions)?;
+        be.upload(dev.query_ranges.at_mut(0, 4 * q), &plan.query_ranges)?;
+        be.upload(
+            dev.context_key_ranges.at_mut(0, 2 * t),
+            &plan.context_key_ranges,
+        )?;
+        be.upload(
+            dev.block_key_ranges.at_mut(0, 2 * q),
+            &plan.block_key_ranges,
+        )?;
+        be.upload(dev.labels.at_mut(0, q), &plan.labels)?;
+        be.upload(dev.weights.at_mut(0, q), &plan.weights)?;
+        be.upload(dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
+        Ok(&self.plan.slot_labels)
+    }
+
+    /// Forward, weighted loss and backward of the batch in input slot `slot` (its plan staged by
+    /// [`Dflash::stage_plan`]): overwrites every gradient, writes the loss into `step_scalars[2]` and the
+    /// correct rows of each slot into `step_scalars[3..3 + block]`. Returns the host time of each phase.
+    pub fn forward_backward(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+    ) -> BackendResult<PhaseTimes> {
+        let started = Instant::now();
+        self.forward(be, shape, slot)?;
+        let forward_done = Instant::now();
+        self.loss(be, shape, slot)?;
+        let loss_done = Instant::now();
+        self.backward(be, shape, slot)?;
+        Ok(PhaseTimes {
+            forward: forward_done - started,
+            loss: loss_done - forward_done,
+            backward: loss_done.elapsed(),
+        })
+    }
+
+    /// Forward and weighted loss only (evaluation, [`crate::drafter::Drafter::evaluate`]): the loss and the
+    /// per-slot correct counts into the step scalars, no gradient of any parameter.
+    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss(be, shape, slot)
+    }
+
+    /// Rows of the step: `(T, Q, blocks)`.
+    fn rows(&self, shape: StepShape) -> (usize, usize, usize) {
+        let blocks = shape.sequences * self.spec().block_slots(shape.padded_len);
+        (shape.tokens(), blocks * self.geometry.block, blocks)
+    }
+
+    fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        let spec = self.offsets.spec();
+        let (h, d, i) = (spec.hidden, spec.taps * spec.hidden, spec.intermediate);
+        let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
+        let (qd, kd) = (heads * hd, kvh * hd);
+        let (eps, theta) = (spec.rms_norm_eps, spec.rope_theta);
+        let (t, q, blocks) = self.rows(shape);
+        let (p, at) = (self.precision, &self.offsets);
+        let (ws, params) = (&mut self.ws, &self.state.params);
+        let (input, plan) = (&ws.inputs[slot], &ws.plans[slot]);
+        let (th, qh) = (t * h, q * h);
+        // Context, once per sequence: c = hidden_norm(hs · fcᵀ).
+        be.gemm(
+            ws.ctx_pre.at_mut(0, th),
+            Operand::new(input.hs.at(0, t * d), t, d),
+            Operand::new(params.at(at.fc, h * d), h, d).t(),
+            1.0,
+            0.0,
+            p,
+        )?;
+        be.rmsnorm_forward(
+            ws.ctx_pre.at(0, th),
+            params.at(at.hidden_norm, h),
+            ws.ctx.at_mut(0, th),
+            ws.ctx_inv_rms.at_mut(0, t),
+            eps,
+        )?;
+        be.embedding_gather(
+            ws.embed.all(),
+            plan.block_ids.at(0, q),
+            ws.xs[0].at_mut(0, qh),
+        )?;
+        be.fill(ws.ones.at_mut(0, blocks), 1.0)?;
+        let ctx_positions = plan.positions.at(0, t);
+        let blk_positions = plan.positions.at(t, q);
+        for (l, w) in at.layers.iter().enumerate() {
+            let (done, rest) = ws.xs.split_at_mut(l + 1);
+            let (x, next) = (&done[l], &mut rest[0]);
+            be.rmsnorm_forward(
+                x.at(0, qh),
+                params.at(w.input_layernorm, h),
+                ws.normed.at_mut(l * qh, qh),
+                ws.inv_rms.at_mut(l * q, q),
+                eps,
+            )?;
+            let normed = Operand::new(ws.normed.at(l * qh, qh), q, h);
+            // Queries of the block rows: projection, per-head q_norm, RoPE at anchor + slot.
+            be.gemm(
+                ws.q_raw.at_mut(l * q * qd, q * qd),
+                normed,
+                Operand::new(params.at(w.q_proj, qd * h), qd, h).t(),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.rmsnorm_forward(
+                ws.q_raw.at(l * q * qd, q * qd),
+                params.at(w.q_norm, hd),
+                ws.q.at_mut(l * q * qd, q * qd),
+                ws.q_inv_rms.at_mut(l * q * heads, q * heads),
+                eps,
+            )?;
+            be.rope(
+                ws.q.at_mut(l * q * qd, q * qd),
+                blk_positions,
+                theta,
+                heads,
+                hd,
+                false,
+            )?;
+            // Keys and values of the block rows (from n) and of the context rows (from c).
+            for (rows, source, raw, inv, keys, values, positions) in [
+                (
+                    q,
+                    normed,
+                    &mut ws.k_blk_raw,
+                    &mut ws.k_blk_inv_rms,
+                    &mut ws.k_blk,
+                    &mut ws.v_blk,
+                    blk_positions,
+                ),
+                (
+                    t,
+                    Operand::new(ws.ctx.at(0, th), t, h),
+                    &mut ws.k_ctx_raw,
+                    &mut ws.k_ctx_inv_rms,
+                    &mut ws.k_ctx,
+                    &mut ws.v_ctx,
+                    ctx_positions,
+                ),
+            ] {
+                let n = rows * kd;
+                be.gemm(
+                    raw.at_mut(l * n, n),
+                    source,
+                    Operand::new(params.at(w.k_proj, kd * h), kd, h).t(),
+                    1.0,
+                    0.0,
+                    p,
+                )?;
+                be.rmsnorm_forward(
+                    raw.at(l * n, n),
+                    params.at(w.k_norm, hd),
+                    keys.at_mut(l * n, n),
+                    inv.at_mut(l * rows * kvh, rows * kvh),
+                    eps,
+                )?;
+                be.rope(keys.at_mut(l * n, n), positions, theta, kvh, hd, false)?;
+                be.gemm(
+                    values.at_mut(l * n, n),
+                    source,
+                    Operand::new(params.at(w.v_proj, kd * h), kd, h).t(),
+                    1.0,
+                    0.0,
+                    p,
+                )?;
+            }
+            be.attention_forward(
+                AttentionInputs {
+                    q: ws.q.at(l * q * qd, q * qd),
+                    k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
+                    v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
+                    k_blk: ws.k_blk.at(l * q * kd, q * kd),
+                    v_blk: ws.v_blk.at(l * q * kd, q * kd),
+                    query_ranges: plan.query_ranges.at(0, 4 * q),
+                },
+                AttentionShape::new(heads, kvh, hd),
+                ws.attn.at_mut(l * q * qd, q * qd),
+                ws.lse.at_mut(l * q * heads, q * heads),
+            )?;
+            // m = x + attn · Woᵀ
+            be.copy(ws.mid.at_mut(l * qh, qh), x.at(0, qh))?;
+            be.gemm(
+                ws.mid.at_mut(l * qh, qh),
+                Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
+                Operand::new(params.at(w.o_proj, h * qd), h, qd).t(),
+                1.0,
+                1.0,
+                p,
+            )?;
+            // x' = m + swiglu(rmsnorm(m) · [Wg; Wu]ᵀ) · Wdᵀ
+            be.rmsnorm_forward(
+                ws.mid.at(l * qh, qh),
+                params.at(w.post_attention_layernorm, h),
+                ws.normed2.at_mut(l * qh, qh),
+                ws.inv_rms2.at_mut(l * q, q),
+                eps,
+            )?;
+            be.gemm(
+                ws.gate_up.at_mut(l * q * 2 * i, q * 2 * i),
+                Operand::new(ws.normed2.at(l * qh, qh), q, h),
+                Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h).t(),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.swiglu_forward(
+                ws.gate_up.at(l * q * 2 * i, q * 2 * i),
+                ws.act.at_mut(l * q * i, q * i),
+                i,
+            )?;
+            be.copy(next.at_mut(0, qh), ws.mid.at(l * qh, qh))?;
+            be.gemm(
+                next.at_mut(0, qh),
+                Operand::new(ws.act.at(l * q * i, q * i), q, i),
+                Operand::new(params.at(w.down_proj, h * i), h, i).t(),
+                1.0,
+                1.0,
+                p,
+            )?;
+        }
+        let layers = at.layers.len();
+        be.rmsnorm_forward(
+            ws.xs[layers].at(0, qh),
+            params.at(at.norm, h),
+            ws.z.at_mut(0, qh),
+            ws.final_inv_rms.at_mut(0, q),
+            eps,
+        )
+    }
+
+    /// The frozen lm_head and the weighted fused loss, chunk by chunk (never `[Q, V]`), writing `dz`; the
+    /// loss total and the per-slot correct counts into the step scalars.
+    fn loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        let spec = self.offsets.spec();
+        let (h, v, b) = (spec.hidden, spec.vocab, spec.block);
+        let (_, q, blocks) = self.rows(shape);
+        let p = self.precision;
+        let ws = &mut self.ws;
+        let plan = &ws.plans[slot];
+        let chunk = self.chunk_rows.clamp(1, q.max(1));
+        let lm = Operand::new(ws.lm_head.all(), v, h);
+        for start in (0..q).step_by(chunk) {
+            let rows = chunk.min(q - start);
+            let z = Operand::new(ws.z.at(start * h, rows * h), rows, h);
+            be.gemm(ws.logits.at_mut(0, rows * v), z, lm.t(), 1.0, 0.0, p)?;
+            be.weighted_vocab_loss(
+                ws.logits.at_mut(0, rows * v),
+                plan.labels.at(start, rows),
+                plan.weights.at(start, rows),
+                plan.inv_weight_sum.all(),
+                ws.row_loss.at_mut(start, rows),
+                ws.correct.at_mut(start, rows),
+                v,
+            )?;
+            be.gemm(
+                ws.dz.at_mut(start * h, rows * h),
+                Operand::new(ws.logits.at(0, rows * v), rows, v),
+                lm,
+                1.0,
+                0.0,
+                p,
+            )?;
+        }
+        be.sum(
+            ws.row_loss.at(0, q),
+            ws.loss_partials.all_mut(),
+            ws.step_scalars.at_mut(2, 1),
+        )?;
+        // Correct rows per slot: correct viewed [blocks, B], summed over blocks by a product with ones (f32,
+        // exact for counts below 2²⁴).
+        be.gemm(
+            ws.step_scalars.at_mut(3, b),
+            Operand::new(ws.correct.at(0, q), blocks, b).t(),
+            Operand::new(ws.ones.at(0, blocks), blocks, 1),
+            1.0,
+            0.0,
+            Precision::F32,
+        )
+    }
+
+    fn backward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        let spec = self.offsets.spec();
+        let (h, d, i) = (spec.hidden, spec.taps * spec.hidden, spec.intermediate);
+        let (heads, kvh, hd) = (spec.heads, spec.kv_heads, spec.head_dim);
+        let (qd, kd) = (heads * hd, kvh * hd);
+        let theta = spec.rope_theta;
+        let (t, q, _) = self.rows(shape);
+        let (p, at) = (self.precision, &self.offsets);
+        let (ws, state) = (&mut self.ws, &mut self.state);
+        let (params, grads) = (&state.params, &mut state.grads);
+        let (input, plan) = (&ws.inputs[slot], &ws.plans[slot]);
+        let (th, qh) = (t * h, q * h);
+        let ctx_positions = plan.positions.at(0, t);
+        let blk_positions = plan.positions.at(t, q);
+        let layers = at.layers.len();
+        be.rmsnorm_backward_input(
+            ws.xs[layers].at(0, qh),
+            params.at(at.norm, h),
+            ws.final_inv_rms.at(0, q),
+            ws.dz.at(0, qh),
+            ws.dx.at_mut(0, qh),
+            false,
+        )?;
+        be.rmsnorm_weight_grad(
+            ws.xs[layers].at(0, qh),
+            ws.final_inv_rms.at(0, q),
+            ws.dz.at(0, qh),
+            grads.at_mut(at.norm, h),
+            ws.norm_partials.all_mut(),
+        )?;
+        for (l, w) in at.layers.iter().enumerate().rev() {
+            // MLP: x' = m + act · Wdᵀ.
+            let dx = Operand::new(ws.dx.at(0, qh), q, h);
+            be.gemm(
+                grads.at_mut(w.down_proj, h * i),
+                dx.t(),
+                Operand::new(ws.act.at(l * q * i, q * i), q, i),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.gemm(
+                ws.dact.at_mut(0, q * i),
+                dx,
+                Operand::new(params.at(w.down_proj, h * i), h, i),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.swiglu_backward(
+                ws.gate_up.at(l * q * 2 * i, q * 2 * i),
+                ws.dact.at(0, q * i),
+                ws.dgate_up.at_mut(0, q * 2 * i),
+                i,
+            )?;
+            let dgu = Operand::new(ws.dgate_up.at(0, q * 2 * i), q, 2 * i);
+            be.gemm(
+                grads.at_mut(w.gate_up, 2 * i * h),
+                dgu.t(),
+                Operand::new(ws.normed2.at(l * qh, qh), q, h),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.gemm(
+                ws.dnormed.at_mut(0, qh),
+                dgu,
+                Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.rmsnorm_weight_grad(
+                ws.mid.at(l * qh, qh),
+                ws.inv_rms2.at(l * q, q),
+                ws.dnormed.at(0, qh),
+                grads.at_mut(w.post_attention_layernorm, h),
+                ws.norm_partials.all_mut(),
+            )?;
+            // dx ← dm = dx' + the post-attention norm's input gradient.
+            be.rmsnorm_backward_input(
+                ws.mid.at(l * qh, qh),
+                params.at(w.post_attention_layernorm, h),
+                ws.inv_rms2.at(l * q, q),
+                ws.dnormed.at(0, qh),
+                ws.dx.at_mut(0, qh),
+                true,
+            )?;
+            // Attention output projection: m = x + attn · Woᵀ.
+            let dm = Operand::new(ws.dx.at(0, qh), q, h);
+            be.gemm(
+                grads.at_mut(w.o_proj, h * qd),
+                dm.t(),
+                Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.gemm(
+                ws.dattn.at_mut(0, q * qd),
+                dm,
+                Operand::new(params.at(w.o_proj, h * qd), h, qd),
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.attention_backward(
+                AttentionInputs {
+                    q: ws.q.at(l * q * qd, q * qd),
+                    k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
+                    v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
+                    k_blk: ws.k_blk.at(l * q * kd, q * kd),
+                    v_blk: ws.v_blk.at(l * q * kd, q * kd),
+                    query_ranges: plan.query_ranges.at(0, 4 * q),
+                },
+                AttentionShape::new(heads, kvh, hd),
+                AttentionSaved {
+                    out: ws.attn.at(l * q * qd, q * qd),
+                    dout: ws.dattn.at(0, q * qd),
+                    lse: ws.lse.at(l * q * heads, q * heads),
+                    key_ranges_ctx: plan.context_key_ranges.at(0, 2 * t),
+                    key_ranges_blk: plan.block_key_ranges.at(0, 2 * q),
+                },
+                ws.attn_delta.at_mut(0, q * heads),
+                AttentionGrads {
+                    dq: ws.dq.at_mut(0, q * qd),
+                    dk_ctx: ws.dk_ctx.at_mut(0, t * kd),
+                    dv_ctx: ws.dv_ctx.at_mut(0, t * kd),
+                    dk_blk: ws.dk_blk.at_mut(0, q * kd),
+                    dv_blk: ws.dv_blk.at_mut(0, q * kd),
+                },
+            )?;
+            let normed = Operand::new(ws.normed.at(l * qh, qh), q, h);
+            // Queries: inverse RoPE, q_norm, projection; dn starts here.
+            be.rope(
+                ws.dq.at_mut(0, q * qd),
+                blk_positions,
+                theta,
+                heads,
+                hd,
+                true,
+            )?;
+            be.rmsnorm_weight_grad(
+                ws.q_raw.at(l * q * qd, q * qd),
+                ws.q_inv_rms.at(l * q * heads, q * heads),
+                ws.dq.at(0, q * qd),
+                grads.at_mut(w.q_norm, hd),
+                ws.norm_partials.all_mut(),
+            )?;
+            be.rmsnorm_backward_input(
+                ws.q_raw.at(l * q * qd, q * qd),
+                params.at(w.q_norm, hd),
+                ws.q_inv_rms.at(l * q * heads, q * heads),
+                ws.dq.at(0, q * qd),
+                ws.dq_raw.at_mut(0, q * qd),
+                false,
+            )?;
+            let dq_raw = Operand::new(ws.dq_raw.at(0, q * qd), q, qd);
+            be.gemm(
+                grads.at_mut(w.q_proj, qd * h),
+                dq_raw.t(),
+                normed,
+                1.0,
+                0.0,
+                p,
+            )?;
+            let wq = Operand::new(params.at(w.q_proj, qd * h), qd, h);
+            be.gemm(ws.dnormed.at_mut(0, qh), dq_raw, wq, 1.0, 0.0, p)?;
+            // Block keys (k_norm's gradient from these rows into scratch) and values.
+            be.rope(
+                ws.dk_blk.at_mut(0, q * kd),
+                blk_positions,
+                theta,
+                kvh,
+                hd,
+                true,
+            )?;
+            be.rmsnorm_weight_grad(
+                ws.k_blk_raw.at(l * q * kd, q * kd),
+                ws.k_blk_inv_rms.at(l * q * kvh, q * kvh),
+                ws.dk_blk.at(0, q * kd),
+                ws.k_norm_grad.all_mut(),
+                ws.norm_partials.all_mut(),
+            )?;
+            be.rmsnorm_backward_input(
+                ws.k_blk_raw.at(l * q * kd, q * kd),
+                params.at(w.k_norm, hd),
+                ws.k_blk_inv_rms.at(l * q * kvh, q * kvh),
+                ws.dk_blk.at(0, q * kd),
+                ws.dk_blk_raw.at_mut(0, q * kd),
+                false,
+            )?;
+            let wk = Operand::new(params.at(w.k_proj, kd * h), kd, h);
+            let wv = Operand::new(params.at(w.v_proj, kd * h), kd, h);
+            let dk_blk = Operand::new(ws.dk_blk_raw.at(0, q * kd), q, kd);
+            let dv_blk = Operand::new(ws.dv_blk.at(0, q * kd), q, kd);
+            be.gemm(
+                grads.at_mut(w.k_proj, kd * h),
+                dk_blk.t(),
+                normed,
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.gemm(ws.dnormed.at_mut(0, qh), dk_blk, wk, 1.0, 1.0, p)?;
+            be.gemm(
+                grads.at_mut(w.v_proj, kd * h),
+                dv_blk.t(),
+                normed,
+                1.0,
+                0.0,
+                p,
+            )?;
+            be.gemm(ws.dnormed.at_mut(0, qh), dv_blk, wv, 1.0, 1.0, p)?;
+            // Context keys and values: into k/v_proj's gradients and dc (accumulated over layers).
+            be.rope(
+                ws.dk_ctx.at_mut(0, t * kd),
+                ctx_positions,
+                theta,
+                kvh,
+                hd,
+                true,
+            )?;
+            be.rmsnorm_weight_grad(
+                ws.k_ctx_raw.at(l * t * kd, t * kd),
+                ws.k_ctx_inv_rms.at(l * t * kvh, t * kvh),
+                ws.dk_ctx.at(0, t * kd),
+                grads.at_mut(w.k_norm, hd),
+                ws.norm_partials.all_mut(),
+            )?;
+            // k_norm += the block rows' part (a [1, hd] += [1, 1] · [1, hd] product: no add kernel needed).
+            be.gemm(
+                grads.at_mut(w.k_norm, hd),
+                Operand::new(ws.ones.at(0, 1), 1, 1),
+                Operand::new(ws.k_norm_grad.all(), 1, hd),
+                1.0,
+                1.0,
+                Precision::F32,
+            )?;
+            be.rmsnorm_backward_input(
+                ws.k_ctx_raw.at(l * t * kd, t * kd),
+                params.at(w.k_norm, hd),
+                ws.k_ctx_inv_rms.at(l * t * kvh, t * kvh),
+                ws.dk_ctx.at(0, t * kd),
+                ws.dk_ctx_raw.at_mut(0, t * kd),
+                false,
+            )?;
+            let ctx = Operand::new(ws.ctx.at(0, th), t, h);
+            let dk_ctx = Operand::new(ws.dk_ctx_raw.at(0, t * kd), t, kd);
+            let dv_ctx = Operand::new(ws.dv_ctx.at(0, t * kd), t, kd);
+            let first = if l + 1 == layers { 0.0 } else { 1.0 };
+            be.gemm(grads.at_mut(w.k_proj, kd * h), dk_ctx.t(), ctx, 1.0, 1.0, p)?;
+            be.gemm(ws.dctx.at_mut(0, th), dk_ctx, wk, 1.0, first, p)?;
+            be.gemm(grads.at_mut(w.v_proj, kd * h), dv_ctx.t(), ctx, 1.0, 1.0, p)?;
+            be.gemm(ws.dctx.at_mut(0, th), dv_ctx, wv, 1.0, 1.0, p)?;
+            // Input norm: dx ← dm + its input gradient.
+            be.rmsnorm_weight_grad(
+                ws.xs[l].at(0, qh),
+                ws.inv_rms.at(l * q, q),
+                ws.dnormed.at(0, qh),
+                grads.at_mut(w.input_layernorm, h),
+                ws.norm_partials.all_mut(),
+            )?;
+            be.rmsnorm_backward_input(
+                ws.xs[l].at(0, qh),
+                params.at(w.input_layernorm, h),
+                ws.inv_rms.at(l * q, q),
+                ws.dnormed.at(0, qh),
+                ws.dx.at_mut(0, qh),
+                true,
+            )?;
+        }
+        // Context: hidden_norm, then fc (the block embedding is frozen: dx stops here).
+        be.rmsnorm_weight_grad(
+            ws.ctx_pre.at(0, th),
+            ws.ctx_inv_rms.at(0, t),
+            ws.dctx.at(0, th),
+            grads.at_mut(at.hidden_norm, h),
+            ws.norm_partials.all_mut(),
+        )?;
+        be.rmsnorm_backward_input(
+            ws.ctx_pre.at(0, th),
+            params.at(at.hidden_norm, h),
+            ws.ctx_inv_rms.at(0, t),
+            ws.dctx.at(0, th),
+            ws.dctx_pre.at_mut(0, th),
+            false,
+        )?;
+        be.gemm(
+            grads.at_mut(at.fc, h * d),
+            Operand::new(ws.dctx_pre.at(0, th), t, h).t(),
+            Operand::new(input.hs.at(0, t * d), t, d),
+            1.0,
+            0.0,
+            p,
+        )
+    }
+
+    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`; before the first step,
+    /// since a captured update keeps it).
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        self.schedule_total = total_steps;
+    }
+
+    /// The shared update ([`update::update`]) on this model's buffers.
+    pub fn update(&mut self, be: &mut B) -> BackendResult {
+        let ws = &mut self.ws;
+        update::update(
+            be,
+            (&self.optimizer, self.schedule_total),
+            &mut self.state,
+            UpdateBuffers {
+                grad_norm_partials: &mut ws.grad_norm_partials,
+                step_scalars: &mut ws.step_scalars,
+                adamw_step: &mut ws.adamw_step,
+                adamw_state: &mut ws.adamw_state,
+            },
+        )
+    }
+
+    /// AdamW's device state for `steps` applied steps ([`update::adamw_state_for`]).
+    pub fn adamw_state_for(&self, steps: u64) -> [f64; 3] {
+        update::adamw_state_for(&self.optimizer, steps)
+    }
+}
