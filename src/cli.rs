@@ -27,6 +27,8 @@ pub enum Command {
     Run(RunArgs),
     /// Explain a finished run from its run directory (which side was the bottleneck, where the time went).
     Diagnose(DiagnoseArgs),
+    /// Evaluate a trained drafter on held-out data: loss, accuracy per block slot, acceptance length τ.
+    Eval(EvalArgs),
     /// Predict a plan's throughput and bottleneck with a discrete-event model, and what `--set` what-ifs change.
     Simulate(SimulateArgs),
 }
@@ -39,6 +41,7 @@ impl Command {
             Command::Compile(args) => commands::compile::run(&args),
             Command::Run(args) => commands::run::run(&args),
             Command::Diagnose(args) => commands::diagnose::run(&args),
+            Command::Eval(args) => commands::eval::run(&args),
             Command::Simulate(args) => commands::simulate::run(&args),
         }
     }
@@ -113,6 +116,26 @@ pub struct DiagnoseArgs {
     #[arg(value_name = "RUN_DIR")]
     pub run_dir: PathBuf,
     /// Print the diagnosis as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `draftpipe eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The checkpoint: a directory written by `--save` (its `config.json` is checked against the pipeline) or a
+    /// `model.safetensors`.
+    #[arg(value_name = "CHECKPOINT")]
+    pub checkpoint: PathBuf,
+    /// The `.pipe` file the drafter was trained with: its model, buckets and frozen target weights (the
+    /// embedding and `lm_head` are not in the checkpoint).
+    #[arg(long, value_name = "FILE")]
+    pub pipeline: PathBuf,
+    /// The held-out hidden states: a safetensors file, directory or glob, in the format of the target's
+    /// `safetensors(...)` source; read once, in file order.
+    #[arg(long, value_name = "PATH")]
+    pub data: String,
+    /// Print the metrics as one JSON object.
     #[arg(long)]
     pub json: bool,
 }

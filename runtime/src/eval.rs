@@ -18,10 +18,16 @@ use std::sync::Arc;
 
 use draftpipe_compiler::plan::Plan;
 
+use crate::backend::cpu::CpuBackend;
 use crate::batch::HsBatch;
 use crate::checkpoint::{CheckpointError, load_initial_weights};
+use crate::drafter::{Drafter, DrafterError};
+use crate::model::dflash::BlockGeometry;
+use crate::params::FlatState;
+use crate::pipeline::devices::open_cpu;
 use crate::source::safetensors::{SafetensorsDataset, SafetensorsSource};
 use crate::source::{BucketShapes, HsSource, SourceError};
+use crate::target_weights::{TargetWeights, TargetWeightsError};
 
 /// Why an evaluation failed.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +41,12 @@ pub enum EvalError {
     /// The plan's model has no forward-only evaluation.
     #[error("eval needs a dflash drafter; this pipeline's drafter is `{0}`")]
     Unsupported(&'static str),
+    /// The target's frozen embedding and `lm_head` cannot be loaded.
+    #[error(transparent)]
+    TargetWeights(#[from] TargetWeightsError),
+    /// The drafter cannot be built on this machine.
+    #[error("cannot build the drafter: {0}")]
+    Drafter(#[from] DrafterError),
     /// The model failed on a batch.
     #[error("batch {batch}: {message}")]
     Model {
@@ -179,6 +191,66 @@ pub fn evaluate_dataset(
         });
     }
     Ok(totals)
+}
+
+/// The plan's `dflash` drafter on the CPU with `params`, evaluating (the same [`Drafter`] a CPU worker trains,
+/// through its forward-only [`Drafter::evaluate`]).
+struct CpuEvaluator {
+    drafter: Drafter<CpuBackend>,
+    geometry: BlockGeometry,
+}
+
+impl ForwardOnly for CpuEvaluator {
+    fn evaluate(&mut self, batch: &HsBatch) -> Result<BatchMetrics, String> {
+        let evaluation = self.drafter.evaluate(batch).map_err(|e| e.to_string())?;
+        // The batch's loss is Σ w·CE / Σ w; Σ w is the labelled rows of each slot times the slot's weight.
+        let weight: f64 = evaluation
+            .slot_counts
+            .iter()
+            .enumerate()
+            .skip(1)
+            .map(|(k, &(_, labelled))| {
+                f64::from(labelled) * f64::from(self.geometry.slot_weight(k))
+            })
+            .sum();
+        let loss = if weight > 0.0 {
+            f64::from(evaluation.loss) * weight
+        } else {
+            0.0
+        };
+        Ok(BatchMetrics {
+            weighted_loss: loss,
+            weight,
+            slot_correct: evaluation
+                .slot_counts
+                .iter()
+                .map(|&(correct, _)| correct.round() as u64)
+                .collect(),
+            slot_counted: evaluation
+                .slot_counts
+                .iter()
+                .map(|&(_, labelled)| u64::from(labelled))
+                .collect(),
+        })
+    }
+}
+
+/// The plan's drafter, on the CPU, with `params` and the target's frozen tables, ready to evaluate.
+pub fn forward_only_model(plan: &Plan, params: &[f32]) -> Result<Box<dyn ForwardOnly>, EvalError> {
+    let Some(spec) = plan.model.spec.as_dflash() else {
+        return Err(EvalError::Unsupported(plan.model.spec.kind()));
+    };
+    let mut state = FlatState::init(&plan.model, 0);
+    state.params.copy_from_slice(params);
+    let frozen = TargetWeights::load(&plan.target)?;
+    let drafter = open_cpu(plan, None, (&state, Some(&frozen)))?;
+    let geometry = BlockGeometry {
+        block: spec.block,
+        anchors: spec.anchors,
+        mask_token: spec.mask_token,
+        position_decay: plan.drafter.loss.position_decay.unwrap_or(0.0),
+    };
+    Ok(Box::new(CpuEvaluator { drafter, geometry }))
 }
 
 /// The weights `draftpipe eval` evaluates: a checkpoint directory (its `config.json` checked against the plan)

@@ -14,7 +14,7 @@
 //! is raised; in every case the drafters finish the step in hand, worker 0 writes the final checkpoint (when
 //! asked), and the telemetry writes its summary, so [`Diagnosis`] can explain the run.
 
-mod devices;
+pub(crate) mod devices;
 mod ending;
 mod error;
 mod host_memory;
