@@ -154,6 +154,51 @@ fn the_quickstart_run_lowers_its_loss() {
     );
 }
 
+/// Steps of `dflash-quickstart.pipe` the binary test trains (the file's 2000 take about 30 s in release).
+const DFLASH_QUICKSTART_TEST_STEPS: u64 = 600;
+
+#[test]
+fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
+    let dir = scratch("dflash-quickstart");
+    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/dflash-quickstart.pipe");
+    let steps = DFLASH_QUICKSTART_TEST_STEPS.to_string();
+    let out = draftpipe(
+        &["run", pipe.to_str().unwrap(), "--steps", &steps, "--json"],
+        &dir,
+    );
+    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
+    let lines = json_lines(&out);
+    let (first, last) = (lines.first().unwrap(), lines.last().unwrap());
+    assert_eq!(last["step"].as_u64(), Some(DFLASH_QUICKSTART_TEST_STEPS));
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("runs/dflash-quickstart/summary.json")).unwrap(),
+    )
+    .unwrap();
+    let first_loss = summary["loss_curve"][0]["loss"].as_f64().unwrap();
+    let last_loss = summary["final_loss"].as_f64().unwrap();
+    let (first_tau, last_tau) = (
+        first["tau"].as_f64().expect("status lines carry τ"),
+        last["tau"].as_f64().unwrap(),
+    );
+    let slots = summary["final_slot_accuracy"].as_array().unwrap();
+    assert_eq!(slots.len(), 3, "block 4: slots 1..4");
+    assert!(summary["final_tau"].as_f64().unwrap() >= 1.0);
+    // Chance is ln(512) = 6.24; the untrained drafter starts near 7.4–7.8 with τ ≈ 1.001. Measured three times
+    // (2026-12-01, release): after 600 steps final loss 5.33–5.34, the last status line's τ 1.29–1.33.
+    // Stated margins: final loss at most 5.8 and at most 0.8 of the first reported one; τ at least 1.15 and
+    // at least 0.1 above the first line's.
+    assert!(last_loss <= 5.8, "final loss {last_loss} (measured 5.33)");
+    assert!(
+        last_loss <= 0.8 * first_loss,
+        "loss fell only from {first_loss} to {last_loss}"
+    );
+    assert!(last_tau >= 1.15, "τ {last_tau} (measured 1.29–1.33)");
+    assert!(
+        last_tau >= first_tau + 0.1,
+        "τ rose only from {first_tau} to {last_tau}"
+    );
+}
+
 #[test]
 fn a_diverging_run_skips_non_finite_steps_then_stops_with_a_clear_error() {
     let dir = scratch("nonfinite");

@@ -617,3 +617,21 @@ impl<B: Backend> Drafter<B> {
         self.launched
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::BlockMetrics;
+
+    /// SpecForge's simulated acceptance length over the per-slot accuracies, plus the bonus token; a slot
+    /// without labels counts as never accepted (the chain stops there).
+    #[test]
+    fn tau_is_one_plus_the_sum_of_accuracy_prefix_products() {
+        let metrics = BlockMetrics::new(&[0.0, 8.0, 4.0, 3.0], &[0, 10, 8, 6]);
+        assert_eq!(metrics.slot_accuracy, [0.8, 0.5, 0.5]);
+        let expected = 1.0 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5;
+        assert!((metrics.tau - expected).abs() < 1e-6);
+        let unlabelled = BlockMetrics::new(&[0.0, 5.0, 0.0, 2.0], &[0, 5, 0, 2]);
+        assert_eq!(unlabelled.slot_accuracy, [1.0, 0.0, 1.0]);
+        assert!((unlabelled.tau - 2.0).abs() < 1e-6);
+    }
+}
