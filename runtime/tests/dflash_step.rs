@@ -196,7 +196,10 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
         D::NAME,
         expected.loss
     );
-    assert_eq!(evaluation.loss, outcome.loss, "evaluate computes the step's loss");
+    assert_eq!(
+        evaluation.loss, outcome.loss,
+        "evaluate computes the step's loss"
+    );
     assert_eq!(evaluation.blocks, outcome.blocks, "and its metrics");
     // Per-slot accuracy against the reference's argmax counts.
     let blocks = outcome.blocks.expect("dflash metrics");

@@ -1,10 +1,12 @@
-//! The `dflash` drafter's cost: FLOPs and bytes of one step, and the activations it keeps for the backward pass.
+//! The `dflash` drafter's cost: FLOPs and bytes of one step, and the frozen tables' memory. Its workspace is
+//! the model's [`WorkspaceLayout::dflash`], which the memory figure, the bytes bound below and both allocators
+//! read.
 //!
-//! Notation (one bucket): `N` sequences of padded length `S`, `T = N·S` context rows, `A = min(anchors, S − 1)`
-//! blocks per sequence (an anchor needs a token after it), `B` slots per block, `Q = N·A·B` block rows (the
-//! queries), `R = N·A·(B − 1)` rows with a label (slot 0 is the clean anchor and predicts nothing), `H` width,
-//! `Lt` tapped layers, `Ly` decoder layers, `nh`/`kv` query/key-value heads of width `hd`, `I` intermediate,
-//! `V` vocabulary, `P` trained parameters.
+//! Notation (one bucket): `N` sequences of padded length `S`, `T = N·S` context rows, `A` blocks per sequence
+//! ([`DflashSpec::block_slots`]: `anchors`, fewer when the bucket has fewer anchor positions), `B` slots per
+//! block, `Q = N·A·B` block rows (the queries), `H` width, `Lt` tapped layers, `Ly` decoder layers, `nh`/`kv`
+//! query/key-value heads of width `hd`, `I` intermediate, `V` vocabulary, `P` trained parameters, `C` rows per
+//! logits chunk.
 //!
 //! **Attention pairs.** A query of block `j` sees the context keys before its anchor `a_j` and the `B` keys of
 //! its own block. Anchors are drawn uniformly from the valid positions `0..S−1`, so a block sees
@@ -13,47 +15,35 @@
 //!
 //! **FLOPs of one step.** Matrix products, forward: `fc` `2·T·Lt·H·H`; per layer the context's `k_proj` and
 //! `v_proj` `2·T·H·2·kv·hd`, the block rows' `q/k/v/o` `2·Q·H·(2·nh + 2·kv)·hd` and SwiGLU `2·Q·3·I·H`;
-//! attention `4·hd·nh·pairs` (scores and values); the frozen `lm_head` `2·R·H·V`. Backward: twice the
-//! forward for every trained matrix, less the input gradients nobody needs (of `fc`, whose input is data, and
-//! of layer 0's block-row `q/k/v`, whose input is the frozen embedding); attention `2.5×` its forward (scores
-//! recomputed from the log-sum-exp, then `dV`, `dP`, `dQ`, `dK`); the `lm_head` only its input gradient (its
-//! weight is frozen). The fused loss costs `4·R·V` (max, exp, sum, gradient per logit) and AdamW `12·P`.
-//! Norms, RoPE and SwiGLU's element-wise work are `O((T + Q)·H)` and left out.
+//! attention `4·hd·nh·pairs` (scores and values); the frozen `lm_head` `2·Q·H·V` (every block row goes through
+//! it; slot 0's rows have no label and get no gradient). Backward: twice the forward for every trained matrix,
+//! less the input gradients nobody needs (of `fc`, whose input is data, and of layer 0's block-row `q/k/v`,
+//! whose input is the frozen embedding); attention `2.5×` its forward (scores recomputed from the log-sum-exp,
+//! then `dV`, `dP`, `dQ`, `dK`); the `lm_head` only its input gradient (its weight is frozen). The fused loss
+//! costs `4·Q·V` (max, exp, sum, gradient per logit) and AdamW `12·P`. Norms, RoPE and SwiGLU's element-wise
+//! work are `O((T + Q)·H)` and left out.
 //!
-//! **Bytes of one step** (lower bound): parameters read forward and backward, gradients written, AdamW
-//! reading `p, g, m, v` and writing `p, m, v` (`10·P`); the frozen embedding rows gathered (`Q·H`) and the
-//! `lm_head` read once per logits chunk pass, forward and backward (`2·V·H`); activations written once and read
-//! once; every logit chunk written once and read once (`2·R·V`). All f32.
+//! **Bytes of one step** (lower bound): parameters read forward and backward, gradients written, AdamW reading
+//! `p, g, m, v` and writing `p, m, v` (`10·P` floats); the gathered embedding rows (`Q·H`); the `lm_head` read
+//! whole once per logits chunk, forward and backward (`2·⌈Q/C⌉·V·H`); every workspace buffer of the bucket
+//! written once and read once; every logit chunk written once and read once (`2·Q·V`). All f32.
 //!
-//! **Activations kept for the backward pass** (until the model's workspace layout describes them buffer by
-//! buffer, this is the memory figure's workspace): the context `fc` output, its norm and inverse RMS
-//! (`T·(2·H + 1)`); per layer, for the context rows, `k` before and after its norm and RoPE, `v` and the `k_norm`
-//! inverse RMS (`T·(3·kv·hd + kv)`), for the block rows the residual in and after attention, both norms'
-//! outputs (`4·H`), `q` before and after norm and RoPE and the attention output (`3·nh·hd`), the block's `k`
-//! and `v` (`3·kv·hd`), SwiGLU's `gate|up` and activation (`3·I`), the log-sum-exp and the four inverse RMS
-//! (`2·nh + kv + 2`); after the last layer the residual, the final norm and its inverse RMS (`Q·(2·H + 1)`);
-//! the embedded block rows (`Q·H`). The backward scratch is one layer's worth of the block rows' gradients
-//! (`Q·(4·H + 3·nh·hd + 3·kv·hd + 3·I)`) and the context's `dk`, `dv` and the gradient flowing into the
-//! context (`T·(2·kv·hd + 2·H)`); the fused loss holds one `C × V` logits chunk (`C = min(chunk_tokens, R)`)
-//! and per-row labels, weights and losses (`3·R`); the block plan holds token ids, positions, query ranges and
-//! key ranges (`Q·8 + T·3` `u32`). The input slots are the queue item's tensors (`T·(Lt·H + 2) + N`), one on
-//! the CPU and two on CUDA, and CUDA adds cuBLAS's workspace.
+//! **Frozen tables.** The target's embedding and `lm_head` are held as f32 whatever the checkpoint's dtype, two
+//! `V × H` tables per worker (a tied head is a second copy, so the figure does not depend on the checkpoint).
 
 use super::{F32, fit, wide};
-use crate::plan::{DflashSpec, LossSpec};
-use crate::workspace::{BackendKind, CUBLAS_WORKSPACE_BYTES};
+use crate::plan::{BucketPlan, DflashSpec, LossSpec, Precision};
+use crate::workspace::{BackendKind, WorkspaceLayout};
 
 /// The shape of one bucket's step, in `u128` so no product overflows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DflashShape {
     /// Context rows `T = N·S`.
     pub context_rows: u128,
-    /// Blocks per sequence `A = min(anchors, S − 1)`.
+    /// Blocks per sequence `A`.
     pub blocks_per_sequence: u128,
     /// Block rows (queries) `Q = N·A·B`.
     pub block_rows: u128,
-    /// Rows with a label `R = N·A·(B − 1)`.
-    pub label_rows: u128,
     /// Unmasked (query, key) pairs per head, `Q·((S − 2)/2 + B)` (context keys averaged over anchors).
     pub attention_pairs: u128,
 }
@@ -62,13 +52,12 @@ impl DflashShape {
     /// The step of `sequences` sequences of padded length `padded_len`.
     pub fn new(spec: &DflashSpec, padded_len: usize, sequences: usize) -> Self {
         let (n, s, b) = (wide(sequences), wide(padded_len), wide(spec.block));
-        let a = wide(spec.anchors).min(s.saturating_sub(1));
+        let a = wide(spec.block_slots(padded_len));
         let q = n * a * b;
         Self {
             context_rows: n * s,
             blocks_per_sequence: a,
             block_rows: q,
-            label_rows: n * a * (b - 1),
             // `(S − 2)/2` context keys per block, kept exact by doubling before halving.
             attention_pairs: q * (s.saturating_sub(2) + 2 * b) / 2,
         }
@@ -78,7 +67,7 @@ impl DflashShape {
 /// FLOPs of one training step (module docs).
 pub fn step_flops(spec: &DflashSpec, padded_len: usize, sequences: usize) -> Option<u64> {
     let shape = DflashShape::new(spec, padded_len, sequences);
-    let (t, q, r) = (shape.context_rows, shape.block_rows, shape.label_rows);
+    let (t, q) = (shape.context_rows, shape.block_rows);
     let (h, lt, ly) = (wide(spec.hidden), wide(spec.taps), wide(spec.layers));
     let (nh, kv, hd, i, v) = (
         wide(spec.heads),
@@ -94,81 +83,35 @@ pub fn step_flops(spec: &DflashSpec, padded_len: usize, sequences: usize) -> Opt
     let trained_forward = fc + ly * (context_kv + block_qkvo + block_mlp);
     let unneeded_input_grads = fc + 2 * q * h * (nh + 2 * kv) * hd;
     let attention = 4 * hd * nh * shape.attention_pairs;
-    let lm_head = 2 * r * h * v;
+    let lm_head = 2 * q * h * v;
     let p = wide(spec.parameter_count());
     let flops = 3 * trained_forward - unneeded_input_grads
         + ly * attention * 7 / 2
         + 2 * lm_head
-        + 4 * r * v
+        + 4 * q * v
         + 12 * p;
     fit(flops)
 }
 
-/// Bytes one training step moves through memory, a lower bound (module docs).
-pub fn step_bytes(
-    spec: &DflashSpec,
-    padded_len: usize,
-    sequences: usize,
-    loss: &LossSpec,
-) -> Option<u64> {
-    let shape = DflashShape::new(spec, padded_len, sequences);
+/// Bytes one training step of `bucket` moves through memory, a lower bound (module docs).
+pub fn step_bytes(spec: &DflashSpec, bucket: &BucketPlan, loss: &LossSpec) -> Option<u64> {
+    let shape = DflashShape::new(spec, bucket.padded_len, bucket.sequences);
+    let q = shape.block_rows;
     let p = wide(spec.parameter_count());
     let (h, v) = (wide(spec.hidden), wide(spec.vocab));
-    let activations = activation_floats(spec, &shape, loss);
-    fit(F32
-        * (10 * p + shape.block_rows * h + 2 * v * h + 2 * activations + 2 * shape.label_rows * v))
+    let layout = WorkspaceLayout::dflash(
+        spec,
+        std::slice::from_ref(bucket),
+        loss,
+        BackendKind::Cpu,
+        Precision::F32,
+    )?;
+    let workspace = u128::from(layout.bytes()?);
+    let chunks = q.div_ceil(wide(layout.chunk_rows).max(1));
+    fit(F32 * (10 * p + q * h + 2 * chunks * v * h + 2 * q * v) + 2 * workspace)
 }
 
-/// Floats of the activations kept for the backward pass, the backward scratch and the loss (module docs).
-fn activation_floats(spec: &DflashSpec, shape: &DflashShape, loss: &LossSpec) -> u128 {
-    let (t, q, r) = (shape.context_rows, shape.block_rows, shape.label_rows);
-    let (h, ly) = (wide(spec.hidden), wide(spec.layers));
-    let (nh, kv, hd, i, v) = (
-        wide(spec.heads),
-        wide(spec.kv_heads),
-        wide(spec.head_dim),
-        wide(spec.intermediate),
-        wide(spec.vocab),
-    );
-    let context = t * (2 * h + 1);
-    let per_layer_context = t * (3 * kv * hd + kv);
-    let per_layer_block = q * (4 * h + 3 * nh * hd + 3 * kv * hd + 3 * i + 2 * nh + kv + 2);
-    let final_rows = q * (2 * h + 1) + q * h;
-    let scratch = q * (4 * h + 3 * nh * hd + 3 * kv * hd + 3 * i) + t * (2 * kv * hd + 2 * h);
-    let chunk = wide(loss.chunk_tokens).clamp(1, r.max(1));
-    let loss_floats = chunk * v + 3 * r;
-    context + ly * (per_layer_context + per_layer_block) + final_rows + scratch + loss_floats
-}
-
-/// Bytes of one worker's workspace for the largest of `buckets` (`(padded_len, sequences)` pairs): activations,
-/// scratch, loss, block plan and input slots, plus cuBLAS's workspace on CUDA (module docs).
-pub fn workspace_bytes(
-    spec: &DflashSpec,
-    buckets: &[(usize, usize)],
-    loss: &LossSpec,
-    backend: BackendKind,
-) -> Option<u64> {
-    let mut most = 0u128;
-    let slots = match backend {
-        BackendKind::Cpu => 1,
-        BackendKind::Cuda => 2,
-    };
-    for &(padded_len, sequences) in buckets {
-        let shape = DflashShape::new(spec, padded_len, sequences);
-        let (t, q) = (shape.context_rows, shape.block_rows);
-        let input = t * (F32 * wide(spec.taps) * wide(spec.hidden) + 4 + 1) + 4 * wide(sequences);
-        let block_plan = 4 * (q * 8 + t * 3);
-        let bytes = F32 * activation_floats(spec, &shape, loss) + block_plan + slots * input;
-        most = most.max(bytes);
-    }
-    if backend == BackendKind::Cuda {
-        most += wide(CUBLAS_WORKSPACE_BYTES);
-    }
-    fit(most)
-}
-
-/// Bytes of the frozen embedding and `lm_head`, held as f32 whatever the checkpoint's dtype (a tied `lm_head`
-/// is a second copy, so the figure does not depend on the checkpoint).
+/// Bytes of the frozen embedding and `lm_head`, held as f32 (module docs).
 pub fn frozen_bytes(spec: &DflashSpec) -> Option<u64> {
     fit(2 * F32 * wide(spec.vocab) * wide(spec.hidden))
 }
@@ -203,25 +146,17 @@ mod tests {
         // context keys on average and its 4 own keys.
         let shape = DflashShape::new(&spec(), 10, 2);
         assert_eq!(shape.block_rows, 64);
-        assert_eq!(shape.label_rows, 48);
         assert_eq!(shape.attention_pairs, 64 * (4 + 4));
-        // Fewer positions than anchors: one block per valid anchor position.
+        // Fewer positions than anchors: one block per anchor position.
         assert_eq!(DflashShape::new(&spec(), 5, 1).blocks_per_sequence, 4);
-        assert_eq!(DflashShape::new(&spec(), 1, 3).block_rows, 0);
     }
 
     #[test]
-    fn activations_grow_linearly_with_the_context_at_fixed_anchors() {
-        let loss = LossSpec {
-            head_decay: 1.0,
-            position_decay: Some(7.0),
-            chunk_tokens: 1024,
-        };
-        let bytes = |len: usize| {
-            workspace_bytes(&spec(), &[(len, 1)], &loss, BackendKind::Cpu).unwrap() as i128
-        };
-        // Past `anchors + 1` positions the blocks stop growing: equal steps in length add equal bytes.
-        let (a, b, c) = (bytes(1000), bytes(2000), bytes(3000));
+    fn attention_flops_grow_linearly_with_the_context_at_fixed_anchors() {
+        // Past `anchors + 1` positions the blocks stop growing: only the context terms (fc, context K/V and
+        // the attention's context keys) grow, each linearly in S.
+        let flops = |len: usize| i128::from(step_flops(&spec(), len, 1).unwrap());
+        let (a, b, c) = (flops(1000), flops(2000), flops(3000));
         assert_eq!(b - a, c - b);
         assert!(b > a);
     }

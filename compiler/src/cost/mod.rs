@@ -112,7 +112,17 @@ pub fn bucket_plans(
                 ModelSpec::Mlp(spec) => (step_flops(spec, tokens)?, step_bytes(spec, tokens)?),
                 ModelSpec::Dflash(spec) => (
                     dflash::step_flops(spec, padded_len, sequences)?,
-                    dflash::step_bytes(spec, padded_len, sequences, loss)?,
+                    dflash::step_bytes(
+                        spec,
+                        &BucketPlan {
+                            padded_len,
+                            sequences,
+                            tokens,
+                            step_flops: 0,
+                            step_bytes: 0,
+                        },
+                        loss,
+                    )?,
                 ),
             };
             Some(BucketPlan {
