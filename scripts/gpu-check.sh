@@ -1,7 +1,7 @@
 #!/bin/sh
 # Every GPU check and benchmark of the CUDA backend in one call, for a machine with CUDA 13.0 and no Rust:
 # runs the prebuilt executables next to this script (scripts/build-gpu-bundle.sh makes them). Budget: under
-# 5 minutes on an H200.
+# 8 minutes on an H200 (the DFlash step rows at Qwen3-8B's shapes take about half of it).
 #
 # - Libraries: cuBLAS and NCCL are found in a system install (ldconfig, /usr/local/cuda) or in the lib
 #   directories of pip's nvidia-* wheels; the directories go on LD_LIBRARY_PATH and the files are printed,
@@ -71,8 +71,11 @@ run() {
 run 60 "$here/cuda_discovery" --test-threads=1 --nocapture
 run 120 "$here/cuda_kernels" --test-threads=1 --nocapture
 run 120 "$here/cuda_drafter" --test-threads=1 --nocapture
+# The DFlash kernels against their f64 references on the GPU (the ::cuda halves of the test_device! tests).
+run 60 "$here/kernels_dflash" cuda --test-threads=1
+run 120 "$here/kernels_attention" cuda --test-threads=1
 run 60 "$here/cuda_vocab_loss" --bench
-run 150 "$here/cuda_step" --bench
+run 300 "$here/cuda_step" --bench
 run 120 "$here/draftpipe" run "$here/gpu-smoke.pipe"
 
 if [ "$status" -eq 0 ]; then

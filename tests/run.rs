@@ -183,8 +183,9 @@ fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
     let slots = summary["final_slot_accuracy"].as_array().unwrap();
     assert_eq!(slots.len(), 3, "block 4: slots 1..4");
     assert!(summary["final_tau"].as_f64().unwrap() >= 1.0);
-    // Chance is ln(512) = 6.24; the untrained drafter starts near 7.4–7.8 with τ ≈ 1.001. Measured three times
-    // (2026-12-01, release): after 600 steps final loss 5.33–5.34, the last status line's τ 1.29–1.33.
+    // Chance is ln(512) = 6.24; the untrained drafter starts near 7.2–7.8 with τ ≈ 1.001. Measured three times
+    // (2026-12-01, release; twice more after the draw changed): after 600 steps final loss 5.33–5.34, the last
+    // status line's τ 1.28–1.33.
     // Stated margins: final loss at most 5.8 and at most 0.8 of the first reported one; τ at least 1.15 and
     // at least 0.1 above the first line's.
     assert!(last_loss <= 5.8, "final loss {last_loss} (measured 5.33)");
@@ -192,7 +193,7 @@ fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
         last_loss <= 0.8 * first_loss,
         "loss fell only from {first_loss} to {last_loss}"
     );
-    assert!(last_tau >= 1.15, "τ {last_tau} (measured 1.29–1.33)");
+    assert!(last_tau >= 1.15, "τ {last_tau} (measured 1.28–1.33)");
     assert!(
         last_tau >= first_tau + 0.1,
         "τ rose only from {first_tau} to {last_tau}"

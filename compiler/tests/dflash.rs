@@ -242,7 +242,7 @@ fn every_dflash_dimension_is_range_checked() {
         (
             "head_dim = 16",
             "head_dim = 2048",
-            "`head_dim` must be at most 1024",
+            "`head_dim` must be at most 128",
         ),
         (
             "intermediate = 128",

@@ -9,6 +9,10 @@
 //!        by the same butterfly tree, so a host run gives lane 0's bits (and the 32-wide loop vectorises)
 //! ```
 //!
+//! Register rows ([`Plane::Row`]) keep a row of up to [`MAX_ROW`] elements across a loop (the attention's query,
+//! accumulator and key rows): a [`LaneRow`] of 4 per lane on a warp, the whole row on the host, which handles it
+//! 8 elements at a time.
+//!
 //! A butterfly gives every lane the same result when `combine` is commutative (floating-point `+`, `max` and
 //! the online log-sum-exp pair are), so a body may use the reduced value on every lane without broadcasting it.
 //! The order of additions is fixed by the lane split and the tree, so results are deterministic on both sides.

@@ -5,7 +5,14 @@
 //! - the whole step of the `mlp-5x3.pipe` drafter (din 12288, hidden 1024, 2 blocks, intermediate 2816,
 //!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode with f32 GEMMs, and in graph mode
 //!   with TF32 and bf16 GEMMs (`precision`): tokens/s, device busy % with the next batch always staged (target
-//!   ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each section's rows are printed as soon as they are measured.
+//!   ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each section's rows are printed as soon as they are measured;
+//! - the DFlash attention kernels at Qwen3-8B's shape (32 query and 8 kv heads of 128; one sequence of 8192
+//!   context rows with 512 anchors evenly spread, blocks of 16: 8192 queries): time against the FLOPs of the
+//!   unmasked (query, head, key) pairs only (forward `4·hd` per pair; backward `14·hd`, both of its passes
+//!   recomputing the scores), and the fraction of the dense `[queries × keys]` pairs they are;
+//! - the whole DFlash step of `pipelines/dflash-5x3.pipe` (its largest bucket, 8192 tokens) in eager and graph
+//!   mode at bf16 and TF32: tokens/s, MFU against the compiler's FLOP count of the step (H200 dense peaks:
+//!   989 TFLOP/s bf16, 494 TF32), device busy %.
 //!
 //! Medians over repetitions. Without a GPU it prints one line and exits 0. Run: `cargo bench -p
 //! draftpipe-runtime --bench cuda_step`, or the prebuilt binary from `scripts/gpu-check.sh`.
@@ -186,7 +193,7 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
     ));
 }
 
-fn dflash_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
+fn mlp_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
     let spec = MlpSpec {
         din: 3 * 4096,
         hidden: 1024,
@@ -263,7 +270,7 @@ fn dflash_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
     // "busy": the steps' event spans over the wall time, i.e. the gaps between steps (gaps inside an eager step
     // fall inside its span and are not seen here).
     let name = format!(
-        "dflash-5x3 mlp step, {launch:?}, {}, 16384 tokens",
+        "mlp-5x3 step, {launch:?}, {}, 16384 tokens",
         precision.name()
     );
     let tokens_s = (bucket.tokens * measured) as f64 / wall_s;
@@ -277,6 +284,201 @@ fn dflash_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
         name,
         format!("{tokens_s:.0} tok/s, busy {busy:.1} %, host {host_us:.1} µs/step"),
         target.into(),
+    ));
+}
+
+/// The ranges of a DFlash block plan over one sequence of `len` context rows with `anchors` evenly spread and
+/// `block` query rows each: `(query_ranges [Q, 4], key_ranges_ctx [len, 2], key_ranges_blk [Q, 2], unmasked
+/// (query, key) pairs)`.
+fn dflash_ranges(
+    len: usize,
+    anchors: usize,
+    block: usize,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>, usize) {
+    let (mut query, mut key_ctx, mut key_blk, mut pairs) = (vec![], vec![], vec![], 0);
+    let anchor_at = |j: usize| (j * (len - 1) / anchors) as u32;
+    for j in 0..anchors {
+        let row = (j * block) as u32;
+        for _ in 0..block {
+            query.extend([0, anchor_at(j), row, row + block as u32]);
+            key_blk.extend([row, row + block as u32]);
+            pairs += anchor_at(j) as usize + block;
+        }
+    }
+    for position in 0..len as u32 {
+        let first = (0..anchors).find(|&j| anchor_at(j) > position);
+        key_ctx.extend(match first {
+            Some(j) => [(j * block) as u32, (anchors * block) as u32],
+            None => [0, 0],
+        });
+    }
+    (query, key_ctx, key_blk, pairs)
+}
+
+fn attention_vs_flops(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>) {
+    let s = k.stream().clone();
+    let (heads, kv_heads, hd, len, anchors, block) =
+        (32usize, 8usize, 128usize, 8192usize, 512usize, 16usize);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (query_host, key_ctx_host, key_blk_host, pairs) = dflash_ranges(len, anchors, block);
+    let queries = anchors * block;
+    let (q_len, ctx_len, blk_len) = (
+        queries * heads * hd,
+        len * kv_heads * hd,
+        queries * kv_heads * hd,
+    );
+    let (_q, q) = alloc(&s, q_len, 0.02);
+    let (_kc, k_ctx) = alloc(&s, ctx_len, 0.03);
+    let (_vc, v_ctx) = alloc(&s, ctx_len, 0.5);
+    let (_kb, k_blk) = alloc(&s, blk_len, 0.03);
+    let (_vb, v_blk) = alloc(&s, blk_len, 0.5);
+    let (_qr, ranges) = typed(&s, s.clone_htod(&query_host).expect("ranges"));
+    let (_kcr, key_ctx) = typed(&s, s.clone_htod(&key_ctx_host).expect("ranges"));
+    let (_kbr, key_blk) = typed(&s, s.clone_htod(&key_blk_host).expect("ranges"));
+    let (_o, out) = zeros(&s, q_len);
+    let (_l, lse) = zeros(&s, queries * heads);
+    let (_do, dout) = alloc(&s, q_len, 0.01);
+    let (_d, delta) = zeros(&s, queries * heads);
+    let (_dq, dq) = zeros(&s, q_len);
+    let (_dkc, dk_ctx) = zeros(&s, ctx_len);
+    let (_dvc, dv_ctx) = zeros(&s, ctx_len);
+    let (_dkb, dk_blk) = zeros(&s, blk_len);
+    let (_dvb, dv_blk) = zeros(&s, blk_len);
+    let forward_ms = time_ms(ctx, &s, || {
+        k.attention_forward(
+            q, k_ctx, v_ctx, k_blk, v_blk, ranges, out, lse, queries, len, heads, kv_heads, hd,
+            scale,
+        )
+        .expect("attention forward")
+    });
+    let backward_ms = time_ms(ctx, &s, || {
+        k.attention_delta(out, dout, delta, hd, queries * heads)
+            .expect("delta");
+        k.attention_backward_q(
+            q, k_ctx, v_ctx, k_blk, v_blk, ranges, dout, lse, delta, dq, queries, len, heads,
+            kv_heads, hd, scale,
+        )
+        .expect("attention dq");
+        k.attention_backward_kv(
+            q, dout, lse, delta, k_ctx, v_ctx, key_ctx, dk_ctx, dv_ctx, len, queries, heads,
+            kv_heads, hd, scale,
+        )
+        .expect("attention dk/dv (context)");
+        k.attention_backward_kv(
+            q, dout, lse, delta, k_blk, v_blk, key_blk, dk_blk, dv_blk, queries, queries, heads,
+            kv_heads, hd, scale,
+        )
+        .expect("attention dk/dv (block)");
+    });
+    let head_pairs = pairs * heads;
+    let dense = queries * heads * (len + queries);
+    let tflops = |per_pair: usize, ms: f64| (head_pairs * per_pair * hd) as f64 / ms / 1e9;
+    rows.push(Row(
+        format!(
+            "attention fwd, {queries} q × {heads}/{kv_heads} heads of {hd}, {len} ctx ({:.1} % of dense pairs)",
+            100.0 * head_pairs as f64 / dense as f64
+        ),
+        format!(
+            "{forward_ms:.2} ms, {:.1} TFLOP/s on unmasked pairs ({:.0} GFLOP)",
+            tflops(4, forward_ms),
+            (head_pairs * 4 * hd) as f64 / 1e9
+        ),
+        "".into(),
+    ));
+    rows.push(Row(
+        "attention bwd (delta, dq, dk/dv of both key sets), same".into(),
+        format!(
+            "{backward_ms:.2} ms, {:.1} TFLOP/s on unmasked pairs ({:.0} GFLOP)",
+            tflops(14, backward_ms),
+            (head_pairs * 14 * hd) as f64 / 1e9
+        ),
+        "".into(),
+    ));
+}
+
+/// The DFlash drafter of `pipelines/dflash-5x3.pipe` (Qwen3-8B's shapes) on its largest bucket.
+fn dflash_model_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
+    // Embedded at build time: the GPU machine runs this binary without the repository.
+    let source = include_str!("../../pipelines/dflash-5x3.pipe");
+    let plan = draftpipe_compiler::compile_source("pipelines/dflash-5x3.pipe", source)
+        .expect("dflash-5x3.pipe compiles");
+    let spec = plan.model.spec.as_dflash().expect("a dflash model").clone();
+    let bucket = plan
+        .buckets
+        .iter()
+        .max_by_key(|b| b.tokens)
+        .expect("a bucket")
+        .clone();
+    let (loss, adamw) = (plan.drafter.loss, plan.drafter.optimizer);
+    let mut drafter = CudaDrafter::on_device(
+        0,
+        &plan.model,
+        (loss, adamw, precision),
+        std::slice::from_ref(&bucket),
+        launch,
+        None,
+    )
+    .expect("drafter");
+    let table: Vec<f32> = (0..spec.vocab * spec.hidden)
+        .map(|i| ((i * 2654435761) % 2000) as f32 / 1e5 - 0.01)
+        .collect();
+    drafter
+        .upload_frozen(&table, &table)
+        .expect("frozen tensors");
+    drafter
+        .upload_state(&FlatState::init(&plan.model, 1))
+        .expect("upload");
+    let din = spec.hidden * spec.taps;
+    let mut batch = HsBatch::zeroed(bucket.padded_len, bucket.sequences, din);
+    for (i, v) in batch.hs.iter_mut().enumerate() {
+        *v = ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
+    }
+    for (i, id) in batch.input_ids.iter_mut().enumerate() {
+        *id = (i * 7919 % spec.vocab) as u32;
+    }
+    batch.seq_lens.fill(bucket.padded_len as u32);
+    batch.loss_mask.fill(1);
+    let (warmup, measured) = (1, 4);
+    for _ in 0..warmup {
+        drafter.stage(&batch).expect("stage");
+        drafter.step().expect("step");
+    }
+    drafter.finish().expect("finish");
+    let mut outcomes = Vec::new();
+    drafter.stage(&batch).expect("stage");
+    let began = Instant::now();
+    for i in 0..measured {
+        outcomes.extend(drafter.step().expect("step"));
+        if i + 1 < measured {
+            drafter.stage(&batch).expect("stage");
+        }
+    }
+    outcomes.extend(drafter.finish().expect("finish"));
+    let wall_s = began.elapsed().as_secs_f64();
+    let device_s: f64 = outcomes
+        .iter()
+        .map(|o| f64::from(o.device_ms.unwrap_or(0.0)) / 1e3)
+        .sum();
+    let step_s = wall_s / measured as f64;
+    let peak = match precision {
+        Precision::Bf16 => 989e12,
+        Precision::Tf32 => 494e12,
+        Precision::F32 => 67e12,
+    };
+    rows.push(Row(
+        format!(
+            "dflash-5x3 DFlash step, {launch:?}, {}, {} tokens",
+            precision.name(),
+            bucket.tokens
+        ),
+        format!(
+            "{:.0} tok/s, MFU {:.1} % ({:.1} TFLOP/step), busy {:.1} %",
+            bucket.tokens as f64 / step_s,
+            100.0 * bucket.step_flops as f64 / step_s / peak,
+            bucket.step_flops as f64 / 1e12,
+            100.0 * device_s / wall_s
+        ),
+        "".into(),
     ));
 }
 
@@ -309,8 +511,17 @@ fn main() {
     };
     measure(&mut |rows| adamw_vs_copy(&ctx, &launcher, rows));
     measure(&mut |rows| fused_vs_materialised(&ctx, &launcher, rows));
-    measure(&mut |rows| dflash_step(LaunchMode::Eager, Precision::F32, rows));
-    measure(&mut |rows| dflash_step(LaunchMode::Graph, Precision::F32, rows));
-    measure(&mut |rows| dflash_step(LaunchMode::Graph, Precision::Tf32, rows));
-    measure(&mut |rows| dflash_step(LaunchMode::Graph, Precision::Bf16, rows));
+    measure(&mut |rows| mlp_step(LaunchMode::Eager, Precision::F32, rows));
+    measure(&mut |rows| mlp_step(LaunchMode::Graph, Precision::F32, rows));
+    measure(&mut |rows| mlp_step(LaunchMode::Graph, Precision::Tf32, rows));
+    measure(&mut |rows| mlp_step(LaunchMode::Graph, Precision::Bf16, rows));
+    measure(&mut |rows| attention_vs_flops(&ctx, &launcher, rows));
+    for (launch, precision) in [
+        (LaunchMode::Eager, Precision::Bf16),
+        (LaunchMode::Graph, Precision::Bf16),
+        (LaunchMode::Eager, Precision::Tf32),
+        (LaunchMode::Graph, Precision::Tf32),
+    ] {
+        measure(&mut |rows| dflash_model_step(launch, precision, rows));
+    }
 }

@@ -3,9 +3,14 @@
 //! the per-slot accuracy against the reference's, evaluation (forward only) agreeing with the step and training
 //! nothing, and the loss and τ improving on a learnable task.
 //!
-//! Tolerances (f32 step against f64 finite differences): loss within 1e-5 relative; each tensor's sampled
-//! gradient within 2e-3 of the largest sampled gradient norm over all tensors plus 2e-3 of its own (the f32
-//! sums over up to a few hundred rows, and the device's `ex2.approx` on CUDA).
+//! Tolerances (the step against f64 finite differences; `err ≤ tol · (largest + own)`, with `largest` the
+//! largest gradient norm over all tensors and `own` the tensor's; measured on the CPU, stated with a
+//! margin; CUDA's as mlp's, for the device's `ex2.approx`):
+//!
+//! | precision | loss (relative) | gradients CPU | gradients CUDA |
+//! | --- | --- | --- | --- |
+//! | f32  | 1e-5 (measured 3.4e-8) | 1e-5 (measured 1.6e-7) | 1e-3 |
+//! | bf16 | 2e-3 (measured 1.2e-4) | 2e-2 (measured 4.9e-3) | 3e-2 |
 
 mod backends;
 mod dflash_support;
@@ -117,8 +122,27 @@ fn to_f64(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| f64::from(v)).collect()
 }
 
-/// One step's loss, gradients and slot accuracy against the f64 reference and its finite differences.
+/// One step's loss, gradients and slot accuracy against the f64 reference and its finite differences, at f32.
 fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
+    let grad_tol = if D::NAME == "cpu" { 1e-5 } else { 1e-3 };
+    check_against_reference(device, Precision::F32, 1e-5, grad_tol);
+}
+test_device!(gradients_match_the_f64_reference);
+
+/// The same with the matrix products' operands rounded to bf16 (emulated on the CPU), at the tolerance the
+/// module docs state.
+fn bf16_gradients_stay_close_to_the_f64_reference<D: TestDevice>(device: &D) {
+    let grad_tol = if D::NAME == "cpu" { 2e-2 } else { 3e-2 };
+    check_against_reference(device, Precision::Bf16, 2e-3, grad_tol);
+}
+test_device!(bf16_gradients_stay_close_to_the_f64_reference);
+
+fn check_against_reference<D: TestDevice>(
+    device: &D,
+    precision: Precision,
+    loss_tol: f64,
+    grad_tol: f64,
+) {
     let spec = SPEC();
     let model = ModelPlan::new(spec.clone());
     let gamma = 2.0f32;
@@ -148,7 +172,7 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
         }
     }
     // Chunks of 4 rows: the loss spans several logits chunks.
-    let settings = (loss(gamma, 4), adamw(1e-3), Precision::F32);
+    let settings = (loss(gamma, 4), adamw(1e-3), precision);
     let mut drafter = device.drafter(&model, settings, &[bucket(padded_len, sequences)]);
     drafter.upload_frozen(&embed, &lm).expect("frozen");
     drafter.upload_state(&init).expect("upload");
@@ -191,7 +215,7 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
     let expected = loss_at(&params);
     let got = f64::from(outcome.loss);
     assert!(
-        (got - expected.loss).abs() <= 1e-5 * expected.loss.abs().max(1.0),
+        (got - expected.loss).abs() <= loss_tol * expected.loss.abs().max(1.0),
         "{}: loss {got} vs reference {}",
         D::NAME,
         expected.loss
@@ -201,9 +225,15 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
         "evaluate computes the step's loss"
     );
     assert_eq!(evaluation.blocks, outcome.blocks, "and its metrics");
-    // Per-slot accuracy against the reference's argmax counts.
+    // Per-slot accuracy against the reference's argmax counts (at f32: rounding could flip a near tie).
     let blocks = outcome.blocks.expect("dflash metrics");
-    for (k, acc) in blocks.slot_accuracy.iter().enumerate() {
+    let exact_argmax = precision == Precision::F32;
+    for (k, acc) in blocks
+        .slot_accuracy
+        .iter()
+        .enumerate()
+        .filter(|_| exact_argmax)
+    {
         let slot = k + 1;
         let want = f64::from(expected.slot_correct[slot]) / f64::from(expected.slot_labels[slot]);
         assert!(
@@ -211,36 +241,38 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
             "slot {slot}: {acc} vs {want}"
         );
     }
-    // Six sampled elements of every trained tensor, against central differences of the f64 loss.
-    let mut sampled = Vec::new();
+    // Every element of every trained tensor (1,536 here), against central differences of the f64 loss.
+    let mut tensors = Vec::new();
     for view in &model.layout {
-        let step = (view.len() / 6).max(1);
-        let at: Vec<usize> = (0..view.len())
-            .step_by(step)
-            .take(6)
-            .map(|i| view.offset + i)
-            .collect();
+        let at: Vec<usize> = view.range().collect();
         let fd = finite_differences(&params, &at, 1e-5, |p| loss_at(p).loss);
         let analytic: Vec<f64> = at.iter().map(|&i| f64::from(after.grads[i])).collect();
-        sampled.push((view.name.clone(), fd, analytic));
+        tensors.push((view.name.clone(), fd, analytic));
     }
     let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let largest = sampled
+    let largest = tensors
         .iter()
         .map(|(_, fd, _)| norm(fd))
         .fold(0.0, f64::max);
     assert!(largest > 1e-3, "the gradient is not trivial");
-    for (name, fd, analytic) in &sampled {
+    let mut worst = 0.0f64;
+    for (name, fd, analytic) in &tensors {
         let diff: Vec<f64> = fd.iter().zip(analytic).map(|(a, b)| a - b).collect();
         let err = norm(&diff);
+        worst = worst.max(err / (largest + norm(fd)));
         assert!(
-            err <= 2e-3 * largest + 2e-3 * norm(fd),
+            err <= grad_tol * (largest + norm(fd)),
             "{}: {name}: |analytic − fd| = {err:.3e} (fd {fd:?}, analytic {analytic:?})",
             D::NAME
         );
     }
+    println!(
+        "{} {}: loss {got} vs {}, worst gradient error {worst:.2e} of (largest + own norm)",
+        D::NAME,
+        precision.name(),
+        expected.loss
+    );
 }
-test_device!(gradients_match_the_f64_reference);
 
 /// A learnable task: every sequence counts up by one from a random start, so the token at `a + k` is the
 /// anchor's plus `k` (mod the vocabulary less the mask token); hidden states carry the token's one-hot.
@@ -319,3 +351,52 @@ fn loss_and_tau_improve<D: TestDevice>(device: &D) {
     assert!(tau_last > tau_first + 0.5, "τ did not rise");
 }
 test_device!(loss_and_tau_improve);
+
+/// A resumed drafter (a new one seeded with the run's seed and the step reached, loading the state) draws the
+/// same anchors and ends bit-identical to the uninterrupted run.
+fn a_resume_draws_the_same_anchors<D: TestDevice>(device: &D) {
+    let spec = SPEC();
+    let model = ModelPlan::new(spec.clone());
+    let (padded_len, sequences, seed) = (16, 2, 21);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(4);
+    let din = spec.taps * spec.hidden;
+    // Long sequences with more valid anchors than block slots, so every step draws.
+    let batches: Vec<HsBatch> = (0..4)
+        .map(|_| random_batch(&mut rng, padded_len, sequences, din, spec.vocab))
+        .collect();
+    let frozen = spec.vocab * spec.hidden;
+    let embed: Vec<f32> = uniform(&mut rng, frozen, 1.0)
+        .iter()
+        .map(|&x| x as f32)
+        .collect();
+    let lm: Vec<f32> = uniform(&mut rng, frozen, 1.0)
+        .iter()
+        .map(|&x| x as f32)
+        .collect();
+    let settings = (loss(2.0, 8), adamw(1e-2), Precision::F32);
+    let buckets = [bucket(padded_len, sequences)];
+    let run = |state: &FlatState, first_step: u64, batches: &[HsBatch]| {
+        let mut drafter = device.drafter(&model, settings, &buckets);
+        drafter.upload_frozen(&embed, &lm).expect("frozen");
+        drafter.upload_state(state).expect("upload");
+        drafter.seed_sampler(seed, first_step);
+        for batch in batches {
+            drafter.stage(batch).expect("stage");
+            drafter.step().expect("step");
+        }
+        drafter.finish().expect("finish");
+        let mut out = state.clone();
+        drafter.download_state(&mut out).expect("download");
+        out
+    };
+    let init = FlatState::init(&model, 2);
+    let straight = run(&init, 0, &batches);
+    let halfway = run(&init, 0, &batches[..2]);
+    let resumed = run(&halfway, 2, &batches[2..]);
+    assert_eq!(resumed.step, 4);
+    assert_eq!(resumed.params, straight.params, "resume is exact");
+    // And the draw matters: seeding the second half as if it were the first changes the result.
+    let misaligned = run(&halfway, 0, &batches[2..]);
+    assert_ne!(misaligned.params, straight.params);
+}
+test_device!(a_resume_draws_the_same_anchors);

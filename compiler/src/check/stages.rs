@@ -842,8 +842,9 @@ fn mlp(errs: &mut Errs, call: &Call) -> Option<MlpDims> {
 
 /// Largest `layers` of a `dflash` drafter.
 const MAX_DFLASH_LAYERS: u64 = 256;
-/// Largest `head_dim`.
-const MAX_HEAD_DIM: u64 = 1024;
+/// Largest `head_dim`: the attention kernels keep a head in a warp's registers, four elements per lane
+/// (`draftpipe_gpu_kernels::plane::MAX_ROW`), and the backends reject longer heads.
+const MAX_HEAD_DIM: u64 = 128;
 /// Largest `block` (slots per block).
 const MAX_BLOCK: u64 = 1024;
 /// Largest `anchors` per sequence.

@@ -13,8 +13,8 @@
 //! the context rows of its sequence strictly before its anchor and every row of its own block (SpecForge's
 //! `create_dflash_block_mask`); the ranges are global row indices, as the attention kernels take them.
 
-use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
 
 /// What the block plan needs of the model and loss.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -87,6 +87,8 @@ pub struct BlockPlan {
     pub inv_weight_sum: f32,
     /// Labelled rows per slot `[B]` (slot 0 never has one): the denominators of the per-slot accuracy.
     pub slot_labels: Vec<u32>,
+    /// Scratch: one sequence's valid anchors, then its draw (kept so a rebuild allocates nothing).
+    valid: Vec<usize>,
 }
 
 /// The seed of sequence `sequence`'s anchor draw at `step` of a run seeded `seed` (SplitMix64 finaliser over
@@ -106,19 +108,17 @@ pub fn valid_anchors(loss_mask: &[u8], len: usize) -> impl Iterator<Item = usize
     (0..len.saturating_sub(1)).filter(move |&a| loss_mask[a] != 0 && loss_mask[a + 1] != 0)
 }
 
-/// Up to `max` of `valid` drawn without replacement with `rng`, sorted; every one of them when there are
-/// no more than `max` (no draw: small runs are deterministic).
-fn draw(valid: &[usize], max: usize, rng: &mut Xoshiro256PlusPlus, out: &mut Vec<usize>) {
-    out.clear();
-    if valid.len() <= max {
-        out.extend_from_slice(valid);
-    } else {
-        out.extend(
-            rand::seq::index::sample(rng, valid.len(), max)
-                .into_iter()
-                .map(|i| valid[i]),
-        );
-        out.sort_unstable();
+/// Keeps up to `max` of `valid` drawn uniformly without replacement with `rng` (a partial Fisher–Yates
+/// shuffle in place), sorted; every one of them, undrawn, when there are no more than `max` (small runs are
+/// deterministic).
+fn draw(valid: &mut Vec<usize>, max: usize, rng: &mut Xoshiro256PlusPlus) {
+    if valid.len() > max {
+        for i in 0..max {
+            let j = rng.random_range(i..valid.len());
+            valid.swap(i, j);
+        }
+        valid.truncate(max);
+        valid.sort_unstable();
     }
 }
 
@@ -160,7 +160,7 @@ impl BlockPlan {
         self.slot_labels.clear();
         self.slot_labels.resize(b, 0);
         let mut weight_sum = 0.0f64;
-        let (mut valid, mut chosen) = (Vec::new(), Vec::with_capacity(a_max));
+        let mut chosen = std::mem::take(&mut self.valid);
         for seq in 0..n {
             let len = (batch.seq_lens[seq] as usize).min(s);
             let base = seq * s;
@@ -168,10 +168,10 @@ impl BlockPlan {
                 &batch.input_ids[base..base + s],
                 &batch.loss_mask[base..base + s],
             );
-            valid.clear();
-            valid.extend(valid_anchors(mask, len));
+            chosen.clear();
+            chosen.extend(valid_anchors(mask, len));
             let mut rng = Xoshiro256PlusPlus::seed_from_u64(draw_seed(seed, step, seq));
-            draw(&valid, a_max, &mut rng, &mut chosen);
+            draw(&mut chosen, a_max, &mut rng);
             self.present.push(u(chosen.len()));
             let first_row = seq * a_max * b;
             let present_end = first_row + chosen.len() * b;
@@ -237,6 +237,7 @@ impl BlockPlan {
                 self.context_key_ranges[2 * (base + p) + 1] = u(present_end);
             }
         }
+        self.valid = chosen;
         debug_assert_eq!(self.block_ids.len(), q);
         self.inv_weight_sum = if weight_sum > 0.0 {
             (1.0 / weight_sum) as f32
@@ -342,7 +343,6 @@ mod tests {
     /// The per-key ranges are exactly the transposed per-query ranges, over random batches.
     #[test]
     fn key_ranges_are_the_transpose_of_query_ranges() {
-        use rand::RngExt;
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
         for trial in 0..50 {
             let (n, s) = (3, 12);
@@ -407,6 +407,38 @@ mod tests {
         let all: Vec<u32> = (0..s as u32 - 1).collect();
         assert_eq!(anchors(3, 10, 63), all);
         assert_eq!(anchors(9, 1, 63), all);
+    }
+
+    /// Every valid position is drawn about equally often (without replacement: `A / valid` per step).
+    #[test]
+    fn draws_are_uniform_over_valid_positions() {
+        let s = 64;
+        let ids = vec![1u32; s];
+        let mask = vec![1u8; s];
+        let input = PlanInput {
+            padded_len: s,
+            input_ids: &ids,
+            loss_mask: &mask,
+            seq_lens: &[s as u32],
+        };
+        let mut counts = vec![0u32; s];
+        let mut plan = BlockPlan::default();
+        let steps = 4000;
+        for step in 0..steps {
+            plan.build(&geometry(2, 8), input, 13, step);
+            for &a in &plan.anchors {
+                counts[a as usize] += 1;
+            }
+        }
+        let expected = steps as f64 * 8.0 / 63.0;
+        for (position, &count) in counts[..63].iter().enumerate() {
+            let ratio = f64::from(count) / expected;
+            assert!(
+                (0.8..1.2).contains(&ratio),
+                "position {position}: {count} draws, {expected:.0} expected"
+            );
+        }
+        assert_eq!(counts[63], 0, "the last position has no next token");
     }
 
     #[test]
