@@ -241,7 +241,7 @@ fn every_dflash_dimension_is_range_checked() {
         ),
         (
             "head_dim = 16",
-            "head_dim = 2048",
+            "head_dim = 256",
             "`head_dim` must be at most 128",
         ),
         (
@@ -279,4 +279,76 @@ fn every_dflash_dimension_is_range_checked() {
     }
     let source = ISSUE_EXAMPLE.replace("position_decay = 7.0", "position_decay = 0");
     assert!(errors(&source).contains("`position_decay` must be positive"));
+}
+
+#[test]
+fn qwen3_8b_step_flops_and_memory_follow_the_formulas() {
+    let plan = compile_source(
+        "dflash-5x3.pipe",
+        include_str!("../../pipelines/dflash-5x3.pipe"),
+    )
+    .unwrap();
+    let ModelSpec::Dflash(spec) = &plan.model.spec else {
+        panic!("dflash-5x3 is a dflash drafter");
+    };
+    assert_eq!(spec.tap_layers, [2, 10, 18, 26, 34]);
+    assert_eq!(plan.model.parameters, 1_048_626_432);
+    // The longest bucket: one sequence of 8192, 512 blocks of 16 = 8192 block rows.
+    let (t, q, s, b) = (8192u64, 8192u64, 8192u64, 16u64);
+    let (h, lt, ly, nh, kv, hd, i, v) = (4096u64, 5, 5, 32, 8, 128, 12288, 151936);
+    let p = plan.model.parameters as u64;
+    let forward = 2 * t * lt * h * h
+        + ly * (2 * t * h * 2 * kv * hd + 2 * q * h * (2 * nh + 2 * kv) * hd + 2 * q * 3 * i * h);
+    let unneeded = 2 * t * lt * h * h + 2 * q * h * (nh + 2 * kv) * hd;
+    // Each block sees (S − 2)/2 context keys on average and its own 16; 4·hd FLOPs per pair and head forward,
+    // 2.5× that backward.
+    let pairs = q * ((s - 2) / 2 + b);
+    let attention = ly * 4 * hd * nh * pairs * 7 / 2;
+    let expected = 3 * forward - unneeded + attention + 2 * 2 * q * h * v + 4 * q * v + 12 * p;
+    let bucket = plan.buckets.last().unwrap();
+    assert_eq!((bucket.padded_len, bucket.sequences), (8192, 1));
+    assert_eq!(bucket.step_flops, expected);
+    // About 80 TFLOP per sequence at this scale, as the architecture notes estimate (~75).
+    assert!((70e12..90e12).contains(&(bucket.step_flops as f64)));
+
+    // Memory per drafter GPU: the frozen embedding and lm_head in f32, and the model's workspace layout.
+    let memory = &plan.memory[0];
+    assert_eq!(memory.frozen_weights, 2 * 4 * v * h);
+    let layout = plan.workspace_layout(Device::Gpu(5)).unwrap();
+    assert_eq!(memory.workspaces, layout.bytes().unwrap());
+    assert_eq!(
+        memory.total(),
+        16 * p + memory.frozen_weights + memory.workspaces + memory.hs_pool
+    );
+    assert!(memory.total() < 141 << 30);
+}
+
+#[test]
+fn dflash_plans_round_trip_through_json() {
+    for source in [
+        include_str!("../../pipelines/dflash-5x3.pipe"),
+        include_str!("../../pipelines/dflash-quickstart.pipe"),
+    ] {
+        let plan = compile_source("dflash.pipe", source).unwrap();
+        let json = serde_json::to_string(&plan).unwrap();
+        let back: Plan = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, plan);
+    }
+    // A plan written before these fields existed still reads: no weights, no position decay, constant schedule.
+    let plan = compile_source(
+        "quickstart.pipe",
+        include_str!("../../pipelines/quickstart.pipe"),
+    )
+    .unwrap();
+    let mut json: serde_json::Value = serde_json::to_value(&plan).unwrap();
+    json["drafter"]["optimizer"]
+        .as_object_mut()
+        .unwrap()
+        .remove("schedule");
+    json["memory"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("frozen_weights");
+    let back: Plan = serde_json::from_value(json).unwrap();
+    assert_eq!(back, plan);
 }

@@ -32,7 +32,7 @@ pub const LM_HEAD: &str = "lm_head.weight";
 /// Elements read and widened per chunk, so a 600-million-element table never needs a second full copy.
 const READ_CHUNK: usize = 1 << 20;
 
-/// Why the target's frozen weights could not be had.
+/// Why the target's frozen weights could not be had (callers say "target weights"; the messages do not repeat it).
 #[derive(Debug, thiserror::Error)]
 pub enum TargetWeightsError {
     /// The target names no weights and cannot generate any.
@@ -45,7 +45,7 @@ pub enum TargetWeightsError {
         target: String,
     },
     /// The path or glob matched no file, or its directory could not be listed.
-    #[error("target weights `{pattern}`: {source}")]
+    #[error("`{pattern}`: {source}")]
     Files {
         /// The path as written.
         pattern: String,
@@ -53,7 +53,7 @@ pub enum TargetWeightsError {
         source: Box<SourceError>,
     },
     /// No file of the checkpoint holds a tensor the drafter needs.
-    #[error("target weights: no file holds tensor `{tensor}` (searched {files})")]
+    #[error("no file holds tensor `{tensor}` (searched {files})")]
     Missing {
         /// The tensor.
         tensor: &'static str,
@@ -61,7 +61,7 @@ pub enum TargetWeightsError {
         files: String,
     },
     /// Two files of the checkpoint hold the same tensor, so which one is meant is unclear.
-    #[error("target weights: tensor `{tensor}` is in both {} and {}", first.display(), second.display())]
+    #[error("tensor `{tensor}` is in both {} and {}", first.display(), second.display())]
     Duplicate {
         /// The tensor.
         tensor: &'static str,
@@ -74,10 +74,10 @@ pub enum TargetWeightsError {
     #[error(transparent)]
     File(#[from] TensorFileError),
     /// The synthetic target could not be built.
-    #[error("synthetic target weights: {0}")]
+    #[error("synthetic target: {0}")]
     Synthetic(Box<SourceError>),
     /// `vocab × hidden` does not fit in memory sizes.
-    #[error("target weights of {vocab} × {hidden} elements do not fit in the address space")]
+    #[error("{vocab} × {hidden} elements do not fit in the address space")]
     TooLarge {
         /// Rows.
         vocab: usize,
