@@ -117,15 +117,14 @@ unsafe fn forward_keys<P: Plane>(
     plane: P,
 ) {
     let (lo, hi) = tile.unions[set];
+    let (mut k, mut v) = (plane.row_zero(), plane.row_zero());
     for j in lo..hi {
+        let offset = (j * kv_heads + group) * head_dim;
         // SAFETY: `j < hi` rows; the kv head's row lies inside it.
-        let (k, v) = unsafe {
-            let offset = (j * kv_heads + group) * head_dim;
-            (
-                plane.row_load(head_dim, |d| *keys.add(offset + d)),
-                plane.row_load(head_dim, |d| *values.add(offset + d)),
-            )
-        };
+        unsafe {
+            plane.row_load_into(&mut k, head_dim, |d| *keys.add(offset + d));
+            plane.row_load_into(&mut v, head_dim, |d| *values.add(offset + d));
+        }
         each_query!(|t| {
             let (start, end) = tile.ranges[set][t];
             if start <= j && j < end {
@@ -277,15 +276,14 @@ unsafe fn query_grad_keys<P: Plane>(
     plane: P,
 ) {
     let (lo, hi) = tile.unions[set];
+    let (mut k, mut v) = (plane.row_zero(), plane.row_zero());
     for j in lo..hi {
+        let offset = (j * kv_heads + group) * head_dim;
         // SAFETY: as in `forward_keys`.
-        let (k, v) = unsafe {
-            let offset = (j * kv_heads + group) * head_dim;
-            (
-                plane.row_load(head_dim, |d| *keys.add(offset + d)),
-                plane.row_load(head_dim, |d| *values.add(offset + d)),
-            )
-        };
+        unsafe {
+            plane.row_load_into(&mut k, head_dim, |d| *keys.add(offset + d));
+            plane.row_load_into(&mut v, head_dim, |d| *values.add(offset + d));
+        }
         each_query!(|t| {
             let (start, end) = tile.ranges[set][t];
             if start <= j && j < end {
@@ -424,11 +422,12 @@ pub unsafe fn attention_backward_kv<P: Plane>(
             }
         });
         let (lo, hi) = union;
+        let (mut q_row, mut dout_row) = (plane.row_zero(), plane.row_zero());
         for head in group * per_group..(group + 1) * per_group {
             for r in lo..hi {
                 let at = (r * heads + head) * head_dim;
-                let q_row = plane.row_load(head_dim, |d| *q.add(at + d) * scale);
-                let dout_row = plane.row_load(head_dim, |d| *dout.add(at + d));
+                plane.row_load_into(&mut q_row, head_dim, |d| *q.add(at + d) * scale);
+                plane.row_load_into(&mut dout_row, head_dim, |d| *dout.add(at + d));
                 let (row_lse, row_delta) =
                     (*lse.add(r * heads + head), *delta.add(r * heads + head));
                 each_key!(|t| {

@@ -29,7 +29,7 @@
 //! | [`reduce::sum_partials`], [`reduce::sum_squares_partials`] | a plane per chunk | chunk |
 //! | [`reduce::finish_sum`], [`reduce::finish_grad_norm`] | one plane | — |
 //! | [`embedding::embedding_gather`] | element range | chunk |
-//! | [`rope::rope`] | a thread per index | `row · head_dim/2 + pair` |
+//! | [`rope::rope`] | element range over (row, pair) | chunk |
 //! | [`loss::weighted_vocab_loss_row`] | a plane per token row | row |
 //! | [`attention::attention_forward`], [`attention::attention_backward_q`] | a plane per (query tile, head) | `tile · heads + head` |
 //! | [`attention::attention_delta`] | a plane per (query, head) | `query · heads + head` |

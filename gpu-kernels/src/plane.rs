@@ -135,6 +135,10 @@ pub trait Plane: Copy {
     /// The row `f(i)` for `i < n` (`n ≤ MAX_ROW`), zero beyond.
     fn row_load(self, n: usize, f: impl FnMut(usize) -> f32) -> Self::Row;
 
+    /// Overwrites `row[i]` with `f(i)` for `i < n`, leaving the rest (a row reused across a loop keeps its zeros
+    /// past `n` without re-zeroing or moving a whole row per iteration).
+    fn row_load_into(self, row: &mut Self::Row, n: usize, f: impl FnMut(usize) -> f32);
+
     /// `Σ a[i] · b[i]` over `i < n`, summed in [`Plane::reduce`]'s order (each lane's share ascending, then
     /// the butterfly), so every plane gives the same bits; every lane returns it.
     fn row_dot(self, a: &Self::Row, b: &Self::Row, n: usize) -> f32;
@@ -237,6 +241,13 @@ impl Plane for HostPlane {
             *value = f(i);
         }
         row
+    }
+
+    #[inline(always)]
+    fn row_load_into(self, row: &mut Self::Row, n: usize, mut f: impl FnMut(usize) -> f32) {
+        for (i, value) in row.iter_mut().enumerate().take(n) {
+            *value = f(i);
+        }
     }
 
     #[inline(always)]
@@ -392,6 +403,11 @@ impl Plane for Warp {
     }
 
     #[inline(always)]
+    fn row_load_into(self, row: &mut Self::Row, n: usize, f: impl FnMut(usize) -> f32) {
+        lane_rows::load_into(self.lane, row, n, f)
+    }
+
+    #[inline(always)]
     fn row_dot(self, a: &Self::Row, b: &Self::Row, n: usize) -> f32 {
         let mut value = lane_rows::dot_partial(self.lane, a, b, n);
         let mut distance = WIDTH as u32 / 2;
@@ -453,15 +469,21 @@ pub mod lane_rows {
 
     /// Lane `lane`'s elements of the row `f(i)`, `i < n`, zero beyond.
     #[inline(always)]
-    pub fn load(lane: usize, n: usize, mut f: impl FnMut(usize) -> f32) -> LaneRow {
+    pub fn load(lane: usize, n: usize, f: impl FnMut(usize) -> f32) -> LaneRow {
         let mut row = [0.0; ROW_SLOTS];
+        load_into(lane, &mut row, n, f);
+        row
+    }
+
+    /// Overwrites lane `lane`'s elements below `n` with `f(i)`.
+    #[inline(always)]
+    pub fn load_into(lane: usize, row: &mut LaneRow, n: usize, mut f: impl FnMut(usize) -> f32) {
         for (slot, value) in row.iter_mut().enumerate() {
             let i = lane + WIDTH * slot;
             if i < n {
                 *value = f(i);
             }
         }
-        row
     }
 
     /// Lane `lane`'s part of `Σ a[i] · b[i]`, its elements in ascending order from 0 (as `Plane::reduce`).

@@ -227,8 +227,10 @@ macro_rules! kernel_table {
                 reads: [positions: u32 = rows],
                 writes: [x: f32 = rows * heads * head_dim],
                 scalars: [rows: usize, heads: usize, head_dim: usize, theta: f32, inverse: u32],
-                launch: threads(rows * (head_dim / 2)),
-                body: |index| $crate::rope::rope(x, positions, heads, head_dim, theta, inverse != 0, index),
+                launch: elements(rows * (head_dim / 2)),
+                body: |chunk_len, chunk| $crate::rope::rope(
+                    x, positions, heads, head_dim, theta, inverse != 0, rows * (head_dim / 2), chunk_len, chunk
+                ),
             }
             /// Weighted fused cross-entropy of `rows` logits rows (DFlash's decayed loss), gradient in place,
             /// with the argmax hit per row.

@@ -5,7 +5,8 @@
 //! on 32 threads per row, one per lane, and must match the host launchers bit for bit, except the vocabulary
 //! loss, whose softmax sums the host takes in two passes instead of the warp's online pair (within 1e-6). The
 //! DFlash kernels likewise: attention (planes per query or key tile and head) within 1e-5 (the host plane's row
-//! dot products sum in 8 lanes, a warp's in 32), the weighted loss within 1e-6, the embedding gather bitwise.
+//! dot products sum in 8 lanes, a warp's in 32), the weighted loss within 1e-6, the embedding gather and RoPE
+//! one index per thread bitwise.
 
 use draftpipe_gpu_kernels::{activation, adamw, norm};
 use draftpipe_runtime::cpu::kernels;
@@ -242,6 +243,10 @@ mod warp_on_threads {
 
         fn row_load(self, n: usize, f: impl FnMut(usize) -> f32) -> LaneRow {
             lane_rows::load(self.lane, n, f)
+        }
+
+        fn row_load_into(self, row: &mut LaneRow, n: usize, f: impl FnMut(usize) -> f32) {
+            lane_rows::load_into(self.lane, row, n, f)
         }
 
         fn row_dot(self, a: &LaneRow, b: &LaneRow, n: usize) -> f32 {
@@ -726,4 +731,29 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
         }
     }
     assert_eq!(bits(&gathered), bits(&gathered_host), "embedding gather");
+
+    let (rows, heads, head_dim) = (9usize, 3usize, 22usize);
+    let positions: Vec<u32> = (0..rows as u32).map(|r| r * 97 % 1000).collect();
+    let x = values(&mut rng, rows * heads * head_dim);
+    let mut rotated_host = x.clone();
+    kernels::rope(&mut rotated_host, &positions, 1e4, heads, head_dim, false);
+    let mut rotated = x;
+    let pairs = rows * head_dim / 2;
+    for index in 0..pairs {
+        // SAFETY: `rotated` holds `rows · heads · head_dim`, `positions` `rows`; `index < pairs`.
+        unsafe {
+            draftpipe_gpu_kernels::rope::rope(
+                rotated.as_mut_ptr(),
+                positions.as_ptr(),
+                heads,
+                head_dim,
+                1e4,
+                false,
+                pairs,
+                1,
+                index,
+            )
+        }
+    }
+    assert_eq!(bits(&rotated), bits(&rotated_host), "rope");
 }
