@@ -9,7 +9,8 @@ Reads the pipeline's plan (`draftpipe compile --emit json`), then times, on the 
   steps per repeat, each timed alone; the median over all of them.
 - draftpipe: `draftpipe run` of the same pipeline with its source replaced by a safetensors file of such batches
   (and target weights written for it), one drafter worker, `--steps` steps; per run the drafter's compute time
-  per step from `summary.json` (every phase but waiting for data); the median over `--repeats` runs.
+  per step from `summary.json` (every phase but waiting for data, without the warm-up step the summary sets
+  apart); the median over `--repeats` runs.
 
 Both sides run at each of `--threads` (PyTorch's intra-op threads, draftpipe's GEMM threads through
 `MATMUL_NUM_THREADS`): on a loaded machine PyTorch's OpenMP threads lose far more to oversubscription than one
@@ -148,16 +149,20 @@ def draftpipe_setup(args, d: Dims, seq_len: int, sequences: int, work: Path) -> 
 
 
 def draftpipe_run(args, pipe: Path, run_dir: Path, threads: int) -> float:
-    """One `draftpipe run` with `threads` GEMM threads; the drafter's compute time per step (every phase but
-    waiting for data)."""
+    """One `draftpipe run` with `threads` GEMM threads; the drafter's compute time per steady-state step (every
+    phase but waiting for data, the warm-up step left out)."""
     command = [args.draftpipe, "run", str(pipe), "--steps", str(args.steps), "--json", "--run-dir", str(run_dir)]
     env = dict(os.environ, MATMUL_NUM_THREADS=str(threads))
     out = subprocess.run(command, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         sys.exit(f"draftpipe run failed (exit {out.returncode}):\n{out.stderr}")
     drafter = json.loads((run_dir / "summary.json").read_text())["drafters"][0]
+    # Steady state, as PyTorch's warm-up steps are left out: the summary sets the first step of each bucket
+    # (workspace allocation, first fill) apart.
+    timeline = drafter["timeline"]
     compute = sum(p["total_s"] for p in drafter["phases"] if p["phase"] in COMPUTE_PHASES)
-    return compute / drafter["steps"]
+    warmup = sum(p["total_s"] for p in timeline["warmup_phases"] if p["phase"] in COMPUTE_PHASES)
+    return (compute - warmup) / (drafter["steps"] - timeline["warmup_steps"])
 
 
 def main() -> int:
