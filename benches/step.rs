@@ -6,6 +6,8 @@
 //!   with `Throughput::Elements` = the step's GEMM FLOPs, so the two `elem/s` figures are FLOP/s and their ratio
 //!   is the step's effective FLOP rate as a fraction of the bare GEMM rate, measured in the same run.
 //! - `step_tokens`: the step with `Throughput::Elements` = tokens, i.e. tokens/s.
+//! - `step_hs_dtype`: staging and step of the same batch held in f32 and in bf16 (`hs_dtype`), then the median
+//!   ratio of bf16 to f32 step time over interleaved pairs.
 //!
 //! Run: `cargo bench --bench step -- --warm-up-time 1 --measurement-time 5` (`MATMUL_NUM_THREADS` sets the GEMM
 //! threads; default: physical cores).
@@ -13,9 +15,14 @@
 use std::time::Instant;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, LrSchedule, MlpSpec, ModelPlan};
-use draftpipe_runtime::batch::HsBatch;
+use draftpipe_compiler::plan::{
+    AdamWSpec, BackendKind, BucketPlan, HsDtype, LossSpec, LrSchedule, MlpSpec, ModelPlan,
+    Precision, WorkspaceLayout,
+};
+use draftpipe_runtime::backend::cpu::CpuBackend;
+use draftpipe_runtime::batch::{HsBatch, HsData};
 use draftpipe_runtime::cpu::CpuDrafter;
+use draftpipe_runtime::drafter::Drafter;
 use draftpipe_runtime::params::FlatState;
 
 const SPEC: MlpSpec = MlpSpec {
@@ -131,7 +138,8 @@ fn batch() -> HsBatch {
         s ^= s << 17;
         s
     };
-    for (k, v) in batch.hs.iter_mut().enumerate() {
+    let hs = batch.hs.as_f32_mut().expect("an f32 batch");
+    for (k, v) in hs.iter_mut().enumerate() {
         *v = ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
             * if k % 3 == 0 { 2.0 } else { 1.0 };
     }
@@ -227,5 +235,102 @@ fn bench_step(c: &mut Criterion) {
 /// Back-to-back (step, bare GEMMs) pairs behind the printed ratio.
 const INTERLEAVED_PAIRS: usize = 9;
 
-criterion_group!(benches, bench_step);
+/// The drafter step (staging included) on the same bf16-representable batch held in f32 and in bf16: the bf16
+/// batch stays bf16 in the input slot and the first layer's products widen it a tile at a time.
+fn bench_hs_dtype(c: &mut Criterion) {
+    let model = ModelPlan::new(SPEC);
+    let bucket = BucketPlan {
+        padded_len: PADDED_LEN,
+        sequences: SEQUENCES,
+        tokens: TOKENS,
+        step_flops: 0,
+        step_bytes: 0,
+    };
+    let optimizer = AdamWSpec {
+        lr: 1e-4,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        clip_grad_norm: Some(1.0),
+        schedule: LrSchedule::CONSTANT,
+    };
+    let loss = LossSpec {
+        head_decay: 0.8,
+        position_decay: None,
+        chunk_tokens: CHUNK,
+    };
+    let wide = batch();
+    let values = wide.hs.as_f32().expect("an f32 batch");
+    let drafter_for = |hs: HsDtype| {
+        let layout = WorkspaceLayout::mlp(
+            &SPEC,
+            std::slice::from_ref(&bucket),
+            &loss,
+            BackendKind::Cpu,
+            Precision::F32,
+        )
+        .and_then(|layout| layout.with_hs_dtype(BackendKind::Cpu, hs))
+        .expect("layout");
+        let mut drafter = Drafter::with_hs_dtype(
+            CpuBackend::new(&layout),
+            &model,
+            (loss, optimizer, Precision::F32),
+            std::slice::from_ref(&bucket),
+            hs,
+        )
+        .expect("drafter");
+        drafter
+            .upload_state(&FlatState::init(&model, 0))
+            .expect("state");
+        let mut batch = HsBatch {
+            hs: HsData::zeroed(hs, values.len()),
+            ..wide.clone()
+        };
+        // Both runs see the same values: each rounded to bf16 once.
+        let rounded: Vec<f32> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        batch.hs.store_f32(0, &rounded);
+        (drafter, batch)
+    };
+    let (mut f32_drafter, f32_batch) = drafter_for(HsDtype::F32);
+    let (mut bf16_drafter, bf16_batch) = drafter_for(HsDtype::Bf16);
+    let step = |drafter: &mut Drafter<CpuBackend>, batch: &HsBatch| {
+        drafter.stage(batch).expect("bench batch fits its bucket");
+        drafter.step().expect("step");
+    };
+
+    let mut group = c.benchmark_group("step_hs_dtype");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(TOKENS as u64));
+    group.bench_function("f32", |bench| {
+        bench.iter(|| step(&mut f32_drafter, &f32_batch))
+    });
+    group.bench_function("bf16", |bench| {
+        bench.iter(|| step(&mut bf16_drafter, &bf16_batch))
+    });
+    group.finish();
+
+    let mut ratios: Vec<f64> = (0..INTERLEAVED_PAIRS)
+        .map(|_| {
+            let started = Instant::now();
+            step(&mut f32_drafter, &f32_batch);
+            let f32_time = started.elapsed();
+            let started = Instant::now();
+            step(&mut bf16_drafter, &bf16_batch);
+            started.elapsed().as_secs_f64() / f32_time.as_secs_f64()
+        })
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "bf16 step time / f32 step time, {INTERLEAVED_PAIRS} interleaved pairs: median {:.3} (min {:.3}, max {:.3})",
+        ratios[ratios.len() / 2],
+        ratios[0],
+        ratios[ratios.len() - 1],
+    );
+}
+
+criterion_group!(benches, bench_step, bench_hs_dtype);
 criterion_main!(benches);

@@ -93,6 +93,11 @@ pub struct TargetStage {
     /// only a synthetic target allows (it generates its own from its seed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<WeightsSpec>,
+    /// Precision hidden states are held in from the source to the step (`hs_dtype`): the pool, the queue and
+    /// the drafters' input slots. `None` only for a file source without `hs_dtype`: the files decide, when they
+    /// are opened (see the runtime's `source::resolve_hs_dtype`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hs_dtype: Option<HsDtype>,
 }
 
 /// Where the target's frozen weights are read from.
@@ -109,6 +114,52 @@ impl TargetStage {
     /// Width of one token's hidden state: `hidden × tap_layers.len()`.
     pub fn hs_width(&self) -> usize {
         self.hidden * self.tap_layers.len()
+    }
+
+    /// The precision hidden states are held in, f32 when the files decide and have not been looked at (the
+    /// widest, so a memory figure from it is an upper bound).
+    pub fn hs_dtype_or_widest(&self) -> HsDtype {
+        self.hs_dtype.unwrap_or(HsDtype::F32)
+    }
+}
+
+/// The element type of hidden states in the pool, the queue and the drafters' input slots (`hs_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum HsDtype {
+    /// 32-bit float.
+    F32,
+    /// bfloat16: the top half of an f32 (what targets usually produce).
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl HsDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            HsDtype::F32 => 4,
+            HsDtype::Bf16 | HsDtype::F16 => 2,
+        }
+    }
+
+    /// The `.pipe` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            HsDtype::F32 => "f32",
+            HsDtype::Bf16 => "bf16",
+            HsDtype::F16 => "f16",
+        }
+    }
+
+    /// The default for a source when `hs_dtype` is not written: bf16 for `stream` (targets send bf16), f32 for
+    /// `synthetic`, and `None` (the files' dtype) for `safetensors`.
+    pub fn default_for(source: &SourceSpec) -> Option<Self> {
+        match source {
+            SourceSpec::Synthetic { .. } => Some(HsDtype::F32),
+            SourceSpec::Stream { .. } => Some(HsDtype::Bf16),
+            SourceSpec::Safetensors { .. } => None,
+        }
     }
 }
 
@@ -674,7 +725,8 @@ impl Plan {
             &self.drafter.loss,
             BackendKind::of(device),
             self.drafter.precision,
-        )
+        )?
+        .with_hs_dtype(BackendKind::of(device), self.target.hs_dtype_or_widest())
     }
 }
 

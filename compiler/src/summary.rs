@@ -64,6 +64,12 @@ impl fmt::Display for Summary<'_> {
             Some(rate) => format!("{source}, at most {rate} items/s per worker"),
             None => source,
         };
+        let source = match t.hs_dtype {
+            Some(dtype) => format!("{source}, hidden states in {}", dtype.name()),
+            None => format!(
+                "{source}, hidden states in the files' dtype (memory counted at f32, an upper bound)"
+            ),
+        };
         writeln!(f, "\nstages")?;
         writeln!(
             f,

@@ -17,7 +17,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::plan::{BucketPlan, Device, DflashSpec, LossSpec, MlpSpec, ModelSpec, Precision};
+use crate::plan::{
+    BucketPlan, Device, DflashSpec, HsDtype, LossSpec, MlpSpec, ModelSpec, Precision,
+};
 
 /// Elements per partial sum of the loss total and of the gradient norm (first pass of both reductions).
 pub const REDUCE_CHUNK: usize = 1024;
@@ -53,6 +55,10 @@ impl BackendKind {
     }
 }
 
+/// Rows of hidden states the CPU converts to f32 at a time for a matrix product (one `matrixmultiply` depth
+/// panel, so a tile costs the product no extra pass).
+pub const HS_TILE_ROWS: usize = 256;
+
 /// Element type of a workspace buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Dtype {
@@ -66,6 +72,10 @@ pub enum Dtype {
     U32,
     /// `u8`.
     U8,
+    /// bfloat16 (hidden states held as they arrive).
+    Bf16,
+    /// IEEE half (hidden states held as they arrive).
+    F16,
 }
 
 impl Dtype {
@@ -74,6 +84,7 @@ impl Dtype {
         match self {
             Dtype::F64 => 8,
             Dtype::F32 | Dtype::I32 | Dtype::U32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
             Dtype::U8 => 1,
         }
     }
@@ -448,6 +459,34 @@ impl WorkspaceLayout {
             ModelSpec::Mlp(spec) => Self::mlp(spec, buckets, loss, backend, precision),
             ModelSpec::Dflash(spec) => Self::dflash(spec, buckets, loss, backend, precision),
         }
+    }
+
+    /// The layout for hidden states held in `hs` ([`HsDtype`]): on the CPU the input slots hold them in that
+    /// dtype and the first layer's products convert [`HS_TILE_ROWS`] rows at a time into `hs_tile`, so no f32
+    /// copy of the batch exists. On CUDA the slots stay f32: the host converts while filling the pinned staging
+    /// buffer (a bf16 device path needs bf16 GEMM operands on both sides, not built yet). `None` on overflow.
+    pub fn with_hs_dtype(mut self, backend: BackendKind, hs: HsDtype) -> Option<Self> {
+        let dtype = match hs {
+            HsDtype::F32 => return Some(self),
+            HsDtype::Bf16 => Dtype::Bf16,
+            HsDtype::F16 => Dtype::F16,
+        };
+        if backend == BackendKind::Cuda {
+            return Some(self);
+        }
+        let mut din = 0;
+        for buffer in &mut self.buffers {
+            if buffer.name.starts_with("input") && buffer.name.ends_with(".hs") {
+                buffer.dtype = dtype;
+                din = buffer.elements / self.tokens.max(1);
+            }
+        }
+        self.buffers.push(WorkspaceBuffer {
+            name: "hs_tile".to_owned(),
+            dtype: Dtype::F32,
+            elements: HS_TILE_ROWS.min(self.tokens).checked_mul(din)?,
+        });
+        Some(self)
     }
 
     /// Elements of the buffer called `name`.

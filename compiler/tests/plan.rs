@@ -142,7 +142,8 @@ fn mlp_5x3_memory_is_per_drafter_gpu() {
     let workspace =
         4 * (t * per_token + 4096 * v + 2 * j + partials + 3 + 7) + 8 * 3 + 2 * slot + (32 << 20);
     assert_eq!(m.workspaces, workspace);
-    assert_eq!(m.hs_pool, 60 * (16384 * (4 * 12288 + 5) + 4 * 16));
+    // Hidden states held in bf16 (`hs_dtype = bf16`): 2 bytes each.
+    assert_eq!(m.hs_pool, 60 * (16384 * (2 * 12288 + 5) + 4 * 16));
     assert!(m.total() < 141 << 30);
 }
 

@@ -114,14 +114,20 @@ pub fn sin_cos(x: f32) -> (f32, f32) {
     let sin_r = ((-1.951_529_6e-4 * z + 8.332_161e-3) * z - 1.666_665_5e-1) * z * r + r;
     let cos_r =
         ((2.443_315_7e-5 * z - 1.388_731_6e-3) * z + 4.166_664_6e-2) * z * z - 0.5 * z + 1.0;
+    // Quadrant q of the angle: (sin, cos) = (s, c), (c, −s), (−s, −c), (−c, s) for q = 0..4, written as selects
+    // (no branch to mispredict when consecutive angles fall in different quadrants).
     let quadrant = (j >> 1) & 3;
-    let (sin_a, cos_a) = match quadrant {
-        0 => (sin_r, cos_r),
-        1 => (cos_r, -sin_r),
-        2 => (-sin_r, -cos_r),
-        _ => (-cos_r, sin_r),
-    };
-    (if negative { -sin_a } else { sin_a }, cos_a)
+    let swap = quadrant & 1 != 0;
+    let (sin_a, cos_a) = (
+        if swap { cos_r } else { sin_r },
+        if swap { sin_r } else { cos_r },
+    );
+    let sin_negative = (quadrant >= 2) != negative;
+    let cos_negative = quadrant == 1 || quadrant == 2;
+    (
+        if sin_negative { -sin_a } else { sin_a },
+        if cos_negative { -cos_a } else { cos_a },
+    )
 }
 
 /// Host `e^x`: Cephes `expf` (round `x·log2 e` to `n`, reduce by a two-part `ln 2`, degree-6 polynomial, scale

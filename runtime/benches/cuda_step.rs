@@ -237,7 +237,8 @@ fn mlp_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
         .upload_state(&FlatState::init(&model, 1))
         .expect("upload");
     let mut batch = HsBatch::zeroed(bucket.padded_len, bucket.sequences, spec.din);
-    for (i, v) in batch.hs.iter_mut().enumerate() {
+    let hs = batch.hs.as_f32_mut().expect("an f32 batch");
+    for (i, v) in hs.iter_mut().enumerate() {
         *v = ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
     }
     for (i, id) in batch.input_ids.iter_mut().enumerate() {
@@ -430,7 +431,8 @@ fn dflash_model_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Ro
         .expect("upload");
     let din = spec.hidden * spec.taps;
     let mut batch = HsBatch::zeroed(bucket.padded_len, bucket.sequences, din);
-    for (i, v) in batch.hs.iter_mut().enumerate() {
+    let hs = batch.hs.as_f32_mut().expect("an f32 batch");
+    for (i, v) in hs.iter_mut().enumerate() {
         *v = ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
     }
     for (i, id) in batch.input_ids.iter_mut().enumerate() {

@@ -8,7 +8,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use draftpipe_compiler::plan::{Device, Placement, SourceSpec, TargetStage};
+use draftpipe_compiler::plan::{Device, HsDtype, Placement, SourceSpec, TargetStage};
 use draftpipe_runtime::source::{
     BucketShapes, HsSource, SafetensorsDataset, SafetensorsSource, SyntheticSource, SyntheticTarget,
 };
@@ -26,6 +26,7 @@ fn synthetic_fill(c: &mut Criterion) {
         let shapes = BucketShapes {
             buckets: buckets.iter().map(|&p| (p, batch_tokens / p)).collect(),
             din: hidden * taps,
+            hs_dtype: HsDtype::F32,
         };
         let longest = *buckets.last().expect("buckets");
         let mut source =
@@ -73,6 +74,7 @@ fn safetensors_fill(c: &mut Criterion) {
     let shapes = BucketShapes {
         buckets: vec![(seq, 8)],
         din,
+        hs_dtype: HsDtype::Bf16,
     };
     let target = TargetStage {
         name: "target".into(),
@@ -90,6 +92,7 @@ fn safetensors_fill(c: &mut Criterion) {
         },
         max_rate: None,
         weights: None,
+        hs_dtype: Some(HsDtype::Bf16),
     };
     let dataset =
         SafetensorsDataset::open(&path.to_string_lossy(), &target, &shapes).expect("dataset");

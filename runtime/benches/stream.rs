@@ -1,5 +1,5 @@
-//! Loopback throughput of the stream source: bf16 hidden states from a producer socket into pooled batches
-//! (checked, bucketed, decoded, acknowledged), against a plain TCP copy of the same bytes in the same run.
+//! Loopback throughput of the stream source: bf16 hidden states from a producer socket into bf16 pooled batches
+//! (checked, bucketed, copied, acknowledged), against a plain TCP copy of the same bytes in the same run.
 //!
 //! ```text
 //! cargo bench -p draftpipe-runtime --bench stream -- [ROUNDS]
@@ -14,7 +14,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use draftpipe_compiler::plan::{Device, Placement, SourceSpec, TargetStage};
+use draftpipe_compiler::plan::{Device, HsDtype, Placement, SourceSpec, TargetStage};
 use draftpipe_runtime::source::stream::wire::{Hello, PROTOCOL_VERSION};
 use draftpipe_runtime::source::{BatchPool, BucketShapes, Producer, StreamConfig, open_stream};
 use safetensors::Dtype;
@@ -110,6 +110,7 @@ fn target() -> TargetStage {
         },
         max_rate: None,
         weights: None,
+        hs_dtype: Some(HsDtype::Bf16),
     }
 }
 
@@ -119,6 +120,7 @@ fn stream_into_pool(body: &[u8]) -> f64 {
     let shapes = BucketShapes {
         buckets: vec![(SEQ, ROWS)],
         din: DIN,
+        hs_dtype: HsDtype::Bf16,
     };
     let (sources, status) = open_stream(StreamConfig {
         listen: "127.0.0.1:0".into(),

@@ -5,6 +5,245 @@
 //! ```
 //!
 //! Every sequence in a batch is padded to the bucket's `padded_len`, so each bucket has one static shape.
+//! Hidden states are held in the plan's `hs_dtype` ([`HsData`]): bf16 from a target stays bf16 (half the bytes
+//! of f32) through the pool, the queue and the drafter's input slot, and is widened to f32 only a tile at a time
+//! inside the first layer's matrix products.
+
+use std::ops::Range;
+
+pub use draftpipe_compiler::plan::HsDtype;
+use half::{bf16, f16};
+
+/// Hidden states in the precision they are held in.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HsData {
+    /// 32-bit floats.
+    F32(Vec<f32>),
+    /// bfloat16.
+    Bf16(Vec<bf16>),
+    /// IEEE half.
+    F16(Vec<f16>),
+}
+
+/// A borrowed run of hidden states, in their precision.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HsSlice<'a> {
+    /// 32-bit floats.
+    F32(&'a [f32]),
+    /// bfloat16.
+    Bf16(&'a [bf16]),
+    /// IEEE half.
+    F16(&'a [f16]),
+}
+
+/// Applies `$body` to the vector (or slice) inside any variant, bound to `$v`.
+macro_rules! each_dtype {
+    ($value:expr, $ty:ident, $v:ident => $body:expr) => {
+        match $value {
+            $ty::F32($v) => $body,
+            $ty::Bf16($v) => $body,
+            $ty::F16($v) => $body,
+        }
+    };
+}
+
+impl HsData {
+    /// `len` zeros in `dtype`.
+    pub fn zeroed(dtype: HsDtype, len: usize) -> Self {
+        match dtype {
+            HsDtype::F32 => Self::F32(vec![0.0; len]),
+            HsDtype::Bf16 => Self::Bf16(vec![bf16::ZERO; len]),
+            HsDtype::F16 => Self::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    /// An empty buffer in `dtype` with room for `capacity` elements.
+    pub fn with_capacity(dtype: HsDtype, capacity: usize) -> Self {
+        match dtype {
+            HsDtype::F32 => Self::F32(Vec::with_capacity(capacity)),
+            HsDtype::Bf16 => Self::Bf16(Vec::with_capacity(capacity)),
+            HsDtype::F16 => Self::F16(Vec::with_capacity(capacity)),
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> HsDtype {
+        match self {
+            Self::F32(_) => HsDtype::F32,
+            Self::Bf16(_) => HsDtype::Bf16,
+            Self::F16(_) => HsDtype::F16,
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        each_dtype!(self, Self, v => v.len())
+    }
+
+    /// True when there is no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements the buffer can hold without reallocating.
+    pub fn capacity(&self) -> usize {
+        each_dtype!(self, Self, v => v.capacity())
+    }
+
+    /// Address of the first element (to tell buffers apart, e.g. that a pool reuses them).
+    pub fn as_ptr(&self) -> *const u8 {
+        each_dtype!(self, Self, v => v.as_ptr().cast())
+    }
+
+    /// Grows (with zeros) or shrinks to `len` elements; no allocation within the capacity.
+    pub fn resize(&mut self, len: usize) {
+        match self {
+            Self::F32(v) => v.resize(len, 0.0),
+            Self::Bf16(v) => v.resize(len, bf16::ZERO),
+            Self::F16(v) => v.resize(len, f16::ZERO),
+        }
+    }
+
+    /// Zeroes elements `range`.
+    pub fn zero(&mut self, range: Range<usize>) {
+        match self {
+            Self::F32(v) => v[range].fill(0.0),
+            Self::Bf16(v) => v[range].fill(bf16::ZERO),
+            Self::F16(v) => v[range].fill(f16::ZERO),
+        }
+    }
+
+    /// Sets every element to `value` (rounded to the dtype), e.g. to poison a buffer before it is filled.
+    pub fn fill(&mut self, value: f32) {
+        match self {
+            Self::F32(v) => v.fill(value),
+            Self::Bf16(v) => v.fill(bf16::from_f32(value)),
+            Self::F16(v) => v.fill(f16::from_f32(value)),
+        }
+    }
+
+    /// Element `index`, widened to f32.
+    ///
+    /// # Panics
+    /// When `index` is out of range.
+    pub fn get(&self, index: usize) -> f32 {
+        match self {
+            Self::F32(v) => v[index],
+            Self::Bf16(v) => v[index].to_f32(),
+            Self::F16(v) => v[index].to_f32(),
+        }
+    }
+
+    /// Writes `values` from element `start` on, rounded to nearest (ties to even) when the dtype is narrower.
+    pub fn store_f32(&mut self, start: usize, values: &[f32]) {
+        let range = start..start + values.len();
+        match self {
+            Self::F32(v) => v[range].copy_from_slice(values),
+            Self::Bf16(v) => v[range]
+                .iter_mut()
+                .zip(values)
+                .for_each(|(d, &x)| *d = bf16::from_f32(x)),
+            Self::F16(v) => v[range]
+                .iter_mut()
+                .zip(values)
+                .for_each(|(d, &x)| *d = f16::from_f32(x)),
+        }
+    }
+
+    /// The f32 buffer, when that is the dtype.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match self {
+            Self::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The f32 buffer to write, when that is the dtype.
+    pub fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Self::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Every element.
+    pub fn as_slice(&self) -> HsSlice<'_> {
+        match self {
+            Self::F32(v) => HsSlice::F32(v),
+            Self::Bf16(v) => HsSlice::Bf16(v),
+            Self::F16(v) => HsSlice::F16(v),
+        }
+    }
+
+    /// Elements `range`, widened to f32 (exact: every bf16 and f16 value is an f32).
+    pub fn to_f32_vec(&self, range: Range<usize>) -> Vec<f32> {
+        let mut out = vec![0.0; range.len()];
+        self.as_slice().slice(range).widen_into(&mut out);
+        out
+    }
+}
+
+impl<'a> HsSlice<'a> {
+    /// The element type.
+    pub fn dtype(&self) -> HsDtype {
+        match self {
+            Self::F32(_) => HsDtype::F32,
+            Self::Bf16(_) => HsDtype::Bf16,
+            Self::F16(_) => HsDtype::F16,
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        each_dtype!(self, Self, v => v.len())
+    }
+
+    /// True when there is no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `range`.
+    pub fn slice(self, range: Range<usize>) -> HsSlice<'a> {
+        match self {
+            Self::F32(v) => Self::F32(&v[range]),
+            Self::Bf16(v) => Self::Bf16(&v[range]),
+            Self::F16(v) => Self::F16(&v[range]),
+        }
+    }
+
+    /// Widens every element into `out` (same length; exact).
+    ///
+    /// # Panics
+    /// When the lengths differ.
+    pub fn widen_into(self, out: &mut [f32]) {
+        assert_eq!(self.len(), out.len(), "widen_into: lengths differ");
+        match self {
+            Self::F32(v) => out.copy_from_slice(v),
+            // bf16 is the top half of an f32: a shift, in a loop simple enough to vectorise.
+            Self::Bf16(v) => out
+                .iter_mut()
+                .zip(v)
+                .for_each(|(o, x)| *o = f32::from_bits(u32::from(x.to_bits()) << 16)),
+            Self::F16(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = x.to_f32()),
+        }
+    }
+
+    /// The first NaN or infinity, with its index.
+    pub fn first_non_finite(self) -> Option<(usize, f32)> {
+        match self {
+            Self::F32(v) => v.iter().copied().enumerate().find(|(_, x)| !x.is_finite()),
+            Self::Bf16(v) => v
+                .iter()
+                .position(|x| !x.is_finite())
+                .map(|i| (i, v[i].to_f32())),
+            Self::F16(v) => v
+                .iter()
+                .position(|x| !x.is_finite())
+                .map(|i| (i, v[i].to_f32())),
+        }
+    }
+}
 
 /// One queue item: `sequences` sequences padded to `padded_len` tokens, with their hidden states.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,7 +255,7 @@ pub struct HsBatch {
     /// Width of one token's hidden state.
     pub din: usize,
     /// Hidden states, row-major `[sequences × padded_len, din]`; padding rows are zero.
-    pub hs: Vec<f32>,
+    pub hs: HsData,
     /// Token ids, `[sequences × padded_len]`; padding positions hold 0.
     pub input_ids: Vec<u32>,
     /// Real length of each sequence (`≤ padded_len`); positions past it are padding.
@@ -28,14 +267,19 @@ pub struct HsBatch {
 }
 
 impl HsBatch {
-    /// An all-zero batch with the given static shape, ready to be filled (allocated once, then reused).
+    /// An all-zero batch with f32 hidden states and the given static shape, ready to be filled.
     pub fn zeroed(padded_len: usize, sequences: usize, din: usize) -> Self {
+        Self::zeroed_in(HsDtype::F32, padded_len, sequences, din)
+    }
+
+    /// An all-zero batch with hidden states in `dtype` (allocated once, then reused).
+    pub fn zeroed_in(dtype: HsDtype, padded_len: usize, sequences: usize, din: usize) -> Self {
         let tokens = padded_len * sequences;
         Self {
             padded_len,
             sequences,
             din,
-            hs: vec![0.0; tokens * din],
+            hs: HsData::zeroed(dtype, tokens * din),
             input_ids: vec![0; tokens],
             seq_lens: vec![0; sequences],
             loss_mask: vec![0; tokens],

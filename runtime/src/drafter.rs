@@ -22,7 +22,7 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision};
 
 use crate::backend::{Backend, BackendError, HostBatch, StepPart};
-use crate::batch::HsBatch;
+use crate::batch::{HsBatch, HsDtype};
 use crate::cpu::PhaseTimes;
 use crate::model::mlp::{AllocateError, LayoutError, StepShape};
 use crate::model::{BuildError, Model};
@@ -91,6 +91,14 @@ pub enum StepError {
     /// The batch has no tokens.
     #[error("batch has no tokens")]
     EmptyBatch,
+    /// The batch's hidden states are in a precision the input slots cannot hold without rounding.
+    #[error("batch hidden states are {got}, the drafter's input slots hold {expected}")]
+    HsDtype {
+        /// The input slots' precision.
+        expected: &'static str,
+        /// The batch's precision.
+        got: &'static str,
+    },
 }
 
 /// Why a drafter call failed.
@@ -263,12 +271,27 @@ impl<B: Backend> Drafter<B> {
     /// # Errors
     /// [`DrafterError::Layout`] when `model` is not a canonical layout; allocation failures.
     pub fn new(
+        backend: B,
+        model: &ModelPlan,
+        training: (LossSpec, AdamWSpec, Precision),
+        buckets: &[BucketPlan],
+    ) -> Result<Self, DrafterError> {
+        Self::with_hs_dtype(backend, model, training, buckets, HsDtype::F32)
+    }
+
+    /// [`Drafter::new`] for batches whose hidden states are held in `hs_dtype` (the plan's `hs_dtype`): the
+    /// input slots hold that precision where the backend reads it directly ([`WorkspaceLayout::with_hs_dtype`]).
+    ///
+    /// # Errors
+    /// As [`Drafter::new`].
+    pub fn with_hs_dtype(
         mut backend: B,
         model: &ModelPlan,
         settings: (LossSpec, AdamWSpec, Precision),
         buckets: &[BucketPlan],
+        hs_dtype: HsDtype,
     ) -> Result<Self, DrafterError> {
-        let (built, layout) = Model::new(&mut backend, model, settings, buckets)?;
+        let (built, layout) = Model::new(&mut backend, model, settings, buckets, hs_dtype)?;
         Ok(Self {
             backend,
             model: built,
@@ -408,6 +431,14 @@ impl<B: Backend> Drafter<B> {
             return Err(StepError::WrongDin {
                 expected: din,
                 got: batch.din,
+            });
+        }
+        // A slot widens a narrower batch exactly; it never rounds one.
+        let slot_dtype = self.model.input_hs_dtype();
+        if batch.hs.dtype() != slot_dtype && slot_dtype != HsDtype::F32 {
+            return Err(StepError::HsDtype {
+                expected: slot_dtype.name(),
+                got: batch.hs.dtype().name(),
             });
         }
         let tokens = batch.tokens();

@@ -6,18 +6,21 @@
 //! ```
 //!
 //! Hidden-state datasets are far larger than memory, so a reader parses and validates the header once and then
-//! reads byte ranges of single tensors. The writer streams tensors straight from flat buffers in the layout
+//! reads byte ranges of single tensors from a memory map: only the pages a batch touches are read from disk,
+//! and they are decoded straight from the page cache into the batch (no intermediate copy). The writer streams tensors straight from flat buffers in the layout
 //! order, so a checkpoint never needs a second copy of the model. Header parsing and validation (contiguous
 //! offsets, sizes that match shapes) reuse the `safetensors` crate's [`Metadata`].
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{self, BufWriter, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
+
+use crate::batch::HsData;
 
 /// The largest header accepted, as in the `safetensors` crate: a corrupt length must not become a huge allocation.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -126,11 +129,13 @@ impl TensorFileError {
     }
 }
 
-/// An open safetensors file whose header has been read and checked against the file length.
+/// An open safetensors file whose header has been read and checked against the file length, memory-mapped so
+/// that a tensor's elements are read by the pages they touch, never the whole file.
 #[derive(Debug)]
 pub struct TensorFile {
     path: PathBuf,
     file: File,
+    map: memmap2::Mmap,
     data_start: u64,
     metadata: Metadata,
 }
@@ -144,16 +149,23 @@ impl TensorFile {
             let problem = io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
             return Err(io_err(problem));
         }
-        let mut file = File::open(path).map_err(io_err)?;
+        let file = File::open(path).map_err(io_err)?;
         let actual = file.metadata().map_err(io_err)?.len();
         let truncated =
             |needed| TensorFileError::file(path, TensorProblem::Truncated { needed, actual });
         if actual < 8 {
             return Err(truncated(8));
         }
-        let mut len_bytes = [0u8; 8];
-        file.read_exact(&mut len_bytes).map_err(io_err)?;
-        let header_len = u64::from_le_bytes(len_bytes);
+        // SAFETY: the one `unsafe` of reading data files. A mapping's bytes can change if another process
+        // writes the file while it is mapped, and an access past a truncation raises SIGBUS. Writes are the
+        // hazard `read` has too (a row read twice could differ), and every row is checked as it is copied out
+        // (token ids against the vocabulary, hidden states for NaN), so changed data is refused, not trusted.
+        // Truncation is caught before each read by `Self::check_length` (fstat against the header's extent);
+        // only a truncation racing with the copy of one row remains, as for any reader of a mapped file, and
+        // datasets are written before training reads them. The bytes are only ever read as plain integers and
+        // floats, so no value is invalid.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err)?;
+        let header_len = u64::from_le_bytes(map[..8].try_into().expect("8 bytes checked above"));
         if header_len > MAX_HEADER_BYTES {
             let problem = format!("header length {header_len} exceeds {MAX_HEADER_BYTES} bytes");
             return Err(TensorFileError::file(
@@ -165,9 +177,8 @@ impl TensorFile {
         if actual < data_start {
             return Err(truncated(data_start));
         }
-        let mut header = vec![0u8; header_len as usize];
-        file.read_exact(&mut header).map_err(io_err)?;
-        let metadata: Metadata = serde_json::from_slice(&header)
+        let header = &map[8..data_start as usize];
+        let metadata: Metadata = serde_json::from_slice(header)
             .map_err(|e| TensorFileError::file(path, TensorProblem::BadHeader(e.to_string())))?;
         let needed = data_start + metadata.data_len() as u64;
         if actual < needed {
@@ -176,9 +187,25 @@ impl TensorFile {
         Ok(Self {
             path: path.to_path_buf(),
             file,
+            map,
             data_start,
             metadata,
         })
+    }
+
+    /// Fails when the file is now shorter than its header declares (truncated after it was opened), so no
+    /// access of the mapping can fault (see the safety note in [`Self::open`]).
+    fn check_length(&self) -> Result<(), TensorFileError> {
+        let io_err = |e| TensorFileError::file(&self.path, TensorProblem::Io(e));
+        let actual = self.file.metadata().map_err(io_err)?.len();
+        let needed = self.data_start + self.metadata.data_len() as u64;
+        if actual < needed {
+            return Err(TensorFileError::file(
+                &self.path,
+                TensorProblem::Truncated { needed, actual },
+            ));
+        }
+        Ok(())
     }
 
     /// The file's path.
@@ -209,17 +236,20 @@ impl TensorFile {
             .ok_or_else(|| TensorFileError::tensor(&self.path, name, TensorProblem::Missing))
     }
 
-    /// Reads the raw little-endian bytes of elements `elements` of tensor `name` into `out` (resized to fit).
-    pub fn read_elements(
-        &mut self,
+    /// The raw little-endian bytes of elements `elements` of tensor `name`, in the mapping (only the pages they
+    /// span are read from disk), with the tensor's dtype.
+    pub fn element_bytes(
+        &self,
         name: &str,
         elements: Range<usize>,
-        out: &mut Vec<u8>,
-    ) -> Result<Dtype, TensorFileError> {
+    ) -> Result<(Dtype, &[u8]), TensorFileError> {
         let info = self.require(name)?;
         let (dtype, (start, end)) = (info.dtype, info.data_offsets);
         let width = dtype.bitsize() / 8;
-        let (first, last) = (start + elements.start * width, start + elements.end * width);
+        let (first, last) = (
+            start.saturating_add(elements.start.saturating_mul(width)),
+            start.saturating_add(elements.end.saturating_mul(width)),
+        );
         if width == 0 || last > end || first > last {
             let problem = format!(
                 "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
@@ -230,12 +260,21 @@ impl TensorFile {
                 TensorProblem::BadHeader(problem),
             ));
         }
-        out.resize(last - first, 0);
-        let io_err = |e| TensorFileError::tensor(&self.path, name, TensorProblem::Io(e));
-        self.file
-            .seek(SeekFrom::Start(self.data_start + first as u64))
-            .map_err(io_err)?;
-        self.file.read_exact(out).map_err(io_err)?;
+        self.check_length()?;
+        let data = self.data_start as usize;
+        Ok((dtype, &self.map[data + first..data + last]))
+    }
+
+    /// Copies the raw little-endian bytes of elements `elements` of tensor `name` into `out` (resized to fit).
+    pub fn read_elements(
+        &mut self,
+        name: &str,
+        elements: Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<Dtype, TensorFileError> {
+        let (dtype, bytes) = self.element_bytes(name, elements)?;
+        out.clear();
+        out.extend_from_slice(bytes);
         Ok(dtype)
     }
 }
@@ -266,6 +305,59 @@ pub fn decode_floats(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
             Dtype::F16 => half::f16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32(),
             _ => half::bf16::from_bits(u16::from_le_bytes([src[0], src[1]])).to_f32(),
         };
+    }
+    true
+}
+
+/// Decodes little-endian F32, F16 or BF16 bytes into `out` from element `start` on, in `out`'s precision: a
+/// copy when the dtypes agree, exact widening, or rounding to nearest (ties to even) when `out` is narrower.
+/// Returns false for another dtype or when the elements do not fit.
+pub fn decode_floats_into(dtype: Dtype, bytes: &[u8], out: &mut HsData, start: usize) -> bool {
+    let width = dtype.bitsize() / 8;
+    if !is_float_dtype(dtype) || width == 0 || !bytes.len().is_multiple_of(width) {
+        return false;
+    }
+    let len = bytes.len() / width;
+    if start.checked_add(len).is_none_or(|end| end > out.len()) {
+        return false;
+    }
+    let range = start..start + len;
+    let halves = || {
+        bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
+    match (out, dtype) {
+        (HsData::F32(v), _) => return decode_floats(dtype, bytes, &mut v[range]),
+        // The same precision on a little-endian host: the bytes are the values, one memcpy (this is the path
+        // every bf16 message and file row takes; an element loop ran at a fraction of copy speed).
+        (HsData::Bf16(v), Dtype::BF16) if cfg!(target_endian = "little") => {
+            bytemuck::cast_slice_mut::<_, u8>(&mut v[range]).copy_from_slice(bytes);
+        }
+        (HsData::F16(v), Dtype::F16) if cfg!(target_endian = "little") => {
+            bytemuck::cast_slice_mut::<_, u8>(&mut v[range]).copy_from_slice(bytes);
+        }
+        (HsData::Bf16(v), Dtype::BF16) => {
+            v[range]
+                .iter_mut()
+                .zip(halves())
+                .for_each(|(d, x)| *d = half::bf16::from_bits(x));
+        }
+        (HsData::F16(v), Dtype::F16) => {
+            v[range]
+                .iter_mut()
+                .zip(halves())
+                .for_each(|(d, x)| *d = half::f16::from_bits(x));
+        }
+        (out, _) => {
+            // A precision change (f32 or the other half type into a half type): through f32, a chunk at a time.
+            let mut wide = [0.0f32; 256];
+            for (i, chunk) in bytes.chunks(width * wide.len()).enumerate() {
+                let n = chunk.len() / width;
+                decode_floats(dtype, chunk, &mut wide[..n]);
+                out.store_f32(start + i * wide.len(), &wide[..n]);
+            }
+        }
     }
     true
 }

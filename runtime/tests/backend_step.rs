@@ -260,14 +260,16 @@ fn learnable_batches(seed: u64, count: usize) -> Vec<HsBatch> {
                     for (j, embedding) in embeddings.iter().enumerate() {
                         if p + j + 1 < len {
                             let id = batch.input_ids[base + p + j + 1] as usize;
-                            let hs = &mut batch.hs[(base + p) * din..][..din];
-                            hs.iter_mut()
+                            let hs = batch.hs.as_f32_mut().expect("an f32 batch");
+                            hs[(base + p) * din..][..din]
+                                .iter_mut()
                                 .zip(&embedding[id * din..][..din])
                                 .for_each(|(h, e)| *h += e);
                         }
                     }
-                    let hs = &mut batch.hs[(base + p) * din..][..din];
-                    hs.iter_mut()
+                    let hs = batch.hs.as_f32_mut().expect("an f32 batch");
+                    hs[(base + p) * din..][..din]
+                        .iter_mut()
                         .for_each(|h| *h += 0.1 * rng.random_range(-1.0f32..1.0));
                 }
             }
@@ -402,7 +404,7 @@ fn allocation_equals_the_compiled_layout<D: TestDevice>(device: &D) {
             &plan.buckets,
             &plan.drafter.loss,
             plan.drafter.precision,
-            plan.queue.capacity,
+            (plan.queue.capacity, plan.target.hs_dtype_or_widest()),
         )
         .expect("memory plan");
         let stage = &plan.drafter;
@@ -437,7 +439,7 @@ fn a_skipped_step_leaves_adamw_step_count_alone<D: TestDevice>(device: &D) {
     let model = model(TASK_SPEC);
     let batches = learnable_batches(11, 1);
     let mut poisoned = batches[0].clone();
-    poisoned.hs[0] = f32::NAN;
+    poisoned.hs.store_f32(0, &[f32::NAN]);
     let settings = (loss(0.8, 64), task_adamw(1e-2), Precision::F32);
     let init = FlatState::init(&model, 5);
     let mut skipping = device.drafter(&model, settings, &[bucket(16, 8)]);

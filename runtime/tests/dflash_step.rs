@@ -290,7 +290,7 @@ fn counting_batch(rng: &mut Xoshiro256PlusPlus, spec: &DflashSpec, padded_len: u
             let id = (start + p as u32) % ring;
             batch.input_ids[row] = id;
             batch.loss_mask[row] = 1;
-            batch.hs[row * din + id as usize % din] = 1.0;
+            batch.hs.as_f32_mut().expect("an f32 batch")[row * din + id as usize % din] = 1.0;
         }
     }
     batch

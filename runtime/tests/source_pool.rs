@@ -4,7 +4,7 @@ mod source_support;
 
 use std::sync::atomic::AtomicBool;
 
-use draftpipe_compiler::plan::SourceSpec;
+use draftpipe_compiler::plan::{HsDtype, SourceSpec};
 use draftpipe_runtime::source::{BatchPool, BucketShapes, Producer, SourceError, open_sources};
 
 fn plan() -> draftpipe_compiler::plan::Plan {
@@ -89,7 +89,8 @@ fn an_empty_pool_gives_nothing_and_extra_or_foreign_buffers_are_refused() {
         BatchPool::new(
             BucketShapes {
                 buckets: vec![],
-                din: 4
+                din: 4,
+                hs_dtype: HsDtype::F32,
             },
             3
         )

@@ -76,7 +76,7 @@ fn assert_slot(batch: &HsBatch, slot: usize, row: usize, len: usize, mask: &[u8]
     assert_eq!(batch.seq_lens[slot] as usize, len);
     for t in 0..batch.padded_len {
         let i = slot * batch.padded_len + t;
-        let hs = &batch.hs[i * D..(i + 1) * D];
+        let hs = batch.hs.to_f32_vec(i * D..(i + 1) * D);
         if t < len {
             assert_eq!(
                 batch.input_ids[i] as f64,
@@ -194,8 +194,8 @@ fn a_glob_reads_matching_files_in_order_and_producers_split_the_batches() {
         (first[0].source_position, second[0].source_position),
         (0, 1)
     );
-    assert_eq!(first[0].hs[0] as f64, hs_value(0, 0, 0));
-    assert_eq!(second[0].hs[0] as f64, hs_value(0, 0, 0) + 100.0);
+    assert_eq!(first[0].hs.get(0) as f64, hs_value(0, 0, 0));
+    assert_eq!(second[0].hs.get(0) as f64, hs_value(0, 0, 0) + 100.0);
     assert!(sources[1].next_bucket().unwrap().is_none());
     let mut past_end = shapes.buffer();
     assert!(matches!(
@@ -451,7 +451,7 @@ fn wildcards_match_like_a_shell() {
 
 /// The first hidden-state value of each batch: a batch's fingerprint (rows have distinct values).
 fn fingerprints(batches: &[HsBatch]) -> Vec<f32> {
-    batches.iter().map(|b| b.hs[0]).collect()
+    batches.iter().map(|b| b.hs.get(0)).collect()
 }
 
 #[test]

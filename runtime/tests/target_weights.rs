@@ -47,6 +47,7 @@ fn target(weights: Option<String>, source: SourceSpec) -> TargetStage {
         source,
         max_rate: None,
         weights: weights.map(|path| WeightsSpec::Safetensors { path }),
+        hs_dtype: None,
     }
 }
 

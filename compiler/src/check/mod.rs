@@ -169,7 +169,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         &buckets,
         &drafter.loss,
         drafter.precision,
-        queue.capacity,
+        (queue.capacity, target.hs_dtype_or_widest()),
     )
     .ok_or_else(|| too_large("memory plan"))?;
     // No error was recorded, so every declared memory was read.

@@ -8,9 +8,9 @@ use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, LaunchMode, LossSpec, LrSchedule,
-    Placement, Precision, PullPolicy, QueueSpec, ScheduleKind, SourceSpec, SyncMode, TargetStage,
-    TelemetrySpec, WeightsSpec,
+    AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, HsDtype, LaunchMode, LossSpec,
+    LrSchedule, Placement, Precision, PullPolicy, QueueSpec, ScheduleKind, SourceSpec, SyncMode,
+    TargetStage, TelemetrySpec, WeightsSpec,
 };
 use crate::span::Span;
 
@@ -38,6 +38,8 @@ pub(crate) struct TargetParts {
     pub max_rate: Option<Option<f64>>,
     /// `weights`, when given (`Some(None)`: given but invalid), and where.
     pub weights: Option<(Option<WeightsSpec>, Span)>,
+    /// `hs_dtype`, when given: `Some(None)` when it had errors.
+    pub hs_dtype: Option<Option<HsDtype>>,
 }
 
 pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetParts {
@@ -83,6 +85,18 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
             .and_then(|call| weights(errs, call));
         (spec, v.span)
     });
+    let hs_dtype = f.optional("hs_dtype").map(|v| {
+        values::choice(
+            errs,
+            "hs_dtype",
+            v,
+            &[
+                ("bf16", HsDtype::Bf16),
+                ("f16", HsDtype::F16),
+                ("f32", HsDtype::F32),
+            ],
+        )
+    });
     f.finish(errs);
     TargetParts {
         hidden,
@@ -93,6 +107,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
         lengths,
         max_rate,
         weights,
+        hs_dtype,
     }
 }
 
@@ -349,6 +364,11 @@ pub(crate) fn target_stage(
     parts: TargetParts,
     placement: Placement,
 ) -> Option<TargetStage> {
+    let source = parts.source?;
+    let hs_dtype = match parts.hs_dtype {
+        Some(dtype) => Some(dtype?),
+        None => HsDtype::default_for(&source),
+    };
     Some(TargetStage {
         name: section.name.name.clone(),
         placement,
@@ -356,7 +376,7 @@ pub(crate) fn target_stage(
         tap_layers: parts.tap_layers?,
         vocab: parts.vocab?,
         batch_tokens: parts.batch_tokens?.0,
-        source: parts.source?,
+        source,
         max_rate: match parts.max_rate {
             Some(rate) => Some(rate?),
             None => None,
@@ -365,6 +385,7 @@ pub(crate) fn target_stage(
             Some((weights, _)) => Some(weights?),
             None => None,
         },
+        hs_dtype,
     })
     .map(|mut stage| {
         let default_limit = stage.default_max_message_bytes();

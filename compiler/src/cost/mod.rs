@@ -10,8 +10,9 @@
 //!   CPU and CUDA allocators allocate (activations, the fused-loss chunk, backward scratch, reduction partials,
 //!   input slots, and per backend cuBLAS's workspace or the CPU's rounding buffers). One workspace, sized for
 //!   the largest bucket, is shared by every bucket: a worker runs one step at a time;
-//! - hs_pool: `capacity × max item bytes` once per device, an item being `T·(4·din + 4 + 1) + 4·sequences`
-//!   bytes (hidden states, token ids, loss mask, sequence lengths, as in the runtime's `HsBatch`).
+//! - hs_pool: `capacity × max item bytes` once per device, an item being `T·(e·din + 4 + 1) + 4·sequences`
+//!   bytes (hidden states of `e` bytes each, 4 in f32 and 2 in bf16/f16 as `hs_dtype` says, token ids, loss
+//!   mask, sequence lengths, as in the runtime's `HsBatch`).
 //!
 //! The `dflash` drafter's figures are in [`dflash`]; its memory adds the frozen embedding and `lm_head`
 //! (`frozen_weights`, f32 today) per worker.
@@ -27,7 +28,7 @@
 //! once; every logit chunk written once and read once.
 
 use crate::plan::{
-    BucketPlan, Device, DeviceMemory, LossSpec, MlpSpec, ModelSpec, Placement, Precision,
+    BucketPlan, Device, DeviceMemory, HsDtype, LossSpec, MlpSpec, ModelSpec, Placement, Precision,
     QueueSpec, TargetStage,
 };
 use crate::workspace::{BackendKind, WorkspaceLayout};
@@ -59,10 +60,15 @@ pub fn activation_floats_per_token(spec: &MlpSpec) -> Option<u64> {
     fit(din + blocks * (2 * h + 3 * i) + h + heads * 2 * h)
 }
 
-/// Bytes of one queue item: hidden states, token ids, loss mask and sequence lengths.
+/// Bytes of one queue item with f32 hidden states: hidden states, token ids, loss mask and sequence lengths.
 pub fn item_bytes(din: usize, padded_len: usize, sequences: usize) -> Option<u64> {
+    item_bytes_in(HsDtype::F32, din, padded_len, sequences)
+}
+
+/// Bytes of one queue item whose hidden states are held in `hs`.
+pub fn item_bytes_in(hs: HsDtype, din: usize, padded_len: usize, sequences: usize) -> Option<u64> {
     let tokens = wide(padded_len) * wide(sequences);
-    fit(tokens * (F32 * wide(din) + 4 + 1) + 4 * wide(sequences))
+    fit(tokens * (wide(hs.bytes()) * wide(din) + 4 + 1) + 4 * wide(sequences))
 }
 
 /// FLOPs of one training step of `tokens` tokens (formula in the module docs).
@@ -142,10 +148,12 @@ fn workspace_bytes(
     spec: &ModelSpec,
     buckets: &[BucketPlan],
     loss: &LossSpec,
-    backend: BackendKind,
-    precision: Precision,
+    (backend, precision): (BackendKind, Precision),
+    hs: HsDtype,
 ) -> Option<u64> {
-    WorkspaceLayout::of_model(spec, buckets, loss, backend, precision)?.bytes()
+    WorkspaceLayout::of_model(spec, buckets, loss, backend, precision)?
+        .with_hs_dtype(backend, hs)?
+        .bytes()
 }
 
 /// Memory on each drafter device, in device order; `None` when a figure (or a device's total) overflows `u64`.
@@ -155,7 +163,7 @@ pub fn device_memory(
     buckets: &[BucketPlan],
     loss: &LossSpec,
     precision: Precision,
-    capacity: usize,
+    (capacity, hs): (usize, HsDtype),
 ) -> Option<Vec<DeviceMemory>> {
     let params = F32 * wide(spec.parameter_count());
     let (din, frozen) = match spec {
@@ -164,7 +172,12 @@ pub fn device_memory(
     };
     let mut largest_item = 0;
     for b in buckets {
-        largest_item = largest_item.max(u128::from(item_bytes(din, b.padded_len, b.sequences)?));
+        largest_item = largest_item.max(u128::from(item_bytes_in(
+            hs,
+            din,
+            b.padded_len,
+            b.sequences,
+        )?));
     }
     let mut devices: Vec<Device> = drafters.workers.clone();
     devices.sort_unstable();
@@ -177,8 +190,8 @@ pub fn device_memory(
                 spec,
                 buckets,
                 loss,
-                BackendKind::of(device),
-                precision,
+                (BackendKind::of(device), precision),
+                hs,
             )?);
             let memory = DeviceMemory {
                 device,

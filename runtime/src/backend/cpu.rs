@@ -12,12 +12,13 @@ use draftpipe_compiler::plan::{BackendKind, WorkspaceLayout};
 
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
-    BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand, Precision, Src, StepPart,
-    StepResults, gemm_shape,
+    BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
+    Operand, Precision, Src, StepPart, StepResults, gemm_shape,
 };
 use crate::allreduce::AllReduce;
+use crate::batch::HsSlice;
 use crate::cpu::attention::{self, AttentionGradSlices, AttentionSlices};
-use crate::cpu::gemm::{Mat, gemm};
+use crate::cpu::gemm::{Mat, Strided, gemm, gemm_strided};
 use crate::cpu::kernels;
 use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS};
 
@@ -26,6 +27,8 @@ pub struct CpuBackend {
     /// Operands rounded to the product's precision (empty when the layout has no emulated precision).
     round_a: Vec<f32>,
     round_b: Vec<f32>,
+    /// Rows of bf16/f16 hidden states widened for a product (the layout's `hs_tile`; empty for f32 inputs).
+    hs_tile: Vec<f32>,
     /// The data-parallel group whose mean the gradients take, if any.
     group: Option<Arc<AllReduce>>,
     /// The step results "read back" per ring slot (a plain copy: host memory), as long as the layout's
@@ -94,11 +97,13 @@ impl CpuBackend {
     pub fn new(layout: &WorkspaceLayout) -> Self {
         let round = |name| vec![0.0f32; layout.elements(name).unwrap_or(0)];
         let (round_a, round_b) = (round("gemm_round_a"), round("gemm_round_b"));
-        let allocated = 4 * (round_a.len() + round_b.len()) as u64;
+        let hs_tile = round("hs_tile");
+        let allocated = 4 * (round_a.len() + round_b.len() + hs_tile.len()) as u64;
         let scalars = layout.elements("step_scalars").unwrap_or(STEP_SCALARS);
         Self {
             round_a,
             round_b,
+            hs_tile,
             group: None,
             results: std::array::from_fn(|_| vec![0.0; scalars]),
             allocated,
@@ -113,16 +118,138 @@ impl CpuBackend {
 
     /// Rounds `data` into `scratch` and returns the rounded copy (or `data` at full precision).
     fn rounded<'a>(data: &'a [f32], scratch: &'a mut [f32], precision: Precision) -> &'a [f32] {
-        let mantissa = match precision {
-            Precision::F32 => return data,
-            Precision::Tf32 => 10,
-            Precision::Bf16 => 7,
+        let Some(mantissa) = Self::mantissa(precision) else {
+            return data;
         };
         let scratch = &mut scratch[..data.len()];
         for (r, &x) in scratch.iter_mut().zip(data) {
             *r = round_mantissa(x, mantissa);
         }
         scratch
+    }
+
+    /// Explicit mantissa bits of `precision`'s operands, `None` for f32.
+    fn mantissa(precision: Precision) -> Option<u32> {
+        match precision {
+            Precision::F32 => None,
+            Precision::Tf32 => Some(10),
+            Precision::Bf16 => Some(7),
+        }
+    }
+
+    /// `c = alpha · a · b + beta · c` where `hs` (a if `hs_is_a`, else b) holds hidden states in a narrower
+    /// precision: its stored rows are widened [`HS_TILE_ROWS`](draftpipe_compiler::workspace::HS_TILE_ROWS) at
+    /// a time into `hs_tile`, and each tile is one product on the matching block of rows or columns of `c`
+    /// (stored rows of `hs` along `m` or `n`) or one accumulation step (along `k`).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_tiled(
+        &mut self,
+        c: &mut [f32],
+        (hs, hs_is_a): (HsOperand<'_, Self>, bool),
+        other: Operand<'_, Self>,
+        (m, k, n): (usize, usize, usize),
+        alpha: f32,
+        beta: f32,
+        precision: Precision,
+    ) {
+        let scratch = if hs_is_a {
+            &mut self.round_b
+        } else {
+            &mut self.round_a
+        };
+        let other_data = Self::rounded(slice(other.data), scratch, precision);
+        let (o_rs, o_cs) = if other.transposed {
+            (1, other.cols)
+        } else {
+            (other.cols, 1)
+        };
+        let other_at = |offset| Strided {
+            data: other_data,
+            offset,
+            row_stride: o_rs,
+            col_stride: o_cs,
+        };
+        let hs_rows: HsSlice<'_> = match hs.data {
+            HsSrc::F32(v) => HsSlice::F32(slice(v)),
+            HsSrc::Bf16(v) => HsSlice::Bf16(slice(v)),
+            HsSrc::F16(v) => HsSlice::F16(slice(v)),
+        };
+        let (rows, cols) = (hs.rows, hs.cols);
+        if rows == 0 || cols == 0 {
+            // No tile: the product is empty along `k` (c = beta · c) or `c` has no element.
+            c.iter_mut()
+                .for_each(|x| *x = if beta == 0.0 { 0.0 } else { beta * *x });
+            return;
+        }
+        let tile_rows = self.hs_tile.len() / cols;
+        assert!(
+            tile_rows > 0,
+            "the layout has no `hs_tile` for narrow hidden states"
+        );
+        for first in (0..rows).step_by(tile_rows) {
+            let count = tile_rows.min(rows - first);
+            let tile = &mut self.hs_tile[..count * cols];
+            hs_rows
+                .slice(first * cols..(first + count) * cols)
+                .widen_into(tile);
+            if let Some(mantissa) = Self::mantissa(precision) {
+                tile.iter_mut()
+                    .for_each(|x| *x = round_mantissa(*x, mantissa));
+            }
+            let tile: &[f32] = tile;
+            // The tile as used: its stored rows are the operand's, so a transposed operand reads it by columns.
+            let tile = if hs.transposed {
+                Strided {
+                    data: tile,
+                    offset: 0,
+                    row_stride: 1,
+                    col_stride: cols,
+                }
+            } else {
+                Strided {
+                    data: tile,
+                    offset: 0,
+                    row_stride: cols,
+                    col_stride: 1,
+                }
+            };
+            // Along `k`, every tile after the first adds to what the earlier ones wrote.
+            let beta_k = if first == 0 { beta } else { 1.0 };
+            match (hs_is_a, hs.transposed) {
+                (true, false) => gemm_strided(
+                    (&mut *c, first * n, n, 1),
+                    tile,
+                    other_at(0),
+                    (count, k, n),
+                    alpha,
+                    beta,
+                ),
+                (true, true) => gemm_strided(
+                    (&mut *c, 0, n, 1),
+                    tile,
+                    other_at(first * o_rs),
+                    (m, count, n),
+                    alpha,
+                    beta_k,
+                ),
+                (false, false) => gemm_strided(
+                    (&mut *c, 0, n, 1),
+                    other_at(first * o_cs),
+                    tile,
+                    (m, count, n),
+                    alpha,
+                    beta_k,
+                ),
+                (false, true) => gemm_strided(
+                    (&mut *c, first, n, 1),
+                    other_at(0),
+                    tile,
+                    (m, k, count),
+                    alpha,
+                    beta,
+                ),
+            }
+        }
     }
 }
 
@@ -162,7 +289,24 @@ impl Backend for CpuBackend {
         batch: HostBatch<'_>,
         input: &mut InputSlot<Self>,
     ) -> BackendResult {
-        slice_mut(input.hs.at_mut(0, batch.hs.len())).copy_from_slice(batch.hs);
+        let n = batch.hs.len();
+        match (&mut input.hs, batch.hs) {
+            // A narrower batch into an f32 slot (a layout made for f32) widens exactly.
+            (HsBuf::F32(dst), src) => src.widen_into(slice_mut(dst.at_mut(0, n))),
+            (HsBuf::Bf16(dst), HsSlice::Bf16(src)) => {
+                slice_mut(dst.at_mut(0, n)).copy_from_slice(src)
+            }
+            (HsBuf::F16(dst), HsSlice::F16(src)) => {
+                slice_mut(dst.at_mut(0, n)).copy_from_slice(src)
+            }
+            (dst, src) => {
+                return Err(BackendError::Unsupported(format!(
+                    "{} hidden states into a {} input slot (it would round them)",
+                    src.dtype().name(),
+                    dst.dtype().name()
+                )));
+            }
+        }
         slice_mut(input.input_ids.at_mut(0, batch.input_ids.len()))
             .copy_from_slice(batch.input_ids);
         slice_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())).copy_from_slice(batch.seq_lens);
@@ -230,6 +374,52 @@ impl Backend for CpuBackend {
         };
         gemm(slice_mut(c), mat(a_data, &a), mat(b_data, &b), alpha, beta);
         Ok(())
+    }
+
+    fn gemm_hs(
+        &mut self,
+        c: Dst<'_, Self, f32>,
+        a: HsOperand<'_, Self>,
+        b: HsOperand<'_, Self>,
+        alpha: f32,
+        beta: f32,
+        precision: Precision,
+    ) -> BackendResult {
+        let ((m, k), (kb, n)) = (a.shape(), b.shape());
+        assert_eq!(k, kb, "inner dimensions differ");
+        assert_eq!(
+            c.len(),
+            m * n,
+            "output view does not match the product's shape"
+        );
+        match (a.as_f32(), b.as_f32()) {
+            (Some(a), Some(b)) => self.gemm(c, a, b, alpha, beta, precision),
+            (None, Some(b)) => {
+                self.gemm_tiled(
+                    slice_mut(c),
+                    (a, true),
+                    b,
+                    (m, k, n),
+                    alpha,
+                    beta,
+                    precision,
+                );
+                Ok(())
+            }
+            (Some(a), None) => {
+                self.gemm_tiled(
+                    slice_mut(c),
+                    (b, false),
+                    a,
+                    (m, k, n),
+                    alpha,
+                    beta,
+                    precision,
+                );
+                Ok(())
+            }
+            (None, None) => panic!("gemm_hs: both operands hold narrow hidden states"),
+        }
     }
 
     fn rmsnorm_forward(

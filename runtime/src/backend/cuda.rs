@@ -41,8 +41,8 @@ use draftpipe_gpu_kernels::adamw::AdamWStep;
 use super::cuda_dflash as dflash;
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
-    BackendResult, Buf, Dst, Element, HostBatch, InputSlot, Operand, Precision, Src, StepPart,
-    StepResults, gemm_shape,
+    BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, InputSlot,
+    Operand, Precision, Src, StepPart, StepResults, gemm_shape,
 };
 use crate::cuda::{
     CudaError, DevicePtr, Gemm, GradientAllReduce, KernelModule, Launcher, Op, open_device,
@@ -309,8 +309,17 @@ impl Backend for CudaBackend {
         self.slot_free[slot]
             .synchronize()
             .map_err(CudaError::from)?;
+        let HsBuf::F32(input_hs) = &mut input.hs else {
+            return Err(BackendError::Unsupported(
+                "input slots on CUDA hold f32 hidden states (the layout keeps them f32)".into(),
+            ));
+        };
         let pinned = &mut self.pinned[slot];
-        fill_pinned(&mut pinned.hs, batch.hs)?;
+        // A bf16 or f16 batch is widened here, in the one pass that fills the pinned buffer anyway; the copy
+        // to the device stays f32 until the step reads bf16 operands (docs/sources.md).
+        batch
+            .hs
+            .widen_into(&mut pinned.hs.as_mut_slice().map_err(CudaError::from)?[..batch.hs.len()]);
         fill_pinned(&mut pinned.input_ids, batch.input_ids)?;
         fill_pinned(&mut pinned.seq_lens, batch.seq_lens)?;
         fill_pinned(&mut pinned.loss_mask, batch.loss_mask)?;
@@ -320,7 +329,7 @@ impl Backend for CudaBackend {
         // reads this slot); destinations hold the largest bucket's shape, which the caller checked.
         unsafe {
             driver::memcpy_htod_async(
-                ptr_mut(input.hs.at_mut(0, batch.hs.len())).addr(),
+                ptr_mut(input_hs.at_mut(0, batch.hs.len())).addr(),
                 &pinned.hs.as_slice().map_err(CudaError::from)?[..batch.hs.len()],
                 stream,
             )
@@ -482,6 +491,25 @@ impl Backend for CudaBackend {
             )
         }?;
         Ok(())
+    }
+
+    fn gemm_hs(
+        &mut self,
+        c: Dst<'_, Self, f32>,
+        a: HsOperand<'_, Self>,
+        b: HsOperand<'_, Self>,
+        alpha: f32,
+        beta: f32,
+        precision: Precision,
+    ) -> BackendResult {
+        match (a.as_f32(), b.as_f32()) {
+            (Some(a), Some(b)) => self.gemm(c, a, b, alpha, beta, precision),
+            // cuBLAS multiplies bf16 only by bf16: this needs the weights' bf16 copy, not built yet, so the
+            // layout keeps CUDA input slots f32 and this is never reached from a plan.
+            _ => Err(BackendError::Unsupported(
+                "a product with bf16/f16 hidden states on CUDA".into(),
+            )),
+        }
     }
 
     fn rmsnorm_forward(

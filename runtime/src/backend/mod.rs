@@ -30,7 +30,7 @@ pub use draftpipe_gpu_kernels::adamw::{
     SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR, Schedule,
 };
 
-use crate::batch::HsBatch;
+use crate::batch::{HsBatch, HsDtype, HsSlice};
 use crate::cuda::CudaError;
 
 /// What a device buffer can hold.
@@ -49,6 +49,8 @@ impl Element for f64 {}
 impl Element for i32 {}
 impl Element for u32 {}
 impl Element for u8 {}
+impl Element for half::bf16 {}
+impl Element for half::f16 {}
 
 /// Why a backend operation failed (the CPU backend never fails; its shape checks panic, since the model sizes
 /// every buffer from one layout and a mismatch is a bug).
@@ -57,6 +59,9 @@ pub enum BackendError {
     /// The CUDA backend failed.
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// The backend has no path for this operation's operand types (e.g. hidden states kept in bf16 on CUDA).
+    #[error("not supported by this backend: {0}")]
+    Unsupported(String),
 }
 
 /// Result of a backend operation.
@@ -353,8 +358,8 @@ pub struct StepResults {
 /// A batch's host buffers, as [`Backend::stage`] copies them.
 #[derive(Clone, Copy)]
 pub struct HostBatch<'a> {
-    /// Hidden states.
-    pub hs: &'a [f32],
+    /// Hidden states, in the batch's precision.
+    pub hs: HsSlice<'a>,
     /// Token ids.
     pub input_ids: &'a [u32],
     /// Sequence lengths.
@@ -366,7 +371,7 @@ pub struct HostBatch<'a> {
 impl<'a> From<&'a HsBatch> for HostBatch<'a> {
     fn from(batch: &'a HsBatch) -> Self {
         Self {
-            hs: &batch.hs,
+            hs: batch.hs.as_slice(),
             input_ids: &batch.input_ids,
             seq_lens: &batch.seq_lens,
             loss_mask: &batch.loss_mask,
@@ -376,14 +381,177 @@ impl<'a> From<&'a HsBatch> for HostBatch<'a> {
 
 /// One batch's buffers on the device.
 pub struct InputSlot<B: Backend> {
-    /// Hidden states `[tokens, din]`.
-    pub hs: Buf<B, f32>,
+    /// Hidden states `[tokens, din]`, in the layout's precision for them.
+    pub hs: HsBuf<B>,
     /// Token ids `[tokens]`.
     pub input_ids: Buf<B, u32>,
     /// Sequence lengths `[sequences]`.
     pub seq_lens: Buf<B, u32>,
     /// Label mask `[tokens]`.
     pub loss_mask: Buf<B, u8>,
+}
+
+/// Hidden states on a backend, in the precision they are held in (the workspace layout's dtype of `input*.hs`).
+pub enum HsBuf<B: Backend> {
+    /// 32-bit floats.
+    F32(Buf<B, f32>),
+    /// bfloat16.
+    Bf16(Buf<B, half::bf16>),
+    /// IEEE half.
+    F16(Buf<B, half::f16>),
+}
+
+impl<B: Backend> HsBuf<B> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(b) => b.len(),
+            Self::Bf16(b) => b.len(),
+            Self::F16(b) => b.len(),
+        }
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> HsDtype {
+        match self {
+            Self::F32(_) => HsDtype::F32,
+            Self::Bf16(_) => HsDtype::Bf16,
+            Self::F16(_) => HsDtype::F16,
+        }
+    }
+
+    /// Elements `start..start + len`, to read.
+    ///
+    /// # Panics
+    /// As [`Buf::at`].
+    #[track_caller]
+    pub fn at(&self, start: usize, len: usize) -> HsSrc<'_, B> {
+        match self {
+            Self::F32(b) => HsSrc::F32(b.at(start, len)),
+            Self::Bf16(b) => HsSrc::Bf16(b.at(start, len)),
+            Self::F16(b) => HsSrc::F16(b.at(start, len)),
+        }
+    }
+}
+
+/// A read view of an [`HsBuf`].
+pub enum HsSrc<'a, B: Backend> {
+    /// 32-bit floats.
+    F32(Src<'a, B, f32>),
+    /// bfloat16.
+    Bf16(Src<'a, B, half::bf16>),
+    /// IEEE half.
+    F16(Src<'a, B, half::f16>),
+}
+
+impl<B: Backend> Clone for HsSrc<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for HsSrc<'_, B> {}
+
+impl<B: Backend> HsSrc<'_, B> {
+    /// Elements in the view.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+
+    /// True when the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A matrix operand of [`Backend::gemm_hs`]: an [`Operand`] whose elements may be hidden states in their own
+/// precision.
+pub struct HsOperand<'a, B: Backend> {
+    /// The stored elements (`rows · cols`).
+    pub data: HsSrc<'a, B>,
+    /// Stored rows.
+    pub rows: usize,
+    /// Stored columns.
+    pub cols: usize,
+    /// Whether the product uses the transpose.
+    pub transposed: bool,
+}
+
+impl<B: Backend> Clone for HsOperand<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for HsOperand<'_, B> {}
+
+impl<'a, B: Backend> HsOperand<'a, B> {
+    /// `data` as a row-major `[rows, cols]` matrix.
+    ///
+    /// # Panics
+    /// When the view's length is not `rows · cols`.
+    #[track_caller]
+    pub fn new(data: HsSrc<'a, B>, rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "matrix view does not match its shape"
+        );
+        Self {
+            data,
+            rows,
+            cols,
+            transposed: false,
+        }
+    }
+
+    /// The same matrix, used transposed.
+    pub fn t(self) -> Self {
+        Self {
+            transposed: !self.transposed,
+            ..self
+        }
+    }
+
+    /// Rows and columns as used.
+    pub fn shape(&self) -> (usize, usize) {
+        if self.transposed {
+            (self.cols, self.rows)
+        } else {
+            (self.rows, self.cols)
+        }
+    }
+
+    /// The operand as an f32 [`Operand`], when its elements are f32.
+    pub fn as_f32(&self) -> Option<Operand<'a, B>> {
+        match self.data {
+            HsSrc::F32(data) => Some(Operand {
+                data,
+                rows: self.rows,
+                cols: self.cols,
+                transposed: self.transposed,
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl<'a, B: Backend> From<Operand<'a, B>> for HsOperand<'a, B> {
+    fn from(op: Operand<'a, B>) -> Self {
+        Self {
+            data: HsSrc::F32(op.data),
+            rows: op.rows,
+            cols: op.cols,
+            transposed: op.transposed,
+        }
+    }
 }
 
 /// The operations a model step is written with. See the module docs for the execution model.
@@ -452,6 +620,20 @@ pub trait Backend: Sized + Send {
         c: Dst<'_, Self, f32>,
         a: Operand<'_, Self>,
         b: Operand<'_, Self>,
+        alpha: f32,
+        beta: f32,
+        precision: Precision,
+    ) -> BackendResult;
+
+    /// [`Backend::gemm`] where an operand may hold hidden states in their own precision (at most one of `a` and
+    /// `b` is not f32): the first layer's products read a bf16 batch without an f32 copy of it (the CPU widens
+    /// a tile of rows at a time into the layout's `hs_tile`).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_hs(
+        &mut self,
+        c: Dst<'_, Self, f32>,
+        a: HsOperand<'_, Self>,
+        b: HsOperand<'_, Self>,
         alpha: f32,
         beta: f32,
         precision: Precision,

@@ -118,6 +118,79 @@ pub(crate) fn gemm(c: &mut [f32], a: Mat<'_>, b: Mat<'_>, alpha: f32, beta: f32)
     }
 }
 
+/// A matrix as used by a product, inside a slice: element `(i, j)` is `data[offset + i·row_stride + j·col_stride]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided<'a> {
+    pub(crate) data: &'a [f32],
+    pub(crate) offset: usize,
+    pub(crate) row_stride: usize,
+    pub(crate) col_stride: usize,
+}
+
+impl Strided<'_> {
+    /// True when every element of a `rows × cols` matrix lies inside the slice.
+    fn holds(&self, rows: usize, cols: usize, len: usize) -> bool {
+        rows == 0
+            || cols == 0
+            || (rows - 1)
+                .checked_mul(self.row_stride)
+                .zip((cols - 1).checked_mul(self.col_stride))
+                .and_then(|(r, c)| r.checked_add(c)?.checked_add(self.offset))
+                .is_some_and(|last| last < len)
+    }
+}
+
+/// `c = alpha · a · b + beta · c` on strided views (a block of rows or columns of larger matrices), `(m, k, n)`
+/// as used. With `beta = 0`, `c` is not read.
+///
+/// # Panics
+/// When a view reaches outside its slice (a bug in the caller's tiling).
+pub(crate) fn gemm_strided(
+    c: (&mut [f32], usize, usize, usize),
+    a: Strided<'_>,
+    b: Strided<'_>,
+    (m, k, n): (usize, usize, usize),
+    alpha: f32,
+    beta: f32,
+) {
+    let (c_data, c_offset, c_rs, c_cs) = c;
+    let c_view = Strided {
+        data: &[],
+        offset: c_offset,
+        row_stride: c_rs,
+        col_stride: c_cs,
+    };
+    assert!(
+        a.holds(m, k, a.data.len())
+            && b.holds(k, n, b.data.len())
+            && c_view.holds(m, n, c_data.len()),
+        "strided product outside its buffers"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the assertion above keeps every strided access inside `a.data`, `b.data` and `c_data`; `c_data` is
+    // a unique borrow, so it overlaps neither input.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            alpha,
+            a.data.as_ptr().add(a.offset),
+            a.row_stride as isize,
+            a.col_stride as isize,
+            b.data.as_ptr().add(b.offset),
+            b.row_stride as isize,
+            b.col_stride as isize,
+            beta,
+            c_data.as_mut_ptr().add(c_offset),
+            c_rs as isize,
+            c_cs as isize,
+        );
+    }
+}
+
 /// Floating-point operations of one `gemm` with these shapes (`2·m·k·n`).
 pub fn gemm_flops(m: usize, k: usize, n: usize) -> u64 {
     2 * (m * k * n) as u64

@@ -621,6 +621,8 @@ pub(crate) mod tests {
         }
         batch
             .hs
+            .as_f32_mut()
+            .expect("an f32 batch")
             .iter_mut()
             .for_each(|v| *v = rng.random_range(-2.0f32..2.0));
 

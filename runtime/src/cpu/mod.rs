@@ -87,7 +87,8 @@ pub struct OptimizerReport {
 /// batch.seq_lens.fill(4);
 /// batch.loss_mask.fill(1);
 /// batch.input_ids.iter_mut().enumerate().for_each(|(t, id)| *id = t as u32 % 32);
-/// batch.hs.iter_mut().enumerate().for_each(|(k, v)| *v = (k % 5) as f32 - 2.0);
+/// let hs = batch.hs.as_f32_mut().expect("an f32 batch");
+/// hs.iter_mut().enumerate().for_each(|(k, v)| *v = (k % 5) as f32 - 2.0);
 ///
 /// let out = drafter.forward_backward(&mut state, &batch)?;
 /// assert!(out.loss > 0.0);

@@ -15,6 +15,7 @@ use draftpipe_compiler::plan::{
 };
 
 use crate::backend::{Backend, BackendResult, Buf, InputSlot};
+use crate::batch::HsDtype;
 use crate::cpu::PhaseTimes;
 use dflash::{Dflash, DflashOffsets};
 use mlp::{AllocateError, LayoutError, Mlp, MlpOffsets, StepShape};
@@ -45,7 +46,8 @@ pub enum BuildError {
 }
 
 impl<B: Backend> Model<B> {
-    /// The model `plan` describes on `backend`, with its workspace for `buckets` (allocated here, once).
+    /// The model `plan` describes on `backend`, with its workspace for `buckets` (allocated here, once) and
+    /// input slots for hidden states held in `hs_dtype`.
     ///
     /// # Errors
     /// [`BuildError`].
@@ -54,12 +56,14 @@ impl<B: Backend> Model<B> {
         model: &ModelPlan,
         (loss, optimizer, precision): (LossSpec, AdamWSpec, Precision),
         buckets: &[BucketPlan],
+        hs_dtype: HsDtype,
     ) -> Result<(Self, WorkspaceLayout), BuildError> {
         let kind = backend.kind();
         match &model.spec {
             ModelSpec::Mlp(_) => {
                 let offsets = MlpOffsets::new(model)?;
                 let layout = WorkspaceLayout::mlp(offsets.spec(), buckets, &loss, kind, precision)
+                    .and_then(|layout| layout.with_hs_dtype(kind, hs_dtype))
                     .ok_or(BuildError::WorkspaceTooLarge)?;
                 let mlp = Mlp::new(
                     backend,
@@ -75,6 +79,7 @@ impl<B: Backend> Model<B> {
                 let offsets = DflashOffsets::new(model)?;
                 let layout =
                     WorkspaceLayout::dflash(offsets.spec(), buckets, &loss, kind, precision)
+                        .and_then(|layout| layout.with_hs_dtype(kind, hs_dtype))
                         .ok_or(BuildError::WorkspaceTooLarge)?;
                 let dflash = Dflash::new(
                     backend,
@@ -163,6 +168,14 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => &mut m.ws.inputs[slot],
             Model::Dflash(m) => &mut m.ws.inputs[slot],
+        }
+    }
+
+    /// The precision the input slots hold hidden states in.
+    pub fn input_hs_dtype(&self) -> HsDtype {
+        match self {
+            Model::Mlp(m) => m.ws.inputs[0].hs.dtype(),
+            Model::Dflash(m) => m.ws.inputs[0].hs.dtype(),
         }
     }
 

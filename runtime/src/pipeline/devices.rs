@@ -79,11 +79,12 @@ pub(crate) fn open_cpu(
     if let Some(group) = group {
         backend = backend.with_group(group);
     }
-    let mut drafter = Drafter::new(
+    let mut drafter = Drafter::with_hs_dtype(
         backend,
         &plan.model,
         (stage.loss, stage.optimizer, stage.precision),
         &plan.buckets,
+        plan.target.hs_dtype_or_widest(),
     )?;
     upload(&mut drafter, state, frozen)?;
     Ok(drafter)

@@ -181,6 +181,8 @@ pub fn run_with_sources(
     interrupt: Arc<AtomicBool>,
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
+    // The pool, the sources and the drafters' input slots all hold hidden states in this one precision.
+    let plan = &crate::source::resolve_hs_dtype(plan)?;
     host_memory::check(plan)?;
     let _output_locks = outputs::prepare(options)?;
     let gpus = devices::ordinals(plan)?;

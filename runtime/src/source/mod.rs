@@ -44,8 +44,8 @@ use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::Backoff;
 use draftpipe_compiler::plan::{Plan, SourceSpec};
 
-use crate::batch::HsBatch;
-use crate::tensor_file::TensorFileError;
+use crate::batch::{HsBatch, HsData, HsDtype};
+use crate::tensor_file::{TensorFile, TensorFileError};
 
 pub use self::safetensors::{SafetensorsDataset, SafetensorsSource};
 pub use self::stream::{StreamConfig, StreamSource, StreamStatus, open_stream};
@@ -99,10 +99,13 @@ pub struct BucketShapes {
     pub buckets: Vec<(usize, usize)>,
     /// Width of one token's hidden state.
     pub din: usize,
+    /// Precision the hidden states are held in.
+    pub hs_dtype: HsDtype,
 }
 
 impl BucketShapes {
-    /// The shapes of `plan`'s buckets.
+    /// The shapes of `plan`'s buckets, hidden states in the plan's `hs_dtype` (f32 when the files decide and
+    /// [`resolve_hs_dtype`] has not settled it).
     pub fn from_plan(plan: &Plan) -> Self {
         Self {
             buckets: plan
@@ -111,6 +114,7 @@ impl BucketShapes {
                 .map(|b| (b.padded_len, b.sequences))
                 .collect(),
             din: plan.target.hs_width(),
+            hs_dtype: plan.target.hs_dtype_or_widest(),
         }
     }
 
@@ -134,7 +138,7 @@ impl BucketShapes {
         batch.padded_len = padded_len;
         batch.sequences = sequences;
         batch.din = self.din;
-        batch.hs.resize(tokens * self.din, 0.0);
+        batch.hs.resize(tokens * self.din);
         batch.input_ids.resize(tokens, 0);
         batch.loss_mask.resize(tokens, 0);
         batch.seq_lens.resize(sequences, 0);
@@ -148,7 +152,7 @@ impl BucketShapes {
             padded_len: 0,
             sequences: 0,
             din: self.din,
-            hs: Vec::with_capacity(tokens * self.din),
+            hs: HsData::with_capacity(self.hs_dtype, tokens * self.din),
             input_ids: Vec::with_capacity(tokens),
             seq_lens: Vec::with_capacity(max_sequences),
             loss_mask: Vec::with_capacity(tokens),
@@ -169,6 +173,7 @@ impl BucketShapes {
         batch.padded_len == padded_len
             && batch.sequences == sequences
             && batch.din == self.din
+            && batch.hs.dtype() == self.hs_dtype
             && batch.hs.len() == tokens * self.din
             && batch.input_ids.len() == tokens
             && batch.loss_mask.len() == tokens
@@ -239,6 +244,37 @@ fn check_owned(position: u64, producer: usize, producers: usize) -> Result<(), S
             producers,
         })
     }
+}
+
+/// `plan` with its hidden-state precision settled: a file source without `hs_dtype` takes the files' dtype (the
+/// widest among them when they differ, so no file is rounded), read from their headers alone. The pool, the
+/// sources and the drafters' input slots are then all built from the one returned plan.
+pub fn resolve_hs_dtype(plan: &Plan) -> Result<Plan, SourceError> {
+    let mut plan = plan.clone();
+    if let (None, SourceSpec::Safetensors { pattern, .. }) =
+        (plan.target.hs_dtype, &plan.target.source)
+    {
+        let mut widest = HsDtype::Bf16;
+        for (i, path) in self::safetensors::expand_pattern(pattern)?
+            .iter()
+            .enumerate()
+        {
+            let file = TensorFile::open(path)?;
+            let dtype = match file.info(self::safetensors::HIDDEN_STATES).map(|t| t.dtype) {
+                Some(::safetensors::Dtype::BF16) => HsDtype::Bf16,
+                Some(::safetensors::Dtype::F16) => HsDtype::F16,
+                // F32, or a file the dataset's own checks will refuse with a precise error.
+                _ => HsDtype::F32,
+            };
+            widest = match (i, widest, dtype) {
+                (0, _, first) => first,
+                (_, a, b) if a == b => a,
+                _ => HsDtype::F32,
+            };
+        }
+        plan.target.hs_dtype = Some(widest);
+    }
+    Ok(plan)
 }
 
 /// Opens one source per producer worker of `plan`'s target stage (worker `w` gets index `w`).
@@ -381,6 +417,7 @@ impl BatchPool {
     pub fn give_back(&self, batch: Box<HsBatch>) -> Result<(), SourceError> {
         let tokens = self.shapes.max_tokens();
         if batch.din != self.shapes.din
+            || batch.hs.dtype() != self.shapes.hs_dtype
             || batch.hs.capacity() < tokens * self.shapes.din
             || batch.input_ids.capacity() < tokens
             || batch.loss_mask.capacity() < tokens

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  PATH or GLOB ──expand──▶ files ──SafetensorsDataset::open (headers, ids, masks checked)──▶ batch list
-//!        batch list ──shared──▶ SafetensorsSource × W ──reads rows on demand──▶ HsBatch
+//!        batch list ──shared──▶ SafetensorsSource × W ──rows from the memory map, on demand──▶ HsBatch
 //! ```
 //!
 //! **Format** (see `docs/sources.md` for a script that writes it from Hugging Face `transformers`): each file
@@ -39,8 +39,8 @@ use safetensors::Dtype;
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
 use crate::tensor_file::{
-    TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats, decode_ids, decode_mask,
-    is_float_dtype, is_id_dtype, is_mask_dtype,
+    TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids,
+    decode_mask, is_float_dtype, is_id_dtype, is_mask_dtype,
 };
 
 /// Hidden-states tensor name.
@@ -481,7 +481,6 @@ pub struct SafetensorsSource {
     producers: usize,
     next: u64,
     open: Option<(u32, TensorFile)>,
-    bytes: Vec<u8>,
     ids: Vec<i64>,
     /// The batch order of the epoch `next` is in, and that epoch.
     order: Option<(u64, Vec<u32>)>,
@@ -496,7 +495,6 @@ impl SafetensorsSource {
             producers,
             next: producer as u64,
             open: None,
-            bytes: Vec::new(),
             ids: Vec::new(),
             order: None,
         }
@@ -537,7 +535,6 @@ impl SafetensorsSource {
         let data_file = &dataset.files[seq.file as usize];
         let (len, din, base) = (seq.len as usize, out.din, slot * out.padded_len);
         let first = seq.row as usize * data_file.seq;
-        let mut bytes = std::mem::take(&mut self.bytes);
         let mut ids = std::mem::take(&mut self.ids);
         ids.resize(len, 0);
         let file = self.file(seq.file)?;
@@ -551,8 +548,8 @@ impl SafetensorsSource {
             .into()
         };
 
-        let dtype = file.read_elements(INPUT_IDS, first..first + len, &mut bytes)?;
-        if !decode_ids(dtype, &bytes, &mut ids) {
+        let (dtype, bytes) = file.element_bytes(INPUT_IDS, first..first + len)?;
+        if !decode_ids(dtype, bytes, &mut ids) {
             return Err(changed(INPUT_IDS));
         }
         for (dst, &id) in out.input_ids[base..base + len].iter_mut().zip(&ids) {
@@ -560,28 +557,28 @@ impl SafetensorsSource {
         }
         let mask = &mut out.loss_mask[base..base + len];
         if data_file.has_mask {
-            let dtype = file.read_elements(LOSS_MASK, first..first + len, &mut bytes)?;
-            if !decode_mask(dtype, &bytes, mask) {
+            let (dtype, bytes) = file.element_bytes(LOSS_MASK, first..first + len)?;
+            if !decode_mask(dtype, bytes, mask) {
                 return Err(changed(LOSS_MASK));
             }
         } else {
             mask.fill(1);
         }
-        let dtype =
-            file.read_elements(HIDDEN_STATES, first * din..(first + len) * din, &mut bytes)?;
-        let hs = &mut out.hs[base * din..(base + len) * din];
-        if !decode_floats(dtype, &bytes, hs) {
+        // Decoded straight from the mapping: only the pages of this row are read from disk.
+        let (dtype, bytes) = file.element_bytes(HIDDEN_STATES, first * din..(first + len) * din)?;
+        if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
             return Err(changed(HIDDEN_STATES));
         }
-        // A NaN in the data would otherwise surface as a non-finite loss and be blamed on the learning rate.
-        if let Some((at, &value)) = hs.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        // A NaN in the data (or an f32 too large for a narrower `hs_dtype`) would otherwise surface as a
+        // non-finite loss and be blamed on the learning rate.
+        let hs = out.hs.as_slice().slice(base * din..(base + len) * din);
+        if let Some((at, value)) = hs.first_non_finite() {
             let problem = TensorProblem::NonFinite {
                 value,
                 at: first * din + at,
             };
             return Err(TensorFileError::tensor(&path, HIDDEN_STATES, problem).into());
         }
-        self.bytes = bytes;
         self.ids = ids;
         Ok(())
     }
@@ -623,7 +620,7 @@ impl HsSource for SafetensorsSource {
             let (start, end) = (slot * padded + len, (slot + 1) * padded);
             out.input_ids[start..end].fill(0);
             out.loss_mask[start..end].fill(0);
-            out.hs[start * din..end * din].fill(0.0);
+            out.hs.zero(start * din..end * din);
         }
         out.source_position = self.next;
         self.dataset

@@ -296,6 +296,8 @@ pub struct SyntheticSource {
     producers: usize,
     next: u64,
     components: Vec<f32>,
+    /// One token's hidden state in f32, before it is stored in the batch's precision.
+    row: Vec<f32>,
 }
 
 impl SyntheticSource {
@@ -366,6 +368,7 @@ impl SyntheticSource {
             .expect("the longest length fits");
         let components = vec![0.0; 4 * target.hidden];
         Ok(Self {
+            row: vec![0.0; target.din()],
             target,
             shapes: shapes.clone(),
             bucket_cdf,
@@ -421,13 +424,18 @@ impl HsSource for SyntheticSource {
                 }
                 out.input_ids[base + t] = token;
                 out.loss_mask[base + t] = 1;
-                let row = &mut out.hs[(base + t) * din..][..din];
-                self.target
-                    .hidden_state(previous, token, &mut self.components, row, &mut rng);
+                self.target.hidden_state(
+                    previous,
+                    token,
+                    &mut self.components,
+                    &mut self.row,
+                    &mut rng,
+                );
+                out.hs.store_f32((base + t) * din, &self.row);
             }
             out.input_ids[base + len..base + padded].fill(0);
             out.loss_mask[base + len..base + padded].fill(0);
-            out.hs[(base + len) * din..(base + padded) * din].fill(0.0);
+            out.hs.zero((base + len) * din..(base + padded) * din);
         }
         out.source_position = self.next;
         self.next += self.producers as u64;

@@ -67,8 +67,8 @@ pub fn random_batch(
             batch.input_ids[t] = rng.random_range(0..vocab as u32);
             batch.loss_mask[t] = u8::from(rng.random_range(0..10) != 0);
             for d in 0..din {
-                batch.hs[t * din + d] =
-                    rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0);
+                let value = rng.random_range(-1.0f32..1.0) + rng.random_range(-1.0f32..1.0);
+                batch.hs.store_f32(t * din + d, &[value]);
             }
         }
     }
@@ -124,7 +124,9 @@ pub fn reference_loss(spec: &MlpSpec, params: &[f64], batch: &HsBatch, head_deca
     let mut sums = vec![0.0f64; heads];
     let mut counts = vec![0usize; heads];
     for t in 0..batch.tokens() {
-        let hs: Vec<f64> = batch.hs[t * din..][..din]
+        let hs: Vec<f64> = batch
+            .hs
+            .to_f32_vec(t * din..(t + 1) * din)
             .iter()
             .map(|&v| v as f64)
             .collect();

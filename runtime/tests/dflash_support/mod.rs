@@ -170,7 +170,8 @@ pub fn reference(
     // Context: RMSNorm(fc(hs)) per token.
     let context: Vec<Vec<f64>> = (0..batch.sequences * s)
         .map(|row| {
-            let hs: Vec<f64> = batch.hs[row * taps * h..(row + 1) * taps * h]
+            let hs: Vec<f64> = batch.hs.as_f32().expect("an f32 batch")
+                [row * taps * h..(row + 1) * taps * h]
                 .iter()
                 .map(|&x| f64::from(x))
                 .collect();
@@ -366,7 +367,7 @@ pub fn random_batch(
             let row = seq * padded_len + p;
             batch.input_ids[row] = rng.random_range(0..vocab as u32 - 1);
             batch.loss_mask[row] = u8::from(p >= prompt && rng.random_bool(0.9));
-            for x in &mut batch.hs[row * din..(row + 1) * din] {
+            for x in &mut batch.hs.as_f32_mut().expect("an f32 batch")[row * din..(row + 1) * din] {
                 *x = rng.random_range(-1.0..1.0);
             }
         }

@@ -40,6 +40,7 @@ pub fn plan(
             source,
             max_rate: None,
             weights: None,
+            hs_dtype: None,
         },
         queue: QueueSpec {
             name: "hs".into(),

@@ -5,7 +5,7 @@
 use draftpipe_compiler::plan::WorkspaceLayout;
 
 use crate::backend::{Backend, Buf, Element, InputSlot};
-use crate::model::mlp::{AllocateError, MissingBuffer};
+use crate::model::mlp::{AllocateError, MissingBuffer, input_slot};
 
 /// One input slot's block plan on the device (see [`super::blocks::BlockPlan`]).
 pub struct PlanSlot<B: Backend> {
@@ -127,12 +127,7 @@ impl<B: Backend> DflashWorkspace<B> {
         let mut plans = Vec::new();
         for slot in 0..layout.input_slots {
             let name = |n: &str| format!("input{slot}.{n}");
-            inputs.push(InputSlot {
-                hs: take(be, layout, &name("hs"))?,
-                input_ids: take(be, layout, &name("input_ids"))?,
-                seq_lens: take(be, layout, &name("seq_lens"))?,
-                loss_mask: take(be, layout, &name("loss_mask"))?,
-            });
+            inputs.push(input_slot(be, layout, slot)?);
             plans.push(PlanSlot {
                 block_ids: take(be, layout, &name("block_ids"))?,
                 positions: take(be, layout, &name("positions"))?,

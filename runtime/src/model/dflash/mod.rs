@@ -31,7 +31,7 @@ use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, Works
 
 use crate::backend::{
     AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult,
-    Operand, Precision,
+    HsOperand, Operand, Precision,
 };
 use crate::batch::HsBatch;
 use crate::cpu::PhaseTimes;
@@ -200,10 +200,10 @@ impl<B: Backend> Dflash<B> {
         let (input, plan) = (&ws.inputs[slot], &ws.plans[slot]);
         let (th, qh) = (t * h, q * h);
         // Context, once per sequence: c = hidden_norm(hs · fcᵀ).
-        be.gemm(
+        be.gemm_hs(
             ws.ctx_pre.at_mut(0, th),
-            Operand::new(input.hs.at(0, t * d), t, d),
-            Operand::new(params.at(at.fc, h * d), h, d).t(),
+            HsOperand::new(input.hs.at(0, t * d), t, d),
+            Operand::new(params.at(at.fc, h * d), h, d).t().into(),
             1.0,
             0.0,
             p,
@@ -707,10 +707,10 @@ impl<B: Backend> Dflash<B> {
             ws.dctx_pre.at_mut(0, th),
             false,
         )?;
-        be.gemm(
+        be.gemm_hs(
             grads.at_mut(at.fc, h * d),
-            Operand::new(ws.dctx_pre.at(0, th), t, h).t(),
-            Operand::new(input.hs.at(0, t * d), t, d),
+            Operand::new(ws.dctx_pre.at(0, th), t, h).t().into(),
+            HsOperand::new(input.hs.at(0, t * d), t, d),
             1.0,
             0.0,
             p,

@@ -3,7 +3,9 @@
 
 use draftpipe_compiler::plan::{MlpSpec, ModelPlan, TensorView, WorkspaceLayout};
 
-use crate::backend::{Backend, Buf, Element, InputSlot};
+use draftpipe_compiler::workspace::Dtype;
+
+use crate::backend::{Backend, Buf, Element, HsBuf, InputSlot};
 
 /// Element offsets of one SwiGLU block's tensors in the flat buffers.
 #[derive(Debug, Clone, Copy)]
@@ -177,14 +179,7 @@ impl<B: Backend> MlpWorkspace<B> {
             xs.push(take(backend, layout, &format!("xs.{}", xs.len()))?);
         }
         let inputs = (0..layout.input_slots)
-            .map(|slot| {
-                Ok(InputSlot {
-                    hs: take(backend, layout, &format!("input{slot}.hs"))?,
-                    input_ids: take(backend, layout, &format!("input{slot}.input_ids"))?,
-                    seq_lens: take(backend, layout, &format!("input{slot}.seq_lens"))?,
-                    loss_mask: take(backend, layout, &format!("input{slot}.loss_mask"))?,
-                })
-            })
+            .map(|slot| input_slot(backend, layout, slot))
             .collect::<Result<_, AllocateError>>()?;
         Ok(Self {
             xs,
@@ -216,6 +211,44 @@ impl<B: Backend> MlpWorkspace<B> {
             inputs,
         })
     }
+}
+
+/// Allocates input slot `slot` of `layout` (every model's batch buffers; the hidden states in the layout's
+/// dtype of `input{slot}.hs`).
+///
+/// # Errors
+/// When the layout lacks a buffer or the backend cannot allocate.
+pub fn input_slot<B: Backend>(
+    backend: &mut B,
+    layout: &WorkspaceLayout,
+    slot: usize,
+) -> Result<InputSlot<B>, AllocateError> {
+    fn take<B: Backend, T: Element>(
+        backend: &mut B,
+        layout: &WorkspaceLayout,
+        name: &str,
+    ) -> Result<Buf<B, T>, AllocateError> {
+        let len = layout
+            .elements(name)
+            .ok_or_else(|| MissingBuffer(name.to_owned()))?;
+        Ok(backend.alloc(len)?)
+    }
+    let hs = format!("input{slot}.hs");
+    let dtype = layout
+        .buffers
+        .iter()
+        .find(|b| b.name == hs)
+        .map(|b| b.dtype);
+    Ok(InputSlot {
+        hs: match dtype {
+            Some(Dtype::Bf16) => HsBuf::Bf16(take(backend, layout, &hs)?),
+            Some(Dtype::F16) => HsBuf::F16(take(backend, layout, &hs)?),
+            _ => HsBuf::F32(take(backend, layout, &hs)?),
+        },
+        input_ids: take(backend, layout, &format!("input{slot}.input_ids"))?,
+        seq_lens: take(backend, layout, &format!("input{slot}.seq_lens"))?,
+        loss_mask: take(backend, layout, &format!("input{slot}.loss_mask"))?,
+    })
 }
 
 /// Why a model's buffers could not be allocated.

@@ -16,14 +16,16 @@ use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
-use crate::backend::{Backend, BackendResult, Operand, Precision};
+use crate::backend::{Backend, BackendResult, HsOperand, Operand, Precision};
 use crate::cpu::PhaseTimes;
 use crate::model::update::{self, UpdateBuffers};
 
 mod buffers;
 
 pub use crate::model::update::FlatBuffers;
-pub use buffers::{AllocateError, LayoutError, MissingBuffer, MlpOffsets, MlpWorkspace};
+pub use buffers::{
+    AllocateError, LayoutError, MissingBuffer, MlpOffsets, MlpWorkspace, input_slot,
+};
 
 /// RMSNorm epsilon of the model (inside the square root: `x / sqrt(mean(x²) + eps)`).
 pub const RMS_EPS: f32 = 1e-6;
@@ -131,10 +133,10 @@ impl<B: Backend> Mlp<B> {
         let (ws, params) = (&mut self.ws, &self.state.params);
         let th = t * h;
         let input = &ws.inputs[slot];
-        be.gemm(
+        be.gemm_hs(
             ws.xs[0].at_mut(0, th),
-            Operand::new(input.hs.at(0, t * din), t, din),
-            Operand::new(params.at(at.fc, h * din), h, din).t(),
+            HsOperand::new(input.hs.at(0, t * din), t, din),
+            Operand::new(params.at(at.fc, h * din), h, din).t().into(),
             1.0,
             0.0,
             p,
@@ -349,10 +351,10 @@ impl<B: Backend> Mlp<B> {
                 true,
             )?;
         }
-        be.gemm(
+        be.gemm_hs(
             state.grads.at_mut(at.fc, h * din),
-            Operand::new(ws.dx.at(0, th), t, h).t(),
-            Operand::new(ws.inputs[slot].hs.at(0, t * din), t, din),
+            Operand::new(ws.dx.at(0, th), t, h).t().into(),
+            HsOperand::new(ws.inputs[slot].hs.at(0, t * din), t, din),
             1.0,
             0.0,
             p,

@@ -14,29 +14,72 @@ use std::path::PathBuf;
 use draftpipe_compiler::plan::TargetStage;
 use safetensors::Dtype;
 
-use crate::batch::HsBatch;
+use crate::batch::{HsBatch, HsDtype};
 use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
 use crate::source::{BucketShapes, SourceError};
 use crate::tensor_file::{
-    TensorBlob, TensorFileError, TensorProblem, decode_floats, decode_ids, decode_mask,
+    TensorBlob, TensorFileError, TensorProblem, decode_floats_into, decode_ids, decode_mask,
 };
 
 /// The first NaN or infinity among little-endian floats of `dtype` (an exponent of all ones), with its index.
 fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
-    let scan16 = |mask: u16, to_f32: fn(u16) -> f32| {
-        bytes.chunks_exact(2).enumerate().find_map(|(i, b)| {
-            let bits = u16::from_le_bytes([b[0], b[1]]);
-            (bits & mask == mask).then(|| (i, to_f32(bits)))
-        })
+    let halves = |mask: u16, to_f32: fn(u16) -> f32| {
+        let bits = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
+        let bad = |block: &[u8]| {
+            block
+                .chunks_exact(2)
+                .map(|b| u32::from(bits(b) & mask == mask))
+                .sum::<u32>()
+                > 0
+        };
+        let find = |block: &[u8]| {
+            block
+                .chunks_exact(2)
+                .position(|b| bits(b) & mask == mask)
+                .map(|i| (i, to_f32(bits(&block[2 * i..]))))
+        };
+        scan_blocks(bytes, 2, bad, find)
     };
     match dtype {
-        Dtype::BF16 => scan16(0x7F80, |b| half::bf16::from_bits(b).to_f32()),
-        Dtype::F16 => scan16(0x7C00, |b| half::f16::from_bits(b).to_f32()),
-        _ => bytes.chunks_exact(4).enumerate().find_map(|(i, b)| {
-            let value = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            (!value.is_finite()).then_some((i, value))
-        }),
+        Dtype::BF16 => halves(0x7F80, |b| half::bf16::from_bits(b).to_f32()),
+        Dtype::F16 => halves(0x7C00, |b| half::f16::from_bits(b).to_f32()),
+        _ => {
+            let value = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let bad = |block: &[u8]| {
+                block
+                    .chunks_exact(4)
+                    .map(|b| u32::from(!value(b).is_finite()))
+                    .sum::<u32>()
+                    > 0
+            };
+            let find = |block: &[u8]| {
+                block
+                    .chunks_exact(4)
+                    .map(value)
+                    .enumerate()
+                    .find(|(_, v)| !v.is_finite())
+            };
+            scan_blocks(bytes, 4, bad, find)
+        }
     }
+}
+
+/// Elements per block of [`scan_blocks`].
+const SCAN_BLOCK: usize = 4096;
+
+/// Runs `bad` over blocks of [`SCAN_BLOCK`] elements of `width` bytes (a count without an early exit, which the
+/// compiler vectorises) and `find` only in the first block `bad` flags, offsetting its index.
+fn scan_blocks(
+    bytes: &[u8],
+    width: usize,
+    bad: impl Fn(&[u8]) -> bool,
+    find: impl Fn(&[u8]) -> Option<(usize, f32)>,
+) -> Option<(usize, f32)> {
+    bytes
+        .chunks(SCAN_BLOCK * width)
+        .enumerate()
+        .find(|(_, block)| bad(block))
+        .and_then(|(index, block)| find(block).map(|(i, v)| (index * SCAN_BLOCK + i, v)))
 }
 
 /// One planned item: its bucket and its rows (a range of `rows`).
@@ -192,7 +235,7 @@ impl Message {
             let (start, end) = (slot * padded + len, (slot + 1) * padded);
             out.input_ids[start..end].fill(0);
             out.loss_mask[start..end].fill(0);
-            out.hs[start * din..end * din].fill(0.0);
+            out.hs.zero(start * din..end * din);
         }
         self.next += 1;
         Ok(())
@@ -237,8 +280,22 @@ impl Message {
         let (dtype, bytes) = self
             .blob
             .element_bytes(HIDDEN_STATES, first * din..(first + len) * din)?;
-        if !decode_floats(dtype, bytes, &mut out.hs[base * din..(base + len) * din]) {
+        if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
             return Err(corrupt(HIDDEN_STATES));
+        }
+        // The message was scanned for NaN when it was parsed; only a narrowing conversion (f32 into bf16, bf16
+        // into f16) can make a new infinity, by rounding a huge finite value.
+        let widening = matches!(
+            (dtype, out.hs.dtype()),
+            (_, HsDtype::F32) | (Dtype::BF16, HsDtype::Bf16) | (Dtype::F16, HsDtype::F16)
+        );
+        let hs = out.hs.as_slice().slice(base * din..(base + len) * din);
+        if let Some((at, value)) = (!widening).then(|| hs.first_non_finite()).flatten() {
+            let problem = TensorProblem::NonFinite {
+                value,
+                at: first * din + at,
+            };
+            return Err(TensorFileError::tensor(&origin, HIDDEN_STATES, problem).into());
         }
         Ok(())
     }

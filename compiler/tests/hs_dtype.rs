@@ -1,0 +1,92 @@
+//! The target's `hs_dtype`: the precision hidden states are held in from the source to the step, its defaults
+//! per source, its checks, and the pool memory `compile` reports in it.
+
+use draftpipe_compiler::compile_source;
+use draftpipe_compiler::plan::{Device, HsDtype};
+use draftpipe_compiler::summary::Summary;
+
+const DFLASH: &str = include_str!("../../pipelines/dflash-5x3.pipe");
+
+fn plan_with(source: &str, hs_dtype: &str) -> String {
+    format!(
+        r#"pipeline "p"
+target t on cpu {{
+    hidden = 8
+    tap_layers = [0]
+    vocab = 16
+    batch_tokens = 64
+    source = {source}
+    {hs_dtype}
+}}
+queue q from t to d {{ capacity = 2 buckets = [8] }}
+drafter d on cpu {{ model = mlp(hidden = 4, blocks = 1, intermediate = 4, heads = 1) }}
+"#
+    )
+}
+
+const SYNTHETIC: &str = "synthetic(seed = 1, lengths = 1..8)";
+const FILES: &str = "safetensors(path = \"data/*.safetensors\")";
+const STREAM: &str = "stream(listen = \"127.0.0.1:7070\")";
+
+#[test]
+fn each_source_has_its_default_and_a_written_hs_dtype_wins() {
+    let dtype = |source: &str, line: &str| {
+        compile_source("p.pipe", &plan_with(source, line))
+            .unwrap()
+            .target
+            .hs_dtype
+    };
+    assert_eq!(dtype(SYNTHETIC, ""), Some(HsDtype::F32));
+    assert_eq!(dtype(STREAM, ""), Some(HsDtype::Bf16));
+    assert_eq!(
+        dtype(FILES, ""),
+        None,
+        "the files decide when they are opened"
+    );
+    for (text, want) in [
+        ("bf16", HsDtype::Bf16),
+        ("f16", HsDtype::F16),
+        ("f32", HsDtype::F32),
+    ] {
+        for source in [SYNTHETIC, STREAM, FILES] {
+            assert_eq!(dtype(source, &format!("hs_dtype = {text}")), Some(want));
+        }
+    }
+}
+
+#[test]
+fn an_unknown_hs_dtype_is_refused_where_it_is_written() {
+    let error = compile_source("p.pipe", &plan_with(SYNTHETIC, "hs_dtype = bf8"))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("unknown `hs_dtype` value `bf8`"), "{error}");
+    assert!(error.contains("p.pipe:8:16"), "{error}");
+    assert!(error.contains("bf16"), "{error}");
+    let error = compile_source("p.pipe", &plan_with(SYNTHETIC, "hs_dtype = \"bf16\""))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("hs_dtype"), "{error}");
+}
+
+#[test]
+fn the_dflash_pool_halves_its_hidden_states_in_bf16() {
+    let bf16_plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    assert_eq!(bf16_plan.target.hs_dtype, Some(HsDtype::Bf16));
+    let f32_text = DFLASH.replace("hs_dtype     = bf16", "hs_dtype     = f32");
+    let f32_plan = compile_source("dflash.pipe", &f32_text).unwrap();
+    let pool = |plan: &draftpipe_compiler::plan::Plan| {
+        plan.memory
+            .iter()
+            .find(|m| m.device == Device::Gpu(5))
+            .unwrap()
+            .hs_pool
+    };
+    // 60 items of 16384 tokens × (e·12288 + 4 + 1) bytes, plus 4 bytes per sequence of the largest count (16).
+    let item = |e: u64| 16384 * (e * 12288 + 5) + 4 * 16;
+    assert_eq!(pool(&f32_plan), 60 * item(4));
+    assert_eq!(pool(&bf16_plan), 60 * item(2));
+    // The hidden states' share halves exactly; ids, masks and lengths stay as they were.
+    assert_eq!(pool(&f32_plan) - pool(&bf16_plan), 60 * 16384 * 12288 * 2);
+    let summary = Summary(&bf16_plan).to_string();
+    assert!(summary.contains("hidden states in bf16"), "{summary}");
+}
