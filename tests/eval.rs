@@ -80,9 +80,10 @@ drafter d on cpu {{
     path
 }
 
-/// A deterministic value in [-1, 1) from an index (no RNG dependency in the test).
+/// A deterministic value in [-1, 1) from an index (no RNG dependency in the test); a multiple of 1/64, so bf16
+/// holds it exactly.
 fn wave(i: usize, salt: usize) -> f32 {
-    (((i * 2_654_435_761 + salt * 97) % 1000) as f32 / 500.0) - 1.0
+    (((i * 2_654_435_761 + salt * 97) % 128) as f32 / 64.0) - 1.0
 }
 
 fn write_target(path: &Path) {
@@ -108,19 +109,30 @@ fn write_target(path: &Path) {
 /// `rows` full sequences whose next token is predictable from the hidden states; the first two tokens of each
 /// are unmasked (a prompt), so fewer anchors than positions are valid.
 fn write_data(path: &Path, rows: usize, salt: usize) {
+    write_data_as(path, rows, salt, Dtype::F32);
+}
+
+/// [`write_data`] with the hidden states stored as `dtype` (F32 or BF16; the values are exact in both).
+fn write_data_as(path: &Path, rows: usize, salt: usize, dtype: Dtype) {
     let ids: Vec<i64> = (0..rows * SEQ)
         .map(|i| ((i * 7 + salt * 13 + i / SEQ) % (VOCAB - 1)) as i64)
         .collect();
     let width = HIDDEN * TAPS;
     let hs: Vec<u8> = (0..rows * SEQ * width)
-        .flat_map(|i| wave(i, salt).to_le_bytes())
+        .flat_map(|i| {
+            let bits = wave(i, salt).to_bits();
+            match dtype {
+                Dtype::BF16 => ((bits >> 16) as u16).to_le_bytes().to_vec(),
+                _ => bits.to_le_bytes().to_vec(),
+            }
+        })
         .collect();
     let mask: Vec<u8> = (0..rows * SEQ).map(|i| u8::from(i % SEQ >= 2)).collect();
     let ids: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
     let tensors = [
         (
             "hidden_states",
-            TensorView::new(Dtype::F32, vec![rows, SEQ, width], &hs).unwrap(),
+            TensorView::new(dtype, vec![rows, SEQ, width], &hs).unwrap(),
         ),
         (
             "input_ids",
@@ -173,7 +185,7 @@ fn eval_reports_the_loss_training_computes_at_the_same_weights() {
         "--json",
         "--run-dir",
         arg(&dir.join("r1")),
-    ]); // fmt: skip
+    ]);
     // One more step from the checkpoint's weights on a one-batch file: its loss is computed at those weights.
     let one = dir.join("one.safetensors");
     write_data(&one, ROWS_PER_BATCH, 5);
@@ -193,7 +205,7 @@ fn eval_reports_the_loss_training_computes_at_the_same_weights() {
         "--json",
         "--run-dir",
         arg(&run_dir),
-    ]); // fmt: skip
+    ]);
     let summary: serde_json::Value =
         serde_json::from_slice(&std::fs::read(run_dir.join("summary.json")).unwrap()).unwrap();
     let trained = summary["final_loss"].as_f64().unwrap();
@@ -252,7 +264,7 @@ fn a_bf16_checkpoint_is_evaluated_and_its_text_report_names_every_slot() {
         "--json",
         "--run-dir",
         arg(&dir.join("r")),
-    ]); // fmt: skip
+    ]);
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "bfloat16");
@@ -285,6 +297,34 @@ fn a_bf16_checkpoint_is_evaluated_and_its_text_report_names_every_slot() {
 }
 
 #[test]
+fn bf16_data_is_read_in_its_own_precision_and_gives_the_same_loss() {
+    let (dir, pipe) = setup("bf16-data");
+    let ckpt = dir.join("ckpt");
+    succeed(&[
+        "run",
+        arg(&pipe),
+        "--steps",
+        "1",
+        "--save",
+        arg(&ckpt),
+        "--json",
+        "--run-dir",
+        arg(&dir.join("r")),
+    ]);
+    let (f32_file, bf16_file) = (dir.join("f32.safetensors"), dir.join("bf16.safetensors"));
+    write_data_as(&f32_file, 2 * ROWS_PER_BATCH, 3, Dtype::F32);
+    write_data_as(&bf16_file, 2 * ROWS_PER_BATCH, 3, Dtype::BF16);
+    let wide = eval_json(&ckpt, &pipe, &f32_file);
+    let narrow = eval_json(&ckpt, &pipe, &bf16_file);
+    let (a, b) = (
+        wide["loss"].as_f64().unwrap(),
+        narrow["loss"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() <= 1e-5 * a, "f32 {a} vs bf16 {b}");
+    assert_eq!(wide["slot_labelled"], narrow["slot_labelled"]);
+}
+
+#[test]
 fn eval_errors_name_the_file_and_what_is_wrong() {
     let (dir, pipe) = setup("errors");
     let ckpt = dir.join("ckpt");
@@ -298,7 +338,7 @@ fn eval_errors_name_the_file_and_what_is_wrong() {
         "--json",
         "--run-dir",
         arg(&dir.join("r")),
-    ]); // fmt: skip
+    ]);
     // Data of another width.
     let wide = dir.join("wide.safetensors");
     let hs: Vec<u8> = vec![0; 2 * SEQ * 40 * 4];

@@ -2,8 +2,8 @@
 //! the forward pass only (no gradient, no update).
 //!
 //! ```text
-//!  CHECKPOINT (config.json + model.safetensors) ──load_initial_weights──▶ params ─┐
-//!  --data "…safetensors" ──SafetensorsDataset (the plan's buckets)──▶ HsBatch ──▶ ForwardOnly ──▶ EvalTotals
+//!  CHECKPOINT (config.json + model.safetensors) ──load_initial_weights──▶ params ─┐ frozen_tables (pipeline)
+//!  --data "…safetensors" ──eval_plan, SafetensorsDataset (the plan's buckets)──▶ HsBatch ──▶ ForwardOnly ──▶ EvalTotals
 //!                                                  one pass, every batch, file order   │ per batch: on_progress
 //! ```
 //!
@@ -16,7 +16,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use draftpipe_compiler::plan::Plan;
+use draftpipe_compiler::plan::{Plan, SourceSpec};
 
 use crate::backend::cpu::CpuBackend;
 use crate::batch::HsBatch;
@@ -26,7 +26,7 @@ use crate::model::dflash::BlockGeometry;
 use crate::params::FlatState;
 use crate::pipeline::devices::open_cpu;
 use crate::source::safetensors::{SafetensorsDataset, SafetensorsSource};
-use crate::source::{BucketShapes, HsSource, SourceError};
+use crate::source::{BucketShapes, HsSource, SourceError, resolve_hs_dtype};
 use crate::target_weights::{TargetWeights, TargetWeightsError};
 
 /// Why an evaluation failed.
@@ -155,12 +155,29 @@ pub struct EvalProgress {
     pub tokens: u64,
 }
 
-/// The held-out data as the plan's target would read it: `pattern`'s files, one pass, in file order.
-pub fn open_eval_data(plan: &Plan, pattern: &str) -> Result<SafetensorsDataset, EvalError> {
+/// The pipeline as `eval` runs it: `pattern`'s files as its source (one pass, in file order), hidden states held
+/// in the pipeline's `hs_dtype` or, without one, in the files' (as `run` settles it).
+pub fn eval_plan(plan: &Plan, pattern: &str) -> Result<Plan, EvalError> {
+    let mut plan = plan.clone();
+    plan.target.source = SourceSpec::Safetensors {
+        pattern: pattern.to_string(),
+        epochs: 1,
+        shuffle_seed: None,
+    };
+    Ok(resolve_hs_dtype(&plan)?)
+}
+
+/// The held-out data of an [`eval_plan`], checked and cut into its buckets as the target would read it.
+pub fn open_eval_data(eval_plan: &Plan) -> Result<SafetensorsDataset, EvalError> {
+    let SourceSpec::Safetensors { pattern, .. } = &eval_plan.target.source else {
+        return Err(EvalError::Source(SourceError::Config(
+            "eval reads a safetensors source".into(),
+        )));
+    };
     Ok(SafetensorsDataset::open(
         pattern,
-        &plan.target,
-        &BucketShapes::from_plan(plan),
+        &eval_plan.target,
+        &BucketShapes::from_plan(eval_plan),
     )?)
 }
 
@@ -235,15 +252,24 @@ impl ForwardOnly for CpuEvaluator {
     }
 }
 
-/// The plan's drafter, on the CPU, with `params` and the target's frozen tables, ready to evaluate.
-pub fn forward_only_model(plan: &Plan, params: &[f32]) -> Result<Box<dyn ForwardOnly>, EvalError> {
+/// The target's frozen embedding and `lm_head`, from the pipeline as written (before [`eval_plan`] replaces
+/// its source: a synthetic target's tables come from its seed).
+pub fn frozen_tables(plan: &Plan) -> Result<TargetWeights, EvalError> {
+    Ok(TargetWeights::load(&plan.target)?)
+}
+
+/// The plan's drafter, on the CPU, with `params` and the target's `frozen` tables, ready to evaluate.
+pub fn forward_only_model(
+    plan: &Plan,
+    frozen: &TargetWeights,
+    params: &[f32],
+) -> Result<Box<dyn ForwardOnly>, EvalError> {
     let Some(spec) = plan.model.spec.as_dflash() else {
         return Err(EvalError::Unsupported(plan.model.spec.kind()));
     };
     let mut state = FlatState::init(&plan.model, 0);
     state.params.copy_from_slice(params);
-    let frozen = TargetWeights::load(&plan.target)?;
-    let drafter = open_cpu(plan, None, (&state, Some(&frozen)))?;
+    let drafter = open_cpu(plan, None, (&state, Some(frozen)))?;
     let geometry = BlockGeometry {
         block: spec.block,
         anchors: spec.anchors,

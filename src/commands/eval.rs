@@ -8,8 +8,8 @@ use std::time::Instant;
 use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
 use draftpipe_runtime::eval::{
-    EvalProgress, EvalTotals, evaluate_dataset, forward_only_model, load_eval_weights,
-    open_eval_data,
+    EvalProgress, EvalTotals, eval_plan, evaluate_dataset, forward_only_model, frozen_tables,
+    load_eval_weights, open_eval_data,
 };
 use draftpipe_runtime::telemetry::{BAR_WIDTH, progress_bar};
 
@@ -26,9 +26,12 @@ pub fn run(args: &EvalArgs) -> CommandResult {
             plan.name
         )
     })?;
-    let data = open_eval_data(&plan, &args.data)
-        .with_context(|| format!("cannot read the evaluation data `{}`", args.data))?;
-    let mut model = forward_only_model(&plan, &params).context("cannot build the drafter")?;
+    let frozen = frozen_tables(&plan).context("cannot load the target's embedding and lm_head")?;
+    let read_data = || format!("cannot read the evaluation data `{}`", args.data);
+    let plan = eval_plan(&plan, &args.data).with_context(read_data)?;
+    let data = open_eval_data(&plan).with_context(read_data)?;
+    let mut model =
+        forward_only_model(&plan, &frozen, &params).context("cannot build the drafter")?;
     let started = Instant::now();
     let mut bar = ProgressBar::new(!args.json && std::io::stderr().is_terminal());
     let totals = evaluate_dataset(&plan, data, model.as_mut(), |p| bar.draw(p, started))?;
