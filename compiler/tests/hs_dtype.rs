@@ -81,12 +81,13 @@ fn the_dflash_pool_halves_its_hidden_states_in_bf16() {
             .unwrap()
             .hs_pool
     };
-    // 60 items of 16384 tokens × (e·12288 + 4 + 1) bytes, plus 4 bytes per sequence of the largest count (16).
-    let item = |e: u64| 16384 * (e * 12288 + 5) + 4 * 16;
+    // 60 items of 8192 tokens × (e·20480 + 4 + 1) bytes (5 taps of 4096), plus 4 bytes per sequence of the
+    // largest count (8192 / 2048 = 4).
+    let item = |e: u64| 8192 * (e * 20480 + 5) + 4 * 4;
     assert_eq!(pool(&f32_plan), 60 * item(4));
     assert_eq!(pool(&bf16_plan), 60 * item(2));
     // The hidden states' share halves exactly; ids, masks and lengths stay as they were.
-    assert_eq!(pool(&f32_plan) - pool(&bf16_plan), 60 * 16384 * 12288 * 2);
+    assert_eq!(pool(&f32_plan) - pool(&bf16_plan), 60 * 8192 * 20480 * 2);
     let summary = Summary(&bf16_plan).to_string();
     assert!(summary.contains("hidden states in bf16"), "{summary}");
 }
