@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python producer library's tests (clients/python), against the real `draftpipe` binary: a venv under
 # target/ with numpy, pytest, torch and transformers from PyPI (torch from PyPI is the CUDA build, ~5.6 GB;
-# it is installed once per venv and reused), the package installed from the tree, then pytest.
+# it is installed once per venv and reused), the package installed from the tree, then pytest; then the DFlash
+# parity check against PyTorch (scripts/dflash_parity.py) when torch is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,5 +41,12 @@ status=0
 if [ "$status" -eq 5 ]; then
     echo "python-tests: pytest collected no tests in clients/python/tests (exit 5): they were not found" >&2
     exit 1
+fi
+
+# DFlash parity: 3 AdamW steps of `draftpipe run` against PyTorch, weight by weight (needs torch).
+if "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    "$venv/bin/python" scripts/dflash_parity.py || status=1
+else
+    echo "python-tests: dflash parity skipped: torch is not installed (see above)" >&2
 fi
 exit "$status"

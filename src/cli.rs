@@ -27,6 +27,8 @@ pub enum Command {
     Run(RunArgs),
     /// Explain a finished run from its run directory (which side was the bottleneck, where the time went).
     Diagnose(DiagnoseArgs),
+    /// Evaluate a trained drafter on held-out data: loss, accuracy per block slot, acceptance length τ.
+    Eval(EvalArgs),
     /// Predict a plan's throughput and bottleneck with a discrete-event model, and what `--set` what-ifs change.
     Simulate(SimulateArgs),
 }
@@ -39,6 +41,7 @@ impl Command {
             Command::Compile(args) => commands::compile::run(&args),
             Command::Run(args) => commands::run::run(&args),
             Command::Diagnose(args) => commands::diagnose::run(&args),
+            Command::Eval(args) => commands::eval::run(&args),
             Command::Simulate(args) => commands::simulate::run(&args),
         }
     }
@@ -78,11 +81,16 @@ pub struct RunArgs {
     /// Checkpoint period in steps, with `--save`.
     #[arg(long, value_name = "N", default_value_t = 100, requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     pub save_every: u64,
+    /// The dtype of the checkpoint's `model.safetensors`: `bf16` for serving engines (the exact f32 weights then
+    /// go to `optimizer.safetensors`, so `--resume` stays exact).
+    #[arg(long, value_enum, value_name = "DTYPE", default_value_t = SaveDtype::F32, requires = "save")]
+    pub save_dtype: SaveDtype,
     /// Continue exactly from a checkpoint directory written by `--save`.
     #[arg(long, value_name = "DIR", conflicts_with = "init")]
     pub resume: Option<PathBuf>,
-    /// Start from the weights in this `model.safetensors` (fresh optimizer state).
-    #[arg(long, value_name = "FILE")]
+    /// Start from these weights, fresh optimizer state: a `model.safetensors` (F32, BF16 or F16; from `--save`
+    /// or PyTorch) or a directory holding one (a `config.json` beside it is checked against the pipeline).
+    #[arg(long, value_name = "DIR|FILE")]
     pub init: Option<PathBuf>,
     /// Write status lines as JSON objects, one per line.
     #[arg(long)]
@@ -108,6 +116,26 @@ pub struct DiagnoseArgs {
     #[arg(value_name = "RUN_DIR")]
     pub run_dir: PathBuf,
     /// Print the diagnosis as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `draftpipe eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The checkpoint: a directory written by `--save` (its `config.json` is checked against the pipeline) or a
+    /// `model.safetensors`.
+    #[arg(value_name = "CHECKPOINT")]
+    pub checkpoint: PathBuf,
+    /// The `.pipe` file the drafter was trained with: its model, buckets and frozen target weights (the
+    /// embedding and `lm_head` are not in the checkpoint).
+    #[arg(long, value_name = "FILE")]
+    pub pipeline: PathBuf,
+    /// The held-out hidden states: a safetensors file, directory or glob, in the format of the target's
+    /// `safetensors(...)` source; read once, in file order.
+    #[arg(long, value_name = "PATH")]
+    pub data: String,
+    /// Print the metrics as one JSON object.
     #[arg(long)]
     pub json: bool,
 }
@@ -143,6 +171,24 @@ pub struct SimulateArgs {
     /// Seed of the simulated variability.
     #[arg(long, value_name = "SEED", default_value_t = 1)]
     pub seed: u64,
+}
+
+/// The dtypes `--save-dtype` offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SaveDtype {
+    /// 32-bit floats: exactly the trained weights.
+    F32,
+    /// bfloat16, rounded to nearest even: what serving engines load, half the size.
+    Bf16,
+}
+
+impl From<SaveDtype> for draftpipe_runtime::checkpoint::WeightsDtype {
+    fn from(dtype: SaveDtype) -> Self {
+        match dtype {
+            SaveDtype::F32 => Self::F32,
+            SaveDtype::Bf16 => Self::Bf16,
+        }
+    }
 }
 
 /// Output formats of `draftpipe compile`.

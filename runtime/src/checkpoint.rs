@@ -5,10 +5,14 @@
 //!  DIR ──load_checkpoint──▶ flat buffers + TrainingState (--resume)     FILE ──load_weights──▶ params (--init)
 //! ```
 //!
-//! `model.safetensors` holds one F32 tensor per entry of the plan's layout, under its PyTorch name and shape,
-//! so `safetensors.torch.load_file` gives a `state_dict` for the PyTorch version of the model.
-//! `optimizer.safetensors` holds `exp_avg.NAME` and `exp_avg_sq.NAME` for each tensor. `state.json` holds the
-//! step, RNG state, data positions, and the plan name and parameter count that loading checks.
+//! `model.safetensors` holds one tensor per entry of the plan's layout, under its PyTorch name and shape, so
+//! `safetensors.torch.load_file` gives a `state_dict` for the PyTorch version of the model: F32 by default, BF16
+//! with [`WeightsDtype::Bf16`] (`--save-dtype bf16`). A `dflash` drafter's checkpoint also holds `config.json`
+//! ([`hf`]), which with `model.safetensors` is what z-lab's `DFlashDraftModel` and SGLang's and vLLM's DFlash
+//! loaders read. `optimizer.safetensors` holds `exp_avg.NAME` and `exp_avg_sq.NAME` for each tensor, and, when
+//! the weights file is not F32, the exact weights as `master.NAME`, so a resume never starts from rounded
+//! weights. `state.json` holds the step, RNG state, data positions, and the plan name and parameter count that
+//! loading checks.
 //!
 //! **Atomicity.** A checkpoint is written into the sibling directory `DIR.tmp`, every file and the directory are
 //! fsynced, then `DIR` is renamed to `DIR.prev`, `DIR.tmp` to `DIR`, and `DIR.prev` removed (the parent
@@ -26,13 +30,17 @@ use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use draftpipe_compiler::plan::ModelPlan;
+use draftpipe_compiler::plan::{ModelPlan, ModelSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::tensor_file::{
     F32Tensor, TensorFile, TensorFileError, TensorProblem, decode_floats, is_float_dtype,
-    write_f32_tensors,
+    write_f32_tensors, write_tensors_as,
 };
+
+pub mod hf;
+
+pub use hf::{CONFIG_FILE, WeightsDtype};
 
 /// The weights file inside a checkpoint directory.
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -44,13 +52,15 @@ pub const STATE_FILE: &str = "state.json";
 pub const EXP_AVG_PREFIX: &str = "exp_avg.";
 /// Prefix of second-moment tensor names.
 pub const EXP_AVG_SQ_PREFIX: &str = "exp_avg_sq.";
+/// Prefix, in the optimizer file, of the exact f32 weights when `model.safetensors` holds rounded ones.
+pub const MASTER_PREFIX: &str = "master.";
 /// Version of the `state.json` layout.
 pub const FORMAT_VERSION: u32 = 1;
 /// The largest step count a checkpoint may hold (2^48: ten million years at one step a second). Larger counts
 /// can only come from corruption, and near 2^64 they would wrap to 0 in the optimizer's bias correction.
 pub const MAX_STEP: u64 = 1 << 48;
 
-const CHECKPOINT_FILES: [&str; 3] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
+const CHECKPOINT_FILES: [&str; 4] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, CONFIG_FILE];
 
 /// Why saving or loading a checkpoint failed.
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +112,24 @@ pub enum CheckpointError {
         /// Its element within the tensor.
         at: usize,
     },
+    /// A `config.json` is unreadable or not a JSON object (`path` may end in `:line:col`).
+    #[error("{}: {message}", path.display())]
+    Config {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A `config.json` describes another model than the plan's.
+    #[error("{}: `{key}` {message}", path.display())]
+    ConfigKey {
+        /// The config file.
+        path: PathBuf,
+        /// The key, dotted for nested ones (`dflash_config.mask_token_id`).
+        key: String,
+        /// What it holds and what the plan expects.
+        message: String,
+    },
     /// The target path exists and holds something other than a checkpoint, so it is left alone.
     #[error("{} exists and is not a checkpoint directory; refusing to replace it", path.display())]
     NotACheckpoint {
@@ -115,6 +143,14 @@ fn io_error(path: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {
         path: path.to_path_buf(),
         source,
     }
+}
+
+/// Creates (or truncates) `path`, writes `bytes` and fsyncs it.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let mut out = File::create(path).map_err(io_error(path))?;
+    out.write_all(bytes)
+        .and_then(|()| out.sync_all())
+        .map_err(io_error(path))
 }
 
 /// Everything besides the tensors that a resumed run needs.
@@ -328,7 +364,14 @@ pub fn stage_checkpoint(
     exp_avg_sq: &[f32],
     state: &TrainingState,
 ) -> Result<StagedCheckpoint, CheckpointError> {
-    stage_marked(dir, model, [params, exp_avg, exp_avg_sq], state, None)
+    stage_marked(
+        dir,
+        model,
+        [params, exp_avg, exp_avg_sq],
+        state,
+        None,
+        WeightsDtype::F32,
+    )
 }
 
 fn stage_marked(
@@ -337,6 +380,7 @@ fn stage_marked(
     [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
     state: &TrainingState,
     stopped_by: Option<&str>,
+    weights: WeightsDtype,
 ) -> Result<StagedCheckpoint, CheckpointError> {
     for (what, buffer) in [
         ("params", params),
@@ -370,33 +414,52 @@ fn stage_marked(
             data: &params[v.range()],
         })
         .collect();
-    write_f32_tensors(&staging.join(MODEL_FILE), &model_tensors, metadata.clone())?;
+    write_tensors_as(
+        &staging.join(MODEL_FILE),
+        &model_tensors,
+        weights.dtype(),
+        metadata.clone(),
+    )?;
+    if let ModelSpec::Dflash(spec) = &model.spec {
+        hf::write_dflash_config(&staging.join(CONFIG_FILE), spec, weights)?;
+    }
 
-    let names: Vec<(String, String)> = model
+    let names: Vec<(String, String, String)> = model
         .layout
         .iter()
         .map(|v| {
             (
                 format!("{EXP_AVG_PREFIX}{}", v.name),
                 format!("{EXP_AVG_SQ_PREFIX}{}", v.name),
+                format!("{MASTER_PREFIX}{}", v.name),
             )
         })
         .collect();
-    // All first moments, then all second moments: each half of the file mirrors the flat buffer it came from.
-    let mut optimizer_tensors = Vec::with_capacity(2 * model.layout.len());
-    for (view, (avg_name, _)) in model.layout.iter().zip(&names) {
+    // All first moments, then all second moments (then the master weights, if any): each part of the file
+    // mirrors the flat buffer it came from.
+    let mut optimizer_tensors = Vec::with_capacity(3 * model.layout.len());
+    for (view, (avg_name, _, _)) in model.layout.iter().zip(&names) {
         optimizer_tensors.push(F32Tensor {
             name: avg_name,
             shape: &view.shape,
             data: &exp_avg[view.range()],
         });
     }
-    for (view, (_, sq_name)) in model.layout.iter().zip(&names) {
+    for (view, (_, sq_name, _)) in model.layout.iter().zip(&names) {
         optimizer_tensors.push(F32Tensor {
             name: sq_name,
             shape: &view.shape,
             data: &exp_avg_sq[view.range()],
         });
+    }
+    if weights != WeightsDtype::F32 {
+        for (view, (_, _, master_name)) in model.layout.iter().zip(&names) {
+            optimizer_tensors.push(F32Tensor {
+                name: master_name,
+                shape: &view.shape,
+                data: &params[view.range()],
+            });
+        }
     }
     write_f32_tensors(&staging.join(OPTIMIZER_FILE), &optimizer_tensors, metadata)?;
 
@@ -411,10 +474,7 @@ fn stage_marked(
         path: state_path.clone(),
         message: e.to_string(),
     })?;
-    let mut out = File::create(&state_path).map_err(io_error(&state_path))?;
-    out.write_all(&json)
-        .and_then(|()| out.sync_all())
-        .map_err(io_error(&state_path))?;
+    write_synced(&state_path, &json)?;
     sync_dir(&staging)?;
     Ok(StagedCheckpoint {
         dir: dir.to_path_buf(),
@@ -470,6 +530,25 @@ pub fn save_checkpoint(
     stage_checkpoint(dir, model, params, exp_avg, exp_avg_sq, state)?.commit()
 }
 
+/// [`save_checkpoint`] with the weights file stored as `weights` (`--save-dtype`).
+pub fn save_checkpoint_as(
+    dir: &Path,
+    model: &ModelPlan,
+    [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
+    state: &TrainingState,
+    weights: WeightsDtype,
+) -> Result<(), CheckpointError> {
+    stage_marked(
+        dir,
+        model,
+        [params, exp_avg, exp_avg_sq],
+        state,
+        None,
+        weights,
+    )?
+    .commit()
+}
+
 /// [`save_checkpoint`] for the last good state of a run that an error stopped: `state.json` records the error
 /// (`stopped_by`), so whoever resumes from it knows why the run ended there.
 pub fn save_last_good_checkpoint(
@@ -478,6 +557,7 @@ pub fn save_last_good_checkpoint(
     [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
     state: &TrainingState,
     stopped_by: &str,
+    weights: WeightsDtype,
 ) -> Result<(), CheckpointError> {
     stage_marked(
         dir,
@@ -485,6 +565,7 @@ pub fn save_last_good_checkpoint(
         [params, exp_avg, exp_avg_sq],
         state,
         Some(stopped_by),
+        weights,
     )?
     .commit()
 }
@@ -548,7 +629,8 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
             message,
         });
     }
-    let params = load_weights(&dir.join(MODEL_FILE), model)?;
+    check_config_beside(&dir, model)?;
+    let mut params = load_weights(&dir.join(MODEL_FILE), model)?;
     let optimizer_path = dir.join(OPTIMIZER_FILE);
     let mut optimizer = TensorFile::open(&optimizer_path)?;
     let mut exp_avg = vec![0.0; model.parameters];
@@ -560,6 +642,20 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
         EXP_AVG_SQ_PREFIX,
         &mut exp_avg_sq,
     )?);
+    // A weights file in a reduced dtype comes with the exact weights, which are the ones to resume from.
+    let has_master = model.layout.first().is_some_and(|v| {
+        optimizer
+            .info(&format!("{MASTER_PREFIX}{}", v.name))
+            .is_some()
+    });
+    if has_master {
+        expected.extend(read_layout(
+            &mut optimizer,
+            model,
+            MASTER_PREFIX,
+            &mut params,
+        )?);
+    }
     reject_unexpected(&optimizer, &expected)?;
     if let Some(view) = model
         .layout
@@ -585,6 +681,28 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
         state: file.training,
         stopped_by: file.stopped_by,
     })
+}
+
+/// Checks `DIR/config.json` against a `dflash` plan when the file is there (an `mlp` checkpoint has none).
+fn check_config_beside(dir: &Path, model: &ModelPlan) -> Result<(), CheckpointError> {
+    let config = dir.join(CONFIG_FILE);
+    match &model.spec {
+        ModelSpec::Dflash(spec) if config.is_file() => hf::check_dflash_config(&config, spec),
+        _ => Ok(()),
+    }
+}
+
+/// The weights `--init` starts from: `path` is a checkpoint or Hugging Face directory (its `model.safetensors`)
+/// or a weights file. A `config.json` beside the weights is checked against the plan first, so a drafter of
+/// other dimensions is named by the key that differs rather than by a tensor shape.
+pub fn load_initial_weights(path: &Path, model: &ModelPlan) -> Result<Vec<f32>, CheckpointError> {
+    let (file, dir) = if path.is_dir() {
+        (path.join(MODEL_FILE), path)
+    } else {
+        (path.to_path_buf(), parent_of(path))
+    };
+    check_config_beside(dir, model)?;
+    load_weights(&file, model)
 }
 
 /// Loads the parameters from a weights file (a checkpoint's `model.safetensors`, or one written from PyTorch

@@ -182,6 +182,9 @@ pub struct Evaluation {
     pub tokens: u64,
     /// `dflash`: per-slot accuracy and τ.
     pub blocks: Option<BlockMetrics>,
+    /// `dflash`: per block slot, the rows predicted right and the rows with a label (the counts behind
+    /// `blocks`, which `draftpipe eval` adds up over many batches); empty for `mlp`.
+    pub slot_counts: Vec<(f32, u32)>,
 }
 
 /// What one finished step reports.
@@ -589,10 +592,19 @@ impl<B: Backend> Drafter<B> {
         model.forward_loss(be, shape, slot)?;
         be.end_step(slot, 0, model.step_scalars().all())?;
         let results = be.read_results(0)?;
+        let slot_counts = labelled.as_ref().map_or_else(Vec::new, |labelled| {
+            results
+                .extra
+                .iter()
+                .copied()
+                .zip(labelled.iter().copied())
+                .collect()
+        });
         Ok(Evaluation {
             loss: results.scalars[2],
             tokens,
             blocks: labelled.map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
+            slot_counts,
         })
     }
 

@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
 pub mod drafter;
+pub mod eval;
 pub mod lock;
 pub mod model;
 pub mod params;

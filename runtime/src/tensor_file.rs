@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  hidden-state files ──TensorFile::open (header only)──▶ source::safetensors reads rows on demand
-//!  checkpoint::save ──write_f32_tensors (streamed, fsynced)──▶ model.safetensors / optimizer.safetensors
+//!  checkpoint::save ──write_tensors_as (f32 or bf16, streamed, fsynced)──▶ model.safetensors / optimizer.safetensors
 //! ```
 //!
 //! Hidden-state datasets are far larger than memory, so a reader parses and validates the header once and then
@@ -25,7 +25,7 @@ use crate::batch::HsData;
 /// The largest header accepted, as in the `safetensors` crate: a corrupt length must not become a huge allocation.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-/// Elements converted per chunk when streaming f32 data to disk.
+/// Elements converted per chunk when streaming f32 data to disk (as f32 or bf16).
 const WRITE_CHUNK: usize = 16 * 1024;
 
 /// What is wrong with a safetensors file or one of its tensors.
@@ -435,6 +435,27 @@ pub fn write_f32_tensors(
     tensors: &[F32Tensor<'_>],
     string_metadata: HashMap<String, String>,
 ) -> Result<(), TensorFileError> {
+    write_tensors_as(path, tensors, Dtype::F32, string_metadata)
+}
+
+/// [`write_f32_tensors`] storing every tensor as `stored`: `F32` as it is, or `BF16` rounded to nearest, ties
+/// to even (the `half` crate's conversion, which keeps NaN and infinities). Other dtypes are refused.
+pub fn write_tensors_as(
+    path: &Path,
+    tensors: &[F32Tensor<'_>],
+    stored: Dtype,
+    string_metadata: HashMap<String, String>,
+) -> Result<(), TensorFileError> {
+    if !matches!(stored, Dtype::F32 | Dtype::BF16) {
+        return Err(TensorFileError::file(
+            path,
+            TensorProblem::WrongDtype {
+                found: stored,
+                expected: "F32 or BF16 to write",
+            },
+        ));
+    }
+    let width = stored.bitsize() / 8;
     let mut infos = Vec::with_capacity(tensors.len());
     let mut offset = 0;
     for t in tensors {
@@ -447,9 +468,9 @@ pub fn write_f32_tensors(
             };
             return Err(TensorFileError::tensor(path, t.name, problem));
         }
-        let bytes = elements * 4;
+        let bytes = elements * width;
         let info = TensorInfo {
-            dtype: Dtype::F32,
+            dtype: stored,
             shape: t.shape.to_vec(),
             data_offsets: (offset, offset + bytes),
         };
@@ -471,11 +492,19 @@ pub fn write_f32_tensors(
     out.write_all(&(header.len() as u64).to_le_bytes())
         .map_err(io_err)?;
     out.write_all(&header).map_err(io_err)?;
-    let mut chunk = Vec::with_capacity(WRITE_CHUNK * 4);
+    let mut chunk = Vec::with_capacity(WRITE_CHUNK * width);
     for t in tensors {
         for values in t.data.chunks(WRITE_CHUNK) {
             chunk.clear();
-            chunk.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+            if stored == Dtype::BF16 {
+                chunk.extend(
+                    values
+                        .iter()
+                        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()),
+                );
+            } else {
+                chunk.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+            }
             out.write_all(&chunk).map_err(io_err)?;
         }
     }

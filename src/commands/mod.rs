@@ -14,6 +14,7 @@
 pub mod check;
 pub mod compile;
 pub mod diagnose;
+pub mod eval;
 pub mod input;
 pub mod run;
 pub mod signals;

@@ -43,6 +43,7 @@ pub fn run(args: &RunArgs) -> CommandResult {
     options.steps = args.steps;
     options.save_dir = args.save.clone();
     options.save_every = args.save.as_ref().map(|_| args.save_every);
+    options.save_dtype = args.save_dtype.into();
     options.resume = args.resume.clone();
     options.init = args.init.clone();
     options.output = OutputMode::detect(args.json);

@@ -66,7 +66,7 @@ pub(super) fn prepare(plan: &Plan, ordinals: &[usize]) -> Result<Vec<GradientAll
 }
 
 /// A CPU drafter for `plan` on the starting `state`, averaging its gradients over `group` when synced.
-pub(super) fn open_cpu(
+pub(crate) fn open_cpu(
     plan: &Plan,
     group: Option<Arc<AllReduce>>,
     (state, frozen): (&FlatState, Option<&TargetWeights>),

@@ -14,7 +14,7 @@
 //! is raised; in every case the drafters finish the step in hand, worker 0 writes the final checkpoint (when
 //! asked), and the telemetry writes its summary, so [`Diagnosis`] can explain the run.
 
-mod devices;
+pub(crate) mod devices;
 mod ending;
 mod error;
 mod host_memory;
@@ -39,7 +39,7 @@ use draftpipe_compiler::plan::{Device, ModelSpec, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::batch::HsBatch;
-use crate::checkpoint::{load_checkpoint, load_weights};
+use crate::checkpoint::{load_checkpoint, load_initial_weights};
 use crate::cuda::GradientAllReduce;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
@@ -145,7 +145,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
         });
     }
     if let Some(file) = &options.init {
-        state.params = load_weights(file, &plan.model)?;
+        state.params = load_initial_weights(file, &plan.model)?;
     }
     Ok(Start {
         state,

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use draftpipe_compiler::plan::Plan;
 
+use crate::checkpoint::WeightsDtype;
 use crate::telemetry::OutputMode;
 
 /// How one run is driven, beyond what the plan says.
@@ -15,9 +16,12 @@ pub struct RunOptions {
     pub save_dir: Option<PathBuf>,
     /// Checkpoint every this many steps (and always at the end) when `save_dir` is set.
     pub save_every: Option<u64>,
+    /// The dtype of the checkpoint's `model.safetensors` (the optimizer state stays f32).
+    pub save_dtype: WeightsDtype,
     /// Continue from this checkpoint directory.
     pub resume: Option<PathBuf>,
-    /// Start from these weights (a `model.safetensors`), with fresh optimizer state.
+    /// Start from these weights (a `model.safetensors`, or a directory holding one and maybe its
+    /// `config.json`), with fresh optimizer state.
     pub init: Option<PathBuf>,
     /// How status lines are written.
     pub output: OutputMode,
@@ -43,6 +47,7 @@ impl RunOptions {
             steps: None,
             save_dir: None,
             save_every: None,
+            save_dtype: WeightsDtype::F32,
             resume: None,
             init: None,
             output: OutputMode::Plain,

@@ -28,7 +28,7 @@ use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::backend::Backend;
-use crate::checkpoint::{TrainingState, save_checkpoint};
+use crate::checkpoint::{TrainingState, save_checkpoint_as};
 use crate::drafter::{Drafter, DrafterError, StepOutcome};
 use crate::params::FlatState;
 use crate::telemetry::{DrafterPhase, DrafterRecorder};
@@ -400,13 +400,12 @@ pub(super) fn save(
         rng_state: vec![options.init_seed],
         data_positions,
     };
-    if let Err(error) = save_checkpoint(
+    if let Err(error) = save_checkpoint_as(
         dir,
         &plan.model,
-        &state.params,
-        &state.exp_avg,
-        &state.exp_avg_sq,
+        [&state.params, &state.exp_avg, &state.exp_avg_sq],
         &training,
+        options.save_dtype,
     ) {
         shared.fail(RunError::Checkpoint(error));
     }

@@ -37,8 +37,8 @@ pub use diagnosis::{
 pub use ending::{EndReason, RunEnding};
 pub use phase::{DrafterPhase, ProducerPhase};
 pub use recorder::{DrafterRecorder, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
-pub use reporter::{OutputMode, Reporter, ReporterConfig};
-pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine};
+pub use reporter::{BAR_WIDTH, OutputMode, Reporter, ReporterConfig};
+pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine, progress_bar};
 pub use summary::{
     BucketStepTimes, DepthSample, DrafterSummary, DrafterTimeline, LossSample, PhaseTotal,
     ProducerSummary, QueueSummary, RunSummary, STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT,

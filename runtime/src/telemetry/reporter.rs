@@ -107,7 +107,7 @@ const MAX_SERIES_POINTS: usize = 4096;
 pub const RATE_WINDOW: Duration = Duration::from_secs(10);
 
 /// Width of the progress bar in characters.
-const BAR_WIDTH: usize = 24;
+pub const BAR_WIDTH: usize = 24;
 
 /// Turns counter snapshots into status lines, and at the end into the run summary.
 ///

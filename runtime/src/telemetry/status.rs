@@ -232,17 +232,17 @@ impl StatusLine {
     pub fn progress_line(&self, bar_width: usize) -> String {
         match self.total_steps {
             Some(total) if total > 0 => {
-                let done =
-                    ((self.step.min(total) as f64 / total as f64) * bar_width as f64) as usize;
-                format!(
-                    "[{}{}] {self}",
-                    "#".repeat(done),
-                    ".".repeat(bar_width - done)
-                )
+                format!("{} {self}", progress_bar(self.step, total, bar_width))
             }
             _ => self.to_string(),
         }
     }
+}
+
+/// `[#####.....]`: `done` of `total` as a bar of `width` characters (what `run` and `eval` draw on a terminal).
+pub fn progress_bar(done: u64, total: u64, width: usize) -> String {
+    let filled = ((done.min(total) as f64 / total.max(1) as f64) * width as f64) as usize;
+    format!("[{}{}]", "#".repeat(filled), ".".repeat(width - filled))
 }
 
 /// `12345` → `12.3k`: tokens per second stay readable from CPU to multi-GPU rates.
