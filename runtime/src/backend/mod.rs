@@ -206,10 +206,25 @@ impl<'a, B: Backend, T: Element> Dst<'a, B, T> {
     }
 }
 
-/// A row-major matrix operand of [`Backend::gemm`]: `rows × cols` as stored, used transposed when `transposed`.
-pub struct Operand<'a, B: Backend> {
+/// A view a [`Matrix`] can hold: something with a length.
+pub trait MatrixData: Copy {
+    /// Elements in the view.
+    fn elements(&self) -> usize;
+}
+
+impl<B: Backend> MatrixData for Src<'_, B, f32> {
+    fn elements(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A row-major matrix operand of a product: `rows × cols` as stored, used transposed when `transposed`.
+/// [`Operand`] holds f32 elements ([`Backend::gemm`]), [`HsOperand`] hidden states in their own precision
+/// ([`Backend::gemm_hs`]).
+#[derive(Clone, Copy)]
+pub struct Matrix<D> {
     /// The stored elements (`rows · cols`).
-    pub data: Src<'a, B, f32>,
+    pub data: D,
     /// Stored rows.
     pub rows: usize,
     /// Stored columns.
@@ -218,22 +233,18 @@ pub struct Operand<'a, B: Backend> {
     pub transposed: bool,
 }
 
-impl<B: Backend> Clone for Operand<'_, B> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<B: Backend> Copy for Operand<'_, B> {}
+/// A matrix operand of [`Backend::gemm`].
+pub type Operand<'a, B> = Matrix<Src<'a, B, f32>>;
 
-impl<'a, B: Backend> Operand<'a, B> {
+impl<D: MatrixData> Matrix<D> {
     /// `data` as a row-major `[rows, cols]` matrix.
     ///
     /// # Panics
     /// When the view's length is not `rows · cols`.
     #[track_caller]
-    pub fn new(data: Src<'a, B, f32>, rows: usize, cols: usize) -> Self {
+    pub fn new(data: D, rows: usize, cols: usize) -> Self {
         assert_eq!(
-            data.len(),
+            data.elements(),
             rows * cols,
             "matrix view does not match its shape"
         );
@@ -474,61 +485,15 @@ impl<B: Backend> HsSrc<'_, B> {
 
 /// A matrix operand of [`Backend::gemm_hs`]: an [`Operand`] whose elements may be hidden states in their own
 /// precision.
-pub struct HsOperand<'a, B: Backend> {
-    /// The stored elements (`rows · cols`).
-    pub data: HsSrc<'a, B>,
-    /// Stored rows.
-    pub rows: usize,
-    /// Stored columns.
-    pub cols: usize,
-    /// Whether the product uses the transpose.
-    pub transposed: bool,
-}
+pub type HsOperand<'a, B> = Matrix<HsSrc<'a, B>>;
 
-impl<B: Backend> Clone for HsOperand<'_, B> {
-    fn clone(&self) -> Self {
-        *self
+impl<B: Backend> MatrixData for HsSrc<'_, B> {
+    fn elements(&self) -> usize {
+        self.len()
     }
 }
-impl<B: Backend> Copy for HsOperand<'_, B> {}
 
-impl<'a, B: Backend> HsOperand<'a, B> {
-    /// `data` as a row-major `[rows, cols]` matrix.
-    ///
-    /// # Panics
-    /// When the view's length is not `rows · cols`.
-    #[track_caller]
-    pub fn new(data: HsSrc<'a, B>, rows: usize, cols: usize) -> Self {
-        assert_eq!(
-            data.len(),
-            rows * cols,
-            "matrix view does not match its shape"
-        );
-        Self {
-            data,
-            rows,
-            cols,
-            transposed: false,
-        }
-    }
-
-    /// The same matrix, used transposed.
-    pub fn t(self) -> Self {
-        Self {
-            transposed: !self.transposed,
-            ..self
-        }
-    }
-
-    /// Rows and columns as used.
-    pub fn shape(&self) -> (usize, usize) {
-        if self.transposed {
-            (self.cols, self.rows)
-        } else {
-            (self.rows, self.cols)
-        }
-    }
-
+impl<'a, B: Backend> Matrix<HsSrc<'a, B>> {
     /// The operand as an f32 [`Operand`], when its elements are f32.
     pub fn as_f32(&self) -> Option<Operand<'a, B>> {
         match self.data {
