@@ -224,7 +224,7 @@ fn dflash_ranges(
 fn bench_attention(c: &mut Criterion) {
     use draftpipe_runtime::backend::AttentionShape;
     use draftpipe_runtime::cpu::attention::{
-        AttentionGradSlices, AttentionSlices, attention_backward, attention_forward,
+        AttentionGradSlices, AttentionSlices, HostKernels, attention_backward, attention_forward,
     };
     let (sequences, len, anchors, block) = (4, 256, 32, 4);
     let shape = AttentionShape::new(4, 2, 16);
@@ -260,40 +260,48 @@ fn bench_attention(c: &mut Criterion) {
         100.0 * pairs as f64 / dense as f64
     );
     let (mut out, mut lse) = (vec![0.0; q_len], vec![0.0; queries * shape.heads]);
-    attention_forward(slices, shape, &mut out, &mut lse);
     let dout = values(q_len, 26);
     let mut delta = vec![0.0; queries * shape.heads];
     let mut grads: [Vec<f32>; 5] =
         [q_len, ctx_len, ctx_len, blk_len, blk_len].map(|n| vec![0.0; n]);
     let mut group = c.benchmark_group("attention");
     group.sample_size(10);
-    group.throughput(Throughput::Elements((pairs * 4 * shape.head_dim) as u64));
-    group.bench_function("forward", |b| {
-        b.iter(|| attention_forward(slices, shape, &mut out, &mut lse))
-    });
-    group.throughput(Throughput::Elements((pairs * 14 * shape.head_dim) as u64));
-    group.bench_function("backward", |b| {
-        b.iter(|| {
-            let [dq, dk_ctx, dv_ctx, dk_blk, dv_blk] = &mut grads;
-            attention_backward(
-                slices,
-                shape,
-                &out,
-                &dout,
-                &lse,
-                &key_ctx,
-                &key_blk,
-                &mut delta,
-                AttentionGradSlices {
-                    dq,
-                    dk_ctx,
-                    dv_ctx,
-                    dk_blk,
-                    dv_blk,
-                },
-            )
-        })
-    });
+    // Both host implementations on one thread, side by side: the kernel table's bodies (the GPU's code) and
+    // the vectorised tiles the CPU step runs.
+    for (name, kernels) in [
+        ("planes", HostKernels::Planes),
+        ("lanes", HostKernels::Lanes),
+    ] {
+        attention_forward(kernels, slices, shape, &mut out, &mut lse);
+        group.throughput(Throughput::Elements((pairs * 4 * shape.head_dim) as u64));
+        group.bench_function(format!("forward/{name}"), |b| {
+            b.iter(|| attention_forward(kernels, slices, shape, &mut out, &mut lse))
+        });
+        group.throughput(Throughput::Elements((pairs * 14 * shape.head_dim) as u64));
+        group.bench_function(format!("backward/{name}"), |b| {
+            b.iter(|| {
+                let [dq, dk_ctx, dv_ctx, dk_blk, dv_blk] = &mut grads;
+                attention_backward(
+                    kernels,
+                    slices,
+                    shape,
+                    &out,
+                    &dout,
+                    &lse,
+                    &key_ctx,
+                    &key_blk,
+                    &mut delta,
+                    AttentionGradSlices {
+                        dq,
+                        dk_ctx,
+                        dv_ctx,
+                        dk_blk,
+                        dv_blk,
+                    },
+                )
+            })
+        });
+    }
     group.finish();
 }
 

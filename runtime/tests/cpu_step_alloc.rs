@@ -7,10 +7,8 @@
 //! on x86_64) where our `f32`/`u32` buffers ask for 4: a steady step makes exactly one aligned allocation per
 //! GEMM call and no other, the optimizer step none at all, and every byte is freed again.
 //!
-//! Only the thread that runs the step is counted. matrixmultiply's pool thread allocates its crossbeam-channel
-//! wait context (two allocations, about 700 bytes, kept for the thread's life) the first time it finds no work
-//! and blocks, which on a loaded machine can be several steps in; counting it made this test fail in CI. The
-//! step's own work, the packing buffers included, all runs on the calling thread.
+//! Only the thread that runs the step is counted. The step runs outside any drafter pool (`HostThreads`), so
+//! all of its work, the packing buffers included, runs on the calling thread.
 mod cpu_step_support;
 
 use cpu_step_support::*;

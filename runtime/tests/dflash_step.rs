@@ -400,3 +400,80 @@ fn a_resume_draws_the_same_anchors<D: TestDevice>(device: &D) {
     assert_ne!(misaligned.params, straight.params);
 }
 test_device!(a_resume_draws_the_same_anchors);
+
+/// The CPU drafter's kernel launches split over its threads (`HostThreads`) when the step runs inside them: the
+/// split must change nothing, so 5 steps on 3 threads end bit-identical to 5 on the calling thread (losses,
+/// metrics, and every parameter and moment).
+#[test]
+fn a_step_split_over_the_drafters_threads_equals_one_on_a_single_thread() {
+    use backends::Cpu;
+    use draftpipe_runtime::cpu::HostThreads;
+
+    let spec = DflashSpec {
+        hidden: 32,
+        vocab: 40,
+        mask_token: 39,
+        head_dim: 16,
+        intermediate: 48,
+        block: 4,
+        anchors: 12,
+        ..SPEC()
+    };
+    let model = ModelPlan::new(spec.clone());
+    let padded_len = 40;
+    let seed = {
+        use rand::RngExt;
+        rand::rng().random::<u64>()
+    };
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let frozen = spec.vocab * spec.hidden;
+    let tables: Vec<Vec<f32>> = (0..2)
+        .map(|_| {
+            uniform(&mut rng, frozen, 1.0)
+                .iter()
+                .map(|&x| x as f32)
+                .collect()
+        })
+        .collect();
+    let batches: Vec<HsBatch> = (0..5)
+        .map(|_| counting_batch(&mut rng, &spec, padded_len))
+        .collect();
+    let train = || {
+        let settings = (loss(4.0, 64), adamw(1e-2), Precision::F32);
+        let mut drafter = Cpu.drafter(&model, settings, &[bucket(padded_len, 4)]);
+        drafter
+            .upload_frozen(&tables[0], &tables[1])
+            .expect("frozen");
+        drafter
+            .upload_state(&FlatState::init(&model, 3))
+            .expect("upload");
+        let mut outcomes = Vec::new();
+        for batch in &batches {
+            drafter.stage(batch).expect("stage");
+            outcomes.extend(drafter.step().expect("step"));
+        }
+        outcomes.extend(drafter.finish().expect("finish"));
+        let mut state = FlatState::init(&model, 0);
+        drafter.download_state(&mut state).expect("download");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let trace: Vec<_> = outcomes
+            .iter()
+            .map(|o| (o.loss.to_bits(), format!("{:?}", o.blocks)))
+            .collect();
+        (
+            trace,
+            bits(&state.params),
+            bits(&state.exp_avg),
+            bits(&state.exp_avg_sq),
+        )
+    };
+    let single = train();
+    let threads = HostThreads::new("test", 3).expect("threads");
+    assert_eq!(threads.threads(), 3);
+    let split = threads.run(train);
+    assert_eq!(single.0.len(), 5);
+    assert!(
+        single == split,
+        "seed {seed}: the step split over 3 threads differs from the single-threaded step"
+    );
+}

@@ -385,9 +385,15 @@ fn random_shape(rng: &mut Xoshiro256PlusPlus, max_dim: usize) -> AttentionShape 
 }
 
 fn attention_forward_matches_f64<D: TestDevice>(device: &D) {
+    let mut be = bare(device);
+    forward_trials(|case| forward(&mut be, case));
+}
+test_device!(attention_forward_matches_f64);
+
+/// Random forward cases (see the module docs) through `forward`, each against f64.
+fn forward_trials(mut forward: impl FnMut(&Case) -> (Vec<f32>, Vec<f32>)) {
     let seed = seed();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    let mut be = bare(device);
     for trial in 0..6 {
         let plan = random_plan(&mut rng, 40);
         let shape = random_shape(&mut rng, 128);
@@ -409,7 +415,7 @@ fn attention_forward_matches_f64<D: TestDevice>(device: &D) {
             }
             case.query_ranges[..4].copy_from_slice(&[0, 0, 0, 0]);
         }
-        let got = forward(&mut be, &case);
+        let got = forward(&case);
         check_forward(
             &case,
             &got,
@@ -417,12 +423,17 @@ fn attention_forward_matches_f64<D: TestDevice>(device: &D) {
         );
     }
 }
-test_device!(attention_forward_matches_f64);
 
 fn attention_backward_matches_finite_differences<D: TestDevice>(device: &D) {
+    let mut be = bare(device);
+    backward_trials(|case, plan, dout| backward(&mut be, case, plan, dout));
+}
+test_device!(attention_backward_matches_finite_differences);
+
+/// Random backward cases through `backward`, each against central finite differences of the f64 forward.
+fn backward_trials(mut backward: impl FnMut(&Case, &Plan, &[f32]) -> [Vec<f32>; 5]) {
     let seed = seed();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    let mut be = bare(device);
     for (trial, max_dim) in [(0, 8), (1, 40)] {
         // A plan where some context key is seen, so the context gradients are not trivially zero.
         let plan = loop {
@@ -434,8 +445,8 @@ fn attention_backward_matches_finite_differences<D: TestDevice>(device: &D) {
         let shape = random_shape(&mut rng, max_dim);
         let case = Case::random(&mut rng, shape, &plan);
         let dout = uniform(&mut rng, case.inputs[0].len(), 1.0);
-        let grads = backward(&mut be, &case, &plan, &dout);
-        let again = backward(&mut be, &case, &plan, &dout);
+        let grads = backward(&case, &plan, &dout);
+        let again = backward(&case, &plan, &dout);
         assert_eq!(
             grads, again,
             "seed {seed}: the backward is not reproducible"
@@ -470,4 +481,73 @@ fn attention_backward_matches_finite_differences<D: TestDevice>(device: &D) {
         }
     }
 }
-test_device!(attention_backward_matches_finite_differences);
+
+/// The CPU backend runs its own vectorised attention (`HostKernels::Lanes`); the kernel table's bodies, which the
+/// GPU runs, pass the same checks on the host through their generated launchers.
+mod kernel_table_bodies {
+    use super::*;
+    use draftpipe_runtime::cpu::attention::{
+        AttentionGradSlices, AttentionSlices, HostKernels, attention_backward, attention_forward,
+    };
+
+    fn slices(case: &Case) -> AttentionSlices<'_> {
+        let [q, k_ctx, v_ctx, k_blk, v_blk] = &case.inputs;
+        AttentionSlices {
+            q,
+            k_ctx,
+            v_ctx,
+            k_blk,
+            v_blk,
+            query_ranges: &case.query_ranges,
+        }
+    }
+
+    fn forward(case: &Case) -> (Vec<f32>, Vec<f32>) {
+        let mut out = vec![f32::NAN; case.inputs[0].len()];
+        let mut lse = vec![f32::NAN; case.queries * case.shape.heads];
+        attention_forward(
+            HostKernels::Planes,
+            slices(case),
+            case.shape,
+            &mut out,
+            &mut lse,
+        );
+        (out, lse)
+    }
+
+    fn backward(case: &Case, plan: &Plan, dout: &[f32]) -> [Vec<f32>; 5] {
+        let (out, lse) = forward(case);
+        let mut delta = vec![f32::NAN; lse.len()];
+        let mut grads = case.inputs.each_ref().map(|v| vec![f32::NAN; v.len()]);
+        let [dq, dk_ctx, dv_ctx, dk_blk, dv_blk] = &mut grads;
+        attention_backward(
+            HostKernels::Planes,
+            slices(case),
+            case.shape,
+            &out,
+            dout,
+            &lse,
+            &plan.key_ranges_ctx,
+            &plan.key_ranges_blk,
+            &mut delta,
+            AttentionGradSlices {
+                dq,
+                dk_ctx,
+                dv_ctx,
+                dk_blk,
+                dv_blk,
+            },
+        );
+        grads
+    }
+
+    #[test]
+    fn forward_matches_f64() {
+        forward_trials(forward);
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        backward_trials(backward);
+    }
+}

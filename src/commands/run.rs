@@ -17,9 +17,8 @@ use crate::cli::RunArgs;
 /// do what was asked.
 pub const EXIT_DATA_EXHAUSTED_EARLY: u8 = 3;
 
-/// With several CPU drafters, gives each its share of the cores for its GEMMs ([`gemm_threads`]) through
-/// matrixmultiply's `MATMUL_NUM_THREADS`, unless the user set it. One drafter keeps matrixmultiply's default (the
-/// physical cores).
+/// With several CPU drafters, gives each its share of the cores ([`gemm_threads`]) through `MATMUL_NUM_THREADS`,
+/// which each drafter's pool reads, unless the user set it. One drafter takes every core.
 fn share_cores_between_drafters(plan: &Plan) {
     let cpu_drafters = plan.drafter.placement.cpu_workers();
     if cpu_drafters < 2 || std::env::var_os(GEMM_THREADS_VAR).is_some() {

@@ -17,7 +17,7 @@ use super::{
 };
 use crate::allreduce::AllReduce;
 use crate::batch::HsSlice;
-use crate::cpu::attention::{self, AttentionGradSlices, AttentionSlices};
+use crate::cpu::attention::{self, AttentionGradSlices, AttentionSlices, HostKernels};
 use crate::cpu::gemm::{Mat, Strided, gemm, gemm_strided};
 use crate::cpu::kernels;
 use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS};
@@ -658,7 +658,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         inverse: bool,
     ) -> BackendResult {
-        kernels::rope(
+        crate::cpu::rope::rope(
             slice_mut(x),
             slice(positions),
             theta,
@@ -701,7 +701,13 @@ impl Backend for CpuBackend {
         out: Dst<'_, Self, f32>,
         lse: Dst<'_, Self, f32>,
     ) -> BackendResult {
-        attention::attention_forward(slices(inputs), shape, slice_mut(out), slice_mut(lse));
+        attention::attention_forward(
+            HostKernels::Lanes,
+            slices(inputs),
+            shape,
+            slice_mut(out),
+            slice_mut(lse),
+        );
         Ok(())
     }
 
@@ -714,6 +720,7 @@ impl Backend for CpuBackend {
         grads: AttentionGrads<'_, Self>,
     ) -> BackendResult {
         attention::attention_backward(
+            HostKernels::Lanes,
             slices(inputs),
             shape,
             slice(saved.out),

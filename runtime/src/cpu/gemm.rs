@@ -1,16 +1,19 @@
 //! Row-major matrix products on flat buffers, through `matrixmultiply::sgemm` (the backend `nalgebra` uses for
-//! f32, multi-threaded by the `threading` feature, thread count from `MATMUL_NUM_THREADS`).
+//! f32), split over the CPU drafter's threads ([`super::HostThreads`], thread count from `MATMUL_NUM_THREADS`).
 //!
 //! The drafter's tensors are row-major PyTorch `[out, in]` slices of the flat buffers. `sgemm` takes a row and
 //! a column stride per operand, so a transposed operand is the same slice with swapped strides: no copies and
 //! no column-major reinterpretation (which is all `nalgebra`'s `gemm` would add on top of the same call).
 
-/// The environment variable `matrixmultiply` reads, once, at its first product, for its thread count.
+use super::kernels::SharedPtr;
+
+/// The environment variable that sets a CPU drafter's thread count ([`super::HostThreads::drafter_threads`]);
+/// matrixmultiply's own name for its thread count, kept so existing settings still apply.
 pub const GEMM_THREADS_VAR: &str = "MATMUL_NUM_THREADS";
 
-/// GEMM threads per drafter so that `cpu_drafters` drafters running at once use `cores` cores without
-/// oversubscribing them: `cores / cpu_drafters`, at least 1. Each drafter's matrixmultiply pool would otherwise
-/// take every core, and the drafters' pools would preempt each other.
+/// Threads per drafter so that `cpu_drafters` drafters running at once use `cores` cores without
+/// oversubscribing them: `cores / cpu_drafters`, at least 1. Each drafter's pool would otherwise take every
+/// core, and the drafters' pools would preempt each other.
 ///
 /// On the 2-core build machine the quickstart (two CPU drafters) ran at 5268 tok/s with one GEMM thread, and at
 /// 3924 tok/s with matrixmultiply's default of two (`--steps 40`, alternated).
@@ -99,7 +102,7 @@ pub(crate) fn gemm(c: &mut [f32], a: Mat<'_>, b: Mat<'_>, alpha: f32, beta: f32)
     // SAFETY: the shape checks above make every strided access fall inside `a.data`, `b.data` and `c`; `c` is a
     // unique borrow, so it overlaps neither input.
     unsafe {
-        matrixmultiply::sgemm(
+        sgemm_on_threads(
             m,
             k,
             n,
@@ -172,7 +175,7 @@ pub(crate) fn gemm_strided(
     // SAFETY: the assertion above keeps every strided access inside `a.data`, `b.data` and `c_data`; `c_data` is
     // a unique borrow, so it overlaps neither input.
     unsafe {
-        matrixmultiply::sgemm(
+        sgemm_on_threads(
             m,
             k,
             n,
@@ -189,6 +192,110 @@ pub(crate) fn gemm_strided(
             c_cs as isize,
         );
     }
+}
+
+/// Multiply-adds (`m·k·n`) below which a product runs on one thread: splitting costs a few microseconds.
+const SPLIT_WORK: usize = 1 << 18;
+
+/// Rows or columns per part are a multiple of this (the widest microkernel's tile), so no part gets a ragged
+/// edge that a single call would not have.
+const SPLIT_ALIGN: usize = 16;
+
+/// `matrixmultiply::sgemm`, split over the current rayon pool when called inside one with two threads or
+/// more (a CPU drafter's step, see [`super::HostThreads`]) and the product is large enough: the output's rows
+/// (or columns, when it has more of them) in one block per thread, each a single-threaded `sgemm`. Every
+/// element of `c` is computed by the same sequence of operations whatever the split, so results are identical.
+///
+/// The drafter's threads take the GEMMs too, instead of matrixmultiply's own pool: two pools of spinning threads
+/// on the same cores (one for the GEMMs, one for the other kernels) spent a fifth of a DFlash step yielding to
+/// each other.
+///
+/// # Safety
+/// As `matrixmultiply::sgemm`: every strided access of the `m × k`, `k × n` and `m × n` operands lies inside
+/// its buffer, and `c` overlaps neither input.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_on_threads(
+    m: usize,
+    k: usize,
+    n: usize,
+    alpha: f32,
+    a: *const f32,
+    rsa: isize,
+    csa: isize,
+    b: *const f32,
+    rsb: isize,
+    csb: isize,
+    beta: f32,
+    c: *mut f32,
+    rsc: isize,
+    csc: isize,
+) {
+    let threads = if rayon::current_thread_index().is_some() {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let split_rows = m >= n;
+    let extent = if split_rows { m } else { n };
+    let parts = threads.min(extent.div_ceil(SPLIT_ALIGN));
+    if parts < 2 || m * k * n < SPLIT_WORK {
+        // SAFETY: the caller's contract.
+        return unsafe {
+            matrixmultiply::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+        };
+    }
+    let per_part = extent.div_ceil(SPLIT_ALIGN).div_ceil(parts) * SPLIT_ALIGN;
+    let (a, b, c) = (SharedPtr(a), SharedPtr(b), SharedPtr(c));
+    use rayon::prelude::*;
+    (0..parts).into_par_iter().for_each(|part| {
+        let start = (part * per_part).min(extent);
+        let len = per_part.min(extent - start);
+        if len == 0 {
+            return;
+        }
+        let offset = start as isize;
+        // SAFETY: a block of rows (columns) of `c` with the same rows of `a` (columns of `b`) is a smaller product
+        // inside the same buffers; the blocks of `c` are disjoint.
+        unsafe {
+            if split_rows {
+                let (a, c) = (a.get().offset(offset * rsa), c.get().offset(offset * rsc));
+                matrixmultiply::sgemm(
+                    len,
+                    k,
+                    n,
+                    alpha,
+                    a,
+                    rsa,
+                    csa,
+                    b.get(),
+                    rsb,
+                    csb,
+                    beta,
+                    c,
+                    rsc,
+                    csc,
+                );
+            } else {
+                let (b, c) = (b.get().offset(offset * csb), c.get().offset(offset * csc));
+                matrixmultiply::sgemm(
+                    m,
+                    k,
+                    len,
+                    alpha,
+                    a.get(),
+                    rsa,
+                    csa,
+                    b,
+                    rsb,
+                    csb,
+                    beta,
+                    c,
+                    rsc,
+                    csc,
+                );
+            }
+        }
+    });
 }
 
 /// Floating-point operations of one `gemm` with these shapes (`2·m·k·n`).

@@ -44,9 +44,11 @@ thread_local! {
     static WIDE_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Generates [`launch`]: one host launcher per kernel of the table, over one body compiled twice (baseline and
-/// inside a `#[target_feature(enable = "avx2,fma")]` copy, where the `#[inline(always)]` kernel bodies vectorise
-/// with 8 lanes). The copy runs when `simd_available` says the CPU has both features.
+/// Generates [`launch`]: one host launcher per kernel of the table. A launcher checks every slice against its
+/// declared length, splits the launch's indices into parts ([`for_each_part`]: over the current rayon pool when
+/// it runs inside one), and runs each part over one body compiled twice: baseline, and inside a
+/// `#[target_feature(enable = "avx2,fma")]` copy where the `#[inline(always)]` kernel bodies vectorise with 8
+/// lanes. The copy runs when `simd_available` says the CPU has both features.
 macro_rules! host_launchers {
     ($(
         $(#[$doc:meta])*
@@ -72,77 +74,137 @@ macro_rules! host_launchers {
                     $($write: &mut [$write_ty],)*
                     $($scalar: $scalar_ty,)*
                 ) {
-                    #[allow(clippy::too_many_arguments)]
+                    $(assert!(
+                        $read.len() >= $read_len,
+                        concat!(stringify!($name), ": ", stringify!($read), " holds {} elements, needs {}"),
+                        $read.len(),
+                        $read_len
+                    );)*
+                    $(assert!(
+                        $write.len() >= $write_len,
+                        concat!(stringify!($name), ": ", stringify!($write), " holds {} elements, needs {}"),
+                        $write.len(),
+                        $write_len
+                    );)*
+
+                    // A scalar that only sizes the launch (`rows` of `planes(rows)`) is unused in the body.
+                    #[allow(clippy::too_many_arguments, unused_variables)]
                     #[inline(always)]
                     fn baseline(
-                        $($read: &[$read_ty],)*
-                        $($write: &mut [$write_ty],)*
+                        part: std::ops::Range<usize>,
+                        $($read: *const $read_ty,)*
+                        $($write: *mut $write_ty,)*
                         $($scalar: $scalar_ty,)*
                     ) {
-                        $(assert!(
-                            $read.len() >= $read_len,
-                            concat!(stringify!($name), ": ", stringify!($read), " holds {} elements, needs {}"),
-                            $read.len(),
-                            $read_len
-                        );)*
-                        $(assert!(
-                            $write.len() >= $write_len,
-                            concat!(stringify!($name), ": ", stringify!($write), " holds {} elements, needs {}"),
-                            $write.len(),
-                            $write_len
-                        );)*
-                        $(let $read = $read.as_ptr();)*
-                        $(let $write = $write.as_mut_ptr();)*
-                        host_launchers!(@run $shape($($count)?) |$($bind),*| $body);
+                        host_launchers!(@run $shape(part) |$($bind),*| $body);
                     }
 
                     #[cfg(target_arch = "x86_64")]
-                    {
-                        #[allow(clippy::too_many_arguments)]
-                        #[target_feature(enable = "avx2,fma")]
-                        fn avx2_fma(
-                            $($read: &[$read_ty],)*
-                            $($write: &mut [$write_ty],)*
-                            $($scalar: $scalar_ty,)*
-                        ) {
-                            baseline($($read,)* $($write,)* $($scalar,)*)
-                        }
-
-                        if simd_available() {
-                            #[cfg(test)]
-                            WIDE_LAUNCHES.with(|n| n.set(n.get() + 1));
-                            // SAFETY: `simd_available` checked that this CPU has AVX2 and FMA.
-                            return unsafe { avx2_fma($($read,)* $($write,)* $($scalar,)*) };
-                        }
+                    #[allow(clippy::too_many_arguments)]
+                    #[target_feature(enable = "avx2,fma")]
+                    fn avx2_fma(
+                        part: std::ops::Range<usize>,
+                        $($read: *const $read_ty,)*
+                        $($write: *mut $write_ty,)*
+                        $($scalar: $scalar_ty,)*
+                    ) {
+                        baseline(part, $($read,)* $($write,)* $($scalar,)*)
                     }
-                    baseline($($read,)* $($write,)* $($scalar,)*)
+
+                    #[cfg(target_arch = "x86_64")]
+                    let wide = simd_available();
+                    #[cfg(target_arch = "x86_64")]
+                    #[cfg(test)]
+                    if wide {
+                        WIDE_LAUNCHES.with(|n| n.set(n.get() + 1));
+                    }
+                    $(let $read = SharedPtr($read.as_ptr());)*
+                    $(let $write = SharedPtr($write.as_mut_ptr());)*
+                    let count = host_launchers!(@count $shape($($count)?));
+                    for_each_part(count, |part| {
+                        $(let $read = $read.get();)*
+                        $(let $write = $write.get();)*
+                        #[cfg(target_arch = "x86_64")]
+                        if wide {
+                            // SAFETY: `simd_available` checked that this CPU has AVX2 and FMA.
+                            return unsafe { avx2_fma(part, $($read,)* $($write,)* $($scalar,)*) };
+                        }
+                        baseline(part, $($read,)* $($write,)* $($scalar,)*)
+                    });
                 }
             )*
         }
     };
-    // SAFETY (every arm): the lengths checked above cover every index of the launch; the writes are unique
-    // borrows, so they overlap nothing.
-    (@run threads($count:expr) |$index:ident| $body:expr) => {
-        for $index in 0..$count {
+    (@count threads($count:expr)) => { $count };
+    (@count planes($count:expr)) => { $count };
+    (@count plane()) => { 1 };
+    (@count elements($n:expr)) => { ($n).div_ceil(HOST_CHUNK) };
+    // SAFETY (every arm): the lengths checked in the launcher cover every index of the launch; the writes are
+    // unique borrows, so they overlap nothing; and no two indices of a launch touch the same output element
+    // (the kernels' contract, which the GPU's parallel threads rely on too), so parts may run at once.
+    (@run threads($part:ident) |$index:ident| $body:expr) => {
+        for $index in $part {
             unsafe { $body };
         }
     };
-    (@run planes($count:expr) |$plane:ident, $index:ident| $body:expr) => {
-        for $index in 0..$count {
+    (@run planes($part:ident) |$plane:ident, $index:ident| $body:expr) => {
+        for $index in $part {
             let $plane = HostPlane;
             unsafe { $body };
         }
     };
-    (@run plane() |$plane:ident| $body:expr) => {{
+    (@run plane($part:ident) |$plane:ident| $body:expr) => {{
+        let _ = $part;
         let $plane = HostPlane;
         unsafe { $body };
     }};
-    (@run elements($n:expr) |$chunk_len:ident, $chunk:ident| $body:expr) => {
+    (@run elements($part:ident) |$chunk_len:ident, $chunk:ident| $body:expr) => {
         let $chunk_len = HOST_CHUNK;
-        for $chunk in 0..($n).div_ceil(HOST_CHUNK) {
+        for $chunk in $part {
             unsafe { $body };
         }
     };
+}
+
+/// A launch's buffer as the parts of a launch share it: every index touches its own elements (the kernels'
+/// contract: on the GPU the indices are concurrent threads), so the pointer may cross to the pool's threads.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedPtr<P>(pub(crate) P);
+
+// SAFETY: see the type's docs; the launcher holds the slices' borrows for as long as any part runs.
+unsafe impl<P> Send for SharedPtr<P> {}
+// SAFETY: as above.
+unsafe impl<P> Sync for SharedPtr<P> {}
+
+impl<P: Copy> SharedPtr<P> {
+    /// The pointer (a method, so a closure captures the whole wrapper and not its non-`Sync` field).
+    #[inline(always)]
+    pub(crate) fn get(self) -> P {
+        self.0
+    }
+}
+
+/// Parts per pool thread: the attention tiles of late anchors see more keys than early ones, so a launch split
+/// into exactly one part per thread would wait for its slowest part.
+const PARTS_PER_THREAD: usize = 4;
+
+/// Runs `part` over `0..count` split into contiguous ranges: across the current rayon pool when the caller runs
+/// inside one with two threads or more (a CPU drafter's step does, see [`super::HostThreads`]), on the calling
+/// thread otherwise. Results do not depend on the split: each index is computed the same way wherever it runs.
+pub(crate) fn for_each_part(count: usize, part: impl Fn(std::ops::Range<usize>) + Sync) {
+    let threads = if rayon::current_thread_index().is_some() {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    if threads < 2 || count < 2 {
+        return part(0..count);
+    }
+    let parts = (threads * PARTS_PER_THREAD).min(count);
+    use rayon::prelude::*;
+    (0..parts)
+        .into_par_iter()
+        .for_each(|p| part(p * count / parts..(p + 1) * count / parts));
 }
 
 draftpipe_gpu_kernels::kernel_table!(host_launchers);

@@ -16,11 +16,14 @@ pub mod attention;
 pub(crate) mod gemm;
 mod head_loss;
 pub mod kernels;
+pub mod rope;
+mod threads;
 
 pub use crate::drafter::StepError;
 pub use crate::model::mlp::RMS_EPS;
 pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads};
 pub use head_loss::{HeadLoss, head_loss};
+pub use threads::HostThreads;
 
 use std::time::{Duration, Instant};
 

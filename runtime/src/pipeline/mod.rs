@@ -38,9 +38,12 @@ use std::time::Duration;
 use draftpipe_compiler::plan::{Device, ModelSpec, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
+use crate::backend::cpu::CpuBackend;
 use crate::batch::HsBatch;
 use crate::checkpoint::{load_checkpoint, load_initial_weights};
+use crate::cpu::HostThreads;
 use crate::cuda::GradientAllReduce;
+use crate::drafter::DrafterError;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
 use crate::source::{BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, open_sources};
@@ -467,9 +470,19 @@ impl Threads<'_> {
                                     devices::open_gpu(plan, ordinal, communicator, (state, frozen))
                                 })
                             }
-                            None => worker::run(context, start, |state| {
-                                devices::open_cpu(plan, gradients.clone(), (state, frozen))
-                            }),
+                            None => match HostThreads::new(
+                                &format!("drafter-{worker}"),
+                                HostThreads::drafter_threads(),
+                            ) {
+                                Ok(threads) => threads.run(|| {
+                                    worker::run(context, start, |state| {
+                                        devices::open_cpu(plan, gradients.clone(), (state, frozen))
+                                    })
+                                }),
+                                Err(refused) => worker::run::<CpuBackend>(context, start, |_| {
+                                    Err(DrafterError::Threads(refused.to_string()))
+                                }),
+                            },
                         };
                         leave();
                         finished

@@ -1,6 +1,13 @@
-//! Attention on the host over slices: the same kernel bodies as the GPU (`draftpipe_gpu_kernels::attention`),
-//! launched through the generated host launchers after checking every range against its key set, so a wrong
-//! block plan fails with a message instead of reading the wrong rows.
+//! Attention on the host over slices, after checking every range against its key set, so a wrong block plan
+//! fails with a message instead of reading the wrong rows. Two implementations of the same mathematics:
+//!
+//! ```text
+//!  HostKernels::Lanes   lanes.rs: a tile of rows is the CPU's vector (what the CPU backend's step runs)
+//!  HostKernels::Planes  the kernel table's bodies (draftpipe_gpu_kernels::attention), the GPU's code, through
+//!                       the generated host launchers (what the kernel tests also check on the host)
+//! ```
+
+mod lanes;
 
 use super::kernels::launch;
 use crate::backend::attention::{AttentionShape, AttentionSizes, check_backward_lens};
@@ -61,27 +68,64 @@ pub struct AttentionGradSlices<'a> {
     pub dv_blk: &'a mut [f32],
 }
 
+/// Which attention code runs on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostKernels {
+    /// Vectorised over a tile of rows (`lanes.rs`): the CPU backend's.
+    Lanes,
+    /// The kernel table's bodies, which the GPU runs.
+    Planes,
+}
+
+impl AttentionSlices<'_> {
+    fn lanes(&self, shape: AttentionShape, sizes: AttentionSizes) -> lanes::Inputs {
+        lanes::Inputs {
+            q: self.q.as_ptr(),
+            k: [self.k_ctx.as_ptr(), self.k_blk.as_ptr()],
+            v: [self.v_ctx.as_ptr(), self.v_blk.as_ptr()],
+            query_ranges: self.query_ranges.as_ptr(),
+            keys: [sizes.context, sizes.queries],
+            queries: sizes.queries,
+            shape,
+        }
+    }
+}
+
 /// Attention forward: `out [Q, heads, head_dim]` and `lse [Q, heads]`.
 ///
 /// # Panics
 /// On sizes that disagree with `shape` or a key range outside its key set.
 pub fn attention_forward(
+    kernels: HostKernels,
     inputs: AttentionSlices<'_>,
     shape: AttentionShape,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let AttentionSizes { queries, context } = inputs.sizes(&shape);
+    let sizes = inputs.sizes(&shape);
+    let AttentionSizes { queries, context } = sizes;
+    assert!(
+        out.len() == inputs.q.len() && lse.len() == queries * shape.heads,
+        "attention_forward: output sizes"
+    );
+    if kernels == HostKernels::Lanes {
+        // SAFETY: `sizes` checked every input against `shape`, and the outputs' lengths above; the outputs are
+        // unique borrows.
+        unsafe {
+            lanes::forward(
+                inputs.lanes(shape, sizes),
+                out.as_mut_ptr(),
+                lse.as_mut_ptr(),
+            )
+        };
+        return;
+    }
     let AttentionShape {
         heads,
         kv_heads,
         head_dim,
         scale,
     } = shape;
-    assert!(
-        out.len() == inputs.q.len() && lse.len() == queries * heads,
-        "attention_forward: output sizes"
-    );
     launch::attention_forward(
         inputs.q,
         inputs.k_ctx,
@@ -109,6 +153,7 @@ pub fn attention_forward(
 /// ranges' two ends).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
+    kernels: HostKernels,
     inputs: AttentionSlices<'_>,
     shape: AttentionShape,
     out: &[f32],
@@ -149,6 +194,27 @@ pub fn attention_backward(
         scale,
     } = shape;
     launch::attention_delta(out, dout, delta, head_dim, queries * heads);
+    if kernels == HostKernels::Lanes {
+        let saved = lanes::Saved {
+            dout: dout.as_ptr(),
+            lse: lse.as_ptr(),
+            delta: delta.as_ptr(),
+            key_ranges: [key_ranges_ctx.as_ptr(), key_ranges_blk.as_ptr()],
+        };
+        // SAFETY: `check_backward_lens` checked every buffer against `shape`; the gradients are unique borrows.
+        unsafe {
+            lanes::backward(
+                inputs.lanes(shape, sizes),
+                saved,
+                grads.dq.as_mut_ptr(),
+                [
+                    (grads.dk_ctx.as_mut_ptr(), grads.dv_ctx.as_mut_ptr()),
+                    (grads.dk_blk.as_mut_ptr(), grads.dv_blk.as_mut_ptr()),
+                ],
+            );
+        }
+        return;
+    }
     launch::attention_backward_q(
         inputs.q,
         inputs.k_ctx,
