@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use draftpipe_compiler::compile_source;
 use draftpipe_compiler::plan::Plan;
 use draftpipe_runtime::batch::HsBatch;
-use draftpipe_runtime::cpu::CpuDrafter;
+use draftpipe_runtime::cpu::{CpuDrafter, HostThreads};
 use draftpipe_runtime::params::FlatState;
 use draftpipe_runtime::pipeline::{RunOptions, run};
 use draftpipe_runtime::source::{BatchPool, Producer, open_sources};
@@ -40,8 +40,14 @@ fn batches(plan: &Plan, count: usize) -> Vec<HsBatch> {
         .collect()
 }
 
-/// Mean wall time of one bare step (forward, loss, backward, AdamW), after one warm-up step per bucket.
+/// Mean wall time of one bare step (forward, loss, backward, AdamW), after one warm-up step per bucket, on a
+/// drafter's threads as the pipeline runs it.
 fn bare_step(plan: &Plan, batches: &[HsBatch], steps: usize) -> Duration {
+    let threads = HostThreads::new("bare", HostThreads::drafter_threads()).expect("threads");
+    threads.run(|| bare_steps(plan, batches, steps))
+}
+
+fn bare_steps(plan: &Plan, batches: &[HsBatch], steps: usize) -> Duration {
     let mut state = FlatState::init(&plan.model, 0);
     let mut drafter = CpuDrafter::new(
         &plan.model,

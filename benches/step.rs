@@ -9,8 +9,11 @@
 //! - `step_hs_dtype`: staging and step of the same batch held in f32 and in bf16 (`hs_dtype`), then the median
 //!   ratio of bf16 to f32 step time over interleaved pairs.
 //!
-//! Run: `cargo bench --bench step -- --warm-up-time 1 --measurement-time 5` (`MATMUL_NUM_THREADS` sets the GEMM
-//! threads; default: physical cores).
+//! Everything runs on a drafter's threads ([`HostThreads`]), as `draftpipe run` runs the step: the bare GEMMs
+//! split over them as the step's do.
+//!
+//! Run: `cargo bench --bench step -- --warm-up-time 1 --measurement-time 5` (`MATMUL_NUM_THREADS` sets the
+//! drafter's threads; default: every core).
 
 use std::time::Instant;
 
@@ -21,7 +24,7 @@ use draftpipe_compiler::plan::{
 };
 use draftpipe_runtime::backend::cpu::CpuBackend;
 use draftpipe_runtime::batch::{HsBatch, HsData};
-use draftpipe_runtime::cpu::CpuDrafter;
+use draftpipe_runtime::cpu::{CpuDrafter, HostThreads, matmul};
 use draftpipe_runtime::drafter::Drafter;
 use draftpipe_runtime::params::FlatState;
 
@@ -96,36 +99,12 @@ fn step_gemms() -> Vec<Shape> {
 
 fn run_gemms(list: &[Shape], a: &[f32], b: &[f32], c: &mut [f32]) {
     for s in list {
-        let (rsa, csa) = if s.a_t {
-            (1, s.m as isize)
-        } else {
-            (s.k as isize, 1)
-        };
-        let (rsb, csb) = if s.b_t {
-            (1, s.k as isize)
-        } else {
-            (s.n as isize, 1)
-        };
-        assert!(a.len() >= s.m * s.k && b.len() >= s.k * s.n && c.len() >= s.m * s.n);
-        // SAFETY: the buffers hold at least the operands' elements (checked above); `c` is a unique borrow.
-        unsafe {
-            matrixmultiply::sgemm(
-                s.m,
-                s.k,
-                s.n,
-                1.0,
-                a.as_ptr(),
-                rsa,
-                csa,
-                b.as_ptr(),
-                rsb,
-                csb,
-                0.0,
-                c.as_mut_ptr(),
-                s.n as isize,
-                1,
-            )
-        };
+        matmul(
+            &mut c[..s.m * s.n],
+            (&a[..s.m * s.k], s.a_t),
+            (&b[..s.k * s.n], s.b_t),
+            (s.m, s.k, s.n),
+        );
     }
 }
 
@@ -177,11 +156,14 @@ fn bench_step(c: &mut Criterion) {
     let mut drafter = CpuDrafter::new(&model, loss, optimizer, &[bucket]);
     let mut state = FlatState::init(&model, 0);
     let batch = batch();
+    let threads = drafter_threads();
     let mut step = || {
-        drafter
-            .forward_backward(&mut state, &batch)
-            .expect("bench batch fits its bucket");
-        drafter.optimizer_step(&mut state);
+        threads.run(|| {
+            drafter
+                .forward_backward(&mut state, &batch)
+                .expect("bench batch fits its bucket");
+            drafter.optimizer_step(&mut state);
+        })
     };
 
     let gemms = step_gemms();
@@ -201,7 +183,7 @@ fn bench_step(c: &mut Criterion) {
     group.throughput(Throughput::Elements(flops));
     group.bench_function("step", |bench| bench.iter(&mut step));
     group.bench_function("bare_gemm", |bench| {
-        bench.iter(|| run_gemms(&gemms, &a, &b, &mut out))
+        bench.iter(|| threads.run(|| run_gemms(&gemms, &a, &b, &mut out)))
     });
     group.finish();
 
@@ -219,7 +201,7 @@ fn bench_step(c: &mut Criterion) {
             step();
             let step_time = started.elapsed();
             let started = Instant::now();
-            run_gemms(&gemms, &a, &b, &mut out);
+            threads.run(|| run_gemms(&gemms, &a, &b, &mut out));
             started.elapsed().as_secs_f64() / step_time.as_secs_f64()
         })
         .collect();
@@ -297,9 +279,12 @@ fn bench_hs_dtype(c: &mut Criterion) {
     };
     let (mut f32_drafter, f32_batch) = drafter_for(HsDtype::F32);
     let (mut bf16_drafter, bf16_batch) = drafter_for(HsDtype::Bf16);
+    let threads = drafter_threads();
     let step = |drafter: &mut Drafter<CpuBackend>, batch: &HsBatch| {
-        drafter.stage(batch).expect("bench batch fits its bucket");
-        drafter.step().expect("step");
+        threads.run(|| {
+            drafter.stage(batch).expect("bench batch fits its bucket");
+            drafter.step().expect("step");
+        })
     };
 
     let mut group = c.benchmark_group("step_hs_dtype");
@@ -330,6 +315,15 @@ fn bench_hs_dtype(c: &mut Criterion) {
         ratios[0],
         ratios[ratios.len() - 1],
     );
+}
+
+/// A drafter's threads, as `draftpipe run` gives each CPU drafter: every timed step and GEMM runs inside them
+/// (criterion itself cannot move to another thread, so each iteration enters the pool: about 10 µs, the same
+/// for the step and the bare GEMMs).
+fn drafter_threads() -> HostThreads {
+    let threads = HostThreads::new("bench", HostThreads::drafter_threads()).expect("threads");
+    println!("on {} drafter thread(s)", threads.threads());
+    threads
 }
 
 criterion_group!(benches, bench_step, bench_hs_dtype);

@@ -71,7 +71,7 @@ pub struct BatchMetrics {
 }
 
 /// A model that can run the forward pass and the loss on a batch without touching its weights.
-pub trait ForwardOnly {
+pub trait ForwardOnly: Send {
     /// The metrics of `batch` under the current weights.
     fn evaluate(&mut self, batch: &HsBatch) -> Result<BatchMetrics, String>;
 }

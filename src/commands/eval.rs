@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
+use draftpipe_runtime::cpu::HostThreads;
 use draftpipe_runtime::eval::{
     EvalProgress, EvalTotals, eval_plan, evaluate_dataset, forward_only_model, frozen_tables,
     load_eval_weights, open_eval_data,
@@ -34,7 +35,11 @@ pub fn run(args: &EvalArgs) -> CommandResult {
         forward_only_model(&plan, &frozen, &params).context("cannot build the drafter")?;
     let started = Instant::now();
     let mut bar = ProgressBar::new(!args.json && std::io::stderr().is_terminal());
-    let totals = evaluate_dataset(&plan, data, model.as_mut(), |p| bar.draw(p, started))?;
+    // On a drafter's threads, as `run` trains: the forward's GEMMs and kernels split over them.
+    let threads = HostThreads::new("eval", HostThreads::drafter_threads())
+        .context("cannot start the evaluation threads")?;
+    let totals =
+        threads.run(|| evaluate_dataset(&plan, data, model.as_mut(), |p| bar.draw(p, started)))?;
     bar.clear();
     if args.json {
         say(serde_json::to_string_pretty(&json_report(args, &totals))?)?;

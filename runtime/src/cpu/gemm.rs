@@ -194,6 +194,39 @@ pub(crate) fn gemm_strided(
     }
 }
 
+/// `c = a · b` for row-major operands, each optionally read transposed (`a` holds `[m, k]`, or `[k, m]` when
+/// `a_transposed`; `b` holds `[k, n]`, or `[n, k]`): the product every CPU step GEMM is, split over the calling
+/// drafter's threads the same way, for benchmarks that time the step's GEMMs bare.
+///
+/// # Examples
+/// ```
+/// let (a, b) = ([1.0, 2.0, 3.0, 4.0], [1.0, 0.0, 0.0, 1.0]);
+/// let mut c = [0.0; 4];
+/// draftpipe_runtime::cpu::matmul(&mut c, (&a, false), (&b, true), (2, 2, 2));
+/// assert_eq!(c, [1.0, 2.0, 3.0, 4.0]);
+/// ```
+///
+/// # Panics
+/// When a slice does not hold its operand's shape.
+pub fn matmul(
+    c: &mut [f32],
+    (a, a_transposed): (&[f32], bool),
+    (b, b_transposed): (&[f32], bool),
+    (m, k, n): (usize, usize, usize),
+) {
+    let a = if a_transposed {
+        Mat::new(a, k, m).t()
+    } else {
+        Mat::new(a, m, k)
+    };
+    let b = if b_transposed {
+        Mat::new(b, n, k).t()
+    } else {
+        Mat::new(b, k, n)
+    };
+    gemm(c, a, b, 1.0, 0.0);
+}
+
 /// Multiply-adds (`m·k·n`) below which a product runs on one thread: splitting costs a few microseconds.
 const SPLIT_WORK: usize = 1 << 18;
 

@@ -21,7 +21,7 @@ mod threads;
 
 pub use crate::drafter::StepError;
 pub use crate::model::mlp::RMS_EPS;
-pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads};
+pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads, matmul};
 pub use head_loss::{HeadLoss, head_loss};
 pub use threads::HostThreads;
 
