@@ -105,9 +105,10 @@ pub fn sin_cos(x: f32) -> (f32, f32) {
     const DP3: f32 = 3.774_895e-8;
     let negative = x < 0.0;
     let a = if negative { -x } else { x };
-    // The nearest even multiple of π/4, i.e. the nearest multiple of π/2 (`as` saturates, so no UB).
-    let mut j = (a * FOUR_OVER_PI) as u32;
-    j += j & 1;
+    // The nearest even multiple of π/4, i.e. the nearest multiple of π/2 (`as` saturates, so no UB; `i32`
+    // rather than `u32` because x86's vector conversion is signed: a `u32` one kept the host's RoPE loop scalar).
+    let mut j = (a * FOUR_OVER_PI) as i32;
+    j = j.wrapping_add(j & 1);
     let y = j as f32;
     let r = ((a - y * DP1) - y * DP2) - y * DP3;
     let z = r * r;
