@@ -154,7 +154,7 @@ fn the_quickstart_run_lowers_its_loss() {
     );
 }
 
-/// Steps of `dflash-quickstart.pipe` the binary test trains (the file's 2000 take about 30 s in release).
+/// Steps of `dflash-quickstart.pipe` the binary test trains (the file's 12000 take about a minute in release).
 const DFLASH_QUICKSTART_TEST_STEPS: u64 = 600;
 
 #[test]
