@@ -12,7 +12,7 @@ Reads the pipeline's plan (`draftpipe compile --emit json`), then times, on the 
   per step from `summary.json` (every phase but waiting for data, without the warm-up step the summary sets
   apart); the median over `--repeats` runs.
 
-Both sides run at each of `--threads` (PyTorch's intra-op threads, draftpipe's GEMM threads through
+Both sides run at each of `--threads` (PyTorch's intra-op threads, the threads of draftpipe's drafter through
 `MATMUL_NUM_THREADS`): on a loaded machine PyTorch's OpenMP threads lose far more to oversubscription than one
 thread does, so the comparison that counts is best against best. The two alternate (a draftpipe run, then
 PyTorch's steps, `--repeats` times), so a change in the machine's load falls on both. Prints the times per step,
@@ -149,7 +149,7 @@ def draftpipe_setup(args, d: Dims, seq_len: int, sequences: int, work: Path) -> 
 
 
 def draftpipe_run(args, pipe: Path, run_dir: Path, threads: int) -> float:
-    """One `draftpipe run` with `threads` GEMM threads; the drafter's compute time per steady-state step (every
+    """One `draftpipe run` with `threads` drafter threads; the drafter's compute time per steady-state step (every
     phase but waiting for data, the warm-up step left out)."""
     command = [args.draftpipe, "run", str(pipe), "--steps", str(args.steps), "--json", "--run-dir", str(run_dir)]
     env = dict(os.environ, MATMUL_NUM_THREADS=str(threads))
@@ -177,7 +177,7 @@ def main() -> int:
     parser.add_argument(
         "--threads",
         default=f"1,{os.cpu_count()}",
-        help="thread counts to compare at, both sides alike (PyTorch's intra-op threads, draftpipe's GEMM threads) "
+        help="thread counts to compare at, both sides alike (PyTorch's intra-op threads, draftpipe's drafter threads) "
         "[%(default)s]",
     )
     args = parser.parse_args()
