@@ -228,10 +228,13 @@ impl CpuDrafter {
         let model = model
             .as_mlp_mut()
             .expect("optimizer_step on a model forward_backward refused");
-        let steps = model.adamw_state_for(state.step);
+        let steps = model.optimizer.adamw_state_for(state.step);
         model.ws.adamw_state.as_mut_slice().copy_from_slice(&steps);
-        be.run_part(StepPart::Update, &mut |be| model.update(be))
-            .expect("the CPU backend cannot fail");
+        be.run_part(StepPart::Update, &mut |be| {
+            let (optimizer, state, ws) = model.update_parts();
+            optimizer.update(be, state, ws)
+        })
+        .expect("the CPU backend cannot fail");
         let [grad_norm, clip_scale, _] = model.ws.step_scalars.as_slice()[..] else {
             unreachable!("three step scalars")
         };

@@ -109,10 +109,11 @@ impl<B: Backend> Model<B> {
 
     /// Sets the step count the learning-rate schedule runs over.
     pub fn set_schedule_total(&mut self, total_steps: u64) {
-        match self {
-            Model::Mlp(m) => m.set_schedule_total(total_steps),
-            Model::Dflash(m) => m.set_schedule_total(total_steps),
-        }
+        let optimizer = match self {
+            Model::Mlp(m) => &mut m.optimizer,
+            Model::Dflash(m) => &mut m.optimizer,
+        };
+        optimizer.set_schedule_total(total_steps);
     }
 
     /// Forward and loss only (evaluation).
@@ -125,18 +126,20 @@ impl<B: Backend> Model<B> {
 
     /// The shared update.
     pub fn update(&mut self, be: &mut B) -> BackendResult {
-        match self {
-            Model::Mlp(m) => m.update(be),
-            Model::Dflash(m) => m.update(be),
-        }
+        let (optimizer, state, ws) = match self {
+            Model::Mlp(m) => m.update_parts(),
+            Model::Dflash(m) => m.update_parts(),
+        };
+        optimizer.update(be, state, ws)
     }
 
     /// AdamW's device state for `steps` applied steps.
     pub fn adamw_state_for(&self, steps: u64) -> [f64; 3] {
-        match self {
-            Model::Mlp(m) => m.adamw_state_for(steps),
-            Model::Dflash(m) => m.adamw_state_for(steps),
-        }
+        let optimizer = match self {
+            Model::Mlp(m) => &m.optimizer,
+            Model::Dflash(m) => &m.optimizer,
+        };
+        optimizer.adamw_state_for(steps)
     }
 
     /// The flat state buffers.

@@ -53,6 +53,51 @@ pub struct UpdateBuffers<'a, B: Backend> {
     pub adamw_state: &'a mut Buf<B, f64>,
 }
 
+/// AdamW's settings and the step count its learning-rate schedule runs over: what the update needs besides the
+/// buffers, held once by every model.
+#[derive(Debug, Clone, Copy)]
+pub struct Optimizer {
+    spec: AdamWSpec,
+    schedule_total: u64,
+}
+
+impl Optimizer {
+    /// `spec`, its schedule over 0 steps until [`Self::set_schedule_total`].
+    pub fn new(spec: AdamWSpec) -> Self {
+        Self {
+            spec,
+            schedule_total: 0,
+        }
+    }
+
+    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`; before the first step,
+    /// since a captured update keeps it).
+    pub fn set_schedule_total(&mut self, total_steps: u64) {
+        self.schedule_total = total_steps;
+    }
+
+    /// AdamW's device state for `steps` applied steps ([`adamw_state_for`]).
+    pub fn adamw_state_for(&self, steps: u64) -> [f64; 3] {
+        adamw_state_for(&self.spec, steps)
+    }
+
+    /// The shared [`update`] with these settings.
+    ///
+    /// # Errors
+    /// When the backend fails.
+    pub fn update<B: Backend>(
+        &self,
+        be: &mut B,
+        state: &mut FlatBuffers<B>,
+        ws: UpdateBuffers<'_, B>,
+    ) -> BackendResult {
+        update(be, (&self.spec, self.schedule_total), state, ws)
+    }
+}
+
+/// What a model lends the update: its optimizer, its state and its workspace's update buffers.
+pub type UpdateParts<'a, B> = (&'a Optimizer, &'a mut FlatBuffers<B>, UpdateBuffers<'a, B>);
+
 /// Gradient norm and clip scale into `step_scalars[0..2]`, AdamW's step state advanced on the device (the
 /// learning rate of the plan's schedule over `total_steps`, computed there from the applied-step count so a
 /// captured graph replays it), and one fused AdamW pass; a non-finite norm skips the update and leaves the

@@ -36,7 +36,7 @@ use crate::backend::{
 use crate::batch::HsBatch;
 use crate::cpu::PhaseTimes;
 use crate::model::mlp::{AllocateError, StepShape};
-use crate::model::update::{self, FlatBuffers, UpdateBuffers};
+use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
 
 pub use blocks::{BlockGeometry, BlockPlan, PlanInput};
 pub use buffers::{DflashWorkspace, PlanSlot};
@@ -46,8 +46,8 @@ pub use offsets::DflashOffsets;
 pub struct Dflash<B: Backend> {
     offsets: DflashOffsets,
     geometry: BlockGeometry,
-    optimizer: AdamWSpec,
-    schedule_total: u64,
+    /// AdamW's settings and schedule.
+    pub(crate) optimizer: Optimizer,
     precision: Precision,
     chunk_rows: usize,
     /// The flat state (trained tensors only).
@@ -81,8 +81,7 @@ impl<B: Backend> Dflash<B> {
         };
         Ok(Self {
             geometry,
-            optimizer,
-            schedule_total: 0,
+            optimizer: Optimizer::new(optimizer),
             precision,
             chunk_rows: layout.chunk_rows,
             state: FlatBuffers::zeroed(backend, model.parameters)?,
@@ -717,18 +716,11 @@ impl<B: Backend> Dflash<B> {
         )
     }
 
-    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`; before the first step,
-    /// since a captured update keeps it).
-    pub fn set_schedule_total(&mut self, total_steps: u64) {
-        self.schedule_total = total_steps;
-    }
-
-    /// The shared update ([`update::update`]) on this model's buffers.
-    pub fn update(&mut self, be: &mut B) -> BackendResult {
+    /// The optimizer, state and update buffers the shared update runs on.
+    pub fn update_parts(&mut self) -> UpdateParts<'_, B> {
         let ws = &mut self.ws;
-        update::update(
-            be,
-            (&self.optimizer, self.schedule_total),
+        (
+            &self.optimizer,
             &mut self.state,
             UpdateBuffers {
                 grad_norm_partials: &mut ws.grad_norm_partials,
@@ -737,10 +729,5 @@ impl<B: Backend> Dflash<B> {
                 adamw_state: &mut ws.adamw_state,
             },
         )
-    }
-
-    /// AdamW's device state for `steps` applied steps ([`update::adamw_state_for`]).
-    pub fn adamw_state_for(&self, steps: u64) -> [f64; 3] {
-        update::adamw_state_for(&self.optimizer, steps)
     }
 }

@@ -18,7 +18,7 @@ use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, Workspac
 
 use crate::backend::{Backend, BackendResult, HsOperand, Operand, Precision};
 use crate::cpu::PhaseTimes;
-use crate::model::update::{self, UpdateBuffers};
+use crate::model::update::{Optimizer, UpdateBuffers, UpdateParts};
 
 mod buffers;
 
@@ -51,8 +51,8 @@ pub struct Mlp<B: Backend> {
     spec: MlpSpec,
     offsets: MlpOffsets,
     loss: LossSpec,
-    optimizer: AdamWSpec,
-    schedule_total: u64,
+    /// AdamW's settings and schedule.
+    pub(crate) optimizer: Optimizer,
     precision: Precision,
     chunk_rows: usize,
     /// The flat state.
@@ -79,8 +79,7 @@ impl<B: Backend> Mlp<B> {
             spec: offsets.spec,
             offsets,
             loss,
-            optimizer,
-            schedule_total: 0,
+            optimizer: Optimizer::new(optimizer),
             precision,
             chunk_rows: layout.chunk_rows,
             state,
@@ -361,18 +360,11 @@ impl<B: Backend> Mlp<B> {
         )
     }
 
-    /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`; before the first step,
-    /// since a captured update keeps it).
-    pub fn set_schedule_total(&mut self, total_steps: u64) {
-        self.schedule_total = total_steps;
-    }
-
-    /// The shared update ([`update::update`]) on this model's buffers.
-    pub fn update(&mut self, be: &mut B) -> BackendResult {
+    /// The optimizer, state and update buffers the shared update runs on.
+    pub fn update_parts(&mut self) -> UpdateParts<'_, B> {
         let ws = &mut self.ws;
-        update::update(
-            be,
-            (&self.optimizer, self.schedule_total),
+        (
+            &self.optimizer,
             &mut self.state,
             UpdateBuffers {
                 grad_norm_partials: &mut ws.grad_norm_partials,
@@ -381,10 +373,5 @@ impl<B: Backend> Mlp<B> {
                 adamw_state: &mut ws.adamw_state,
             },
         )
-    }
-
-    /// AdamW's device state for `steps` applied steps ([`update::adamw_state_for`]).
-    pub fn adamw_state_for(&self, steps: u64) -> [f64; 3] {
-        update::adamw_state_for(&self.optimizer, steps)
     }
 }
