@@ -624,7 +624,7 @@ pub(crate) mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_and_baseline_copies_give_bit_identical_training_steps() {
+    fn avx2_baseline_and_threaded_launches_give_bit_identical_training_steps() {
         use crate::batch::HsBatch;
         use crate::cpu::CpuDrafter;
         use crate::params::FlatState;
@@ -720,6 +720,13 @@ pub(crate) mod tests {
         assert!(
             wide == baseline,
             "AVX2 and baseline steps differ (seed {seed})"
+        );
+        // The same steps with every launch and GEMM split over a drafter's threads.
+        let threads = crate::cpu::HostThreads::new("test", 3).expect("threads");
+        let pooled = threads.run(|| train(false));
+        assert!(
+            wide == pooled,
+            "steps split over 3 threads differ from one thread's (seed {seed})"
         );
     }
 }
