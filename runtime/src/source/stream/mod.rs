@@ -24,6 +24,8 @@
 //! batches each producer had delivered, and a resumed run continues the count.
 
 mod message;
+mod receive;
+mod scan;
 pub mod wire;
 
 use std::path::PathBuf;
@@ -36,6 +38,7 @@ use std::time::Duration;
 use draftpipe_compiler::plan::TargetStage;
 
 use self::message::Message;
+use self::receive::{DirectReceiver, ReceiveError, Received};
 use self::wire::{Connection, Hello, Listener, POLL, PROTOCOL_VERSION, Reply, WireError};
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
@@ -194,6 +197,7 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
             incoming,
             connection: None,
             buffer: Vec::new(),
+            receiver: DirectReceiver::default(),
             message: None,
             ack_due: None,
             next: slot as u64,
@@ -388,6 +392,43 @@ struct AckDue {
     sequences: u64,
 }
 
+/// The message whose batches are being handed out.
+#[derive(Debug)]
+enum Current {
+    /// Read whole into the buffer, checked; its items are copied out one by one.
+    Buffered(Box<Message>),
+    /// One item, received straight into the receiver's staged batch, handed out by a swap.
+    Staged {
+        bucket: usize,
+        sequences: usize,
+        handed: bool,
+    },
+}
+
+impl Current {
+    fn exhausted(&self) -> bool {
+        match self {
+            Self::Buffered(message) => message.exhausted(),
+            Self::Staged { handed, .. } => *handed,
+        }
+    }
+
+    fn next_bucket(&self) -> Option<usize> {
+        match self {
+            Self::Buffered(message) => message.next_bucket(),
+            Self::Staged { bucket, handed, .. } => (!handed).then_some(*bucket),
+        }
+    }
+
+    /// `(batches, sequences)` the whole message makes.
+    fn counts(&self) -> (usize, usize) {
+        match self {
+            Self::Buffered(message) => (message.batches(), message.sequences()),
+            Self::Staged { sequences, .. } => (1, *sequences),
+        }
+    }
+}
+
 /// One producer slot of a stream: the connection of the producer process in that slot, read on demand.
 pub struct StreamSource {
     server: Arc<Server>,
@@ -395,7 +436,8 @@ pub struct StreamSource {
     incoming: Receiver<(Connection, u64)>,
     connection: Option<(Connection, u64)>,
     buffer: Vec<u8>,
-    message: Option<Message>,
+    receiver: DirectReceiver,
+    message: Option<Current>,
     ack_due: Option<AckDue>,
     next: u64,
     finished: bool,
@@ -470,15 +512,13 @@ impl StreamSource {
             };
             let config = &self.server.state.config;
             let replacement = &self.server.state.replacement[self.slot];
-            let read = connection.read_frame(
-                &mut self.buffer,
-                config.max_message_bytes,
-                config.read_timeout,
-                || !stop.load(Ordering::Acquire) && !replacement.swap(false, Ordering::AcqRel),
-            );
+            let read =
+                connection.read_frame_len(config.max_message_bytes, config.read_timeout, || {
+                    !stop.load(Ordering::Acquire) && !replacement.swap(false, Ordering::AcqRel)
+                });
             match read {
                 Ok(0) => self.finish_slot(),
-                Ok(len) => self.accept_message(len)?,
+                Ok(len) => self.receive_message(len),
                 Err(WireError::Stopped) => {}
                 Err(WireError::Closed) => {
                     let (connection, generation) =
@@ -519,20 +559,49 @@ impl StreamSource {
         self.finished = true;
     }
 
-    /// Checks a received message and makes it the current one; a bad one drops the connection.
-    fn accept_message(&mut self, len: usize) -> Result<(), SourceError> {
-        let peer = self
-            .connection
-            .as_ref()
-            .map_or_else(String::new, |(c, _)| c.peer().to_string());
-        let delivered = self.state().slots()[self.slot].delivered;
-        let origin = PathBuf::from(format!("{peer} message {}", delivered + 1));
+    /// Reads the body of a message frame of `len` bytes and makes it the current message; a bad one (or a
+    /// connection that fails inside it) drops the connection.
+    fn receive_message(&mut self, len: u64) {
+        let Some((connection, _)) = &mut self.connection else {
+            return;
+        };
+        let state = &self.server.state;
+        let delivered = state.slots()[self.slot].delivered;
+        let origin = PathBuf::from(format!("{} message {}", connection.peer(), delivered + 1));
+        let config = &state.config;
+        if let Some(Current::Buffered(message)) = self.message.take() {
+            self.buffer = message.into_bytes();
+        }
+        let received = self.receiver.receive(
+            connection,
+            len,
+            config.read_timeout,
+            &origin,
+            &config.target,
+            &config.shapes,
+            &mut self.buffer,
+        );
+        match received {
+            Ok(Received::Buffered) => self.accept_message(origin, len as usize),
+            Ok(Received::Staged { bucket, sequences }) => {
+                self.message = Some(Current::Staged {
+                    bucket,
+                    sequences,
+                    handed: false,
+                });
+            }
+            Err(ReceiveError::Wire(e)) => self.drop_connection(&e.to_string()),
+            Err(ReceiveError::Content(e)) => self.drop_connection(&e.to_string()),
+        }
+    }
+
+    /// Checks a message read whole into the buffer and makes it the current one; a bad one drops the
+    /// connection.
+    fn accept_message(&mut self, origin: PathBuf, len: usize) {
         let buffer = std::mem::take(&mut self.buffer);
         let config = &self.server.state.config;
-        let recycled = self.message.take().map(Message::into_bytes);
         match Message::parse(origin, buffer, len, &config.target, &config.shapes) {
             Ok(message) => {
-                self.buffer = recycled.unwrap_or_default();
                 if message.exhausted() {
                     // Every row was empty: nothing to queue, acknowledged at once.
                     self.ack_due = Some(AckDue {
@@ -541,13 +610,11 @@ impl StreamSource {
                     });
                     self.settle_ack();
                 }
-                self.message = Some(message);
-                Ok(())
+                self.message = Some(Current::Buffered(Box::new(message)));
             }
             Err((error, bytes)) => {
                 self.buffer = bytes;
                 self.drop_connection(&error.to_string());
-                Ok(())
             }
         }
     }
@@ -566,7 +633,7 @@ impl HsSource for StreamSource {
             .message
             .as_ref()
             .filter(|m| !m.exhausted())
-            .and_then(Message::next_bucket))
+            .and_then(Current::next_bucket))
     }
 
     fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
@@ -577,15 +644,32 @@ impl HsSource for StreamSource {
                 self.slot
             )));
         };
-        let fill = message.fill_next(out, shapes);
+        let fill = match message {
+            Current::Buffered(message) => message.fill_next(out, shapes),
+            Current::Staged { bucket, handed, .. } => {
+                match self.receiver.staged_mut() {
+                    Some(staged) if shapes.matches(out, *bucket) => {
+                        // The pooled batch becomes the next message's staging buffer: no copy.
+                        std::mem::swap(out, staged);
+                        *handed = true;
+                        Ok(())
+                    }
+                    _ => Err(SourceError::Buffer(format!(
+                        "a batch of bucket {bucket} {:?} needs its shape, got a {}×{} buffer",
+                        shapes.buckets[*bucket], out.sequences, out.padded_len
+                    ))),
+                }
+            }
+        };
         match fill {
             Ok(()) => {
                 out.source_position = self.next;
                 self.next += self.server.state.config.producers as u64;
                 if message.exhausted() {
+                    let (batches, sequences) = message.counts();
                     self.ack_due = Some(AckDue {
-                        batches: message.batches() as u64,
-                        sequences: message.sequences() as u64,
+                        batches: batches as u64,
+                        sequences: sequences as u64,
                     });
                 }
                 Ok(())
