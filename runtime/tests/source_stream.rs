@@ -563,3 +563,39 @@ fn one_item_messages_are_received_into_the_batch_exactly_as_buffered_ones_are_co
     assert_eq!(copied[2].0.seq_lens, [8, 2, 7, 0]);
     assert_eq!(copied[3].0.seq_lens, [6, 3, 0, 0]);
 }
+
+#[test]
+fn a_nan_early_in_a_large_direct_message_is_answered_after_the_whole_message() {
+    // One row of 4M tokens (8 kept): 84 MB, more than loopback's socket buffers hold. The NaN is in the first
+    // chunk the server reads; it still reads the rest before answering, so the producer finishes sending and
+    // reads the error instead of a reset connection.
+    const SEQ: usize = 4 << 20;
+    let mut hs = vec![0u8; SEQ * DIN * 2];
+    hs[(2 * DIN + 1) * 2..(2 * DIN + 1) * 2 + 2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
+    let ids = vec![0u8; SEQ * 4];
+    let mut mask = vec![0u8; SEQ];
+    mask[..8].fill(1);
+    let header = serde_json::json!({
+        "input_ids": {"dtype": "I32", "shape": [1, SEQ], "data_offsets": [0, ids.len()]},
+        "loss_mask": {"dtype": "U8", "shape": [1, SEQ], "data_offsets": [ids.len(), ids.len() + SEQ]},
+        "hidden_states": {"dtype": "BF16", "shape": [1, SEQ, DIN],
+                          "data_offsets": [ids.len() + SEQ, ids.len() + SEQ + hs.len()]},
+    });
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut message = (header.len() as u64).to_le_bytes().to_vec();
+    for part in [&header, &ids, &mask, &hs] {
+        message.extend_from_slice(part);
+    }
+    refused_then_recovers(None, 128 << 20, |address| {
+        let mut client = Client::connect(address);
+        let peer = client.local_name();
+        assert!(client.hello(&hello("", "bad")).ok);
+        client.frame(&message).expect("the whole message is read");
+        let error = expect_error(client.reply(), "non-finite value NaN");
+        assert!(
+            error.contains(&format!("element {}", 2 * DIN + 1)),
+            "{error}"
+        );
+        (error, peer)
+    });
+}

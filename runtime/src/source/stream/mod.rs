@@ -572,15 +572,9 @@ impl StreamSource {
         if let Some(Current::Buffered(message)) = self.message.take() {
             self.buffer = message.into_bytes();
         }
-        let received = self.receiver.receive(
-            connection,
-            len,
-            config.read_timeout,
-            &origin,
-            &config.target,
-            &config.shapes,
-            &mut self.buffer,
-        );
+        let received = self
+            .receiver
+            .receive(connection, len, config, &origin, &mut self.buffer);
         match received {
             Ok(Received::Buffered) => self.accept_message(origin, len as usize),
             Ok(Received::Staged { bucket, sequences }) => {

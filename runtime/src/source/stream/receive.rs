@@ -27,6 +27,7 @@ use draftpipe_compiler::plan::TargetStage;
 use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
 
+use super::StreamConfig;
 use super::message::plan_items;
 use super::scan::first_non_finite;
 use super::wire::{Connection, WireError};
@@ -152,25 +153,44 @@ impl DirectReceiver {
 
     /// Reads the body of a frame of `len` bytes whose length prefix was read. `origin` names the message in
     /// errors; `buffer` is the connection's reusable buffer.
-    #[allow(clippy::too_many_arguments)] // one call site, which holds every piece separately
     pub(super) fn receive(
         &mut self,
         connection: &mut Connection,
         len: u64,
-        timeout: Duration,
+        config: &StreamConfig,
         origin: &Path,
-        target: &TargetStage,
-        shapes: &BucketShapes,
         buffer: &mut Vec<u8>,
     ) -> Result<Received, ReceiveError> {
         let mut body = Body {
             connection,
             len,
-            timeout,
+            timeout: config.read_timeout,
             at: 0,
         };
-        let Some(head) = read_head(&mut body, buffer, origin, target, shapes)? else {
-            body.read_into(buffer, len as usize)?;
+        let received = self.receive_body(&mut body, config, origin, buffer);
+        if let Err(ReceiveError::Content(_)) = received {
+            // The buffered path reads a bad message whole before it answers, and so does this one: closing a
+            // socket with unread data resets the connection, and the producer, still sending, would see the
+            // reset instead of the error.
+            if buffer.len() < CHUNK_BYTES {
+                buffer.resize(CHUNK_BYTES, 0);
+            }
+            let rest = (len - body.at) as usize;
+            let _ = body.skip(rest, &mut buffer[..CHUNK_BYTES]);
+        }
+        received
+    }
+
+    fn receive_body(
+        &mut self,
+        body: &mut Body<'_>,
+        config: &StreamConfig,
+        origin: &Path,
+        buffer: &mut Vec<u8>,
+    ) -> Result<Received, ReceiveError> {
+        let shapes = &config.shapes;
+        let Some(head) = read_head(body, buffer, origin, &config.target, shapes)? else {
+            body.read_into(buffer, body.len as usize)?;
             return Ok(Received::Buffered);
         };
         let prefix_end = head.data_start + head.hs.data_offsets.0;
@@ -186,13 +206,7 @@ impl DirectReceiver {
         };
         let staged = self.staged.get_or_insert_with(|| shapes.buffer());
         shapes.shape_for(staged, head.bucket);
-        receive_rows(
-            &mut body,
-            &head,
-            staged,
-            &mut scratch[..CHUNK_BYTES],
-            origin,
-        )?;
+        receive_rows(body, &head, staged, &mut scratch[..CHUNK_BYTES], origin)?;
         fill_tokens(&head, &prefix, staged, &mut self.ids)?;
         Ok(Received::Staged {
             bucket: head.bucket,
