@@ -206,6 +206,7 @@ fn main() {
     assert_eq!(direct.len(), buffered.len());
     let bytes = (direct.len() * MESSAGES) as f64;
     let (mut plain, mut streamed, mut copied) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut direct_ratios, mut buffered_ratios) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let p = bytes / plain_copy(&direct) / 1e9;
         let s = bytes / stream_into_pool(&direct) / 1e9;
@@ -216,6 +217,8 @@ fn main() {
             100.0 * s / p,
             100.0 * c / p
         );
+        direct_ratios.push(s / p);
+        buffered_ratios.push(c / p);
         plain.push(p);
         streamed.push(s);
         copied.push(c);
@@ -234,5 +237,10 @@ fn main() {
          hidden_states not last (buffered) {c:.2} GB/s = {:.0}%",
         100.0 * s / p,
         100.0 * c / p
+    );
+    println!(
+        "  median of the per-round ratios: hidden_states last {:.0}% | buffered {:.0}%",
+        100.0 * median(&mut direct_ratios),
+        100.0 * median(&mut buffered_ratios)
     );
 }

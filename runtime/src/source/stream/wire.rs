@@ -391,11 +391,14 @@ impl Connection {
         })
     }
 
-    /// Writes one reply frame.
+    /// Writes one reply frame, in one write: with `TCP_NODELAY` two writes are two segments, and a producer
+    /// waiting for its acknowledgement would be woken twice.
     pub fn send(&mut self, reply: &Reply) -> Result<(), WireError> {
-        let body = serde_json::to_vec(reply).map_err(io::Error::other)?;
-        self.socket.write_all(&(body.len() as u64).to_le_bytes())?;
-        self.socket.write_all(&body)?;
+        let mut frame = vec![0; 8];
+        serde_json::to_writer(&mut frame, reply).map_err(io::Error::other)?;
+        let len = (frame.len() - 8) as u64;
+        frame[..8].copy_from_slice(&len.to_le_bytes());
+        self.socket.write_all(&frame)?;
         self.socket.flush()?;
         Ok(())
     }
