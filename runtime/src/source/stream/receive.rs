@@ -230,7 +230,10 @@ fn read_head(
         return Ok(None);
     }
     body.read_into(buffer, 8)?;
-    let header_len = u64::from_le_bytes(buffer[..8].try_into().expect("8 bytes were read"));
+    let Some(&header_len) = buffer.first_chunk::<8>() else {
+        return Ok(None);
+    };
+    let header_len = u64::from_le_bytes(header_len);
     if header_len > MAX_DIRECT_HEADER || 8 + header_len > len {
         return Ok(None);
     }
