@@ -14,7 +14,7 @@
 //! message after its last byte arrived adds to the time per message. Buffered, that was two more passes over
 //! the hidden states (the NaN scan and the copy into the pooled batch); received in place, a message costs
 //! the socket copy and a scan of bytes still in cache, and the batch is swapped with the pooled one. One batch
-//! buffer per connection is kept for this, in place of the message-sized buffer a buffered message needs.
+//! buffer per producer slot is kept for this, in place of the message-sized buffer a buffered message needs.
 //!
 //! Both paths run the same checks in the same order and report the same errors; a message refused on the
 //! direct path has queued nothing, since the staged batch only reaches the queue through `fill_next`.
@@ -86,7 +86,7 @@ impl From<TensorFileError> for ReceiveError {
     }
 }
 
-/// A connection's receiving state, kept across messages so steady state allocates nothing.
+/// A producer slot's receiving state, kept across messages so steady state allocates nothing.
 #[derive(Debug, Default)]
 pub(super) struct DirectReceiver {
     /// The batch a direct message is read into; swapped with a pooled batch by `fill_next`.
