@@ -21,8 +21,8 @@ def main():
     mask = np.ones((rows, seq), np.uint8)
 
     def encode_f32():
-        return serialize({"hidden_states": Tensor(float32_to_bf16_bits(hs), "BF16"), "input_ids": Tensor(ids),
-                          "loss_mask": Tensor(mask)})
+        return serialize({"input_ids": Tensor(ids), "loss_mask": Tensor(mask),
+                          "hidden_states": Tensor(float32_to_bf16_bits(hs), "BF16")})
 
     cases = [("float32 -> bf16", encode_f32)]
     try:
@@ -32,8 +32,8 @@ def main():
 
         def encode_torch_bf16():
             bits = hs_bf16.view(torch.int16).numpy().view(np.uint16)
-            return serialize({"hidden_states": Tensor(bits, "BF16"), "input_ids": Tensor(ids),
-                              "loss_mask": Tensor(mask)})
+            return serialize({"input_ids": Tensor(ids), "loss_mask": Tensor(mask),
+                              "hidden_states": Tensor(bits, "BF16")})
 
         cases.append(("torch bfloat16 (no conversion)", encode_torch_bf16))
     except ImportError:

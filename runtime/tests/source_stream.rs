@@ -19,7 +19,7 @@ use draftpipe_runtime::source::{
 use safetensors::Dtype;
 
 use source_support::plan;
-use stream_support::{Client, batch, blob};
+use stream_support::{Client, LAYOUTS, Layout, Tensors, batch, blob, blob_in};
 
 const HIDDEN: usize = 4;
 const TAPS: usize = 2;
@@ -289,32 +289,52 @@ fn a_hello_for_another_target_is_refused() {
 
 #[test]
 fn hidden_states_of_the_wrong_width_are_refused() {
-    refused_then_recovers(None, 1 << 20, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
-        assert!(client.hello(&hello("", "bad")).ok);
-        let wide = batch(2, 8, DIN + 1, VOCAB, &[8, 8], 3);
-        let error = expect_error(client.send(&wide), "hidden_states");
-        assert!(
-            error.contains("[N, S, 8]") && error.contains(&peer),
-            "{error}"
-        );
-        (error, peer)
-    });
+    for layout in LAYOUTS {
+        refused_then_recovers(None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let wide = batch(2, 8, DIN + 1, VOCAB, &[8, 8], 3);
+            let error = expect_error(client.send_in(layout, &wide), "hidden_states");
+            assert!(
+                error.contains("[N, S, 8]") && error.contains(&peer),
+                "{layout:?}: {error}"
+            );
+            (error, peer)
+        });
+    }
 }
 
 #[test]
 fn a_header_that_lies_about_its_length_is_refused() {
-    refused_then_recovers(None, 1 << 20, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
-        assert!(client.hello(&hello("", "bad")).ok);
-        let mut lying = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 4));
-        let header_len = u64::from_le_bytes(lying[..8].try_into().unwrap());
-        lying[..8].copy_from_slice(&(header_len + 4096).to_le_bytes());
-        client.frame(&lying).unwrap();
-        (expect_error(client.reply(), "truncated"), peer)
-    });
+    for layout in LAYOUTS {
+        refused_then_recovers(None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let mut lying = blob_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 4));
+            let header_len = u64::from_le_bytes(lying[..8].try_into().unwrap());
+            lying[..8].copy_from_slice(&(header_len + 4096).to_le_bytes());
+            client.frame(&lying).unwrap();
+            (expect_error(client.reply(), "truncated"), peer)
+        });
+    }
+}
+
+#[test]
+fn a_tensor_size_that_lies_about_the_frame_is_refused() {
+    // The header is valid JSON, but its tensors need more bytes than the frame holds.
+    for layout in LAYOUTS {
+        refused_then_recovers(None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let mut short = blob_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 4));
+            short.truncate(short.len() - 2 * DIN);
+            client.frame(&short).unwrap();
+            (expect_error(client.reply(), "the header declares"), peer)
+        });
+    }
 }
 
 #[test]
@@ -335,21 +355,33 @@ fn a_message_over_the_limit_is_refused_before_it_is_read() {
 
 #[test]
 fn half_a_message_then_a_stall_times_out() {
-    refused_then_recovers(None, 1 << 20, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
-        assert!(client.hello(&hello("", "bad")).ok);
-        let message = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 6));
-        let half = 8 + message.len() / 2;
-        let mut framed = (message.len() as u64).to_le_bytes().to_vec();
-        framed.extend_from_slice(&message);
-        std::io::Write::write_all(&mut client.stream, &framed[..half]).unwrap();
-        (expect_error(client.reply(), "read timeout"), peer)
-    });
+    for layout in LAYOUTS {
+        refused_then_recovers(None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let message = blob_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 6));
+            // Past the header and the small tensors: inside the hidden states' rows.
+            let cut = 8 + message.len() * 3 / 4;
+            let mut framed = (message.len() as u64).to_le_bytes().to_vec();
+            framed.extend_from_slice(&message);
+            std::io::Write::write_all(&mut client.stream, &framed[..cut]).unwrap();
+            let error = expect_error(client.reply(), "read timeout");
+            let expected = format!("of {} bytes of a frame", framed.len());
+            assert!(error.contains(&expected), "{layout:?}: {error}");
+            (error, peer)
+        });
+    }
 }
 
 #[test]
 fn a_producer_that_vanishes_mid_message_loses_nothing_acknowledged_and_may_reconnect() {
+    for layout in LAYOUTS {
+        vanish_then_reconnect(layout);
+    }
+}
+
+fn vanish_then_reconnect(layout: Layout) {
     let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
     let address = status.address().to_string();
     let stop = AtomicBool::new(false);
@@ -367,11 +399,16 @@ fn a_producer_that_vanishes_mid_message_loses_nothing_acknowledged_and_may_recon
         let mut first = Client::connect(&address);
         assert!(first.hello(&hello("", "p")).ok);
         assert_eq!(
-            first.send(&batch(2, 8, DIN, VOCAB, &[8, 2], 1)).delivered,
+            first
+                .send_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 2], 1))
+                .delivered,
             Some(1)
         );
-        let message = blob(&batch(2, 8, DIN, VOCAB, &[8, 8], 2));
-        first.frame(&message[..message.len() / 3]).unwrap_or(());
+        let message = blob_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 2));
+        // The frame announces the whole message; the producer dies three quarters of the way into it.
+        let mut framed = (message.len() as u64).to_le_bytes().to_vec();
+        framed.extend_from_slice(&message[..message.len() * 3 / 4]);
+        std::io::Write::write_all(&mut first.stream, &framed).unwrap_or(());
         drop(first);
         // Wait for the server to notice, then come back under the same name.
         while status.connected().0 != 0 {
@@ -385,7 +422,9 @@ fn a_producer_that_vanishes_mid_message_loses_nothing_acknowledged_and_may_recon
             "{reply:?}"
         );
         assert_eq!(
-            again.send(&batch(2, 8, DIN, VOCAB, &[8, 8], 2)).delivered,
+            again
+                .send_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 2))
+                .delivered,
             Some(2)
         );
         assert!(again.done().done);
@@ -408,32 +447,153 @@ fn a_stop_ends_a_source_that_waits_for_producers() {
 
 #[test]
 fn f32_and_f16_messages_decode_exactly() {
-    for dtype in [Dtype::F32, Dtype::F16] {
+    for (dtype, layout) in [Dtype::F32, Dtype::F16]
+        .into_iter()
+        .flat_map(|d| LAYOUTS.map(|l| (d, l)))
+    {
         let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
         let mut client = Client::connect(status.address());
         assert!(client.hello(&hello("", "p")).ok);
         let mut tensors = batch(4, 8, DIN, VOCAB, &[8; 4], 9);
         tensors[0].1 = dtype;
-        client.frame(&blob(&tensors)).unwrap();
+        client.frame(&blob_in(layout, &tensors)).unwrap();
         let stop = AtomicBool::new(false);
         let got = producers[0].next_batch(&pool, &stop).unwrap().unwrap();
         let want: Vec<f32> = tensors[0].3.iter().map(|&v| v as f32).collect();
-        assert_eq!(got.hs.to_f32_vec(0..want.len()), want, "{dtype:?}");
+        assert_eq!(
+            got.hs.to_f32_vec(0..want.len()),
+            want,
+            "{dtype:?} {layout:?}"
+        );
         pool.give_back(got).unwrap();
     }
 }
 
 #[test]
 fn a_nan_in_the_hidden_states_is_refused() {
-    refused_then_recovers(None, 1 << 20, |address| {
+    for (layout, value) in LAYOUTS
+        .into_iter()
+        .flat_map(|l| [(l, f64::NAN), (l, f64::NEG_INFINITY)])
+    {
+        refused_then_recovers(None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
+            tensors[0].3[(8 + 2) * DIN + 3] = value; // row 1, token 2: inside its kept length
+            tensors[0].3[(8 + 6) * DIN] = f64::NAN; // row 1, token 6: padding, never read
+            let error = expect_error(client.send_in(layout, &tensors), "non-finite value");
+            assert!(
+                error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
+                "{layout:?}: {error}"
+            );
+            (error, peer)
+        });
+    }
+}
+
+/// Every batch a one-producer server makes of `messages`, sent in `layout` into a pool whose buffers hold
+/// poison (NaN hidden states, nonzero ids and masks), and whether each came out of the pool's own buffers.
+fn received(layout: Layout, messages: &[Tensors]) -> Vec<(HsBatch, bool)> {
+    let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
+    let mut buffers: Vec<_> = std::iter::from_fn(|| pool.take(0)).collect();
+    let pooled: Vec<_> = buffers.iter().map(|b| b.hs.as_ptr()).collect();
+    for buffer in &mut buffers {
+        buffer.hs.fill(f32::NAN);
+        buffer.input_ids.fill(7);
+        buffer.loss_mask.fill(1);
+        buffer.seq_lens.fill(99);
+    }
+    buffers.into_iter().for_each(|b| pool.give_back(b).unwrap());
+    let mut client = Client::connect(status.address());
+    assert!(client.hello(&hello("", "p")).ok);
+    let stop = AtomicBool::new(false);
+    let mut batches = Vec::new();
+    for tensors in messages {
+        client.frame(&blob_in(layout, tensors)).unwrap();
+        let batch = producers[0].next_batch(&pool, &stop).unwrap().unwrap();
+        batches.push(((*batch).clone(), pooled.contains(&batch.hs.as_ptr())));
+        pool.give_back(batch).unwrap();
+        // Asking for the next batch acknowledges this message.
+        let next = std::thread::scope(|scope| {
+            let waiting = scope.spawn(|| producers[0].next_batch(&pool, &stop));
+            let ack = client.reply();
+            stop.store(true, Ordering::Release);
+            assert!(waiting.join().unwrap().unwrap().is_none());
+            ack
+        });
+        stop.store(false, Ordering::Release);
+        assert!(next.ok && next.batches == Some(1), "{layout:?}: {next:?}");
+    }
+    batches
+}
+
+#[test]
+fn one_item_messages_are_received_into_the_batch_exactly_as_buffered_ones_are_copied() {
+    let mut with_f32 = batch(3, 8, DIN, VOCAB, &[8, 7, 8], 14);
+    with_f32[0].1 = Dtype::F32; // converted to the pool's bf16 a chunk at a time
+    let mut with_padding_nan = batch(3, 8, DIN, VOCAB, &[5, 8, 3], 11);
+    with_padding_nan[0].3[6 * DIN + 1] = f64::NAN; // row 0, token 6: past its length, never read
+    let mut dropped_row_nan = batch(4, 8, DIN, VOCAB, &[8, 0, 2, 7], 13);
+    dropped_row_nan[0].3[8 * DIN + 5] = f64::INFINITY; // row 1 has no kept token
+    let messages = [
+        with_padding_nan,
+        batch(2, 16, DIN, VOCAB, &[12, 9], 12), // the larger bucket
+        dropped_row_nan,
+        batch(2, 16, DIN, VOCAB, &[6, 3], 15), // 16-token rows that fit bucket 8
+        with_f32,
+    ];
+    let copied = received(Layout::Reference, &messages);
+    let direct = received(Layout::HiddenLast, &messages);
+    assert!(copied.iter().all(|(_, pooled)| *pooled));
+    assert!(
+        !direct[0].1,
+        "a one-item message with hidden_states last is handed out in the receiver's own buffer"
+    );
+    for (i, ((want, _), (got, _))) in copied.iter().zip(&direct).enumerate() {
+        assert_eq!(
+            (got.padded_len, got.sequences, &got.seq_lens),
+            (want.padded_len, want.sequences, &want.seq_lens),
+            "message {i}"
+        );
+        // NaN poison left anywhere makes the batches unequal.
+        assert!(got == want, "message {i}: the batches differ");
+    }
+    assert_eq!(copied[0].0.seq_lens, [5, 8, 3, 0]);
+    assert_eq!(copied[2].0.seq_lens, [8, 2, 7, 0]);
+    assert_eq!(copied[3].0.seq_lens, [6, 3, 0, 0]);
+}
+
+#[test]
+fn a_nan_early_in_a_large_direct_message_is_answered_after_the_whole_message() {
+    // One row of 4M tokens (8 kept): 84 MB, more than loopback's socket buffers hold. The NaN is in the first
+    // chunk the server reads; it still reads the rest before answering, so the producer finishes sending and
+    // reads the error instead of a reset connection.
+    const SEQ: usize = 4 << 20;
+    let mut hs = vec![0u8; SEQ * DIN * 2];
+    hs[(2 * DIN + 1) * 2..(2 * DIN + 1) * 2 + 2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
+    let ids = vec![0u8; SEQ * 4];
+    let mut mask = vec![0u8; SEQ];
+    mask[..8].fill(1);
+    let header = serde_json::json!({
+        "input_ids": {"dtype": "I32", "shape": [1, SEQ], "data_offsets": [0, ids.len()]},
+        "loss_mask": {"dtype": "U8", "shape": [1, SEQ], "data_offsets": [ids.len(), ids.len() + SEQ]},
+        "hidden_states": {"dtype": "BF16", "shape": [1, SEQ, DIN],
+                          "data_offsets": [ids.len() + SEQ, ids.len() + SEQ + hs.len()]},
+    });
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut message = (header.len() as u64).to_le_bytes().to_vec();
+    for part in [&header, &ids, &mask, &hs] {
+        message.extend_from_slice(part);
+    }
+    refused_then_recovers(None, 128 << 20, |address| {
         let mut client = Client::connect(address);
         let peer = client.local_name();
         assert!(client.hello(&hello("", "bad")).ok);
-        let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
-        tensors[0].3[(8 + 2) * DIN + 3] = f64::NAN; // row 1, token 2: inside its kept length
-        let error = expect_error(client.send(&tensors), "non-finite value NaN");
+        client.frame(&message).expect("the whole message is read");
+        let error = expect_error(client.reply(), "non-finite value NaN");
         assert!(
-            error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
+            error.contains(&format!("element {}", 2 * DIN + 1)),
             "{error}"
         );
         (error, peer)

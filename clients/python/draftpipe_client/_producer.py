@@ -222,12 +222,12 @@ class Producer:
         ack = Ack()
         for start in range(0, max(ids.shape[0], 1), rows_per_message):
             rows = slice(start, start + rows_per_message)
-            tensors = {
-                "hidden_states": self._hidden_tensor(hs[rows], hs_dtype),
-                "input_ids": Tensor(ids[rows].astype(np.int64, copy=False)),
-            }
+            # hidden_states last: the server then knows every row's length before the hidden states arrive and
+            # reads a one-item message straight into the batch it queues (any order is valid safetensors).
+            tensors = {"input_ids": Tensor(ids[rows].astype(np.int64, copy=False))}
             if mask is not None:
                 tensors["loss_mask"] = Tensor(np.asarray(mask[rows]).astype(np.uint8, copy=False))
+            tensors["hidden_states"] = self._hidden_tensor(hs[rows], hs_dtype)
             parts, length = serialize(tensors)
             self._frame(parts, length)
             reply = self._reply()

@@ -34,6 +34,48 @@ pub fn blob(tensors: &Tensors) -> Vec<u8> {
     safetensors::serialize(views, None).unwrap()
 }
 
+/// The order of a message's tensors in its blob.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// The reference writer's (by dtype: `hidden_states` before `loss_mask`): the server reads it whole.
+    Reference,
+    /// `hidden_states` last, as the Python client writes it: one-item messages are received into the batch.
+    HiddenLast,
+}
+
+/// Both layouts, for tests that must hold for either path through the server.
+pub const LAYOUTS: [Layout; 2] = [Layout::Reference, Layout::HiddenLast];
+
+/// A safetensors blob of `tensors` in `layout`.
+pub fn blob_in(layout: Layout, tensors: &Tensors) -> Vec<u8> {
+    if layout == Layout::Reference {
+        return blob(tensors);
+    }
+    let mut ordered: Vec<_> = tensors.iter().collect();
+    ordered.sort_by_key(|(name, ..)| *name == "hidden_states");
+    let data: Vec<Vec<u8>> = ordered
+        .iter()
+        .map(|(_, dtype, _, v)| super::source_support::encode(*dtype, v))
+        .collect();
+    let mut header = serde_json::Map::new();
+    let mut offset = 0;
+    for ((name, dtype, shape, _), bytes) in ordered.iter().zip(&data) {
+        let entry = serde_json::json!({
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [offset, offset + bytes.len()],
+        });
+        header.insert(name.to_string(), entry);
+        offset += bytes.len();
+    }
+    let mut header = serde_json::to_vec(&header).unwrap();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut blob = (header.len() as u64).to_le_bytes().to_vec();
+    blob.extend_from_slice(&header);
+    data.iter().for_each(|bytes| blob.extend_from_slice(bytes));
+    blob
+}
+
 /// `rows × seq` random-ish hidden states (bf16-exact values), ids and a mask that keeps `lens[r]` tokens.
 pub fn batch(
     rows: usize,
@@ -158,7 +200,11 @@ impl Client {
     }
 
     pub fn send(&mut self, tensors: &Tensors) -> Reply {
-        match self.frame(&blob(tensors)) {
+        self.send_in(Layout::Reference, tensors)
+    }
+
+    pub fn send_in(&mut self, layout: Layout, tensors: &Tensors) -> Reply {
+        match self.frame(&blob_in(layout, tensors)) {
             Ok(()) => self.reply(),
             Err(e) => Reply::error(format!("(send failed: {e})")),
         }

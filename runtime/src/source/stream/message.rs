@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use draftpipe_compiler::plan::TargetStage;
 use safetensors::Dtype;
 
+use super::scan::first_non_finite;
 use crate::batch::{HsBatch, HsDtype};
 use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
 use crate::source::{BucketShapes, SourceError};
@@ -21,72 +22,56 @@ use crate::tensor_file::{
     TensorBlob, TensorFileError, TensorProblem, decode_floats_into, decode_ids, decode_mask,
 };
 
-/// The first NaN or infinity among little-endian floats of `dtype` (an exponent of all ones), with its index.
-fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
-    let halves = |mask: u16, to_f32: fn(u16) -> f32| {
-        let bits = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
-        let bad = |block: &[u8]| {
-            block
-                .chunks_exact(2)
-                .map(|b| u32::from(bits(b) & mask == mask))
-                .sum::<u32>()
-                > 0
-        };
-        let find = |block: &[u8]| {
-            block
-                .chunks_exact(2)
-                .position(|b| bits(b) & mask == mask)
-                .map(|i| (i, to_f32(bits(&block[2 * i..]))))
-        };
-        scan_blocks(bytes, 2, bad, find)
+/// One planned item: its bucket and its rows (a range of the kept rows).
+#[derive(Debug, Clone)]
+pub(super) struct Item {
+    pub(super) bucket: usize,
+    pub(super) rows: Range<usize>,
+}
+
+/// How a message's rows become items.
+#[derive(Debug, Clone)]
+pub(super) struct ItemPlan {
+    /// `(row, length)` of every kept row, grouped by item.
+    pub(super) rows: Vec<(usize, usize)>,
+    /// The items, each a range of `rows`.
+    pub(super) items: Vec<Item>,
+}
+
+/// Plans the items of rows of `lengths`: each row goes to the smallest bucket that holds it, in row order; a
+/// bucket's item is cut when it is full, and the partly filled ones at the end in bucket order. A row too long
+/// for every bucket is the error, as `(row, length)`.
+pub(super) fn plan_items(
+    lengths: &[usize],
+    shapes: &BucketShapes,
+) -> Result<ItemPlan, (usize, usize)> {
+    let mut pending: Vec<Vec<(usize, usize)>> = vec![Vec::new(); shapes.buckets.len()];
+    let mut rows = Vec::new();
+    let mut items = Vec::new();
+    let mut cut = |bucket: usize, group: &mut Vec<(usize, usize)>, rows: &mut Vec<_>| {
+        let start = rows.len();
+        rows.append(group);
+        items.push(Item {
+            bucket,
+            rows: start..rows.len(),
+        });
     };
-    match dtype {
-        Dtype::BF16 => halves(0x7F80, |b| half::bf16::from_bits(b).to_f32()),
-        Dtype::F16 => halves(0x7C00, |b| half::f16::from_bits(b).to_f32()),
-        _ => {
-            let value = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            let bad = |block: &[u8]| {
-                block
-                    .chunks_exact(4)
-                    .map(|b| u32::from(!value(b).is_finite()))
-                    .sum::<u32>()
-                    > 0
-            };
-            let find = |block: &[u8]| {
-                block
-                    .chunks_exact(4)
-                    .map(value)
-                    .enumerate()
-                    .find(|(_, v)| !v.is_finite())
-            };
-            scan_blocks(bytes, 4, bad, find)
+    for (row, &len) in lengths.iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        let bucket = shapes.bucket_for_len(len).ok_or((row, len))?;
+        pending[bucket].push((row, len));
+        if pending[bucket].len() == shapes.buckets[bucket].1 {
+            cut(bucket, &mut pending[bucket], &mut rows);
         }
     }
-}
-
-/// Elements per block of [`scan_blocks`].
-const SCAN_BLOCK: usize = 4096;
-
-/// Runs `bad` over blocks of [`SCAN_BLOCK`] elements of `width` bytes (a count without an early exit, which the
-/// compiler vectorises) and `find` only in the first block `bad` flags, offsetting its index.
-fn scan_blocks(
-    bytes: &[u8],
-    width: usize,
-    bad: impl Fn(&[u8]) -> bool,
-    find: impl Fn(&[u8]) -> Option<(usize, f32)>,
-) -> Option<(usize, f32)> {
-    bytes
-        .chunks(SCAN_BLOCK * width)
-        .enumerate()
-        .find(|(_, block)| bad(block))
-        .and_then(|(index, block)| find(block).map(|(i, v)| (index * SCAN_BLOCK + i, v)))
-}
-
-/// One planned item: its bucket and its rows (a range of `rows`).
-#[derive(Debug, Clone)]
-struct Item {
-    bucket: usize,
-    rows: Range<usize>,
+    for (bucket, group) in pending.iter_mut().enumerate() {
+        if !group.is_empty() {
+            cut(bucket, group, &mut rows);
+        }
+    }
+    Ok(ItemPlan { rows, items })
 }
 
 /// A checked message and the items it makes.
@@ -136,22 +121,9 @@ impl Message {
             let error = TensorFileError::tensor(&origin, HIDDEN_STATES, problem);
             return Err((Box::new(error.into()), blob.into_bytes()));
         }
-        let mut pending: Vec<Vec<(usize, usize)>> = vec![Vec::new(); shapes.buckets.len()];
-        let mut rows = Vec::new();
-        let mut items = Vec::new();
-        let mut cut = |bucket: usize, group: &mut Vec<(usize, usize)>, rows: &mut Vec<_>| {
-            let start = rows.len();
-            rows.append(group);
-            items.push(Item {
-                bucket,
-                rows: start..rows.len(),
-            });
-        };
-        for (row, &len) in checked.lengths.iter().enumerate() {
-            if len == 0 {
-                continue;
-            }
-            let Some(bucket) = shapes.bucket_for_len(len) else {
+        let ItemPlan { rows, items } = match plan_items(&checked.lengths, shapes) {
+            Ok(planned) => planned,
+            Err((row, len)) => {
                 let largest = shapes.buckets.last().map_or(0, |b| b.0);
                 let problem = TensorProblem::WrongShape {
                     found: vec![row, len],
@@ -165,17 +137,8 @@ impl Message {
                     problem,
                 );
                 return Err((Box::new(error.into()), blob.into_bytes()));
-            };
-            pending[bucket].push((row, len));
-            if pending[bucket].len() == shapes.buckets[bucket].1 {
-                cut(bucket, &mut pending[bucket], &mut rows);
             }
-        }
-        for (bucket, group) in pending.iter_mut().enumerate() {
-            if !group.is_empty() {
-                cut(bucket, group, &mut rows);
-            }
-        }
+        };
         Ok(Self {
             blob,
             seq: checked.seq,

@@ -5,8 +5,10 @@
 //!        (hello checked: protocol, hidden, tap_layers, vocab, token; a slot assigned by producer name)
 //!                                                         │ Connection
 //!                                                         ▼
-//!  StreamSource (slot w, run by producer thread w) ──reads a message──▶ checked like a file ──▶ items
-//!        items ──fill_next──▶ HsBatch ──producer thread──▶ HS queue;  ack once all of a message's items are in
+//!  StreamSource (slot w, run by producer thread w) ──reads a message (receive.rs)──▶ checked like a file
+//!        one item, hidden_states last: rows read straight into a staged batch ──fill_next swaps it──▶ HsBatch
+//!        otherwise: the whole message buffered, cut into items ──fill_next copies each──▶ HsBatch
+//!        HsBatch ──producer thread──▶ HS queue;  ack once all of a message's items are in
 //! ```
 //!
 //! The target stage's `on …` workers are the producer slots: slot `w` is one producer thread of the pipeline,
@@ -23,7 +25,10 @@
 //! Positions: slot `w`'s `k`-th batch has position `w + k·W`, so a checkpoint's data positions say how many
 //! batches each producer had delivered, and a resumed run continues the count.
 
+mod handshake;
 mod message;
+mod receive;
+mod scan;
 pub mod wire;
 
 use std::path::PathBuf;
@@ -35,8 +40,10 @@ use std::time::Duration;
 
 use draftpipe_compiler::plan::TargetStage;
 
+use self::handshake::accept_loop;
 use self::message::Message;
-use self::wire::{Connection, Hello, Listener, POLL, PROTOCOL_VERSION, Reply, WireError};
+use self::receive::{DirectReceiver, ReceiveError, Received};
+use self::wire::{Connection, Listener, POLL, Reply, WireError};
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
 
@@ -194,6 +201,7 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
             incoming,
             connection: None,
             buffer: Vec::new(),
+            receiver: DirectReceiver::default(),
             message: None,
             ack_due: None,
             next: slot as u64,
@@ -201,177 +209,6 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
         })
         .collect();
     Ok((sources, StreamStatus { state }))
-}
-
-/// Hellos checked at once; more connections waiting for their hello are refused, so a flood of idle
-/// connections cannot make the server start a thread for each.
-const MAX_PENDING_HELLOS: usize = 64;
-
-fn accept_loop(listener: &Listener, state: &Arc<ServerState>) {
-    let pending = Arc::new(AtomicUsize::new(0));
-    while !state.stop.load(Ordering::Acquire) {
-        match listener.accept() {
-            Ok(Some(connection)) => {
-                if let Err(e) = connection.set_write_timeout(state.config.read_timeout) {
-                    refuse(
-                        state,
-                        connection,
-                        &format!("cannot configure the socket: {e}"),
-                    );
-                    continue;
-                }
-                if pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HELLOS {
-                    pending.fetch_sub(1, Ordering::AcqRel);
-                    refuse(
-                        state,
-                        connection,
-                        &format!(
-                            "{MAX_PENDING_HELLOS} connections are already waiting for their hello"
-                        ),
-                    );
-                    continue;
-                }
-                let (shared, count) = (Arc::clone(state), Arc::clone(&pending));
-                let spawned = std::thread::Builder::new()
-                    .name("stream-hello".into())
-                    .spawn(move || {
-                        handshake(connection, &shared);
-                        count.fetch_sub(1, Ordering::AcqRel);
-                    });
-                if let Err(e) = spawned {
-                    pending.fetch_sub(1, Ordering::AcqRel);
-                    state.log(&format!("cannot start a handshake thread: {e}"));
-                }
-            }
-            Ok(None) => std::thread::sleep(POLL),
-            Err(e) => {
-                state.log(&format!("accept failed: {e}"));
-                std::thread::sleep(POLL);
-            }
-        }
-    }
-}
-
-/// Checks a hello against the plan and hands the connection to a slot, or refuses it.
-fn handshake(mut connection: Connection, state: &ServerState) {
-    let config = &state.config;
-    let hello: Hello = match connection.read_json("hello", config.read_timeout, &state.stop) {
-        Ok(hello) => hello,
-        Err(WireError::Stopped) if !state.stop.load(Ordering::Acquire) => {
-            return refuse(
-                state,
-                connection,
-                &format!("no hello within {:?}", config.read_timeout),
-            );
-        }
-        Err(e) => return refuse(state, connection, &format!("bad hello: {e}")),
-    };
-    if let Err(problem) = check_hello(&hello, config) {
-        return refuse(state, connection, &problem);
-    }
-    let generation = state.generation.fetch_add(1, Ordering::Relaxed) as u64;
-    let assigned = {
-        let mut slots = state.slots();
-        let slot = match &hello.producer {
-            Some(name) => slots.iter().position(|s| s.name.as_ref() == Some(name)),
-            None => None,
-        }
-        .or_else(|| {
-            slots
-                .iter()
-                .position(|s| s.name.is_none() && s.connected.is_none())
-        })
-        .or_else(|| slots.iter().position(|s| s.connected.is_none() && !s.done));
-        match slot {
-            Some(w) if slots[w].done => Err(format!(
-                "producer `{}` already said it is done",
-                hello.producer.as_deref().unwrap_or("?")
-            )),
-            Some(w) => {
-                let slot = &mut slots[w];
-                if hello.producer.is_some() {
-                    slot.name = hello.producer.clone();
-                }
-                slot.connected = Some(generation);
-                Ok((w, slot.delivered))
-            }
-            None => Err(format!(
-                "all {} producer slots are connected or done",
-                slots.len()
-            )),
-        }
-    };
-    let (slot, delivered) = match assigned {
-        Ok(assigned) => assigned,
-        Err(problem) => return refuse(state, connection, &problem),
-    };
-    let reply = Reply {
-        ok: true,
-        slot: Some(slot),
-        max_message_bytes: Some(config.max_message_bytes),
-        delivered: Some(delivered),
-        ..Reply::default()
-    };
-    let peer = connection.peer().to_string();
-    if let Err(e) = connection.send(&reply) {
-        state.log(&format!("{peer}: cannot answer the hello: {e}"));
-        release_slot(state, slot, generation);
-        return;
-    }
-    state.log(&format!(
-        "{peer}: producer `{}` connected as slot {slot}",
-        hello.producer.as_deref().unwrap_or("unnamed")
-    ));
-    if state.handoff[slot].send((connection, generation)).is_err() {
-        // The slot's source is gone: the run is ending.
-        release_slot(state, slot, generation);
-    } else {
-        state.replacement[slot].store(true, Ordering::Release);
-    }
-}
-
-fn check_hello(hello: &Hello, config: &StreamConfig) -> Result<(), String> {
-    if hello.protocol != PROTOCOL_VERSION {
-        return Err(format!(
-            "protocol version {} is not supported (this server speaks {PROTOCOL_VERSION})",
-            hello.protocol
-        ));
-    }
-    if let Some(token) = &config.token
-        && !constant_time_eq(token.as_bytes(), hello.token.as_bytes())
-    {
-        return Err("wrong token".into());
-    }
-    let target = &config.target;
-    if hello.hidden != target.hidden {
-        return Err(format!(
-            "hidden {} does not match the plan's hidden {}",
-            hello.hidden, target.hidden
-        ));
-    }
-    if hello.tap_layers != target.tap_layers {
-        return Err(format!(
-            "tap_layers {:?} do not match the plan's tap_layers {:?}",
-            hello.tap_layers, target.tap_layers
-        ));
-    }
-    if hello.vocab != target.vocab {
-        return Err(format!(
-            "vocab {} does not match the plan's vocab {}",
-            hello.vocab, target.vocab
-        ));
-    }
-    Ok(())
-}
-
-/// Compares two tokens in time that depends on their lengths only, so timing does not reveal a prefix.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn refuse(state: &ServerState, connection: Connection, problem: &str) {
-    state.log(&format!("{}: refused: {problem}", connection.peer()));
-    connection.refuse(problem);
 }
 
 fn release_slot(state: &ServerState, slot: usize, generation: u64) {
@@ -388,6 +225,43 @@ struct AckDue {
     sequences: u64,
 }
 
+/// The message whose batches are being handed out.
+#[derive(Debug)]
+enum Current {
+    /// Read whole into the buffer, checked; its items are copied out one by one.
+    Buffered(Box<Message>),
+    /// One item, received straight into the receiver's staged batch, handed out by a swap.
+    Staged {
+        bucket: usize,
+        sequences: usize,
+        handed: bool,
+    },
+}
+
+impl Current {
+    fn exhausted(&self) -> bool {
+        match self {
+            Self::Buffered(message) => message.exhausted(),
+            Self::Staged { handed, .. } => *handed,
+        }
+    }
+
+    fn next_bucket(&self) -> Option<usize> {
+        match self {
+            Self::Buffered(message) => message.next_bucket(),
+            Self::Staged { bucket, handed, .. } => (!handed).then_some(*bucket),
+        }
+    }
+
+    /// `(batches, sequences)` the whole message makes.
+    fn counts(&self) -> (usize, usize) {
+        match self {
+            Self::Buffered(message) => (message.batches(), message.sequences()),
+            Self::Staged { sequences, .. } => (1, *sequences),
+        }
+    }
+}
+
 /// One producer slot of a stream: the connection of the producer process in that slot, read on demand.
 pub struct StreamSource {
     server: Arc<Server>,
@@ -395,7 +269,8 @@ pub struct StreamSource {
     incoming: Receiver<(Connection, u64)>,
     connection: Option<(Connection, u64)>,
     buffer: Vec<u8>,
-    message: Option<Message>,
+    receiver: DirectReceiver,
+    message: Option<Current>,
     ack_due: Option<AckDue>,
     next: u64,
     finished: bool,
@@ -470,15 +345,13 @@ impl StreamSource {
             };
             let config = &self.server.state.config;
             let replacement = &self.server.state.replacement[self.slot];
-            let read = connection.read_frame(
-                &mut self.buffer,
-                config.max_message_bytes,
-                config.read_timeout,
-                || !stop.load(Ordering::Acquire) && !replacement.swap(false, Ordering::AcqRel),
-            );
+            let read =
+                connection.read_frame_len(config.max_message_bytes, config.read_timeout, || {
+                    !stop.load(Ordering::Acquire) && !replacement.swap(false, Ordering::AcqRel)
+                });
             match read {
                 Ok(0) => self.finish_slot(),
-                Ok(len) => self.accept_message(len)?,
+                Ok(len) => self.receive_message(len),
                 Err(WireError::Stopped) => {}
                 Err(WireError::Closed) => {
                     let (connection, generation) =
@@ -519,20 +392,43 @@ impl StreamSource {
         self.finished = true;
     }
 
-    /// Checks a received message and makes it the current one; a bad one drops the connection.
-    fn accept_message(&mut self, len: usize) -> Result<(), SourceError> {
-        let peer = self
-            .connection
-            .as_ref()
-            .map_or_else(String::new, |(c, _)| c.peer().to_string());
-        let delivered = self.state().slots()[self.slot].delivered;
-        let origin = PathBuf::from(format!("{peer} message {}", delivered + 1));
+    /// Reads the body of a message frame of `len` bytes and makes it the current message; a bad one (or a
+    /// connection that fails inside it) drops the connection.
+    fn receive_message(&mut self, len: u64) {
+        let Some((connection, _)) = &mut self.connection else {
+            return;
+        };
+        let state = &self.server.state;
+        let delivered = state.slots()[self.slot].delivered;
+        let origin = PathBuf::from(format!("{} message {}", connection.peer(), delivered + 1));
+        let config = &state.config;
+        if let Some(Current::Buffered(message)) = self.message.take() {
+            self.buffer = message.into_bytes();
+        }
+        let received = self
+            .receiver
+            .receive(connection, len, config, &origin, &mut self.buffer);
+        match received {
+            Ok(Received::Buffered) => self.accept_message(origin, len as usize),
+            Ok(Received::Staged { bucket, sequences }) => {
+                self.message = Some(Current::Staged {
+                    bucket,
+                    sequences,
+                    handed: false,
+                });
+            }
+            Err(ReceiveError::Wire(e)) => self.drop_connection(&e.to_string()),
+            Err(ReceiveError::Content(e)) => self.drop_connection(&e.to_string()),
+        }
+    }
+
+    /// Checks a message read whole into the buffer and makes it the current one; a bad one drops the
+    /// connection.
+    fn accept_message(&mut self, origin: PathBuf, len: usize) {
         let buffer = std::mem::take(&mut self.buffer);
         let config = &self.server.state.config;
-        let recycled = self.message.take().map(Message::into_bytes);
         match Message::parse(origin, buffer, len, &config.target, &config.shapes) {
             Ok(message) => {
-                self.buffer = recycled.unwrap_or_default();
                 if message.exhausted() {
                     // Every row was empty: nothing to queue, acknowledged at once.
                     self.ack_due = Some(AckDue {
@@ -541,13 +437,11 @@ impl StreamSource {
                     });
                     self.settle_ack();
                 }
-                self.message = Some(message);
-                Ok(())
+                self.message = Some(Current::Buffered(Box::new(message)));
             }
             Err((error, bytes)) => {
                 self.buffer = bytes;
                 self.drop_connection(&error.to_string());
-                Ok(())
             }
         }
     }
@@ -566,7 +460,7 @@ impl HsSource for StreamSource {
             .message
             .as_ref()
             .filter(|m| !m.exhausted())
-            .and_then(Message::next_bucket))
+            .and_then(Current::next_bucket))
     }
 
     fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
@@ -577,15 +471,32 @@ impl HsSource for StreamSource {
                 self.slot
             )));
         };
-        let fill = message.fill_next(out, shapes);
+        let fill = match message {
+            Current::Buffered(message) => message.fill_next(out, shapes),
+            Current::Staged { bucket, handed, .. } => {
+                match self.receiver.staged_mut() {
+                    Some(staged) if shapes.matches(out, *bucket) => {
+                        // The pooled batch becomes the next message's staging buffer: no copy.
+                        std::mem::swap(out, staged);
+                        *handed = true;
+                        Ok(())
+                    }
+                    _ => Err(SourceError::Buffer(format!(
+                        "a batch of bucket {bucket} {:?} needs its shape, got a {}×{} buffer",
+                        shapes.buckets[*bucket], out.sequences, out.padded_len
+                    ))),
+                }
+            }
+        };
         match fill {
             Ok(()) => {
                 out.source_position = self.next;
                 self.next += self.server.state.config.producers as u64;
                 if message.exhausted() {
+                    let (batches, sequences) = message.counts();
                     self.ack_due = Some(AckDue {
-                        batches: message.batches() as u64,
-                        sequences: message.sequences() as u64,
+                        batches: batches as u64,
+                        sequences: sequences as u64,
                     });
                 }
                 Ok(())

@@ -283,20 +283,45 @@ impl Connection {
         buf: &mut Vec<u8>,
         max: u64,
         timeout: Duration,
-        mut keep_waiting: impl FnMut() -> bool,
+        keep_waiting: impl FnMut() -> bool,
     ) -> Result<usize, WireError> {
+        let len = self.read_frame_len(max, timeout, keep_waiting)?;
+        let len = len as usize;
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        self.read_frame_body(&mut buf[..len], 0, len as u64, timeout)?;
+        Ok(len)
+    }
+
+    /// Reads the length prefix of the next frame, waiting for its first byte as long as `keep_waiting` says
+    /// so; a length over `max` is refused before any of the body is read. The body is then read with
+    /// [`Self::read_frame_body`], in as many pieces as the reader likes.
+    pub fn read_frame_len(
+        &mut self,
+        max: u64,
+        timeout: Duration,
+        mut keep_waiting: impl FnMut() -> bool,
+    ) -> Result<u64, WireError> {
         let mut prefix = [0u8; 8];
         self.read_full(&mut prefix, 0, 8, timeout, &mut keep_waiting)?;
         let len = u64::from_le_bytes(prefix);
         if len > max {
             return Err(WireError::TooLarge { len, max });
         }
-        let len = len as usize;
-        if buf.len() < len {
-            buf.resize(len, 0);
-        }
-        self.read_full(&mut buf[..len], 8, 8 + len as u64, timeout, &mut || true)?;
         Ok(len)
+    }
+
+    /// Fills `out` with the body bytes `at..at + out.len()` of a frame whose body is `len` bytes; every
+    /// `timeout` must bring some bytes, and errors count bytes from the start of the frame.
+    pub fn read_frame_body(
+        &mut self,
+        out: &mut [u8],
+        at: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<(), WireError> {
+        self.read_full(out, 8 + at, 8 + len, timeout, &mut || true)
     }
 
     /// Fills `out`; `offset` bytes of the frame came before it and the frame is `expected` bytes in all.
@@ -366,11 +391,14 @@ impl Connection {
         })
     }
 
-    /// Writes one reply frame.
+    /// Writes one reply frame, in one write: with `TCP_NODELAY` two writes are two segments, and a producer
+    /// waiting for its acknowledgement would be woken twice.
     pub fn send(&mut self, reply: &Reply) -> Result<(), WireError> {
-        let body = serde_json::to_vec(reply).map_err(io::Error::other)?;
-        self.socket.write_all(&(body.len() as u64).to_le_bytes())?;
-        self.socket.write_all(&body)?;
+        let mut frame = vec![0; 8];
+        serde_json::to_writer(&mut frame, reply).map_err(io::Error::other)?;
+        let len = (frame.len() - 8) as u64;
+        frame[..8].copy_from_slice(&len.to_le_bytes());
+        self.socket.write_all(&frame)?;
         self.socket.flush()?;
         Ok(())
     }

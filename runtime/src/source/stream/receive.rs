@@ -1,0 +1,457 @@
+//! Reading one message off a producer's socket: the safetensors header and the small tensors first, then,
+//! when the message makes one queue item and `hidden_states` comes last, its rows straight into a batch buffer;
+//! any other message whole into the connection's buffer, for [`super::message::Message::parse`].
+//!
+//! ```text
+//!  frame ──header, input_ids, loss_mask──▶ check_tensors, plan_items
+//!        ├─ one item, hidden_states last ──▶ each row read into its slot of the staged batch, a chunk at a
+//!        │                                   time, every chunk scanned for NaN/inf while it is in cache
+//!        │                                   ──fill_next swaps it with the pooled batch (no copy)──▶ queue
+//!        └─ otherwise ──▶ the rest of the frame into the buffer ──▶ Message::parse (checks, copy per item)
+//! ```
+//!
+//! The producer waits for each acknowledgement (the queue's backpressure), so whatever the server does with a
+//! message after its last byte arrived adds to the time per message. Buffered, that was two more passes over
+//! the hidden states (the NaN scan and the copy into the pooled batch); received in place, a message costs
+//! the socket copy and a scan of bytes still in cache, and the batch is swapped with the pooled one. One batch
+//! buffer per producer slot is kept for this, in place of the message-sized buffer a buffered message needs.
+//!
+//! Both paths run the same checks in the same order and report the same errors; a message refused on the
+//! direct path has queued nothing, since the staged batch only reaches the queue through `fill_next`.
+
+use std::ops::Range;
+use std::path::Path;
+use std::time::Duration;
+
+use draftpipe_compiler::plan::TargetStage;
+use safetensors::Dtype;
+use safetensors::tensor::{Metadata, TensorInfo};
+
+use super::StreamConfig;
+use super::message::plan_items;
+use super::scan::first_non_finite;
+use super::wire::{Connection, WireError};
+use crate::batch::{HsBatch, HsData, HsDtype};
+use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
+use crate::source::{BucketShapes, SourceError};
+use crate::tensor_file::{
+    TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids, decode_mask,
+};
+
+/// Bytes read per socket call on the direct path: a chunk is scanned right after it lands, while it is still
+/// in the core's cache.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// The largest safetensors header the direct path reads; a message with more metadata is buffered.
+const MAX_DIRECT_HEADER: u64 = 1 << 20;
+
+/// Where a received message is.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Received {
+    /// The whole frame is in the buffer, unchecked.
+    Buffered,
+    /// The message's one item is in the staged batch, checked and padded.
+    Staged {
+        /// The item's bucket.
+        bucket: usize,
+        /// Rows queued.
+        sequences: usize,
+    },
+}
+
+/// Why a message could not be received.
+#[derive(Debug)]
+pub(super) enum ReceiveError {
+    /// The socket failed, closed or stalled inside the frame.
+    Wire(WireError),
+    /// The message fails the file source's checks.
+    Content(Box<SourceError>),
+}
+
+impl From<WireError> for ReceiveError {
+    fn from(error: WireError) -> Self {
+        Self::Wire(error)
+    }
+}
+
+impl From<SourceError> for ReceiveError {
+    fn from(error: SourceError) -> Self {
+        Self::Content(Box::new(error))
+    }
+}
+
+impl From<TensorFileError> for ReceiveError {
+    fn from(error: TensorFileError) -> Self {
+        Self::Content(Box::new(error.into()))
+    }
+}
+
+/// A producer slot's receiving state, kept across messages so steady state allocates nothing.
+#[derive(Debug, Default)]
+pub(super) struct DirectReceiver {
+    /// The batch a direct message is read into; swapped with a pooled batch by `fill_next`.
+    staged: Option<HsBatch>,
+    /// One row's token ids, decoded.
+    ids: Vec<i64>,
+}
+
+/// What the header and the small tensors of a direct message said.
+struct Head {
+    metadata: Metadata,
+    /// Body offset of the first data byte.
+    data_start: usize,
+    hs: TensorInfo,
+    seq: usize,
+    has_mask: bool,
+    bucket: usize,
+    /// `(row, length)` of the kept rows, in row order: slot `k` holds entry `k`.
+    rows: Vec<(usize, usize)>,
+}
+
+/// The body of one frame, read in order.
+struct Body<'a> {
+    connection: &'a mut Connection,
+    len: u64,
+    timeout: Duration,
+    at: u64,
+}
+
+impl Body<'_> {
+    /// Reads the next `out.len()` bytes.
+    fn read(&mut self, out: &mut [u8]) -> Result<(), WireError> {
+        self.connection
+            .read_frame_body(out, self.at, self.len, self.timeout)?;
+        self.at += out.len() as u64;
+        Ok(())
+    }
+
+    /// Reads up to body offset `end` into `buffer` (grown as needed), at its own offsets.
+    fn read_into(&mut self, buffer: &mut Vec<u8>, end: usize) -> Result<(), WireError> {
+        if buffer.len() < end {
+            buffer.resize(end, 0);
+        }
+        let start = self.at as usize;
+        self.read(&mut buffer[start..end])
+    }
+
+    /// Reads and drops the next `bytes` bytes, through `scratch`.
+    fn skip(&mut self, mut bytes: usize, scratch: &mut [u8]) -> Result<(), WireError> {
+        while bytes > 0 {
+            let n = bytes.min(scratch.len());
+            self.read(&mut scratch[..n])?;
+            bytes -= n;
+        }
+        Ok(())
+    }
+}
+
+impl DirectReceiver {
+    /// The staged batch of the last [`Received::Staged`] message, to swap with a pooled batch.
+    pub(super) fn staged_mut(&mut self) -> Option<&mut HsBatch> {
+        self.staged.as_mut()
+    }
+
+    /// Reads the body of a frame of `len` bytes whose length prefix was read. `origin` names the message in
+    /// errors; `buffer` is the connection's reusable buffer.
+    pub(super) fn receive(
+        &mut self,
+        connection: &mut Connection,
+        len: u64,
+        config: &StreamConfig,
+        origin: &Path,
+        buffer: &mut Vec<u8>,
+    ) -> Result<Received, ReceiveError> {
+        let mut body = Body {
+            connection,
+            len,
+            timeout: config.read_timeout,
+            at: 0,
+        };
+        let received = self.receive_body(&mut body, config, origin, buffer);
+        if let Err(ReceiveError::Content(_)) = received {
+            // The buffered path reads a bad message whole before it answers, and so does this one: closing a
+            // socket with unread data resets the connection, and the producer, still sending, would see the
+            // reset instead of the error.
+            if buffer.len() < CHUNK_BYTES {
+                buffer.resize(CHUNK_BYTES, 0);
+            }
+            let rest = (len - body.at) as usize;
+            let _ = body.skip(rest, &mut buffer[..CHUNK_BYTES]);
+        }
+        received
+    }
+
+    fn receive_body(
+        &mut self,
+        body: &mut Body<'_>,
+        config: &StreamConfig,
+        origin: &Path,
+        buffer: &mut Vec<u8>,
+    ) -> Result<Received, ReceiveError> {
+        let shapes = &config.shapes;
+        let Some(head) = read_head(body, buffer, origin, &config.target, shapes)? else {
+            body.read_into(buffer, body.len as usize)?;
+            return Ok(Received::Buffered);
+        };
+        let prefix_end = head.data_start + head.hs.data_offsets.0;
+        // Past the small tensors, the buffer serves as the scratch for padding and conversions.
+        if buffer.len() < prefix_end + CHUNK_BYTES {
+            buffer.resize(prefix_end + CHUNK_BYTES, 0);
+        }
+        let (prefix, scratch) = buffer.split_at_mut(prefix_end);
+        let prefix = Prefix {
+            origin,
+            metadata: &head.metadata,
+            data: &prefix[head.data_start..],
+        };
+        let staged = self.staged.get_or_insert_with(|| shapes.buffer());
+        shapes.shape_for(staged, head.bucket);
+        receive_rows(body, &head, staged, &mut scratch[..CHUNK_BYTES], origin)?;
+        fill_tokens(&head, &prefix, staged, &mut self.ids)?;
+        Ok(Received::Staged {
+            bucket: head.bucket,
+            sequences: head.rows.len(),
+        })
+    }
+}
+
+/// Reads the header and every tensor before `hidden_states` into `buffer` and runs the file source's checks.
+/// `None`: the message is not for the direct path (it is then read whole, and parsed as before, so every
+/// malformed header gets the buffered path's error).
+fn read_head(
+    body: &mut Body<'_>,
+    buffer: &mut Vec<u8>,
+    origin: &Path,
+    target: &TargetStage,
+    shapes: &BucketShapes,
+) -> Result<Option<Head>, ReceiveError> {
+    let len = body.len;
+    if len < 8 {
+        return Ok(None);
+    }
+    body.read_into(buffer, 8)?;
+    let Some(&header_len) = buffer.first_chunk::<8>() else {
+        return Ok(None);
+    };
+    let header_len = u64::from_le_bytes(header_len);
+    if header_len > MAX_DIRECT_HEADER || 8 + header_len > len {
+        return Ok(None);
+    }
+    let data_start = 8 + header_len as usize;
+    body.read_into(buffer, data_start)?;
+    let Ok(metadata) = serde_json::from_slice::<Metadata>(&buffer[8..data_start]) else {
+        return Ok(None);
+    };
+    let data_len = metadata.data_len();
+    let Some(hs) = metadata.info(HIDDEN_STATES).cloned() else {
+        return Ok(None);
+    };
+    if data_start as u64 + data_len as u64 != len || hs.data_offsets.1 != data_len {
+        return Ok(None);
+    }
+    body.read_into(buffer, data_start + hs.data_offsets.0)?;
+    let mut prefix = Prefix {
+        origin,
+        metadata: &metadata,
+        data: &buffer[data_start..data_start + hs.data_offsets.0],
+    };
+    let checked = check_tensors(&mut prefix, target, shapes)?;
+    let Ok(plan) = plan_items(&checked.lengths, shapes) else {
+        return Ok(None);
+    };
+    let [item] = plan.items.as_slice() else {
+        return Ok(None);
+    };
+    let (bucket, rows) = (item.bucket, plan.rows);
+    Ok(Some(Head {
+        metadata,
+        data_start,
+        hs,
+        seq: checked.seq,
+        has_mask: checked.has_mask,
+        bucket,
+        rows,
+    }))
+}
+
+/// Reads every row of `hidden_states`: a kept row's tokens into its slot of `out`, its padding and the dropped
+/// rows into `scratch`. Each chunk is scanned for NaN/inf (and, after a narrowing conversion, its result).
+fn receive_rows(
+    body: &mut Body<'_>,
+    head: &Head,
+    out: &mut HsBatch,
+    scratch: &mut [u8],
+    origin: &Path,
+) -> Result<(), ReceiveError> {
+    let dtype = head.hs.dtype;
+    let width = dtype.bitsize() / 8;
+    let (din, padded) = (out.din, out.padded_len);
+    let rows = head.hs.shape[0];
+    let held = out.hs.dtype();
+    let in_place = cfg!(target_endian = "little") && same_precision(dtype, held);
+    let narrowing = !matches!(
+        (dtype, held),
+        (_, HsDtype::F32) | (Dtype::BF16, HsDtype::Bf16) | (Dtype::F16, HsDtype::F16)
+    );
+    let chunk = scratch.len() / width;
+    let mut kept = head.rows.iter().enumerate().peekable();
+    for row in 0..rows {
+        let first = row * head.seq * din;
+        let mut len = 0;
+        if let Some((slot, &(_, row_len))) = kept.next_if(|(_, (r, _))| *r == row) {
+            len = row_len;
+            let base = slot * padded * din;
+            for done in (0..len * din).step_by(chunk) {
+                let n = chunk.min(len * din - done);
+                let dst = base + done..base + done + n;
+                let found = if in_place {
+                    let bytes = raw_bytes_mut(&mut out.hs, dst);
+                    body.read(bytes)?;
+                    first_non_finite(dtype, bytes)
+                } else {
+                    let bytes = &mut scratch[..n * width];
+                    body.read(bytes)?;
+                    let found = first_non_finite(dtype, bytes);
+                    if found.is_none() {
+                        decode_floats_into(dtype, bytes, &mut out.hs, dst.start);
+                    }
+                    found.or_else(|| {
+                        narrowing
+                            .then(|| out.hs.as_slice().slice(dst).first_non_finite())
+                            .flatten()
+                    })
+                };
+                if let Some((at, value)) = found {
+                    let problem = TensorProblem::NonFinite {
+                        value,
+                        at: first + done + at,
+                    };
+                    return Err(TensorFileError::tensor(origin, HIDDEN_STATES, problem).into());
+                }
+            }
+        }
+        body.skip((head.seq - len) * din * width, scratch)?;
+    }
+    Ok(())
+}
+
+/// True when wire elements of `dtype` are stored as they are in hidden states held in `held`.
+fn same_precision(dtype: Dtype, held: HsDtype) -> bool {
+    matches!(
+        (dtype, held),
+        (Dtype::F32, HsDtype::F32) | (Dtype::BF16, HsDtype::Bf16) | (Dtype::F16, HsDtype::F16)
+    )
+}
+
+/// The bytes of elements `range` (little-endian on the hosts the direct path runs on).
+fn raw_bytes_mut(data: &mut HsData, range: Range<usize>) -> &mut [u8] {
+    match data {
+        HsData::F32(v) => bytemuck::cast_slice_mut(&mut v[range]),
+        HsData::Bf16(v) => bytemuck::cast_slice_mut(&mut v[range]),
+        HsData::F16(v) => bytemuck::cast_slice_mut(&mut v[range]),
+    }
+}
+
+/// Writes the ids, mask and lengths of every slot and zeroes the padding.
+fn fill_tokens(
+    head: &Head,
+    prefix: &Prefix<'_>,
+    out: &mut HsBatch,
+    ids: &mut Vec<i64>,
+) -> Result<(), ReceiveError> {
+    let (padded, din) = (out.padded_len, out.din);
+    let corrupt = || -> ReceiveError {
+        let problem = TensorProblem::BadHeader("data changed after it was checked".into());
+        TensorFileError::tensor(prefix.origin, INPUT_IDS, problem).into()
+    };
+    for slot in 0..out.sequences {
+        let base = slot * padded;
+        let len = match head.rows.get(slot) {
+            Some(&(row, len)) => {
+                let tokens = row * head.seq..row * head.seq + len;
+                let (dtype, bytes) = prefix.element_bytes(INPUT_IDS, tokens.clone())?;
+                ids.resize(len, 0);
+                if !decode_ids(dtype, bytes, ids) {
+                    return Err(corrupt());
+                }
+                for (dst, &id) in out.input_ids[base..base + len].iter_mut().zip(ids.iter()) {
+                    *dst = u32::try_from(id).map_err(|_| corrupt())?;
+                }
+                let mask = &mut out.loss_mask[base..base + len];
+                if head.has_mask {
+                    let (dtype, bytes) = prefix.element_bytes(LOSS_MASK, tokens)?;
+                    if !decode_mask(dtype, bytes, mask) {
+                        return Err(corrupt());
+                    }
+                } else {
+                    mask.fill(1);
+                }
+                len
+            }
+            None => 0,
+        };
+        out.seq_lens[slot] = len as u32;
+        let (start, end) = (base + len, base + padded);
+        out.input_ids[start..end].fill(0);
+        out.loss_mask[start..end].fill(0);
+        out.hs.zero(start * din..end * din);
+    }
+    Ok(())
+}
+
+/// The part of a message read so far: its header and the data before `hidden_states`.
+struct Prefix<'a> {
+    origin: &'a Path,
+    metadata: &'a Metadata,
+    data: &'a [u8],
+}
+
+impl Prefix<'_> {
+    /// The raw bytes of elements `elements` of tensor `name`, which must lie before `hidden_states`.
+    fn element_bytes(
+        &self,
+        name: &str,
+        elements: Range<usize>,
+    ) -> Result<(Dtype, &[u8]), TensorFileError> {
+        let info = self.require_tensor(name)?;
+        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
+        let width = dtype.bitsize() / 8;
+        let (first, last) = (
+            start.saturating_add(elements.start.saturating_mul(width)),
+            start.saturating_add(elements.end.saturating_mul(width)),
+        );
+        if width == 0 || last > end || first > last || last > self.data.len() {
+            let problem = format!(
+                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
+            );
+            return Err(TensorFileError::tensor(
+                self.origin,
+                name,
+                TensorProblem::BadHeader(problem),
+            ));
+        }
+        Ok((dtype, &self.data[first..last]))
+    }
+}
+
+impl TensorRead for Prefix<'_> {
+    fn origin(&self) -> &Path {
+        self.origin
+    }
+
+    fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
+        self.metadata.info(name)
+    }
+
+    fn read_tensor_elements(
+        &mut self,
+        name: &str,
+        elements: Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<Dtype, TensorFileError> {
+        let (dtype, bytes) = self.element_bytes(name, elements)?;
+        out.clear();
+        out.extend_from_slice(bytes);
+        Ok(dtype)
+    }
+}

@@ -1,0 +1,176 @@
+//! The NaN/infinity check every received hidden state passes before anything of its message is queued (a NaN
+//! would otherwise surface later as a non-finite loss, blamed on the run).
+//!
+//! It runs over every byte a producer sends, right after the socket copy, so it must cost a small fraction of
+//! that copy. A block of elements is read as integer lanes and reduced to the largest magnitude (sign bit
+//! cleared): a maximum without an early exit, which the compiler vectorises with the baseline instruction set,
+//! and which reaches the all-ones exponent exactly when the block holds a NaN or an infinity. Only such a
+//! block is searched element by element, for the first one.
+
+use half::{bf16, f16};
+use safetensors::Dtype;
+
+/// Elements per block.
+const BLOCK: usize = 4096;
+
+/// The first NaN or infinity among little-endian floats of `dtype` (F32, BF16 or F16), with its index.
+pub(super) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
+    match dtype {
+        Dtype::BF16 => halves(bytes, 0x7F80, |b| bf16::from_bits(b).to_f32()),
+        Dtype::F16 => halves(bytes, 0x7C00, |b| f16::from_bits(b).to_f32()),
+        _ => singles(bytes),
+    }
+}
+
+/// Half-width floats, non-finite from magnitude `exponent` on (the exponent field all ones).
+fn halves(bytes: &[u8], exponent: u16, to_f32: fn(u16) -> f32) -> Option<(usize, f32)> {
+    let magnitude = |bits: u16| (u16::from_le(bits) & 0x7FFF) as i16;
+    lanes::<u16>(bytes, |lanes| {
+        first_in_blocks(
+            lanes,
+            |block| block.iter().fold(0, |m, &x| magnitude(x).max(m)) >= exponent as i16,
+            |&x| (magnitude(x) >= exponent as i16).then(|| to_f32(u16::from_le(x))),
+        )
+    })
+}
+
+/// f32 values.
+fn singles(bytes: &[u8]) -> Option<(usize, f32)> {
+    const EXPONENT: i32 = 0x7F80_0000;
+    let magnitude = |bits: u32| (u32::from_le(bits) & 0x7FFF_FFFF) as i32;
+    lanes::<u32>(bytes, |lanes| {
+        first_in_blocks(
+            lanes,
+            |block| block.iter().fold(0, |m, &x| magnitude(x).max(m)) >= EXPONENT,
+            |&x| (magnitude(x) >= EXPONENT).then(|| f32::from_bits(u32::from_le(x))),
+        )
+    })
+}
+
+/// Runs `scan` over `bytes` read as lanes of `T`: in place when they are aligned for `T` (a batch buffer
+/// always is), else a block at a time through an aligned copy (a message whose data starts at an odd offset).
+fn lanes<T: bytemuck::Pod>(
+    bytes: &[u8],
+    scan: impl Fn(&[T]) -> Option<(usize, f32)>,
+) -> Option<(usize, f32)> {
+    if let Ok(lanes) = bytemuck::try_cast_slice::<u8, T>(bytes) {
+        return scan(lanes);
+    }
+    let width = size_of::<T>();
+    let mut aligned = [T::zeroed(); BLOCK];
+    bytes
+        .chunks(BLOCK * width)
+        .enumerate()
+        .find_map(|(index, block)| {
+            let n = block.len() / width;
+            bytemuck::cast_slice_mut::<T, u8>(&mut aligned[..n])
+                .copy_from_slice(&block[..n * width]);
+            scan(&aligned[..n]).map(|(i, v)| (index * BLOCK + i, v))
+        })
+}
+
+/// Runs `bad` over blocks of [`BLOCK`] elements and `value` (the element's value when it is not finite) only
+/// in the blocks it flags; the first hit with its index.
+fn first_in_blocks<T>(
+    elements: &[T],
+    bad: impl Fn(&[T]) -> bool,
+    value: impl Fn(&T) -> Option<f32>,
+) -> Option<(usize, f32)> {
+    elements
+        .chunks(BLOCK)
+        .enumerate()
+        .filter(|(_, block)| bad(block))
+        .find_map(|(index, block)| {
+            block
+                .iter()
+                .enumerate()
+                .find_map(|(i, x)| value(x).map(|v| (index * BLOCK + i, v)))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reference: decode each element and ask the float type.
+    fn naive(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
+        let width = dtype.bitsize() / 8;
+        bytes.chunks_exact(width).enumerate().find_map(|(i, b)| {
+            let v = match dtype {
+                Dtype::BF16 => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+                Dtype::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                _ => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            };
+            (!v.is_finite()).then_some((i, v))
+        })
+    }
+
+    #[test]
+    fn finds_the_first_nan_or_infinity_like_the_float_types_do() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for dtype in [Dtype::BF16, Dtype::F16, Dtype::F32] {
+            let width = dtype.bitsize() / 8;
+            for case in 0..200 {
+                let len = (next() % (3 * BLOCK as u64)) as usize + 1;
+                // Random bits are full of NaNs; finite values near the largest ones test the threshold.
+                let mut bytes: Vec<u8> = (0..len * width + 1).map(|_| next() as u8).collect();
+                if case % 2 == 0 {
+                    for element in bytes[..len * width].chunks_exact_mut(width) {
+                        let top = element.len() - 1;
+                        element[top] &= if dtype == Dtype::F16 { 0xFB } else { 0xBF };
+                    }
+                    for _ in 0..(next() % 3) {
+                        let at = (next() as usize % len) * width;
+                        let top = at + width - 1;
+                        element_set_non_finite(&mut bytes[at..=top], dtype, next() % 2 == 0);
+                    }
+                }
+                for offset in [0, 1] {
+                    let slice = &bytes[offset..offset + len * width];
+                    let (want, got) = (naive(dtype, slice), first_non_finite(dtype, slice));
+                    assert_eq!(
+                        want.map(|(i, v)| (i, v.to_bits())),
+                        got.map(|(i, v)| (i, v.to_bits())),
+                        "{dtype:?} case {case} offset {offset}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Sets the exponent of one little-endian element to all ones (an infinity or a NaN by its mantissa).
+    fn element_set_non_finite(element: &mut [u8], dtype: Dtype, infinity: bool) {
+        let top = element.len() - 1;
+        match dtype {
+            Dtype::F16 => {
+                element[top] |= 0x7C;
+                if infinity {
+                    element[top] &= 0xFC;
+                    element[0] = 0;
+                }
+            }
+            Dtype::BF16 => {
+                element[top] |= 0x7F;
+                element[0] |= 0x80;
+                if infinity {
+                    element[0] = 0x80;
+                }
+            }
+            _ => {
+                element[top] |= 0x7F;
+                element[top - 1] |= 0x80;
+                if infinity {
+                    element[top - 1] = 0x80;
+                    element[0] = 0;
+                    element[1] = 0;
+                }
+            }
+        }
+    }
+}
