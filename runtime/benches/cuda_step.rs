@@ -26,7 +26,7 @@ use draftpipe_compiler::plan::{
     AdamWSpec, BucketPlan, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
-use draftpipe_runtime::batch::HsBatch;
+use draftpipe_runtime::batch::{HsBatch, HsDtype};
 use draftpipe_runtime::cuda::{
     CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
 };
@@ -228,7 +228,7 @@ fn mlp_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
         0,
         &model,
         (loss, adamw, precision),
-        std::slice::from_ref(&bucket),
+        (std::slice::from_ref(&bucket), HsDtype::F32),
         launch,
         None,
     )
@@ -415,7 +415,7 @@ fn dflash_model_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Ro
         0,
         &plan.model,
         (loss, adamw, precision),
-        std::slice::from_ref(&bucket),
+        (std::slice::from_ref(&bucket), HsDtype::F32),
         launch,
         None,
     )
