@@ -241,7 +241,6 @@ impl CudaBackend {
     /// `c ← alpha · a · b + beta · c` where `half` (a when `half_is_a`, else b) holds 16-bit hidden states and
     /// `wide` is f32: `wide` is rounded into the 16-bit operand copy, then one `cublasGemmEx` with 16-bit inputs
     /// and f32 accumulation and output.
-    #[allow(clippy::too_many_arguments)]
     fn gemm_half(
         &mut self,
         c: Dst<'_, Self, f32>,
@@ -409,8 +408,9 @@ impl Backend for CudaBackend {
             loss_mask: ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())),
         };
         // SAFETY: `slot_free[slot]` (recorded after the last step that read this slot) has passed, so the
-        // staging buffers are free; the slot is the caller's and outlives the copies (the backend drains its
-        // streams before the workspace goes); `begin_step` makes the compute stream wait for `copied[slot]`.
+        // staging buffers and the slot are free; the destinations hold the batch (the views above, from the
+        // largest bucket's shape, which the caller checked); `begin_step` makes the compute stream wait for
+        // `copied[slot]` before a step reads the slot.
         unsafe {
             self.pinned[slot].enqueue(batch, slot_pointers, self.copy.cu_stream())?;
         }
