@@ -74,6 +74,10 @@ run 120 "$here/cuda_drafter" --test-threads=1 --nocapture
 # The DFlash kernels against their f64 references on the GPU (the ::cuda halves of the test_device! tests).
 run 60 "$here/kernels_dflash" cuda --test-threads=1
 run 120 "$here/kernels_attention" cuda --test-threads=1
+# The backend-generic mlp step on CUDA against the CPU (gradients, 20-step updates, allocations equal to the
+# compiled layout), and bf16/f16 hidden states kept 16-bit through the input slots and the first GEMMs.
+run 180 "$here/backend_step" cuda --test-threads=1 --nocapture
+run 120 "$here/backend_hs16" cuda --test-threads=1 --nocapture
 run 60 "$here/cuda_vocab_loss" --bench
 run 300 "$here/cuda_step" --bench
 run 120 "$here/draftpipe" run "$here/gpu-smoke.pipe"

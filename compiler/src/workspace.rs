@@ -59,6 +59,20 @@ impl BackendKind {
 /// panel, so a tile costs the product no extra pass).
 pub const HS_TILE_ROWS: usize = 256;
 
+/// [`WorkspaceLayout::hs_operand_elements`]: on CUDA at `bf16` precision, the larger of the `fc` weight
+/// (`fc_weight` elements) and its upstream gradient (`upstream` elements); 0 elsewhere.
+fn hs_operand_elements(
+    backend: BackendKind,
+    precision: Precision,
+    fc_weight: usize,
+    upstream: usize,
+) -> usize {
+    match (backend, precision) {
+        (BackendKind::Cuda, Precision::Bf16) => fc_weight.max(upstream),
+        _ => 0,
+    }
+}
+
 /// Element type of a workspace buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Dtype {
@@ -120,6 +134,12 @@ pub struct WorkspaceLayout {
     pub chunk_rows: usize,
     /// Input slots (batches on the device at once).
     pub input_slots: usize,
+    /// Elements of the 16-bit copy a CUDA product needs of its f32 operand when the other holds 16-bit hidden
+    /// states (the larger of the `fc` weight and its upstream gradient, `[T, H]`), which
+    /// [`WorkspaceLayout::with_hs_dtype`] adds as `gemm_hs_operand`; 0 where the products never read 16-bit
+    /// hidden states directly (the CPU converts tiles of them instead; CUDA at f32 or TF32, whose products must
+    /// not round the f32 operand to 16 bits).
+    pub hs_operand_elements: usize,
     /// The buffers.
     pub buffers: Vec<WorkspaceBuffer>,
 }
@@ -249,6 +269,7 @@ impl WorkspaceLayout {
             sequences: s,
             chunk_rows: c,
             input_slots,
+            hs_operand_elements: hs_operand_elements(backend, precision, m(h, din)?, th),
             buffers,
         })
     }
@@ -443,6 +464,7 @@ impl WorkspaceLayout {
             sequences: s,
             chunk_rows: c,
             input_slots,
+            hs_operand_elements: hs_operand_elements(backend, precision, m(h, d)?, th),
             buffers,
         })
     }
@@ -461,17 +483,20 @@ impl WorkspaceLayout {
         }
     }
 
-    /// The layout for hidden states held in `hs` ([`HsDtype`]): on the CPU the input slots hold them in that
+    /// The layout for hidden states held in `hs` ([`HsDtype`]). On the CPU the input slots hold them in that
     /// dtype and the first layer's products convert [`HS_TILE_ROWS`] rows at a time into `hs_tile`, so no f32
-    /// copy of the batch exists. On CUDA the slots stay f32: the host converts while filling the pinned staging
-    /// buffer (a bf16 device path needs bf16 GEMM operands on both sides, not built yet). `None` on overflow.
+    /// copy of the batch exists. On CUDA at `bf16` precision the slots hold them in that dtype too (the
+    /// host→device copy moves 16-bit values) and the products read them as 16-bit GEMM inputs against a 16-bit
+    /// copy of the other operand, `gemm_hs_operand` ([`WorkspaceLayout::hs_operand_elements`]); at f32 or TF32
+    /// the CUDA slots stay f32 and the host widens while filling the pinned staging buffer, since cuBLAS has no
+    /// product of 16-bit by f32 operands. `None` on overflow.
     pub fn with_hs_dtype(mut self, backend: BackendKind, hs: HsDtype) -> Option<Self> {
         let dtype = match hs {
             HsDtype::F32 => return Some(self),
             HsDtype::Bf16 => Dtype::Bf16,
             HsDtype::F16 => Dtype::F16,
         };
-        if backend == BackendKind::Cuda {
+        if backend == BackendKind::Cuda && self.hs_operand_elements == 0 {
             return Some(self);
         }
         let mut din = 0;
@@ -481,10 +506,18 @@ impl WorkspaceLayout {
                 din = buffer.elements / self.tokens.max(1);
             }
         }
+        let (name, dtype, elements) = match backend {
+            BackendKind::Cpu => (
+                "hs_tile",
+                Dtype::F32,
+                HS_TILE_ROWS.min(self.tokens).checked_mul(din)?,
+            ),
+            BackendKind::Cuda => ("gemm_hs_operand", dtype, self.hs_operand_elements),
+        };
         self.buffers.push(WorkspaceBuffer {
-            name: "hs_tile".to_owned(),
-            dtype: Dtype::F32,
-            elements: HS_TILE_ROWS.min(self.tokens).checked_mul(din)?,
+            name: name.to_owned(),
+            dtype,
+            elements,
         });
         Some(self)
     }

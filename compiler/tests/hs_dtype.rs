@@ -91,3 +91,72 @@ fn the_dflash_pool_halves_its_hidden_states_in_bf16() {
     let summary = Summary(&bf16_plan).to_string();
     assert!(summary.contains("hidden states in bf16"), "{summary}");
 }
+
+#[test]
+fn cuda_input_slots_hold_bf16_at_bf16_precision_beside_one_16_bit_operand_copy() {
+    use draftpipe_compiler::plan::Precision;
+    use draftpipe_compiler::workspace::Dtype;
+
+    let bf16_plan = compile_source("dflash.pipe", DFLASH).unwrap();
+    assert_eq!(
+        bf16_plan.drafter.precision,
+        Precision::Bf16,
+        "the GPU default"
+    );
+    let f32_text = DFLASH.replace("hs_dtype     = bf16", "hs_dtype     = f32");
+    let f32_plan = compile_source("dflash.pipe", &f32_text).unwrap();
+    let buffer = |layout: &draftpipe_compiler::plan::WorkspaceLayout, name: &str| {
+        layout
+            .buffers
+            .iter()
+            .find(|b| b.name == name)
+            .map(|b| (b.dtype, b.elements))
+    };
+    let gpu = Device::Gpu(5);
+    let bf16 = bf16_plan.workspace_layout(gpu).unwrap();
+    let f32 = f32_plan.workspace_layout(gpu).unwrap();
+    // 8192 tokens of 5 taps × 4096; the copy holds the larger of fc [4096, 20480] and its gradient's upstream
+    // [8192, 4096].
+    let (tokens, width, hidden) = (8192, 5 * 4096, 4096);
+    for slot in 0..2 {
+        let name = format!("input{slot}.hs");
+        assert_eq!(buffer(&bf16, &name), Some((Dtype::Bf16, tokens * width)));
+        assert_eq!(buffer(&f32, &name), Some((Dtype::F32, tokens * width)));
+    }
+    let operand = hidden * width;
+    assert_eq!(
+        buffer(&bf16, "gemm_hs_operand"),
+        Some((Dtype::Bf16, operand))
+    );
+    assert_eq!(buffer(&f32, "gemm_hs_operand"), None);
+    let saved = (2 * tokens * width * 2 - operand * 2) as u64;
+    assert_eq!(f32.bytes().unwrap() - bf16.bytes().unwrap(), saved);
+    // `compile`'s memory figure is this layout, once per worker (one per GPU).
+    let workspaces = |plan: &draftpipe_compiler::plan::Plan| {
+        plan.memory
+            .iter()
+            .find(|m| m.device == gpu)
+            .unwrap()
+            .workspaces
+    };
+    assert_eq!(workspaces(&f32_plan) - workspaces(&bf16_plan), saved);
+
+    // f32 and TF32 products must not round the f32 operand: their slots stay f32 and the host widens.
+    for precision in [Precision::F32, Precision::Tf32] {
+        let mut plan = bf16_plan.clone();
+        plan.drafter.precision = precision;
+        let layout = plan.workspace_layout(gpu).unwrap();
+        assert_eq!(
+            buffer(&layout, "input0.hs"),
+            Some((Dtype::F32, tokens * width))
+        );
+        assert_eq!(buffer(&layout, "gemm_hs_operand"), None, "{precision:?}");
+    }
+    // The CPU's layout converts tiles of rows and needs no operand copy.
+    let cpu = bf16_plan.workspace_layout(Device::Cpu).unwrap();
+    assert_eq!(buffer(&cpu, "gemm_hs_operand"), None);
+    assert_eq!(
+        buffer(&cpu, "input0.hs"),
+        Some((Dtype::Bf16, tokens * width))
+    );
+}

@@ -134,13 +134,19 @@ fn mlp_5x3_memory_is_per_drafter_gpu() {
         (m.parameters, m.gradients, m.optimizer_state),
         (4 * p, 4 * p, 8 * p)
     );
-    // The CUDA layout: as the quickstart's (see above), with two input slots and cuBLAS's 32 MiB workspace.
+    // The CUDA layout: as the quickstart's (see above), with two input slots and cuBLAS's 32 MiB workspace. The
+    // slots hold the bf16 hidden states (`hs_dtype = bf16`, bf16 precision), beside the bf16 copy of the larger
+    // f32 operand their products take (`fc` [H, din] or the upstream gradient [T, H]).
     let (t, h, i, l, j, din, v) = (16384u64, 1024u64, 2816u64, 2u64, 4u64, 12288u64, 151936u64);
     let per_token = (l + 1) * h + l * h + (l + 1) + 3 * l * i + h + 4 * h + 2 * j + 3 * h + 3 * i;
     let partials = (j * t).div_ceil(1024) + t.div_ceil(64) * h + p.div_ceil(1024);
-    let slot = t * (4 * din + 4 + 1) + 4 * 16;
-    let workspace =
-        4 * (t * per_token + 4096 * v + 2 * j + partials + 3 + 7) + 8 * 3 + 2 * slot + (32 << 20);
+    let slot = t * (2 * din + 4 + 1) + 4 * 16;
+    let operand_copy = 2 * (h * din).max(t * h);
+    let workspace = 4 * (t * per_token + 4096 * v + 2 * j + partials + 3 + 7)
+        + 8 * 3
+        + 2 * slot
+        + operand_copy
+        + (32 << 20);
     assert_eq!(m.workspaces, workspace);
     // Hidden states held in bf16 (`hs_dtype = bf16`): 2 bytes each.
     assert_eq!(m.hs_pool, 60 * (16384 * (2 * 12288 + 5) + 4 * 16));

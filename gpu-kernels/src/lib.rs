@@ -34,6 +34,7 @@
 //! | [`attention::attention_forward`], [`attention::attention_backward_q`] | a plane per (query tile, head) | `tile · heads + head` |
 //! | [`attention::attention_delta`] | a plane per (query, head) | `query · heads + head` |
 //! | [`attention::attention_backward_kv`] | a plane per (key tile, kv head) | `tile · kv_heads + kv head` |
+//! | [`convert::round_to_half`] | element range | chunk |
 //!
 //! One training step in kernel order (GEMMs are the caller's):
 //!
@@ -53,6 +54,7 @@
 pub mod activation;
 pub mod adamw;
 pub mod attention;
+pub mod convert;
 pub mod embedding;
 pub mod loss;
 pub mod math;

@@ -315,6 +315,15 @@ macro_rules! kernel_table {
                     keys, queries, heads, kv_heads, head_dim, scale, plane, index
                 ),
             }
+            /// `out = x` as bfloat16 (`format` 0) or IEEE half (1) bits, rounded to nearest even: the 16-bit copy
+            /// of a product's f32 operand when the other operand holds 16-bit hidden states.
+            round_to_half {
+                reads: [x: f32 = n],
+                writes: [out: u16 = n],
+                scalars: [n: usize, format: u32],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::convert::round_to_half(x, out, n, format, chunk_len, chunk),
+            }
         }
     };
 }

@@ -3,16 +3,19 @@
 //! - AdamW bandwidth against a device-to-device copy measured in the same run (target ≥ 85 %);
 //! - the fused vocabulary loss against a version that materialises all logits (time and logits memory);
 //! - the whole step of the `mlp-5x3.pipe` drafter (din 12288, hidden 1024, 2 blocks, intermediate 2816,
-//!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode with f32 GEMMs, and in graph mode
-//!   with TF32 and bf16 GEMMs (`precision`): tokens/s, device busy % with the next batch always staged (target
-//!   ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each section's rows are printed as soon as they are measured;
+//!   4 heads, vocab 151936, 16384 tokens per step) in eager and graph mode with f32 GEMMs, in graph mode with
+//!   TF32 and bf16 GEMMs (`precision`), and at bf16 with bf16 hidden states (16-bit input slots, half the
+//!   host→device bytes, the first products as 16-bit GEMMs): tokens/s, device busy % with the next batch
+//!   always staged (target ≥ 97 % in graph mode), host µs per step (target ≤ 20). Each section's rows are
+//!   printed as soon as they are measured;
 //! - the DFlash attention kernels at Qwen3-8B's shape (32 query and 8 kv heads of 128; one sequence of 8192
 //!   context rows with 512 anchors evenly spread, blocks of 16: 8192 queries): time against the FLOPs of the
 //!   unmasked (query, head, key) pairs only (forward `4·hd` per pair; backward `14·hd`, both of its passes
 //!   recomputing the scores), and the fraction of the dense `[queries × keys]` pairs they are;
 //! - the whole DFlash step of `pipelines/dflash-5x3.pipe` (its largest bucket, 8192 tokens) in eager and graph
-//!   mode at bf16 and TF32: tokens/s, MFU against the compiler's FLOP count of the step (H200 dense peaks:
-//!   989 TFLOP/s bf16, 494 TF32), device busy %.
+//!   mode at bf16 and TF32, and in graph mode at bf16 with bf16 hidden states (as the pipeline holds them):
+//!   tokens/s, MFU against the compiler's FLOP count of the step (H200 dense peaks: 989 TFLOP/s bf16, 494
+//!   TF32), device busy %.
 //!
 //! Medians over repetitions. Without a GPU it prints one line and exits 0. Run: `cargo bench -p
 //! draftpipe-runtime --bench cuda_step`, or the prebuilt binary from `scripts/gpu-check.sh`.
@@ -26,7 +29,7 @@ use draftpipe_compiler::plan::{
     AdamWSpec, BucketPlan, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
-use draftpipe_runtime::batch::HsBatch;
+use draftpipe_runtime::batch::{HsBatch, HsDtype};
 use draftpipe_runtime::cuda::{
     CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
 };
@@ -193,7 +196,28 @@ fn fused_vs_materialised(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Ro
     ));
 }
 
-fn mlp_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
+/// A full batch of `bucket` with hidden states of width `din` held in `hs` (deterministic values in
+/// [−0.5, 0.5), rounded to `hs`), token ids below `vocab`, every token labelled.
+fn filled_batch(bucket: &BucketPlan, din: usize, vocab: usize, hs: HsDtype) -> HsBatch {
+    let mut batch = HsBatch::zeroed_in(hs, bucket.padded_len, bucket.sequences, din);
+    let n = batch.hs.len();
+    // In chunks, so an f32 copy of a whole bf16 batch never exists.
+    let chunk = 1 << 20;
+    for start in (0..n).step_by(chunk) {
+        let values: Vec<f32> = (start..(start + chunk).min(n))
+            .map(|i| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        batch.hs.store_f32(start, &values);
+    }
+    for (i, id) in batch.input_ids.iter_mut().enumerate() {
+        *id = (i * 7919 % vocab) as u32;
+    }
+    batch.seq_lens.fill(bucket.padded_len as u32);
+    batch.loss_mask.fill(1);
+    batch
+}
+
+fn mlp_step(launch: LaunchMode, precision: Precision, hs: HsDtype, rows: &mut Vec<Row>) {
     let spec = MlpSpec {
         din: 3 * 4096,
         hidden: 1024,
@@ -228,7 +252,7 @@ fn mlp_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
         0,
         &model,
         (loss, adamw, precision),
-        std::slice::from_ref(&bucket),
+        (std::slice::from_ref(&bucket), hs),
         launch,
         None,
     )
@@ -236,16 +260,7 @@ fn mlp_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
     drafter
         .upload_state(&FlatState::init(&model, 1))
         .expect("upload");
-    let mut batch = HsBatch::zeroed(bucket.padded_len, bucket.sequences, spec.din);
-    let hs = batch.hs.as_f32_mut().expect("an f32 batch");
-    for (i, v) in hs.iter_mut().enumerate() {
-        *v = ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
-    }
-    for (i, id) in batch.input_ids.iter_mut().enumerate() {
-        *id = (i * 7919 % spec.vocab) as u32;
-    }
-    batch.seq_lens.fill(bucket.padded_len as u32);
-    batch.loss_mask.fill(1);
+    let batch = filled_batch(&bucket, spec.din, spec.vocab, hs);
     let (warmup, measured) = (2, 6);
     for _ in 0..warmup {
         drafter.stage(&batch).expect("stage");
@@ -271,8 +286,9 @@ fn mlp_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
     // "busy": the steps' event spans over the wall time, i.e. the gaps between steps (gaps inside an eager step
     // fall inside its span and are not seen here).
     let name = format!(
-        "mlp-5x3 step, {launch:?}, {}, 16384 tokens",
-        precision.name()
+        "mlp-5x3 step, {launch:?}, {}, 16384 tokens, {} hidden states",
+        precision.name(),
+        hs.name()
     );
     let tokens_s = (bucket.tokens * measured) as f64 / wall_s;
     let busy = 100.0 * device_s / wall_s;
@@ -398,7 +414,7 @@ fn attention_vs_flops(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>)
 }
 
 /// The DFlash drafter of `pipelines/dflash-5x3.pipe` (Qwen3-8B's shapes) on its largest bucket.
-fn dflash_model_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Row>) {
+fn dflash_model_step(launch: LaunchMode, precision: Precision, hs: HsDtype, rows: &mut Vec<Row>) {
     // Embedded at build time: the GPU machine runs this binary without the repository.
     let source = include_str!("../../pipelines/dflash-5x3.pipe");
     let plan = draftpipe_compiler::compile_source("pipelines/dflash-5x3.pipe", source)
@@ -415,7 +431,7 @@ fn dflash_model_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Ro
         0,
         &plan.model,
         (loss, adamw, precision),
-        std::slice::from_ref(&bucket),
+        (std::slice::from_ref(&bucket), hs),
         launch,
         None,
     )
@@ -429,17 +445,7 @@ fn dflash_model_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Ro
     drafter
         .upload_state(&FlatState::init(&plan.model, 1))
         .expect("upload");
-    let din = spec.hidden * spec.taps;
-    let mut batch = HsBatch::zeroed(bucket.padded_len, bucket.sequences, din);
-    let hs = batch.hs.as_f32_mut().expect("an f32 batch");
-    for (i, v) in hs.iter_mut().enumerate() {
-        *v = ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5;
-    }
-    for (i, id) in batch.input_ids.iter_mut().enumerate() {
-        *id = (i * 7919 % spec.vocab) as u32;
-    }
-    batch.seq_lens.fill(bucket.padded_len as u32);
-    batch.loss_mask.fill(1);
+    let batch = filled_batch(&bucket, spec.hidden * spec.taps, spec.vocab, hs);
     let (warmup, measured) = (1, 4);
     for _ in 0..warmup {
         drafter.stage(&batch).expect("stage");
@@ -469,9 +475,10 @@ fn dflash_model_step(launch: LaunchMode, precision: Precision, rows: &mut Vec<Ro
     };
     rows.push(Row(
         format!(
-            "dflash-5x3 DFlash step, {launch:?}, {}, {} tokens",
+            "dflash-5x3 DFlash step, {launch:?}, {}, {} tokens, {} hidden states",
             precision.name(),
-            bucket.tokens
+            bucket.tokens,
+            hs.name()
         ),
         format!(
             "{:.0} tok/s, MFU {:.1} % ({:.1} TFLOP/step), busy {:.1} %",
@@ -513,17 +520,24 @@ fn main() {
     };
     measure(&mut |rows| adamw_vs_copy(&ctx, &launcher, rows));
     measure(&mut |rows| fused_vs_materialised(&ctx, &launcher, rows));
-    measure(&mut |rows| mlp_step(LaunchMode::Eager, Precision::F32, rows));
-    measure(&mut |rows| mlp_step(LaunchMode::Graph, Precision::F32, rows));
-    measure(&mut |rows| mlp_step(LaunchMode::Graph, Precision::Tf32, rows));
-    measure(&mut |rows| mlp_step(LaunchMode::Graph, Precision::Bf16, rows));
-    measure(&mut |rows| attention_vs_flops(&ctx, &launcher, rows));
-    for (launch, precision) in [
-        (LaunchMode::Eager, Precision::Bf16),
-        (LaunchMode::Graph, Precision::Bf16),
-        (LaunchMode::Eager, Precision::Tf32),
-        (LaunchMode::Graph, Precision::Tf32),
+    // f32 hidden states, then bf16 ones (16-bit slots and copies, 16-bit first GEMMs) at bf16 precision.
+    for (launch, precision, hs) in [
+        (LaunchMode::Eager, Precision::F32, HsDtype::F32),
+        (LaunchMode::Graph, Precision::F32, HsDtype::F32),
+        (LaunchMode::Graph, Precision::Tf32, HsDtype::F32),
+        (LaunchMode::Graph, Precision::Bf16, HsDtype::F32),
+        (LaunchMode::Graph, Precision::Bf16, HsDtype::Bf16),
     ] {
-        measure(&mut |rows| dflash_model_step(launch, precision, rows));
+        measure(&mut |rows| mlp_step(launch, precision, hs, rows));
+    }
+    measure(&mut |rows| attention_vs_flops(&ctx, &launcher, rows));
+    for (launch, precision, hs) in [
+        (LaunchMode::Eager, Precision::Bf16, HsDtype::F32),
+        (LaunchMode::Graph, Precision::Bf16, HsDtype::F32),
+        (LaunchMode::Graph, Precision::Bf16, HsDtype::Bf16),
+        (LaunchMode::Eager, Precision::Tf32, HsDtype::F32),
+        (LaunchMode::Graph, Precision::Tf32, HsDtype::F32),
+    ] {
+        measure(&mut |rows| dflash_model_step(launch, precision, hs, rows));
     }
 }

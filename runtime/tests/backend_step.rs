@@ -17,14 +17,13 @@
 mod backends;
 mod cpu_step_support;
 
-use backends::TestDevice;
+use backends::{TestDevice, relative_l2, train};
 use cpu_step_support::*;
 use draftpipe_compiler::plan::{
-    AdamWSpec, BackendKind, Device, LrSchedule, MlpSpec, Precision, WorkspaceLayout,
+    AdamWSpec, BackendKind, Device, HsDtype, LrSchedule, MlpSpec, Precision, WorkspaceLayout,
 };
 use draftpipe_runtime::backend::Backend;
 use draftpipe_runtime::batch::HsBatch;
-use draftpipe_runtime::drafter::Drafter;
 use draftpipe_runtime::params::FlatState;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
@@ -38,40 +37,6 @@ fn tolerances<D: TestDevice>(precision: Precision) -> (f64, f64, f64) {
         (_, Precision::F32) => (1e-3, 1e-3, 1e-2),
         (_, Precision::Tf32) => (5e-3, 5e-3, 1e-2),
         (_, Precision::Bf16) => (3e-2, 3e-2, 5e-2),
-    }
-}
-
-/// Runs `batches` from `init` and returns every step's loss (one per batch, none lost) and the final state.
-fn train<B: Backend>(
-    drafter: &mut Drafter<B>,
-    init: &FlatState,
-    batches: &[HsBatch],
-) -> (Vec<f32>, FlatState) {
-    drafter.upload_state(init).expect("upload");
-    let mut losses = Vec::new();
-    for batch in batches {
-        drafter.stage(batch).expect("stage");
-        losses.extend(drafter.step().expect("step").map(|o| o.loss));
-    }
-    losses.extend(drafter.finish().expect("finish").map(|o| o.loss));
-    assert_eq!(losses.len(), batches.len(), "one outcome per step");
-    let mut state = init.clone();
-    drafter.download_state(&mut state).expect("download");
-    (losses, state)
-}
-
-/// `‖a − b‖₂ / ‖b‖₂` (0 when both are 0).
-fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        diff += (f64::from(x) - f64::from(y)).powi(2);
-        norm += f64::from(y).powi(2);
-    }
-    if diff == 0.0 {
-        0.0
-    } else {
-        (diff / norm).sqrt()
     }
 }
 
@@ -382,10 +347,23 @@ fn compiled_bytes_per_worker(plan: &draftpipe_compiler::plan::Plan, device: Devi
         / workers
 }
 
+/// `plan` with bf16 hidden states at `bf16` precision: the CPU's input slots hold them beside its `hs_tile`,
+/// CUDA's beside the 16-bit operand copy `gemm_hs_operand`.
+fn with_bf16_hidden_states(
+    mut plan: draftpipe_compiler::plan::Plan,
+) -> draftpipe_compiler::plan::Plan {
+    plan.target.hs_dtype = Some(HsDtype::Bf16);
+    plan.drafter.precision = Precision::Bf16;
+    plan.name.push_str(" (bf16 hidden states)");
+    plan
+}
+
 /// A drafter allocates exactly what `compile` reports: the quickstart and a small dflash plan on this backend,
-/// and the mlp-5x3 pipeline on CUDA (its CPU layout is computed by the same code but not allocated here: ~8 GB).
+/// each also with bf16 hidden states, and the mlp-5x3 pipeline on CUDA (its CPU layout is computed by the same
+/// code but not allocated here: ~8 GB).
 fn allocation_equals_the_compiled_layout<D: TestDevice>(device: &D) {
     let mut cases = vec![shipped("quickstart.pipe"), small_dflash()];
+    cases.extend(cases.clone().into_iter().map(with_bf16_hidden_states));
     if D::NAME == "cuda" {
         cases.push(shipped("mlp-5x3.pipe"));
     }
@@ -408,10 +386,11 @@ fn allocation_equals_the_compiled_layout<D: TestDevice>(device: &D) {
         )
         .expect("memory plan");
         let stage = &plan.drafter;
-        let drafter = device.drafter(
+        let drafter = device.drafter_for(
             &plan.model,
             (stage.loss, stage.optimizer, stage.precision),
             &plan.buckets,
+            plan.target.hs_dtype_or_widest(),
         );
         let layout = plan.workspace_layout(kind_device).expect("layout");
         let allocated = drafter.allocated_bytes();

@@ -2,7 +2,7 @@
 //! embedded-PTX accessors agree with each other.
 
 use draftpipe_compiler::plan::{
-    AdamWSpec, BucketPlan, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
+    AdamWSpec, BucketPlan, HsDtype, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
 };
 use draftpipe_runtime::backend::BackendError;
 use draftpipe_runtime::cuda::{
@@ -48,7 +48,7 @@ fn no_driver_is_an_error_not_a_panic() {
                 0,
                 &model,
                 (loss, adamw, Precision::F32),
-                &buckets,
+                (&buckets, HsDtype::F32),
                 LaunchMode::Graph,
                 None,
             );
@@ -69,7 +69,7 @@ fn no_driver_is_an_error_not_a_panic() {
                 devices.len(),
                 &model,
                 (loss, adamw, Precision::F32),
-                &buckets,
+                (&buckets, HsDtype::F32),
                 LaunchMode::Eager,
                 None,
             );

@@ -9,7 +9,7 @@ mod cpu_step_support;
 
 use cpu_step_support::{adamw, bucket, loss, model, random_batch};
 use draftpipe_compiler::plan::{LaunchMode, MlpSpec, Precision};
-use draftpipe_runtime::batch::HsBatch;
+use draftpipe_runtime::batch::{HsBatch, HsDtype};
 use draftpipe_runtime::cuda::{CudaDrafter, GradientAllReduce, discover_devices};
 use draftpipe_runtime::params::FlatState;
 use rand::SeedableRng;
@@ -36,7 +36,7 @@ fn run(
         ordinal,
         &model,
         (loss(0.8, 48), adamw(3e-3), Precision::Bf16),
-        &[bucket(32, 4)],
+        (&[bucket(32, 4)], HsDtype::F32),
         launch,
         all_reduce,
     )

@@ -1,5 +1,6 @@
 //! Every drafter kernel on the GPU against the same kernel through its host launcher (the CPU backend's code),
-//! and the row-major GEMM wrapper against an f64 product, on fresh random inputs with poisoned outputs. Both
+//! and the row-major GEMM wrappers (f32, and 16-bit inputs with f32 output) against an f64 product, on fresh
+//! random inputs with poisoned outputs. Both
 //! launchers are generated from the kernel table, so each comparison calls the two with the same arguments.
 //!
 //! Tolerances: the device's `exp`/`ln`/`rsqrt` are the PTX approximate instructions (relative error ≈ 2^-22)
@@ -11,8 +12,9 @@ mod common;
 
 use common::{assert_close, download, gpu_or_skip, poisoned, rng, uniform, upload};
 use draftpipe_gpu_kernels::adamw;
+use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
 use draftpipe_runtime::cpu::kernels::launch;
-use draftpipe_runtime::cuda::{Gemm, KernelModule, Launcher, Op};
+use draftpipe_runtime::cuda::{Gemm, HalfType, KernelModule, Launcher, Op};
 use rand::RngExt;
 
 fn launcher(test: &str) -> Option<Launcher> {
@@ -334,6 +336,47 @@ fn a_short_buffer_is_an_error_not_a_launch() {
     );
 }
 
+/// `alpha · op_a(a) · op_b(b) + beta · c0` in f64, row-major; `a` stored `[m, k]` (`[k, m]` transposed), `b`
+/// `[k, n]` (`[n, k]` transposed).
+#[allow(clippy::too_many_arguments)]
+fn row_major_reference(
+    (op_a, a): (Op, &[f32]),
+    (op_b, b): (Op, &[f32]),
+    c0: &[f32],
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    beta: f32,
+) -> Vec<f32> {
+    let at = |i: usize, p: usize| {
+        f64::from(if op_a == Op::N {
+            a[i * k + p]
+        } else {
+            a[p * m + i]
+        })
+    };
+    let bt = |p: usize, j: usize| {
+        f64::from(if op_b == Op::N {
+            b[p * n + j]
+        } else {
+            b[j * k + p]
+        })
+    };
+    (0..m * n)
+        .map(|e| {
+            let (i, j) = (e / n, e % n);
+            let dot: f64 = (0..k).map(|p| at(i, p) * bt(p, j)).sum();
+            (f64::from(alpha) * dot + f64::from(beta) * f64::from(c0[e])) as f32
+        })
+        .collect()
+}
+
+const TRANSPOSES: [(Op, Op); 4] = [
+    (Op::N, Op::N),
+    (Op::N, Op::T),
+    (Op::T, Op::N),
+    (Op::T, Op::T),
+];
+
 #[test]
 fn row_major_gemm_matches_f64_for_every_transpose() {
     let Some(k) = launcher("row_major_gemm_matches_f64_for_every_transpose") else {
@@ -343,38 +386,12 @@ fn row_major_gemm_matches_f64_for_every_transpose() {
     let gemm = Gemm::new(s.clone()).expect("cuBLAS");
     let (mut r, seed) = rng();
     let (m, n, kk) = (37, 53, 71);
-    for (op_a, op_b) in [
-        (Op::N, Op::N),
-        (Op::N, Op::T),
-        (Op::T, Op::N),
-        (Op::T, Op::T),
-    ] {
+    for (op_a, op_b) in TRANSPOSES {
         let a = uniform(&mut r, m * kk, -1.0, 1.0);
         let b = uniform(&mut r, kk * n, -1.0, 1.0);
         let c0 = uniform(&mut r, m * n, -1.0, 1.0);
-        // a is stored [m,k] (N) or [k,m] (T); b [k,n] (N) or [n,k] (T).
-        let at = |i: usize, p: usize| {
-            f64::from(if op_a == Op::N {
-                a[i * kk + p]
-            } else {
-                a[p * m + i]
-            })
-        };
-        let bt = |p: usize, j: usize| {
-            f64::from(if op_b == Op::N {
-                b[p * n + j]
-            } else {
-                b[j * kk + p]
-            })
-        };
         let (alpha, beta) = (0.75f32, 0.5f32);
-        let want: Vec<f32> = (0..m * n)
-            .map(|e| {
-                let (i, j) = (e / n, e % n);
-                let dot: f64 = (0..kk).map(|p| at(i, p) * bt(p, j)).sum();
-                (f64::from(alpha) * dot + f64::from(beta) * f64::from(c0[e])) as f32
-            })
-            .collect();
+        let want = row_major_reference((op_a, &a), (op_b, &b), &c0, (m, n, kk), alpha, beta);
         let ((_a, a_), (_b, b_), (gc, gc_)) = (upload(&s, &a), upload(&s, &b), upload(&s, &c0));
         // SAFETY: the buffers hold the stated shapes.
         unsafe {
@@ -396,5 +413,111 @@ fn row_major_gemm_matches_f64_for_every_transpose() {
             1e-5,
             seed,
         );
+    }
+}
+
+/// The product of 16-bit inputs (`Gemm::row_major_16`: bf16 or f16, f32 accumulation and output, what a
+/// product with 16-bit hidden states runs) against f64 for every transpose. The inputs are exactly
+/// representable in the 16-bit type, so only the f32 accumulation differs from the reference.
+#[test]
+fn row_major_16_matches_f64_for_every_transpose() {
+    let Some(k) = launcher("row_major_16_matches_f64_for_every_transpose") else {
+        return;
+    };
+    let s = k.stream().clone();
+    let gemm = Gemm::new(s.clone()).expect("cuBLAS");
+    let (mut r, seed) = rng();
+    let (m, n, kk) = (37, 53, 71);
+    for input in [HalfType::Bf16, HalfType::F16] {
+        // Values and their 16-bit bits (the f32 values are the 16-bit ones, exactly).
+        let held = |values: Vec<f32>| -> (Vec<f32>, Vec<u16>) {
+            values
+                .into_iter()
+                .map(|x| match input {
+                    HalfType::Bf16 => {
+                        let h = half::bf16::from_f32(x);
+                        (h.to_f32(), h.to_bits())
+                    }
+                    HalfType::F16 => {
+                        let h = half::f16::from_f32(x);
+                        (h.to_f32(), h.to_bits())
+                    }
+                })
+                .unzip()
+        };
+        for (op_a, op_b) in TRANSPOSES {
+            let (a, a16) = held(uniform(&mut r, m * kk, -1.0, 1.0));
+            let (b, b16) = held(uniform(&mut r, kk * n, -1.0, 1.0));
+            let c0 = uniform(&mut r, m * n, -1.0, 1.0);
+            let (alpha, beta) = (0.75f32, 0.5f32);
+            let want = row_major_reference((op_a, &a), (op_b, &b), &c0, (m, n, kk), alpha, beta);
+            let ((_a, a_), (_b, b_), (gc, gc_)) =
+                (upload(&s, &a16), upload(&s, &b16), upload(&s, &c0));
+            // SAFETY: the buffers hold the stated shapes, `a` and `b` in 16-bit elements of `input`.
+            unsafe {
+                gemm.row_major_16(
+                    (op_a, a_.addr()),
+                    (op_b, b_.addr()),
+                    gc_.addr(),
+                    (m, n, kk),
+                    (alpha, beta),
+                    input,
+                )
+            }
+            .unwrap();
+            assert_close(
+                &format!("{input:?} gemm {op_a:?}{op_b:?}"),
+                &download(&s, &gc),
+                &want,
+                1e-5,
+                1e-5,
+                seed,
+            );
+        }
+    }
+}
+
+/// `round_to_half` on the device gives the host launcher's bits (which `kernels_convert.rs` checks against the
+/// `half` crate): random bit patterns (every exponent, NaNs and infinities among them) and the edge cases, both
+/// formats, the output poisoned.
+#[test]
+fn round_to_half_matches_host_bit_for_bit() {
+    let Some(k) = launcher("round_to_half_matches_host_bit_for_bit") else {
+        return;
+    };
+    let s = k.stream().clone();
+    let (mut r, seed) = rng();
+    let mut x: Vec<f32> = (0..100_003)
+        .map(|_| f32::from_bits(r.random::<u32>()))
+        .collect();
+    x.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x7F80_0001),
+        f32::MAX,
+        65520.0,
+        2.980_232_2e-8,
+        1.0 + 1.0 / 256.0,
+    ]);
+    let n = x.len();
+    let (_x, x_) = upload(&s, &x);
+    for format in [FORMAT_BF16, FORMAT_F16] {
+        let mut want = vec![0u16; n];
+        launch::round_to_half(&x, &mut want, n, format);
+        let (out, out_) = upload(&s, &vec![0xDEADu16; n]);
+        k.round_to_half(x_, out_, n, format).unwrap();
+        let got = download(&s, &out);
+        if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
+            panic!(
+                "format {format}: element {i} (f32 bits {:#010x}) gave {:#06x} on the GPU, {:#06x} on the host \
+                 (seed {seed})",
+                x[i].to_bits(),
+                got[i],
+                want[i]
+            );
+        }
     }
 }

@@ -172,6 +172,7 @@ fn tiled_backend(cols: usize) -> CpuBackend {
         sequences: 0,
         chunk_rows: 0,
         input_slots: 0,
+        hs_operand_elements: 0,
         buffers: vec![WorkspaceBuffer {
             name: "hs_tile".into(),
             dtype: LayoutDtype::F32,

@@ -17,8 +17,16 @@
 //!
 //! Precision: `bf16` and `tf32` run the f32 GEMMs with cuBLAS's compute types `CUBLAS_COMPUTE_32F_FAST_16BF`
 //! and `CUBLAS_COMPUTE_32F_FAST_TF32`: the tensor cores round both f32 operands (bf16: the activations and the
-//! f32 master weights) and accumulate in f32 into an f32 output, so no bf16 copy has to be kept or converted by
-//! a kernel of ours, and the master weights, gradients and AdamW moments stay f32.
+//! f32 master weights) and accumulate in f32 into an f32 output, so no bf16 copy has to be kept, and the master
+//! weights, gradients and AdamW moments stay f32.
+//!
+//! Hidden states held in bf16 (f16) stay so on the device at `bf16` precision: the input slots hold them as they
+//! arrive (the host→device copy moves 16-bit values), and the two products that read them (the `fc` forward and
+//! its weight gradient) are `cublasGemmEx` with 16-bit inputs, f32 accumulation and an f32 output. cuBLAS
+//! multiplies bf16 only by bf16, so the other operand (the f32 `fc` weight, or the f32 upstream gradient) is
+//! first rounded to the same 16-bit type by the `round_to_half` kernel into the layout's `gemm_hs_operand`: the
+//! value the tensor cores would have used at `bf16` precision anyway, for bf16 hidden states. At f32 or TF32
+//! the layout keeps f32 slots and the host widens while staging (cuBLAS has no 16-bit × f32 product).
 //!
 //! None of this has run on a GPU yet (the session that wrote it had none); `scripts/gpu-check.sh` runs it.
 
@@ -34,18 +42,21 @@ use cudarc::driver::{
 };
 use draftpipe_compiler::plan::{BackendKind, LaunchMode, WorkspaceLayout};
 use draftpipe_compiler::workspace::{
-    CUBLAS_WORKSPACE_BYTES, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS,
+    CUBLAS_WORKSPACE_BYTES, Dtype, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS,
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
+use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
 
 use super::cuda_dflash as dflash;
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
-    BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, InputSlot,
+    BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
     Operand, Precision, Src, StepPart, StepResults, gemm_shape,
 };
+use crate::batch::HsDtype;
 use crate::cuda::{
-    CudaError, DevicePtr, Gemm, GradientAllReduce, KernelModule, Launcher, Op, open_device,
+    CudaError, DevicePtr, Gemm, GradientAllReduce, HalfType, KernelModule, Launcher, Op,
+    PinnedInput, SlotHs, SlotPointers, open_device,
 };
 
 /// A device allocation and its address (taken once: event tracking is off, so the address is all we need).
@@ -75,6 +86,16 @@ fn element<T>(pointer: DevicePtr<T>, index: usize) -> DevicePtr<T> {
         .unwrap_or_else(|| panic!("element {index} of a {}-element view", pointer.len()))
 }
 
+/// The hidden-state dtype of the layout's buffer `name`, when it has one of the three.
+fn hs_dtype(layout: &WorkspaceLayout, name: &str) -> Option<HsDtype> {
+    match layout.buffers.iter().find(|b| b.name == name)?.dtype {
+        Dtype::F32 => Some(HsDtype::F32),
+        Dtype::Bf16 => Some(HsDtype::Bf16),
+        Dtype::F16 => Some(HsDtype::F16),
+        _ => None,
+    }
+}
+
 /// The seven floats of a step's AdamW scalars as the kernels' [`AdamWStep`].
 fn adamw_step(floats: DevicePtr<f32>) -> DevicePtr<AdamWStep> {
     assert_eq!(
@@ -94,18 +115,12 @@ struct StepGraph(CudaGraph);
 // SAFETY: see above; the graph is only reached through `&mut CudaBackend`.
 unsafe impl Send for StepGraph {}
 
-/// Pinned host staging for one input slot (write-combined: the host only writes it).
-struct PinnedInput {
-    hs: PinnedHostSlice<f32>,
-    input_ids: PinnedHostSlice<u32>,
-    seq_lens: PinnedHostSlice<u32>,
-    loss_mask: PinnedHostSlice<u8>,
-}
-
-/// Copies `src` to the front of the pinned `dst`.
-fn fill_pinned<T: Element>(dst: &mut PinnedHostSlice<T>, src: &[T]) -> Result<(), CudaError> {
-    dst.as_mut_slice()?[..src.len()].copy_from_slice(src);
-    Ok(())
+/// The 16-bit copy of a product's f32 operand when the other holds 16-bit hidden states (the layout's
+/// `gemm_hs_operand`), and the 16-bit type it holds.
+struct HalfOperand {
+    buffer: DeviceBuffer<u16>,
+    len: usize,
+    dtype: HsDtype,
 }
 
 /// One CUDA device as a backend. See the module docs.
@@ -125,6 +140,7 @@ pub struct CudaBackend {
     stop: [CudaEvent; 2],
     done: [CudaEvent; 2],
     all_reduce: Option<GradientAllReduce>,
+    half_operand: Option<HalfOperand>,
     allocated: u64,
 }
 
@@ -154,19 +170,23 @@ impl CudaBackend {
         let gemm = Gemm::with_workspace(compute.clone(), cublas_bytes)?;
         let (tokens, sequences) = (layout.tokens, layout.sequences);
         let din = layout.elements("input0.hs").unwrap_or(0) / tokens.max(1);
+        let slot_hs = hs_dtype(layout, "input0.hs").unwrap_or(HsDtype::F32);
         let pinned = (0..layout.input_slots)
-            .map(|_| -> Result<PinnedInput, CudaError> {
-                // SAFETY: the pinned buffers are plain numbers, written by the host before each upload.
-                unsafe {
-                    Ok(PinnedInput {
-                        hs: ctx.alloc_pinned(tokens * din)?,
-                        input_ids: ctx.alloc_pinned(tokens)?,
-                        seq_lens: ctx.alloc_pinned(sequences)?,
-                        loss_mask: ctx.alloc_pinned(tokens)?,
-                    })
-                }
-            })
+            .map(|_| PinnedInput::new(&ctx, slot_hs, (tokens, din, sequences)))
             .collect::<Result<Vec<_>, _>>()?;
+        let half_operand = match (
+            hs_dtype(layout, "gemm_hs_operand"),
+            layout.elements("gemm_hs_operand"),
+        ) {
+            (Some(dtype), Some(len)) => {
+                let slice = compute.alloc_zeros::<u16>(len.max(1))?;
+                let (ptr, _) = slice.device_ptr(&compute);
+                let buffer = DeviceBuffer { _slice: slice, ptr };
+                Some(HalfOperand { buffer, len, dtype })
+            }
+            _ => None,
+        };
+        let half_bytes = half_operand.as_ref().map_or(0, |h| 2 * h.len as u64);
         // Events the host waits on sleep instead of spinning a core for the whole step.
         let host_waited = || ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC));
         let timing = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
@@ -194,7 +214,8 @@ impl CudaBackend {
             gemm,
             launch,
             all_reduce: None,
-            allocated: cublas_bytes as u64,
+            half_operand,
+            allocated: cublas_bytes as u64 + half_bytes,
         };
         backend.compute.synchronize()?;
         Ok(backend)
@@ -215,6 +236,71 @@ impl CudaBackend {
     fn pinned_buffer<T: Element>(&self, len: usize) -> Result<PinnedHostSlice<T>, CudaError> {
         // SAFETY: plain numbers; flags 0 gives cached memory, readable by the host.
         Ok(unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }?)
+    }
+
+    /// `c ← alpha · a · b + beta · c` where `half` (a when `half_is_a`, else b) holds 16-bit hidden states and
+    /// `wide` is f32: `wide` is rounded into the 16-bit operand copy, then one `cublasGemmEx` with 16-bit inputs
+    /// and f32 accumulation and output.
+    fn gemm_half(
+        &mut self,
+        c: Dst<'_, Self, f32>,
+        (half, half_is_a): (HsOperand<'_, Self>, bool),
+        wide: Operand<'_, Self>,
+        (m, n, k): (usize, usize, usize),
+        (alpha, beta): (f32, f32),
+        precision: Precision,
+    ) -> BackendResult {
+        let (half_addr, input) = match half.data {
+            HsSrc::Bf16(view) => (ptr(view).addr(), HalfType::Bf16),
+            HsSrc::F16(view) => (ptr(view).addr(), HalfType::F16),
+            HsSrc::F32(_) => unreachable!("gemm_half: the hidden-state operand is f32"),
+        };
+        let dtype = match input {
+            HalfType::Bf16 => HsDtype::Bf16,
+            HalfType::F16 => HsDtype::F16,
+        };
+        if precision != Precision::Bf16 {
+            return Err(BackendError::Unsupported(format!(
+                "a {precision:?} product with {} hidden states on CUDA (their input slots hold f32 at f32 and \
+                 TF32 precision)",
+                dtype.name()
+            )));
+        }
+        let copy = match &self.half_operand {
+            Some(copy) if copy.dtype == dtype && copy.len >= wide.data.len() => copy,
+            _ => {
+                return Err(BackendError::Unsupported(format!(
+                    "the workspace has no {}-element {} `gemm_hs_operand` for this product",
+                    wide.data.len(),
+                    dtype.name()
+                )));
+            }
+        };
+        let n_wide = wide.data.len();
+        // SAFETY: the copy's allocation holds `copy.len ≥ n_wide` u16s.
+        let rounded = unsafe { DevicePtr::<u16>::from_raw(copy.buffer.ptr, copy.len) };
+        let format = match input {
+            HalfType::Bf16 => FORMAT_BF16,
+            HalfType::F16 => FORMAT_F16,
+        };
+        self.kernels
+            .round_to_half(ptr(wide.data), rounded, n_wide, format)?;
+        let op = |transposed: bool| if transposed { Op::T } else { Op::N };
+        let half_side = (op(half.transposed), half_addr);
+        let wide_side = (op(wide.transposed), rounded.addr());
+        let (a, b) = if half_is_a {
+            (half_side, wide_side)
+        } else {
+            (wide_side, half_side)
+        };
+        // SAFETY: both inputs hold their stated shapes in 16-bit elements (the hidden states' view, checked by
+        // `Matrix::new`; the copy's first `n_wide` elements, just written on the same stream); `c` is a write
+        // view of `m · n` f32s, so it overlaps neither.
+        unsafe {
+            self.gemm
+                .row_major_16(a, b, ptr_mut(c).addr(), (m, n, k), (alpha, beta), input)
+        }?;
+        Ok(())
     }
 
     fn capture(
@@ -309,49 +395,24 @@ impl Backend for CudaBackend {
         self.slot_free[slot]
             .synchronize()
             .map_err(CudaError::from)?;
-        let HsBuf::F32(input_hs) = &mut input.hs else {
-            return Err(BackendError::Unsupported(
-                "input slots on CUDA hold f32 hidden states (the layout keeps them f32)".into(),
-            ));
+        let tokens = batch.input_ids.len();
+        let n = batch.hs.len();
+        let slot_pointers = SlotPointers {
+            hs: match &mut input.hs {
+                HsBuf::F32(b) => SlotHs::F32(ptr_mut(b.at_mut(0, n))),
+                HsBuf::Bf16(b) => SlotHs::Bf16(ptr_mut(b.at_mut(0, n))),
+                HsBuf::F16(b) => SlotHs::F16(ptr_mut(b.at_mut(0, n))),
+            },
+            input_ids: ptr_mut(input.input_ids.at_mut(0, tokens)),
+            seq_lens: ptr_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())),
+            loss_mask: ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())),
         };
-        let pinned = &mut self.pinned[slot];
-        // A bf16 or f16 batch is widened here, in the one pass that fills the pinned buffer anyway; the copy
-        // to the device stays f32 until the step reads bf16 operands (docs/sources.md).
-        batch
-            .hs
-            .widen_into(&mut pinned.hs.as_mut_slice().map_err(CudaError::from)?[..batch.hs.len()]);
-        fill_pinned(&mut pinned.input_ids, batch.input_ids)?;
-        fill_pinned(&mut pinned.seq_lens, batch.seq_lens)?;
-        fill_pinned(&mut pinned.loss_mask, batch.loss_mask)?;
-        let stream = self.copy.cu_stream();
-        let pinned = &self.pinned[slot];
-        // SAFETY: sources are pinned and stay untouched until `slot_free[slot]` (recorded after the step that
-        // reads this slot); destinations hold the largest bucket's shape, which the caller checked.
+        // SAFETY: `slot_free[slot]` (recorded after the last step that read this slot) has passed, so the
+        // staging buffers and the slot are free; the destinations hold the batch (the views above, from the
+        // largest bucket's shape, which the caller checked); `begin_step` makes the compute stream wait for
+        // `copied[slot]` before a step reads the slot.
         unsafe {
-            driver::memcpy_htod_async(
-                ptr_mut(input_hs.at_mut(0, batch.hs.len())).addr(),
-                &pinned.hs.as_slice().map_err(CudaError::from)?[..batch.hs.len()],
-                stream,
-            )
-            .map_err(CudaError::from)?;
-            driver::memcpy_htod_async(
-                ptr_mut(input.input_ids.at_mut(0, batch.input_ids.len())).addr(),
-                &pinned.input_ids.as_slice().map_err(CudaError::from)?[..batch.input_ids.len()],
-                stream,
-            )
-            .map_err(CudaError::from)?;
-            driver::memcpy_htod_async(
-                ptr_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())).addr(),
-                &pinned.seq_lens.as_slice().map_err(CudaError::from)?[..batch.seq_lens.len()],
-                stream,
-            )
-            .map_err(CudaError::from)?;
-            driver::memcpy_htod_async(
-                ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())).addr(),
-                &pinned.loss_mask.as_slice().map_err(CudaError::from)?[..batch.loss_mask.len()],
-                stream,
-            )
-            .map_err(CudaError::from)?;
+            self.pinned[slot].enqueue(batch, slot_pointers, self.copy.cu_stream())?;
         }
         self.copied[slot]
             .record(&self.copy)
@@ -502,13 +563,19 @@ impl Backend for CudaBackend {
         beta: f32,
         precision: Precision,
     ) -> BackendResult {
+        let ((m, k), (kb, n)) = (a.shape(), b.shape());
+        assert_eq!(k, kb, "inner dimensions differ");
+        assert_eq!(
+            c.len(),
+            m * n,
+            "output view does not match the product's shape"
+        );
+        let mnk = (m, n, k);
         match (a.as_f32(), b.as_f32()) {
             (Some(a), Some(b)) => self.gemm(c, a, b, alpha, beta, precision),
-            // cuBLAS multiplies bf16 only by bf16: this needs the weights' bf16 copy, not built yet, so the
-            // layout keeps CUDA input slots f32 and this is never reached from a plan.
-            _ => Err(BackendError::Unsupported(
-                "a product with bf16/f16 hidden states on CUDA".into(),
-            )),
+            (None, Some(b)) => self.gemm_half(c, (a, true), b, mnk, (alpha, beta), precision),
+            (Some(a), None) => self.gemm_half(c, (b, false), a, mnk, (alpha, beta), precision),
+            (None, None) => panic!("gemm_hs: both operands hold narrow hidden states"),
         }
     }
 

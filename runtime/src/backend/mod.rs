@@ -59,7 +59,8 @@ pub enum BackendError {
     /// The CUDA backend failed.
     #[error(transparent)]
     Cuda(#[from] CudaError),
-    /// The backend has no path for this operation's operand types (e.g. hidden states kept in bf16 on CUDA).
+    /// The backend has no path for this operation's operand types (e.g. a CUDA product of bf16 hidden states at
+    /// f32 precision, whose layout holds them in f32).
     #[error("not supported by this backend: {0}")]
     Unsupported(String),
 }
@@ -592,7 +593,8 @@ pub trait Backend: Sized + Send {
 
     /// [`Backend::gemm`] where an operand may hold hidden states in their own precision (at most one of `a` and
     /// `b` is not f32): the first layer's products read a bf16 batch without an f32 copy of it (the CPU widens
-    /// a tile of rows at a time into the layout's `hs_tile`).
+    /// a tile of rows at a time into the layout's `hs_tile`; CUDA multiplies it as a 16-bit GEMM input against a
+    /// 16-bit copy of the other operand in the layout's `gemm_hs_operand`, at `bf16` precision only).
     #[allow(clippy::too_many_arguments)]
     fn gemm_hs(
         &mut self,

@@ -35,6 +35,15 @@ impl Op {
     }
 }
 
+/// The element type of both inputs of [`Gemm::row_major_16`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HalfType {
+    /// bfloat16 (`CUDA_R_16BF`).
+    Bf16,
+    /// IEEE half (`CUDA_R_16F`).
+    F16,
+}
+
 /// A cuBLAS handle bound to one stream, with its own workspace.
 ///
 /// The handle is created and destroyed here rather than through cudarc's `CudaBlas`, whose drop unwraps the
@@ -145,11 +154,11 @@ impl Gemm {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn row_major_at(
         &self,
-        (op_a, a): (Op, CUdeviceptr),
-        (op_b, b): (Op, CUdeviceptr),
+        a: (Op, CUdeviceptr),
+        b: (Op, CUdeviceptr),
         c: CUdeviceptr,
-        (m, n, k): (usize, usize, usize),
-        (alpha, beta): (f32, f32),
+        mnk: (usize, usize, usize),
+        alpha_beta: (f32, f32),
         precision: Precision,
     ) -> Result<(), CudaError> {
         let compute = match precision {
@@ -157,9 +166,64 @@ impl Gemm {
             Precision::Tf32 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
             Precision::Bf16 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
         };
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.row_major_ex(
+                (a, b, c),
+                mnk,
+                alpha_beta,
+                cudaDataType_t::CUDA_R_32F,
+                compute,
+            )
+        }
+    }
+
+    /// [`Gemm::row_major`] with both inputs 16-bit floats of `input` (bf16 or f16) and the output f32,
+    /// accumulated in f32 (`CUBLAS_COMPUTE_32F`, on the tensor cores): the product of hidden states held in
+    /// 16 bits with a 16-bit copy of the other operand.
+    ///
+    /// # Safety
+    /// As [`Gemm::row_major`], with `a` and `b` holding `input` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn row_major_16(
+        &self,
+        a: (Op, CUdeviceptr),
+        b: (Op, CUdeviceptr),
+        c: CUdeviceptr,
+        mnk: (usize, usize, usize),
+        alpha_beta: (f32, f32),
+        input: HalfType,
+    ) -> Result<(), CudaError> {
+        let input = match input {
+            HalfType::Bf16 => cudaDataType_t::CUDA_R_16BF,
+            HalfType::F16 => cudaDataType_t::CUDA_R_16F,
+        };
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.row_major_ex(
+                (a, b, c),
+                mnk,
+                alpha_beta,
+                input,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        }
+    }
+
+    /// `cublasGemmEx` on row-major operands of element type `input`, an f32 output and f32 scalars.
+    ///
+    /// # Safety
+    /// As [`Gemm::row_major`], with `a` and `b` holding `input` elements.
+    unsafe fn row_major_ex(
+        &self,
+        ((op_a, a), (op_b, b), c): ((Op, CUdeviceptr), (Op, CUdeviceptr), CUdeviceptr),
+        (m, n, k): (usize, usize, usize),
+        (alpha, beta): (f32, f32),
+        input: cudaDataType_t,
+        compute: cublasComputeType_t,
+    ) -> Result<(), CudaError> {
         let lda = if op_a == Op::N { k } else { m };
         let ldb = if op_b == Op::N { n } else { k };
-        let f32_type = cudaDataType_t::CUDA_R_32F;
         // SAFETY: as `row_major`: the caller guarantees the buffers; Bᵀ-then-Aᵀ in column-major order.
         unsafe {
             result::gemm_ex(
@@ -171,14 +235,14 @@ impl Gemm {
                 dim(k)?,
                 (&alpha as *const f32).cast(),
                 b as *const std::ffi::c_void,
-                f32_type,
+                input,
                 dim(ldb)?,
                 a as *const std::ffi::c_void,
-                f32_type,
+                input,
                 dim(lda)?,
                 (&beta as *const f32).cast(),
                 c as *mut std::ffi::c_void,
-                f32_type,
+                cudaDataType_t::CUDA_R_32F,
                 dim(n)?,
                 compute,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -115,7 +115,7 @@ pub(super) fn open_gpu(
         ordinal,
         &plan.model,
         (stage.loss, stage.optimizer, stage.precision),
-        &plan.buckets,
+        (&plan.buckets, plan.target.hs_dtype_or_widest()),
         stage.launch,
         all_reduce,
     )?;

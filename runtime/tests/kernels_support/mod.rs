@@ -30,6 +30,7 @@ pub fn bare<D: TestDevice>(device: &D) -> D::B {
         sequences: 0,
         chunk_rows: 0,
         input_slots: 0,
+        hs_operand_elements: 0,
         buffers: Vec::new(),
     })
 }
