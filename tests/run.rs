@@ -106,12 +106,15 @@ fn training_lowers_the_loss_and_json_lines_are_sound() {
     let curve = summary["loss_curve"].as_array().unwrap();
     let first = curve.first().unwrap()["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();
-    // ln(256) = 5.55 is chance; the synthetic chain is learnable well below it. Measured over six runs of this
-    // test's pipeline (2026-11-30): final loss 2.11–2.56, 0.42–0.49 of the first reported one (which lands between
-    // steps 2 and 10, hence the spread). Stated margins: final loss at most 2.9 (0.35 above the worst run) and at
-    // most 0.6 of the first; a trainer that learns half as well fails both.
-    assert!(last <= 2.9, "final loss {last} (measured 2.11–2.56)");
-    assert!(last <= 0.6 * first, "loss fell only from {first} to {last}");
+    // ln(256) = 5.55 is chance, where the untrained drafter starts; the synthetic chain is learnable well below it.
+    // Measured over six runs of this test's pipeline (2026-11-30): final loss 2.11–2.56; three more after the
+    // CPU drafter went multi-threaded (2026-12-01): 2.28–2.48. Stated margin: at most 2.9 (0.35 above the worst
+    // run, 0.52 of chance); a trainer that learns half as well fails it. The 60 steps now fit inside one 100 ms
+    // status interval, so the first status line (`first`) is the whole run's mean and no longer a starting point.
+    assert!(
+        last <= 2.9,
+        "final loss {last} (measured 2.11–2.56; first status line {first})"
+    );
 
     let diagnose = draftpipe(&["diagnose", "runs/tiny"], &dir);
     assert_eq!(
@@ -184,19 +187,21 @@ fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
     assert_eq!(slots.len(), 3, "block 4: slots 1..4");
     assert!(summary["final_tau"].as_f64().unwrap() >= 1.0);
     // Chance is ln(512) = 6.24; the untrained drafter starts near 7.2–7.8 with τ ≈ 1.001. Measured three times
-    // (2026-12-01, release; twice more after the draw changed): after 600 steps final loss 5.33–5.34, the last
-    // status line's τ 1.28–1.33.
-    // Stated margins: final loss at most 5.8 and at most 0.8 of the first reported one; τ at least 1.15 and
-    // at least 0.1 above the first line's.
-    assert!(last_loss <= 5.8, "final loss {last_loss} (measured 5.33)");
+    // (2026-12-01, release, warmup 100 steps): after 600 steps final loss 5.28–5.30, the last status line's τ
+    // 1.20–1.27. Stated margins: final loss at most 5.8 (below chance, 0.75 of the untrained start); τ at least
+    // 1.15. The first status line now lands after 350–450 of the 600 steps (the step got 2.6× faster), so it
+    // is no longer a starting point to compare with; it must still be below the untrained start.
     assert!(
-        last_loss <= 0.8 * first_loss,
-        "loss fell only from {first_loss} to {last_loss}"
+        last_loss <= 5.8,
+        "final loss {last_loss} (measured 5.28–5.30)"
     );
-    assert!(last_tau >= 1.15, "τ {last_tau} (measured 1.28–1.33)");
     assert!(
-        last_tau >= first_tau + 0.1,
-        "τ rose only from {first_tau} to {last_tau}"
+        first_loss < 7.2,
+        "the first status line's loss {first_loss} is not below the untrained start"
+    );
+    assert!(
+        last_tau >= 1.15,
+        "τ {last_tau} (measured 1.20–1.27; first status line {first_tau})"
     );
 }
 
@@ -886,8 +891,9 @@ fn a_process_limit_makes_the_run_fail_with_the_refused_thread_instead_of_hanging
     tiny_pipe(&dir, 2, 2, "fifo", SYNTHETIC);
     world(&dir.join("tiny.pipe"), 0o644);
     let mut refused = 0;
-    // The process itself, the signal thread, 2 producers, 2 drafters and the telemetry thread: each limit below
-    // 7 refuses one of them (fewer if other `nobody` processes run).
+    // The process itself, the signal thread, 2 producers, 2 drafters (each with its pool of threads, one per
+    // core) and the telemetry thread: each limit below refuses one of them (fewer if other `nobody` processes
+    // run).
     for limit in 3..=8 {
         let script = format!(
             "ulimit -u {limit} && exec ./draftpipe run tiny.pipe --steps 3 --run-dir run-{limit}"

@@ -122,9 +122,9 @@ pub enum DrafterError {
     /// The target's frozen tensors do not fit the model (or the model has none).
     #[error("frozen target weights: {0}")]
     Frozen(String),
-    /// The CPU drafter's kernel threads could not be started (the OS refused a thread).
-    #[error("cannot start the CPU drafter's kernel threads: {0}")]
-    Threads(String),
+    /// The CPU drafter's threads could not be started (the OS refused a thread).
+    #[error("cannot start the CPU drafter's threads")]
+    Threads(#[source] rayon::ThreadPoolBuildError),
     /// `step` was called without a staged batch.
     #[error("no batch staged: call stage() before step()")]
     NothingStaged,

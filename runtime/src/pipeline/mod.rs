@@ -480,7 +480,7 @@ impl Threads<'_> {
                                     })
                                 }),
                                 Err(refused) => worker::run::<CpuBackend>(context, start, |_| {
-                                    Err(DrafterError::Threads(refused.to_string()))
+                                    Err(DrafterError::Threads(refused))
                                 }),
                             },
                         };
