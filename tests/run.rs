@@ -189,15 +189,11 @@ fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
     // Chance is ln(512) = 6.24; the untrained drafter starts near 7.2–7.8 with τ ≈ 1.001. Measured three times
     // (2026-12-01, release, warmup 100 steps): after 600 steps final loss 5.28–5.30, the last status line's τ
     // 1.20–1.27. Stated margins: final loss at most 5.8 (below chance, 0.75 of the untrained start); τ at least
-    // 1.15. The first status line now lands after 350–450 of the 600 steps (the step got 2.6× faster), so it
-    // is no longer a starting point to compare with; it must still be below the untrained start.
+    // 1.15. Where the first status line lands depends on the build and the machine (after 350–450 of the 600
+    // steps in release, within the first few in a debug build), so it is no starting point to compare with.
     assert!(
         last_loss <= 5.8,
-        "final loss {last_loss} (measured 5.28–5.30)"
-    );
-    assert!(
-        first_loss < 7.2,
-        "the first status line's loss {first_loss} is not below the untrained start"
+        "final loss {last_loss} (measured 5.28–5.30; first status line {first_loss})"
     );
     assert!(
         last_tau >= 1.15,
