@@ -34,8 +34,8 @@ use draftpipe_compiler::plan::{ModelPlan, ModelSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::tensor_file::{
-    F32Tensor, TensorFile, TensorFileError, TensorProblem, decode_floats, is_float_dtype,
-    write_f32_tensors, write_tensors_as,
+    F32Tensor, TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats,
+    is_float_dtype, write_f32_tensors, write_tensors_as,
 };
 
 pub mod hf;
@@ -745,7 +745,7 @@ fn read_layout(
             })
             .into());
         }
-        let dtype = file.read_elements(&name, 0..view.len(), &mut bytes)?;
+        let dtype = file.read_tensor_elements(&name, 0..view.len(), &mut bytes)?;
         let values = &mut out[view.range()];
         decode_floats(dtype, &bytes, values);
         if let Some((at, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {

@@ -21,7 +21,7 @@ use crate::source::SourceError;
 use crate::source::safetensors::expand_pattern;
 use crate::source::synthetic::SyntheticTarget;
 use crate::tensor_file::{
-    TensorFile, TensorFileError, TensorProblem, decode_floats, is_float_dtype,
+    TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats, is_float_dtype,
 };
 
 /// The embedding's name in a Hugging Face checkpoint.
@@ -272,7 +272,7 @@ fn read_f32(
     let mut bytes = Vec::new();
     for start in (0..elements).step_by(READ_CHUNK) {
         let end = (start + READ_CHUNK).min(elements);
-        let dtype: Dtype = file.read_elements(tensor, start..end, &mut bytes)?;
+        let dtype: Dtype = file.read_tensor_elements(tensor, start..end, &mut bytes)?;
         let chunk = &mut out[start..end];
         if !decode_floats(dtype, &bytes, chunk) {
             let problem = TensorProblem::WrongDtype {

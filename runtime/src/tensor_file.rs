@@ -235,48 +235,6 @@ impl TensorFile {
         self.info(name)
             .ok_or_else(|| TensorFileError::tensor(&self.path, name, TensorProblem::Missing))
     }
-
-    /// The raw little-endian bytes of elements `elements` of tensor `name`, in the mapping (only the pages they
-    /// span are read from disk), with the tensor's dtype.
-    pub fn element_bytes(
-        &self,
-        name: &str,
-        elements: Range<usize>,
-    ) -> Result<(Dtype, &[u8]), TensorFileError> {
-        let info = self.require(name)?;
-        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
-        let width = dtype.bitsize() / 8;
-        let (first, last) = (
-            start.saturating_add(elements.start.saturating_mul(width)),
-            start.saturating_add(elements.end.saturating_mul(width)),
-        );
-        if width == 0 || last > end || first > last {
-            let problem = format!(
-                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
-            );
-            return Err(TensorFileError::tensor(
-                &self.path,
-                name,
-                TensorProblem::BadHeader(problem),
-            ));
-        }
-        self.check_length()?;
-        let data = self.data_start as usize;
-        Ok((dtype, &self.map[data + first..data + last]))
-    }
-
-    /// Copies the raw little-endian bytes of elements `elements` of tensor `name` into `out` (resized to fit).
-    pub fn read_elements(
-        &mut self,
-        name: &str,
-        elements: Range<usize>,
-        out: &mut Vec<u8>,
-    ) -> Result<Dtype, TensorFileError> {
-        let (dtype, bytes) = self.element_bytes(name, elements)?;
-        out.clear();
-        out.extend_from_slice(bytes);
-        Ok(dtype)
-    }
 }
 
 /// True for the float dtypes hidden states and weights may be stored in.
@@ -539,13 +497,50 @@ pub trait TensorRead {
     /// Dtype and shape of a tensor, or `None` when absent.
     fn tensor_info(&self, name: &str) -> Option<&TensorInfo>;
 
+    /// The data section: every tensor's bytes, at the header's offsets (for a file, after checking that it still
+    /// holds all of them).
+    fn data_section(&self) -> Result<&[u8], TensorFileError>;
+
+    /// The raw little-endian bytes of elements `elements` of tensor `name`, with the tensor's dtype (for a file,
+    /// in the mapping: only the pages they span are read from disk).
+    fn element_bytes(
+        &self,
+        name: &str,
+        elements: Range<usize>,
+    ) -> Result<(Dtype, &[u8]), TensorFileError> {
+        let info = self.require_tensor(name)?;
+        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
+        let width = dtype.bitsize() / 8;
+        let (first, last) = (
+            start.saturating_add(elements.start.saturating_mul(width)),
+            start.saturating_add(elements.end.saturating_mul(width)),
+        );
+        let outside = || {
+            let problem = format!(
+                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
+            );
+            TensorFileError::tensor(self.origin(), name, TensorProblem::BadHeader(problem))
+        };
+        if width == 0 || last > end || first > last {
+            return Err(outside());
+        }
+        let data = self.data_section()?;
+        let bytes = data.get(first..last).ok_or_else(outside)?;
+        Ok((dtype, bytes))
+    }
+
     /// Copies the raw little-endian bytes of elements `elements` of tensor `name` into `out` (resized to fit).
     fn read_tensor_elements(
         &mut self,
         name: &str,
         elements: Range<usize>,
         out: &mut Vec<u8>,
-    ) -> Result<Dtype, TensorFileError>;
+    ) -> Result<Dtype, TensorFileError> {
+        let (dtype, bytes) = self.element_bytes(name, elements)?;
+        out.clear();
+        out.extend_from_slice(bytes);
+        Ok(dtype)
+    }
 
     /// Dtype and shape of a tensor that must be present.
     fn require_tensor(&self, name: &str) -> Result<&TensorInfo, TensorFileError> {
@@ -563,13 +558,9 @@ impl TensorRead for TensorFile {
         self.info(name)
     }
 
-    fn read_tensor_elements(
-        &mut self,
-        name: &str,
-        elements: Range<usize>,
-        out: &mut Vec<u8>,
-    ) -> Result<Dtype, TensorFileError> {
-        self.read_elements(name, elements, out)
+    fn data_section(&self) -> Result<&[u8], TensorFileError> {
+        self.check_length()?;
+        Ok(&self.map[self.data_start as usize..])
     }
 }
 
@@ -634,33 +625,6 @@ impl TensorBlob {
         Ok((metadata, data_start as usize))
     }
 
-    /// The raw bytes of elements `elements` of tensor `name`, with its dtype.
-    pub fn element_bytes(
-        &self,
-        name: &str,
-        elements: Range<usize>,
-    ) -> Result<(Dtype, &[u8]), TensorFileError> {
-        let info = self.require_tensor(name)?;
-        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
-        let width = dtype.bitsize() / 8;
-        let (first, last) = (
-            start.saturating_add(elements.start.saturating_mul(width)),
-            start.saturating_add(elements.end.saturating_mul(width)),
-        );
-        if width == 0 || last > end || first > last {
-            let problem = format!(
-                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
-            );
-            return Err(TensorFileError::tensor(
-                &self.origin,
-                name,
-                TensorProblem::BadHeader(problem),
-            ));
-        }
-        let data = &self.bytes[self.data_start..self.len];
-        Ok((dtype, &data[first..last]))
-    }
-
     /// The buffer, for reuse by the next message.
     pub fn into_bytes(self) -> Vec<u8> {
         self.bytes
@@ -676,15 +640,7 @@ impl TensorRead for TensorBlob {
         self.metadata.info(name)
     }
 
-    fn read_tensor_elements(
-        &mut self,
-        name: &str,
-        elements: Range<usize>,
-        out: &mut Vec<u8>,
-    ) -> Result<Dtype, TensorFileError> {
-        let (dtype, bytes) = self.element_bytes(name, elements)?;
-        out.clear();
-        out.extend_from_slice(bytes);
-        Ok(dtype)
+    fn data_section(&self) -> Result<&[u8], TensorFileError> {
+        Ok(&self.bytes[self.data_start..self.len])
     }
 }

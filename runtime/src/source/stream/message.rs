@@ -19,7 +19,8 @@ use crate::batch::{HsBatch, HsDtype};
 use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
 use crate::source::{BucketShapes, SourceError};
 use crate::tensor_file::{
-    TensorBlob, TensorFileError, TensorProblem, decode_floats_into, decode_ids, decode_mask,
+    TensorBlob, TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids,
+    decode_mask,
 };
 
 /// One planned item: its bucket and its rows (a range of the kept rows).
@@ -117,7 +118,7 @@ impl Message {
                 },
                 Err(e) => e.problem,
             };
-            let origin = crate::tensor_file::TensorRead::origin(&blob).to_path_buf();
+            let origin = blob.origin().to_path_buf();
             let error = TensorFileError::tensor(&origin, HIDDEN_STATES, problem);
             return Err((Box::new(error.into()), blob.into_bytes()));
         }

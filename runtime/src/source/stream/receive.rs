@@ -406,34 +406,6 @@ struct Prefix<'a> {
     data: &'a [u8],
 }
 
-impl Prefix<'_> {
-    /// The raw bytes of elements `elements` of tensor `name`, which must lie before `hidden_states`.
-    fn element_bytes(
-        &self,
-        name: &str,
-        elements: Range<usize>,
-    ) -> Result<(Dtype, &[u8]), TensorFileError> {
-        let info = self.require_tensor(name)?;
-        let (dtype, (start, end)) = (info.dtype, info.data_offsets);
-        let width = dtype.bitsize() / 8;
-        let (first, last) = (
-            start.saturating_add(elements.start.saturating_mul(width)),
-            start.saturating_add(elements.end.saturating_mul(width)),
-        );
-        if width == 0 || last > end || first > last || last > self.data.len() {
-            let problem = format!(
-                "element range {elements:?} outside the tensor or dtype {dtype:?} not byte-sized"
-            );
-            return Err(TensorFileError::tensor(
-                self.origin,
-                name,
-                TensorProblem::BadHeader(problem),
-            ));
-        }
-        Ok((dtype, &self.data[first..last]))
-    }
-}
-
 impl TensorRead for Prefix<'_> {
     fn origin(&self) -> &Path {
         self.origin
@@ -443,15 +415,8 @@ impl TensorRead for Prefix<'_> {
         self.metadata.info(name)
     }
 
-    fn read_tensor_elements(
-        &mut self,
-        name: &str,
-        elements: Range<usize>,
-        out: &mut Vec<u8>,
-    ) -> Result<Dtype, TensorFileError> {
-        let (dtype, bytes) = self.element_bytes(name, elements)?;
-        out.clear();
-        out.extend_from_slice(bytes);
-        Ok(dtype)
+    /// The bytes received so far: the tensors before `hidden_states` (a range past them is refused).
+    fn data_section(&self) -> Result<&[u8], TensorFileError> {
+        Ok(self.data)
     }
 }
