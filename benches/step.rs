@@ -130,8 +130,8 @@ fn batch() -> HsBatch {
     batch
 }
 
-fn bench_step(c: &mut Criterion) {
-    let model = ModelPlan::new(SPEC);
+/// The quickstart's model, its one bucket, and the optimizer and loss both benchmarks train with.
+fn settings() -> (ModelPlan, BucketPlan, AdamWSpec, LossSpec) {
     let bucket = BucketPlan {
         padded_len: PADDED_LEN,
         sequences: SEQUENCES,
@@ -153,6 +153,11 @@ fn bench_step(c: &mut Criterion) {
         position_decay: None,
         chunk_tokens: CHUNK,
     };
+    (ModelPlan::new(SPEC), bucket, optimizer, loss)
+}
+
+fn bench_step(c: &mut Criterion) {
+    let (model, bucket, optimizer, loss) = settings();
     let mut drafter = CpuDrafter::new(&model, loss, optimizer, &[bucket]);
     let mut state = FlatState::init(&model, 0);
     let batch = batch();
@@ -220,28 +225,7 @@ const INTERLEAVED_PAIRS: usize = 9;
 /// The drafter step (staging included) on the same bf16-representable batch held in f32 and in bf16: the bf16
 /// batch stays bf16 in the input slot and the first layer's products widen it a tile at a time.
 fn bench_hs_dtype(c: &mut Criterion) {
-    let model = ModelPlan::new(SPEC);
-    let bucket = BucketPlan {
-        padded_len: PADDED_LEN,
-        sequences: SEQUENCES,
-        tokens: TOKENS,
-        step_flops: 0,
-        step_bytes: 0,
-    };
-    let optimizer = AdamWSpec {
-        lr: 1e-4,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-        clip_grad_norm: Some(1.0),
-        schedule: LrSchedule::CONSTANT,
-    };
-    let loss = LossSpec {
-        head_decay: 0.8,
-        position_decay: None,
-        chunk_tokens: CHUNK,
-    };
+    let (model, bucket, optimizer, loss) = settings();
     let wide = batch();
     let values = wide.hs.as_f32().expect("an f32 batch");
     let drafter_for = |hs: HsDtype| {

@@ -736,7 +736,7 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
     let positions: Vec<u32> = (0..rows as u32).map(|r| r * 97 % 1000).collect();
     let x = values(&mut rng, rows * heads * head_dim);
     let mut rotated_host = x.clone();
-    kernels::rope(&mut rotated_host, &positions, 1e4, heads, head_dim, false);
+    kernels::launch::rope(&positions, &mut rotated_host, rows, heads, head_dim, 1e4, 0);
     let mut rotated = x;
     let pairs = rows * head_dim / 2;
     for index in 0..pairs {

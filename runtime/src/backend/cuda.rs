@@ -563,14 +563,7 @@ impl Backend for CudaBackend {
         beta: f32,
         precision: Precision,
     ) -> BackendResult {
-        let ((m, k), (kb, n)) = (a.shape(), b.shape());
-        assert_eq!(k, kb, "inner dimensions differ");
-        assert_eq!(
-            c.len(),
-            m * n,
-            "output view does not match the product's shape"
-        );
-        let mnk = (m, n, k);
+        let mnk = gemm_shape(c.len(), &a, &b);
         match (a.as_f32(), b.as_f32()) {
             (Some(a), Some(b)) => self.gemm(c, a, b, alpha, beta, precision),
             (None, Some(b)) => self.gemm_half(c, (a, true), b, mnk, (alpha, beta), precision),

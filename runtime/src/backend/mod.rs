@@ -280,10 +280,10 @@ impl<D: MatrixData> Matrix<D> {
 /// # Panics
 /// When the shapes do not agree (a bug in the model).
 #[track_caller]
-pub fn gemm_shape<B: Backend>(
+pub fn gemm_shape<A: MatrixData, M: MatrixData>(
     c_len: usize,
-    a: &Operand<'_, B>,
-    b: &Operand<'_, B>,
+    a: &Matrix<A>,
+    b: &Matrix<M>,
 ) -> (usize, usize, usize) {
     let (m, k) = a.shape();
     let (kb, n) = b.shape();

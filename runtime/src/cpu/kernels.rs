@@ -489,35 +489,6 @@ pub fn embedding_gather(table: &[f32], ids: &[u32], out: &mut [f32]) {
     launch::embedding_gather(table, ids, out, vocab, hidden, out.len());
 }
 
-/// RoPE in place over `x = [rows, heads, head_dim]` with `rows = positions.len()` (`inverse`: the backward).
-///
-/// # Panics
-/// When `x` does not hold `rows · heads · head_dim` elements, `head_dim` is odd or `theta ≤ 0`.
-pub fn rope(
-    x: &mut [f32],
-    positions: &[u32],
-    theta: f32,
-    heads: usize,
-    head_dim: usize,
-    inverse: bool,
-) {
-    let rows = positions.len();
-    assert!(
-        x.len() == rows * heads * head_dim && head_dim.is_multiple_of(2) && theta > 0.0,
-        "rope: {} elements for {rows} rows × {heads} heads × {head_dim} (even), theta {theta} > 0",
-        x.len()
-    );
-    launch::rope(
-        positions,
-        x,
-        rows,
-        heads,
-        head_dim,
-        theta,
-        u32::from(inverse),
-    );
-}
-
 /// Weighted fused cross-entropy over the rows of a logits chunk `[rows, vocab]` (see
 /// [`draftpipe_gpu_kernels::loss::weighted_vocab_loss_row`]): gradient in place, `row_loss` and `correct`
 /// per row; `norm` is `1 / Σ weights`.
