@@ -25,8 +25,10 @@ pub struct Plan {
     pub model: ModelPlan,
     /// One entry per queue bucket, in bucket order.
     pub buckets: Vec<BucketPlan>,
-    /// Memory needed on each device the plan uses.
+    /// Memory needed on each drafter device the plan uses.
     pub memory: Vec<DeviceMemory>,
+    /// Memory the run takes on the host outside the drafters' own: the hidden-state pool.
+    pub host_memory: HostMemory,
     /// The ordered phases of one drafter training step.
     pub schedule: Vec<StepPhase>,
     /// Status-line period and trace output.
@@ -763,8 +765,6 @@ pub struct DeviceMemory {
     /// Activations and loss workspace, sized for the bucket that needs the most and shared by all buckets
     /// (a worker runs one step at a time); one per worker on the device.
     pub workspaces: u64,
-    /// Hidden-state buffer pool (capacity × largest item) on the devices that hold it.
-    pub hs_pool: u64,
 }
 
 impl DeviceMemory {
@@ -775,7 +775,31 @@ impl DeviceMemory {
             + self.optimizer_state
             + self.frozen_weights
             + self.workspaces
-            + self.hs_pool
+    }
+}
+
+/// Host memory of a run outside any drafter's replica: the hidden-state pool, one allocation on the host that
+/// every producer and drafter shares, whichever devices the drafters run on (a GPU drafter stages its batch
+/// from it). The runtime's pool allocates exactly this many buffers of exactly this size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostMemory {
+    /// Buffers in the pool: the queue's capacity, two per drafter (the batch in its step and the one staged
+    /// for the next) and one per producer (the batch it is filling).
+    pub hs_pool_buffers: u64,
+    /// Bytes of one buffer: room for the bucket with the most tokens and the one with the most sequences
+    /// (hidden states, token ids, loss mask, sequence lengths).
+    pub hs_buffer_bytes: u64,
+}
+
+impl HostMemory {
+    /// Bytes of the whole pool.
+    pub fn hs_pool(&self) -> u64 {
+        self.hs_pool_buffers * self.hs_buffer_bytes
+    }
+
+    /// Sum of all parts.
+    pub fn total(&self) -> u64 {
+        self.hs_pool()
     }
 }
 

@@ -192,14 +192,13 @@ impl fmt::Display for Summary<'_> {
         writeln!(f, "\nmemory per device")?;
         writeln!(
             f,
-            "  {:<8} {:>11} {:>11} {:>11}{} {:>11} {:>11} {:>11} {:>11}",
+            "  {:<8} {:>11} {:>11} {:>11}{} {:>11} {:>11} {:>11}",
             "device",
             "parameters",
             "gradients",
             "optimizer",
             frozen_cell("frozen".to_owned()),
             "workspaces",
-            "hs pool",
             "total",
             "declared"
         )?;
@@ -211,18 +210,26 @@ impl fmt::Display for Summary<'_> {
                 .map_or("-".to_owned(), |dd| format_bytes(dd.memory_bytes));
             writeln!(
                 f,
-                "  {:<8} {:>11} {:>11} {:>11}{} {:>11} {:>11} {:>11} {:>11}",
+                "  {:<8} {:>11} {:>11} {:>11}{} {:>11} {:>11} {:>11}",
                 device_name(mem.device),
                 format_bytes(mem.parameters),
                 format_bytes(mem.gradients),
                 format_bytes(mem.optimizer_state),
                 frozen_cell(format_bytes(mem.frozen_weights)),
                 format_bytes(mem.workspaces),
-                format_bytes(mem.hs_pool),
                 format_bytes(mem.total()),
                 declared
             )?;
         }
+        let host = plan.host_memory;
+        writeln!(
+            f,
+            "host: hs pool {} ({} buffers of {}: queue capacity {}, 2 per drafter, 1 per producer)",
+            format_bytes(host.hs_pool()),
+            host.hs_pool_buffers,
+            format_bytes(host.hs_buffer_bytes),
+            plan.queue.capacity
+        )?;
         writeln!(f, "\ncost per step")?;
         writeln!(
             f,

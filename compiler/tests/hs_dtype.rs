@@ -74,20 +74,27 @@ fn the_dflash_pool_halves_its_hidden_states_in_bf16() {
     assert_eq!(bf16_plan.target.hs_dtype, Some(HsDtype::Bf16));
     let f32_text = DFLASH.replace("hs_dtype     = bf16", "hs_dtype     = f32");
     let f32_plan = compile_source("dflash.pipe", &f32_text).unwrap();
-    let pool = |plan: &draftpipe_compiler::plan::Plan| {
-        plan.memory
-            .iter()
-            .find(|m| m.device == Device::Gpu(5))
-            .unwrap()
-            .hs_pool
-    };
-    // 60 items of 8192 tokens × (e·20480 + 4 + 1) bytes (5 taps of 4096), plus 4 bytes per sequence of the
-    // largest count (8192 / 2048 = 4).
-    let item = |e: u64| 8192 * (e * 20480 + 5) + 4 * 4;
-    assert_eq!(pool(&f32_plan), 60 * item(4));
-    assert_eq!(pool(&bf16_plan), 60 * item(2));
+    let pool = |plan: &draftpipe_compiler::plan::Plan| plan.host_memory.hs_pool();
+    // 71 buffers (the queue's 60, 2 for each of the 3 drafters, 1 for each of the 5 producers) of 8192 tokens ×
+    // (e·20480 + 4 + 1) bytes (5 taps of 4096), plus 4 bytes per sequence of the largest count (8192 / 2048 = 4).
+    let buffer = |e: u64| 8192 * (e * 20480 + 5) + 4 * 4;
+    assert_eq!(bf16_plan.host_memory.hs_pool_buffers, 71);
+    assert_eq!(pool(&f32_plan), 71 * buffer(4));
+    assert_eq!(pool(&bf16_plan), 71 * buffer(2));
     // The hidden states' share halves exactly; ids, masks and lengths stay as they were.
-    assert_eq!(pool(&f32_plan) - pool(&bf16_plan), 60 * 8192 * 20480 * 2);
+    assert_eq!(pool(&f32_plan) - pool(&bf16_plan), 71 * 8192 * 20480 * 2);
+    // One host allocation: no drafter GPU is charged for it.
+    for memory in &bf16_plan.memory {
+        assert_ne!(memory.device, Device::Cpu);
+        assert_eq!(
+            memory.total(),
+            memory.parameters
+                + memory.gradients
+                + memory.optimizer_state
+                + memory.frozen_weights
+                + memory.workspaces
+        );
+    }
     let summary = Summary(&bf16_plan).to_string();
     assert!(summary.contains("hidden states in bf16"), "{summary}");
 }

@@ -107,8 +107,16 @@ fn quickstart_memory_matches_the_documented_formula() {
         + 8 * 3
         + (t * (4 * din + 4 + 1) + 4 * 16);
     assert_eq!(workspace, 99_233_476);
-    // Largest item: 16 sequences of 128 (hidden states, ids, mask, lengths).
-    let item = 2048 * (4 * 384 + 4 + 1) + 4 * 16;
+    // A pooled buffer holds any bucket: 2048 tokens and the 16 sequences of bucket 128 (hidden states, ids, mask,
+    // lengths); the queue's 16, 2 for each of the 2 drafters and 1 for the producer.
+    let buffer = 2048 * (4 * 384 + 4 + 1) + 4 * 16;
+    assert_eq!(
+        plan.host_memory,
+        HostMemory {
+            hs_pool_buffers: 21,
+            hs_buffer_bytes: buffer,
+        }
+    );
     assert_eq!(
         plan.memory,
         [DeviceMemory {
@@ -118,7 +126,6 @@ fn quickstart_memory_matches_the_documented_formula() {
             optimizer_state: 2 * 8 * p,
             frozen_weights: 0,
             workspaces: 2 * workspace,
-            hs_pool: 16 * item,
         }]
     );
 }
@@ -148,8 +155,11 @@ fn mlp_5x3_memory_is_per_drafter_gpu() {
         + operand_copy
         + (32 << 20);
     assert_eq!(m.workspaces, workspace);
-    // Hidden states held in bf16 (`hs_dtype = bf16`): 2 bytes each.
-    assert_eq!(m.hs_pool, 60 * (16384 * (2 * 12288 + 5) + 4 * 16));
+    // Hidden states held in bf16 (`hs_dtype = bf16`): 2 bytes each, in one host pool of 60 + 2·3 + 5 buffers.
+    assert_eq!(
+        plan.host_memory.hs_pool(),
+        71 * (16384 * (2 * 12288 + 5) + 4 * 16)
+    );
     assert!(m.total() < 141 << 30);
 }
 
@@ -292,7 +302,8 @@ fn safetensors_sources_skip_the_length_checks() {
 #[test]
 fn memory_limit_is_exact() {
     let plan = compile_source("q.pipe", QUICKSTART).unwrap();
-    let total = plan.memory[0].total();
+    // The host holds the CPU drafters' replicas and the hidden-state pool.
+    let total = plan.memory[0].total() + plan.host_memory.total();
     let with_cpu = |bytes: u64| {
         QUICKSTART.replace(
             "target tiny",

@@ -292,6 +292,15 @@ impl HsBatch {
         self.padded_len * self.sequences
     }
 
+    /// Bytes this batch's buffers hold room for (their capacities, not their lengths).
+    pub fn allocated_bytes(&self) -> u64 {
+        let bytes = self.hs.capacity() * self.hs.dtype().bytes()
+            + self.input_ids.capacity() * size_of::<u32>()
+            + self.seq_lens.capacity() * size_of::<u32>()
+            + self.loss_mask.capacity();
+        bytes as u64
+    }
+
     /// The longest real sequence: the length the queue routes this batch by.
     pub fn longest_sequence(&self) -> usize {
         self.seq_lens.iter().copied().max().unwrap_or(0) as usize

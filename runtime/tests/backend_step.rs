@@ -381,8 +381,7 @@ fn allocation_equals_the_compiled_layout<D: TestDevice>(device: &D) {
             &plan.model.spec,
             &plan.buckets,
             &plan.drafter.loss,
-            plan.drafter.precision,
-            (plan.queue.capacity, plan.target.hs_dtype_or_widest()),
+            (plan.drafter.precision, plan.target.hs_dtype_or_widest()),
         )
         .expect("memory plan");
         let stage = &plan.drafter;

@@ -21,8 +21,8 @@ use crate::ast::{
 use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
 use crate::plan::{
-    DFLASH_RMS_NORM_EPS, DeclaredDevice, DflashSpec, MlpSpec, ModelPlan, ModelSpec, Plan,
-    SourceSpec, StepPhase, SyncMode, TargetStage,
+    DFLASH_RMS_NORM_EPS, DeclaredDevice, Device, DeviceMemory, DflashSpec, HostMemory, MlpSpec,
+    ModelPlan, ModelSpec, Plan, SourceSpec, StepPhase, SyncMode, TargetStage,
 };
 use crate::span::Span;
 
@@ -168,8 +168,17 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         &spec,
         &buckets,
         &drafter.loss,
-        drafter.precision,
-        (queue.capacity, target.hs_dtype_or_widest()),
+        (drafter.precision, target.hs_dtype_or_widest()),
+    )
+    .ok_or_else(|| too_large("memory plan"))?;
+    let host_memory = cost::host_memory(
+        (
+            queue.capacity,
+            target.placement.workers.len(),
+            drafter.placement.workers.len(),
+        ),
+        &buckets,
+        (target.hs_width(), target.hs_dtype_or_widest()),
     )
     .ok_or_else(|| too_large("memory plan"))?;
     // No error was recorded, so every declared memory was read.
@@ -186,7 +195,12 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
             ))
         })
         .collect();
-    check_memory(&memory, &declared, drafter_section, &mut errs);
+    check_memory(
+        (&memory, host_memory),
+        &declared,
+        drafter_section,
+        &mut errs,
+    );
     if !errs.is_empty() {
         return Err(errs);
     }
@@ -209,6 +223,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         drafter,
         buckets,
         memory,
+        host_memory,
         schedule,
         telemetry,
     })
@@ -506,50 +521,90 @@ fn check_buckets_against_target(t: &stages::TargetParts, q: &stages::QueueParts,
     }
 }
 
-/// Every declared device's memory holds the plan's use of it. Devices that fail the same way (same needs, same
-/// capacity) share one error.
+/// Every declared device's memory holds the plan's use of it; the host's (`cpu`) holds the CPU drafters' replicas
+/// and the hidden-state pool. Devices that fail the same way (same needs, same capacity) share one error.
 fn check_memory(
-    memory: &[crate::plan::DeviceMemory],
+    (memory, host): (&[DeviceMemory], HostMemory),
     declared: &[(DeclaredDevice, Span)],
     drafter: &StageSection,
     errs: &mut Errs,
 ) {
-    let mut over: Vec<(
-        &crate::plan::DeviceMemory,
-        &DeclaredDevice,
-        Span,
-        Vec<String>,
-    )> = Vec::new();
-    for need in memory {
-        let Some((have, decl_span)) = declared.iter().find(|(d, _)| d.device == need.device) else {
+    let needs: Vec<(DeviceMemory, u64)> = memory
+        .iter()
+        .filter(|m| m.device != Device::Cpu)
+        .map(|m| (m.clone(), 0))
+        .chain(std::iter::once((
+            memory
+                .iter()
+                .find(|m| m.device == Device::Cpu)
+                .cloned()
+                .unwrap_or(DeviceMemory {
+                    device: Device::Cpu,
+                    parameters: 0,
+                    gradients: 0,
+                    optimizer_state: 0,
+                    frozen_weights: 0,
+                    workspaces: 0,
+                }),
+            host.total(),
+        )))
+        .collect();
+    let mut over: Vec<(&(DeviceMemory, u64), &DeclaredDevice, Span, Vec<String>)> = Vec::new();
+    for need in &needs {
+        let (device_need, host_need) = need;
+        let Some((have, decl_span)) = declared
+            .iter()
+            .find(|(d, _)| d.device == device_need.device)
+        else {
             continue;
         };
-        if need.total() <= have.memory_bytes {
+        if device_need.total() + host_need <= have.memory_bytes {
             continue;
         }
-        let same = |(n, h, _, _): &&mut (
-            &crate::plan::DeviceMemory,
-            &DeclaredDevice,
-            Span,
-            Vec<String>,
-        )| {
-            h.memory_bytes == have.memory_bytes
-                && crate::plan::DeviceMemory {
-                    device: need.device,
-                    ..(*n).clone()
-                } == *need
-        };
+        let same =
+            |(n, h, _, _): &&mut (&(DeviceMemory, u64), &DeclaredDevice, Span, Vec<String>)| {
+                h.memory_bytes == have.memory_bytes
+                    && n.1 == *host_need
+                    && DeviceMemory {
+                        device: device_need.device,
+                        ..n.0.clone()
+                    } == *device_need
+            };
         match over.iter_mut().find(same) {
-            Some(group) => group.3.push(device_name(need.device)),
-            None => over.push((need, have, *decl_span, vec![device_name(need.device)])),
+            Some(group) => group.3.push(device_name(device_need.device)),
+            None => over.push((
+                need,
+                have,
+                *decl_span,
+                vec![device_name(device_need.device)],
+            )),
         }
     }
-    for (need, have, decl_span, names) in over {
-        let total = need.total();
+    for ((need, host_need), have, decl_span, names) in over {
+        let total = need.total() + host_need;
         let (device, has) = match names.as_slice() {
             [one] => (one.clone(), "which has"),
             many => (format!("each of {}", many.join(", ")), "which have"),
         };
+        let parts: Vec<String> = [
+            ("parameters", need.parameters),
+            ("gradients", need.gradients),
+            ("optimizer state", need.optimizer_state),
+            ("frozen target weights", need.frozen_weights),
+            ("workspaces", need.workspaces),
+        ]
+        .into_iter()
+        .filter(|&(_, bytes)| bytes > 0)
+        .map(|(part, bytes)| format!("{part} {}", format_bytes(bytes)))
+        .chain((*host_need > 0).then(|| {
+            format!(
+                "hs pool {} ({} buffers of {})",
+                format_bytes(host.hs_pool()),
+                host.hs_pool_buffers,
+                format_bytes(host.hs_buffer_bytes)
+            )
+        }))
+        .collect();
         errs.push(
             Diagnostic::error(
                 drafter.placement.span,
@@ -564,17 +619,8 @@ fn check_memory(
             .label("does not fit")
             .related(decl_span, format!("{} declared", names.join(", ")))
             .help(format!(
-                "needed: parameters {} + gradients {} + optimizer state {}{} + workspaces {} + hs pool {}; \
-                 shrink the queue capacity, the buckets or the model",
-                format_bytes(need.parameters),
-                format_bytes(need.gradients),
-                format_bytes(need.optimizer_state),
-                match need.frozen_weights {
-                    0 => String::new(),
-                    bytes => format!(" + frozen target weights {}", format_bytes(bytes)),
-                },
-                format_bytes(need.workspaces),
-                format_bytes(need.hs_pool)
+                "needed: {}; shrink the queue capacity, the buckets or the model",
+                parts.join(" + ")
             )),
         );
     }

@@ -10,9 +10,13 @@
 //!   CPU and CUDA allocators allocate (activations, the fused-loss chunk, backward scratch, reduction partials,
 //!   input slots, and per backend cuBLAS's workspace or the CPU's rounding buffers). One workspace, sized for
 //!   the largest bucket, is shared by every bucket: a worker runs one step at a time;
-//! - hs_pool: `capacity × max item bytes` once per device, an item being `T·(e·din + 4 + 1) + 4·sequences`
-//!   bytes (hidden states of `e` bytes each, 4 in f32 and 2 in bf16/f16 as `hs_dtype` says, token ids, loss
-//!   mask, sequence lengths, as in the runtime's `HsBatch`).
+//!
+//! **Host memory** ([`host_memory`]) outside the drafters' replicas: the hidden-state pool, one allocation on the
+//! host whatever the drafters' devices, of `capacity + 2·drafters + producers` buffers (the queue, each
+//! drafter's batch in its step and the one staged next, each producer's batch being filled), each of
+//! `Tmax·(e·din + 4 + 1) + 4·Smax` bytes, `Tmax` and `Smax` the most tokens and sequences of any bucket (hidden
+//! states of `e` bytes each, 4 in f32 and 2 in bf16/f16 as `hs_dtype` says, token ids, loss mask, sequence
+//! lengths, as in the runtime's `HsBatch`, which allocates every pooled buffer for any bucket).
 //!
 //! The `dflash` drafter's figures are in [`dflash`]; its memory adds the frozen embedding and `lm_head`
 //! (`frozen_weights`, f32 today) per worker.
@@ -28,8 +32,8 @@
 //! once; every logit chunk written once and read once.
 
 use crate::plan::{
-    BucketPlan, Device, DeviceMemory, HsDtype, LossSpec, MlpSpec, ModelSpec, Placement, Precision,
-    QueueSpec, TargetStage,
+    BucketPlan, Device, DeviceMemory, HostMemory, HsDtype, LossSpec, MlpSpec, ModelSpec, Placement,
+    Precision, QueueSpec, TargetStage,
 };
 use crate::workspace::{BackendKind, WorkspaceLayout};
 
@@ -58,17 +62,6 @@ pub fn activation_floats_per_token(spec: &MlpSpec) -> Option<u64> {
     } = *spec;
     let (din, h, blocks, i, heads) = (wide(din), wide(h), wide(blocks), wide(i), wide(heads));
     fit(din + blocks * (2 * h + 3 * i) + h + heads * 2 * h)
-}
-
-/// Bytes of one queue item with f32 hidden states: hidden states, token ids, loss mask and sequence lengths.
-pub fn item_bytes(din: usize, padded_len: usize, sequences: usize) -> Option<u64> {
-    item_bytes_in(HsDtype::F32, din, padded_len, sequences)
-}
-
-/// Bytes of one queue item whose hidden states are held in `hs`.
-pub fn item_bytes_in(hs: HsDtype, din: usize, padded_len: usize, sequences: usize) -> Option<u64> {
-    let tokens = wide(padded_len) * wide(sequences);
-    fit(tokens * (wide(hs.bytes()) * wide(din) + 4 + 1) + 4 * wide(sequences))
 }
 
 /// FLOPs of one training step of `tokens` tokens (formula in the module docs).
@@ -162,23 +155,13 @@ pub fn device_memory(
     spec: &ModelSpec,
     buckets: &[BucketPlan],
     loss: &LossSpec,
-    precision: Precision,
-    (capacity, hs): (usize, HsDtype),
+    (precision, hs): (Precision, HsDtype),
 ) -> Option<Vec<DeviceMemory>> {
     let params = F32 * wide(spec.parameter_count());
-    let (din, frozen) = match spec {
-        ModelSpec::Mlp(spec) => (spec.din, 0),
-        ModelSpec::Dflash(spec) => (spec.taps * spec.hidden, dflash::frozen_bytes(spec)?),
+    let frozen = match spec {
+        ModelSpec::Mlp(_) => 0,
+        ModelSpec::Dflash(spec) => dflash::frozen_bytes(spec)?,
     };
-    let mut largest_item = 0;
-    for b in buckets {
-        largest_item = largest_item.max(u128::from(item_bytes_in(
-            hs,
-            din,
-            b.padded_len,
-            b.sequences,
-        )?));
-    }
     let mut devices: Vec<Device> = drafters.workers.clone();
     devices.sort_unstable();
     devices.dedup();
@@ -200,7 +183,6 @@ pub fn device_memory(
                 optimizer_state: fit(replicas * 2 * params)?,
                 frozen_weights: fit(replicas * u128::from(frozen))?,
                 workspaces: fit(replicas * workspace)?,
-                hs_pool: fit(wide(capacity) * largest_item)?,
             };
             // `DeviceMemory::total` adds in u64: make sure it cannot overflow.
             let parts = [
@@ -209,12 +191,32 @@ pub fn device_memory(
                 memory.optimizer_state,
                 memory.frozen_weights,
                 memory.workspaces,
-                memory.hs_pool,
             ];
             fit(parts.iter().map(|&x| u128::from(x)).sum()).map(|_| memory)
         })
         .collect()
 }
+
+/// The host memory outside the drafters' replicas (formula in the module docs): the hidden-state pool of
+/// `capacity` queued items for `producers` producers and `drafters` drafters, each buffer hidden states of
+/// `din` values in `hs` with room for any of `buckets`. `None` when a figure overflows `u64`.
+pub fn host_memory(
+    (capacity, producers, drafters): (usize, usize, usize),
+    buckets: &[BucketPlan],
+    (din, hs): (usize, HsDtype),
+) -> Option<HostMemory> {
+    let most_tokens = buckets.iter().map(|b| wide(b.tokens)).max().unwrap_or(0);
+    let most_sequences = buckets.iter().map(|b| wide(b.sequences)).max().unwrap_or(0);
+    let buffer = most_tokens * (wide(hs.bytes()) * wide(din) + 4 + 1) + 4 * most_sequences;
+    let buffers = wide(capacity) + 2 * wide(drafters) + wide(producers);
+    let memory = HostMemory {
+        hs_pool_buffers: fit(buffers)?,
+        hs_buffer_bytes: fit(buffer)?,
+    };
+    // `HostMemory::hs_pool` multiplies in u64: make sure it cannot overflow.
+    fit(buffers * buffer).map(|_| memory)
+}
+
 /// `1.50 GiB`, `12.0 MiB`, `512 B`: binary units, three significant figures.
 pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -255,7 +257,17 @@ mod tests {
             heads: 1,
             vocab: 2,
         };
-        assert_eq!(item_bytes(1 << 40, 1 << 20, 1 << 10), None);
+        let huge = BucketPlan {
+            padded_len: 1 << 20,
+            sequences: 1 << 10,
+            tokens: 1 << 30,
+            step_flops: 0,
+            step_bytes: 0,
+        };
+        assert_eq!(
+            host_memory((1 << 20, 1, 1), &[huge], (1 << 40, HsDtype::F32)),
+            None
+        );
         assert!(activation_floats_per_token(&spec).is_some());
         let bucket = BucketPlan {
             padded_len: 1 << 32,

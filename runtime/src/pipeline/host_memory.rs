@@ -7,13 +7,15 @@ use draftpipe_compiler::cost::format_bytes;
 use draftpipe_compiler::plan::{Device, Plan};
 
 /// Bytes of host memory the plan needs: every part the compiler placed on the CPU (parameters, gradients,
-/// optimizer state and workspaces of CPU drafters, and the hidden-state pool).
+/// optimizer state and workspaces of CPU drafters) and the hidden-state pool, which is on the host whatever the
+/// drafters' devices.
 pub(super) fn needed(plan: &Plan) -> u64 {
     plan.memory
         .iter()
         .filter(|memory| memory.device == Device::Cpu)
         .map(|memory| memory.total())
-        .sum()
+        .sum::<u64>()
+        .saturating_add(plan.host_memory.total())
 }
 
 /// `MemAvailable` of `/proc/meminfo` in bytes: what the kernel can give without swapping. `None` where the file

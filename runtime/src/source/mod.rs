@@ -364,13 +364,15 @@ pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> 
 
 /// Preallocated batch buffers shared by producers and drafters: producers `take`, drafters `give_back`.
 ///
-/// Every buffer has room for the largest bucket and is reshaped on `take`, so one pool serves all buckets and
-/// holds `items × largest item` bytes, as the plan's memory model counts it.
+/// Every buffer has room for any bucket and is reshaped on `take`, so one pool serves all buckets and holds
+/// `items × buffer` bytes, as the plan's host memory ([`HostMemory`](draftpipe_compiler::plan::HostMemory))
+/// counts it.
 #[derive(Debug)]
 pub struct BatchPool {
     free: ArrayQueue<Box<HsBatch>>,
     shapes: BucketShapes,
     items: usize,
+    allocated_bytes: u64,
 }
 
 impl BatchPool {
@@ -382,24 +384,36 @@ impl BatchPool {
             ));
         }
         let free = ArrayQueue::new(items);
+        let mut allocated_bytes = 0;
         for _ in 0..items {
-            free.push(Box::new(shapes.buffer()))
+            let buffer = Box::new(shapes.buffer());
+            allocated_bytes += buffer.allocated_bytes();
+            free.push(buffer)
                 .expect("the queue was sized for every item");
         }
         Ok(Self {
             free,
             shapes,
             items,
+            allocated_bytes,
         })
     }
 
-    /// The pool a pipeline for `plan` needs: one buffer per queue slot, two per drafter worker (the batch in the
-    /// step and the one being prefetched) and one per producer worker (the batch being filled).
+    /// The pool a pipeline for `plan` needs, as many buffers as its host memory counts: one per queue slot, two
+    /// per drafter worker (the batch in the step and the one being prefetched) and one per producer worker (the
+    /// batch being filled).
     pub fn for_plan(plan: &Plan) -> Result<Self, SourceError> {
-        let items = plan.queue.capacity
-            + 2 * plan.drafter.placement.workers.len()
-            + plan.target.placement.workers.len();
+        let items = usize::try_from(plan.host_memory.hs_pool_buffers).map_err(|_| {
+            SourceError::Config(
+                "the plan's batch pool has more buffers than this host can count".into(),
+            )
+        })?;
         Self::new(BucketShapes::from_plan(plan), items)
+    }
+
+    /// Bytes the pool's buffers hold room for, as allocated (what the plan's host memory figure must equal).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocated_bytes
     }
 
     /// Takes a free buffer shaped for `bucket`, or `None` when all buffers are in use.

@@ -25,7 +25,7 @@ pub fn plan(
         heads: 2,
         vocab,
     };
-    Plan {
+    let mut plan = Plan {
         name: "test".into(),
         devices: vec![],
         target: TargetStage {
@@ -87,12 +87,24 @@ pub fn plan(
             })
             .collect(),
         memory: vec![],
+        host_memory: HostMemory::default(),
         schedule: vec![],
         telemetry: TelemetrySpec {
             every_ms: 1000,
             trace: None,
         },
-    }
+    };
+    plan.host_memory = draftpipe_compiler::cost::host_memory(
+        (
+            plan.queue.capacity,
+            producers,
+            plan.drafter.placement.workers.len(),
+        ),
+        &plan.buckets,
+        (plan.target.hs_width(), plan.target.hs_dtype_or_widest()),
+    )
+    .expect("a small plan's host memory");
+    plan
 }
 
 /// A small drafter model plan.
