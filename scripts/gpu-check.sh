@@ -1,7 +1,15 @@
-#!/bin/sh
+#!/usr/bin/env bash
 # Every GPU check and benchmark of the CUDA backend in one call, for a machine with CUDA 13.0 and no Rust:
-# runs the prebuilt executables next to this script (scripts/build-gpu-bundle.sh makes them). Budget: under
-# 8 minutes on an H200 (the DFlash step rows at Qwen3-8B's shapes take about half of it).
+# runs the prebuilt executables next to this script (scripts/build-gpu-bundle.sh makes them), nothing built there.
+#
+# - One global deadline (GPU_CHECK_DEADLINE_S, default 540 s = 9 minutes): each command gets its own limit or
+#   what is left of the deadline, whichever is less, under `timeout -k 5` (a command that ignores SIGTERM is
+#   killed 5 s later); a command with under 10 s left is not started and is listed as skipped.
+# - The most valuable rows first: the benchmarks (cuda_step opens with the DFlash step of dflash-5x3.pipe at
+#   bf16 in a graph: ms per step, tok/s, MFU, busy; then attention), then the whole pipeline (busy against gpu),
+#   then the correctness checks against the host.
+# - Every line is also written to the results file (GPU_CHECK_RESULTS, default $OUT/gpu-check-results.txt when
+#   $OUT is set, else ./gpu-check-results.txt) as it comes, so a window that ends early keeps what it measured.
 #
 # - Libraries: cuBLAS and NCCL are found in a system install (ldconfig, /usr/local/cuda) or in the lib
 #   directories of pip's nvidia-* wheels; the directories go on LD_LIBRARY_PATH and the files are printed,
@@ -14,11 +22,16 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
 export DRAFTPIPE_REQUIRE_GPU=1
+deadline=$(( $(date +%s) + ${GPU_CHECK_DEADLINE_S:-540} ))
 
 if ! nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null; then
     echo "gpu-check: nvidia-smi found no GPU; nothing was checked"
     exit 2
 fi
+results=${GPU_CHECK_RESULTS:-${OUT:+$OUT/}gpu-check-results.txt}
+: > "$results"
+exec > >(tee -a "$results") 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # Directories that hold a library file named like $1 (system install first, then pip wheels).
 library_dirs() {
@@ -58,30 +71,43 @@ done
 export LD_LIBRARY_PATH
 echo "gpu-check: LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 
+skipped=()
 run() {
     limit=$1
     shift
+    left=$(( deadline - $(date +%s) ))
+    if [ "$left" -lt 10 ]; then
+        echo "== SKIPPED (global deadline): $*"
+        skipped+=("$(basename "$1")")
+        status=1
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     echo "== $* (limit ${limit}s, $(date -u +%H:%M:%S))"
-    if ! timeout "$limit" "$@"; then
+    if ! timeout -k 5 "$limit" "$@"; then
         echo "== FAILED: $*"
         status=1
     fi
 }
 
-run 60 "$here/cuda_discovery" --test-threads=1 --nocapture
-run 120 "$here/cuda_kernels" --test-threads=1 --nocapture
-run 120 "$here/cuda_drafter" --test-threads=1 --nocapture
+# Measurements first: the DFlash step of dflash-5x3.pipe (bf16, graph) opens cuda_step's table.
+run 300 "$here/cuda_step" --bench
+run 90 "$here/draftpipe" run "$here/gpu-smoke.pipe"
+run 45 "$here/cuda_vocab_loss" --bench
+run 30 "$here/cuda_discovery" --test-threads=1 --nocapture
+run 90 "$here/cuda_kernels" --test-threads=1 --nocapture
 # The DFlash kernels against their f64 references on the GPU (the ::cuda halves of the test_device! tests).
 run 60 "$here/kernels_dflash" cuda --test-threads=1
-run 120 "$here/kernels_attention" cuda --test-threads=1
+run 90 "$here/kernels_attention" cuda --test-threads=1
+run 90 "$here/cuda_drafter" --test-threads=1 --nocapture
 # The backend-generic mlp step on CUDA against the CPU (gradients, 20-step updates, allocations equal to the
 # compiled layout), and bf16/f16 hidden states kept 16-bit through the input slots and the first GEMMs.
-run 180 "$here/backend_step" cuda --test-threads=1 --nocapture
-run 120 "$here/backend_hs16" cuda --test-threads=1 --nocapture
-run 60 "$here/cuda_vocab_loss" --bench
-run 300 "$here/cuda_step" --bench
-run 120 "$here/draftpipe" run "$here/gpu-smoke.pipe"
+run 120 "$here/backend_step" cuda --test-threads=1 --nocapture
+run 90 "$here/backend_hs16" cuda --test-threads=1 --nocapture
 
+if [ "${#skipped[@]}" -gt 0 ]; then
+    echo "gpu-check: not run before the deadline: ${skipped[*]}"
+fi
 if [ "$status" -eq 0 ]; then
     echo "gpu-check: every check ran on the GPU and passed"
 fi
