@@ -30,7 +30,6 @@
 //!
 //! None of this has run on a GPU yet (the session that wrote it had none); `scripts/gpu-check.sh` runs it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::result as driver;
@@ -56,7 +55,7 @@ use super::{
 use crate::batch::HsDtype;
 use crate::cuda::{
     CudaError, DevicePtr, Gemm, GradientAllReduce, HalfType, KernelModule, Launcher, Op,
-    PinnedInput, SlotHs, SlotPointers, open_device,
+    PartGraphs, PartRun, PinnedInput, SlotHs, SlotPointers, ended_capture, open_device,
 };
 
 /// A device allocation and its address (taken once: event tracking is off, so the address is all we need).
@@ -131,7 +130,7 @@ pub struct CudaBackend {
     kernels: Launcher,
     gemm: Gemm,
     launch: LaunchMode,
-    graphs: HashMap<StepPart, StepGraph>,
+    graphs: PartGraphs<StepPart, StepGraph>,
     pinned: Vec<PinnedInput>,
     copied: Vec<CudaEvent>,
     slot_free: Vec<CudaEvent>,
@@ -206,7 +205,7 @@ impl CudaBackend {
             stop: [timing()?, timing()?],
             done: [host_waited()?, host_waited()?],
             pinned,
-            graphs: HashMap::new(),
+            graphs: PartGraphs::new(),
             ctx,
             compute,
             copy,
@@ -310,14 +309,25 @@ impl CudaBackend {
         self.compute
             .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(CudaError::from)?;
-        let enqueued = body(self);
-        let graph = self.compute.end_capture(CUgraphInstantiate_flags(0));
+        let (enqueued, graph) = ended_capture(self, body, |backend| {
+            backend.compute.end_capture(CUgraphInstantiate_flags(0))
+        });
         enqueued?;
         let graph = graph
             .map_err(CudaError::from)?
             .ok_or(CudaError::EmptyCapture)?;
         graph.upload().map_err(CudaError::from)?;
         Ok(graph)
+    }
+}
+
+impl Drop for CudaBackend {
+    /// Tear-down waits for both streams before the buffers, graphs and events are freed: memory that a kernel,
+    /// copy or graph in flight still reads must not be released under it (a stream-ordered free would not
+    /// wait). A failure here is past reporting: the step that caused it has already returned its error.
+    fn drop(&mut self) {
+        let _ = self.copy.synchronize();
+        let _ = self.compute.synchronize();
     }
 }
 
@@ -438,11 +448,16 @@ impl Backend for CudaBackend {
         if self.launch == LaunchMode::Eager {
             return body(self);
         }
-        if !self.graphs.contains_key(&part) {
-            let graph = self.capture(body)?;
-            self.graphs.insert(part, StepGraph(graph));
+        match self.graphs.next(&part) {
+            PartRun::Eager => return body(self),
+            PartRun::Capture => {
+                let graph = self.capture(body)?;
+                self.graphs.insert(part, StepGraph(graph));
+            }
+            PartRun::Replay => {}
         }
-        self.graphs[&part].0.launch().map_err(CudaError::from)?;
+        let graph = self.graphs.get(&part).ok_or(CudaError::EmptyCapture)?;
+        graph.0.launch().map_err(CudaError::from)?;
         Ok(())
     }
 

@@ -23,9 +23,20 @@ pub enum CudaError {
     /// The embedded PTX lacks a kernel the backend launches (PTX and host code out of step).
     #[error("kernel `{0}` missing from the loaded PTX module")]
     MissingKernel(&'static str),
-    /// cuBLAS (`libcublas.so.13`) could not be loaded.
-    #[error("cuBLAS not found (libcublas.so.13 could not be loaded)")]
+    /// cuBLAS could not be loaded under any of cudarc's names (`libcublas.so`, `.so.13`, then the CUDA 12 and
+    /// older `.so.12` … `.so.9`).
+    #[error(
+        "cuBLAS not found (none of libcublas.so, libcublas.so.13 or the CUDA 12 name libcublas.so.12 could be loaded; put its directory on LD_LIBRARY_PATH)"
+    )]
     NoCublas,
+    /// The driver's JIT refused the embedded PTX; `log` is what the JIT said.
+    #[error("the driver could not load the kernels' PTX: {source}{}", if log.is_empty() { String::new() } else { format!("\nJIT log:\n{log}") })]
+    ModuleLoad {
+        /// The driver's error.
+        source: DriverError,
+        /// The JIT's error log (empty when it wrote none).
+        log: String,
+    },
     /// NCCL (`libnccl.so`) could not be loaded.
     #[error("NCCL not found (libnccl could not be loaded)")]
     NoNccl,
