@@ -59,7 +59,8 @@ pipe="$work/walk.pipe"
 if [ "$tiny" = 1 ]; then
     sed -e 's/hidden       = 128/hidden       = 64/' -e 's/tap_layers   = \[1, 2, 3, 4\]/tap_layers   = [1, 2]/' \
         -e 's/vocab        = 2048/vocab        = 512/' \
-        -e 's/layers = 2, heads = 4, kv_heads = 2, head_dim = 32, intermediate = 384/layers = 1, heads = 2, kv_heads = 1, head_dim = 32, intermediate = 128/' \
+        -e 's/layers = 2, heads = 4, kv_heads = 2,/layers = 1, heads = 2, kv_heads = 1,/' \
+        -e 's/intermediate = 384/intermediate = 128/' \
         -e "s#runs/walk/#$work/#g" pipelines/dflash-tiny-target.pipe > "$pipe"
     taps=(1 2)
 else
@@ -84,6 +85,11 @@ if ! wait "$run_pid"; then
     exit 1
 fi
 tail -n 4 "$work/run.log"
+"$python" - "$work/run/summary.json" <<'PY'
+import json, sys
+summary = json.load(open(sys.argv[1]))
+print(f"training: {summary['steps']} steps, final tau {summary['final_tau']:.3f} (teacher-forced, last batches)")
+PY
 
 stage "4. the draft-and-verify loop on held-out prompts"
 "$python" -m draftpipe_client.speculative --draft "$work/draft" --target "$work/target" \

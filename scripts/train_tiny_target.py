@@ -9,8 +9,9 @@ drafter trains on, streams its hidden states into `draftpipe run`, and verifies 
 `python -m draftpipe_client.speculative`. Each training sample is one chat turn in the template this script
 installs (`draftpipe_client.chat.CHATML_TEMPLATE`): the user's message is a run of lines of a stdlib file, the
 assistant's the lines that follow, so the model learns to continue code inside a conversation and to end its
-turn with `<|im_end|>`. Files whose path hashes into the held-out tenth are never trained on; `--eval-prompts` writes
-prompts from them, `--prompts` from the training files (one JSON object per line, `{"messages": [{"role": "user", ...}]}`).
+turn with `<|im_end|>`. Files whose name hashes into the held-out tenth are never trained on; `--eval-prompts`
+writes prompts from them, `--prompts` from the training files (one JSON object per line,
+`{"messages": [{"role": "user", "content": ...}]}`).
 
 Seeded (`--seed`): the same machine and thread count give the same model. Prints the loss as it trains.
 """
