@@ -44,7 +44,7 @@ if [ "$tiny" = 1 ]; then
 else
     work=${1:-runs/walk}
     target_args=(--steps 162)
-    prompts=64 eval_prompts=16 new_tokens=64 epochs=50
+    prompts=128 eval_prompts=16 new_tokens=64 epochs=50
 fi
 stage() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 started=$SECONDS
