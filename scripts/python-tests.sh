@@ -2,7 +2,8 @@
 # The Python producer library's tests (clients/python), against the real `draftpipe` binary: a venv under
 # target/ with numpy, pytest, torch and transformers from PyPI (torch from PyPI is the CUDA build, ~5.6 GB;
 # it is installed once per venv and reused), the package installed from the tree, then pytest; then the DFlash
-# parity check against PyTorch (scripts/dflash_parity.py) when torch is there.
+# parity check against PyTorch (scripts/dflash_parity.py) and the tiny acceptance walk
+# (scripts/acceptance-walk.sh --tiny) when torch is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,10 +44,13 @@ if [ "$status" -eq 5 ]; then
     exit 1
 fi
 
-# DFlash parity: 3 AdamW steps of `draftpipe run` against PyTorch, weight by weight (needs torch).
-if "$venv/bin/python" -c "import torch" 2>/dev/null; then
+# DFlash parity: 3 AdamW steps of `draftpipe run` against PyTorch, weight by weight (needs torch); then the
+# acceptance walk at its CI size (a target trained here, regenerated responses, a drafter streamed into
+# `draftpipe run`, the draft-and-verify loop equal to greedy decoding; about two minutes on two busy cores).
+if "$venv/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; then
     "$venv/bin/python" scripts/dflash_parity.py || status=1
+    PYTHON="$venv/bin/python" scripts/acceptance-walk.sh --tiny target/acceptance-walk-tiny || status=1
 else
-    echo "python-tests: dflash parity skipped: torch is not installed (see above)" >&2
+    echo "python-tests: dflash parity and the acceptance walk skipped: torch/transformers are not installed (see above)" >&2
 fi
 exit "$status"

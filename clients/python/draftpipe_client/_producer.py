@@ -23,7 +23,11 @@ PROTOCOL_VERSION = 1
 _HIDDEN_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
 
-class ProducerError(RuntimeError):
+class DraftpipeError(RuntimeError):
+    """The base of every error this package raises."""
+
+
+class ProducerError(DraftpipeError):
     """draftpipe refused the hello or a message (its reason is the message), or the connection failed."""
 
 
