@@ -244,7 +244,7 @@ const QUICKSTART_TEST_STEPS: u64 = 30;
 fn checkpoint_bytes(dir: &Path) -> (Vec<u8>, Vec<u8>) {
     (
         std::fs::read(dir.join("model.safetensors")).unwrap(),
-        std::fs::read(dir.join("optimizer.safetensors")).unwrap(),
+        std::fs::read(dir.join("training_state/optimizer.safetensors")).unwrap(),
     )
 }
 
@@ -807,7 +807,7 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
 
     // An optimizer step of 2^64 − 1 wrapped to 0 and made every weight NaN; now the checkpoint is refused, and
     // the one on disk is left as it was.
-    let state_path = dir.join("ckpt/state.json");
+    let state_path = dir.join("ckpt/training_state/state.json");
     let mut state: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
     state["optimizer_step"] = serde_json::json!(u64::MAX);
