@@ -276,11 +276,15 @@ fn the_main_job_ends_with_its_export_and_the_export_checks_verdict() {
         ],
         &dir,
     );
-    assert_eq!(resumed.status.code(), Some(0), "stderr:\n{}", text(&resumed.stderr));
-    let state: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(export.join("training_state/state.json")).unwrap(),
-    )
-    .unwrap();
+    assert_eq!(
+        resumed.status.code(),
+        Some(0),
+        "stderr:\n{}",
+        text(&resumed.stderr)
+    );
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(export.join("training_state/state.json")).unwrap())
+            .unwrap();
     assert_eq!(state["step"], 35);
 }
 

@@ -137,7 +137,12 @@ pub fn resolve_target_layers(plan: &Plan) -> Result<Plan, TargetDepthError> {
             pipeline,
         });
     }
-    if let Some(&tap) = plan.target.tap_layers.iter().find(|&&t| t as usize >= depth) {
+    if let Some(&tap) = plan
+        .target
+        .tap_layers
+        .iter()
+        .find(|&&t| t as usize >= depth)
+    {
         return Err(TargetDepthError::TapBeyond { tap, depth, path });
     }
     resolved.target.layers = Some(depth);

@@ -111,7 +111,8 @@ fn the_files_carry_the_plan_names_and_shapes_for_pytorch() {
     let head = optimizer.tensor("exp_avg_sq.lm_head.weight").unwrap();
     assert_eq!(head.shape(), [40, 8]);
     let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(training_state_dir(&dir).join(STATE_FILE)).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(training_state_dir(&dir).join(STATE_FILE)).unwrap())
+            .unwrap();
     assert_eq!(json["step"], 3);
     assert_eq!(json["parameters"], model.parameters);
     assert_eq!(json["plan_name"], "quickstart");
@@ -139,7 +140,11 @@ fn a_write_interrupted_before_the_renames_leaves_the_previous_checkpoint() {
     let new = buffers(model.parameters, 6);
     // The process "dies" after staging: the files are in ckpt.tmp, nothing was renamed.
     let staged = stage_checkpoint(&dir, &model, &new.0, &new.1, &new.2, &state(11)).unwrap();
-    assert!(training_state_dir(&dir.with_file_name("ckpt.tmp")).join(STATE_FILE).is_file());
+    assert!(
+        training_state_dir(&dir.with_file_name("ckpt.tmp"))
+            .join(STATE_FILE)
+            .is_file()
+    );
     drop(staged);
     assert_same(&load_checkpoint(&dir, &model).unwrap(), &old, 10);
     // A half-written staging file (killed mid-write) is likewise ignored, and the next save clears it.

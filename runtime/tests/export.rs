@@ -126,7 +126,10 @@ fn the_top_level_holds_only_what_engines_load_and_both_load_it() {
         );
     }
     let text = report.to_string();
-    assert!(text.contains("SGLang: loads") && text.contains("vLLM:   loads"), "{text}");
+    assert!(
+        text.contains("SGLang: loads") && text.contains("vLLM:   loads"),
+        "{text}"
+    );
     assert!(
         text.contains("--speculative-num-draft-tokens 4")
             && text.contains("\"num_speculative_tokens\": 3"),
@@ -160,7 +163,11 @@ fn a_checkpoint_of_the_older_layout_still_resumes_and_is_rewritten_in_the_new_on
             .any(|m| m.contains("exp_avg.") && m.contains("There is no module or parameter named")),
         "{old}"
     );
-    assert_eq!(old.verdict(Engine::Sglang), Verdict::LoadsWithWarnings, "{old}");
+    assert_eq!(
+        old.verdict(Engine::Sglang),
+        Verdict::LoadsWithWarnings,
+        "{old}"
+    );
 
     // Saving over it (the next `--save` of the resumed run) writes the new layout and nothing of the old.
     save_checkpoint(&dir, &model, &b[0], &b[1], &b[2], &training_state(6)).unwrap();
@@ -205,7 +212,8 @@ fn a_renamed_tensor_is_skipped_by_sglang_and_refused_by_vllm() {
         .iter()
         .map(|v| {
             (
-                v.name.replace("layers.1.mlp.gate_proj", "layers.1.mlp.gate"),
+                v.name
+                    .replace("layers.1.mlp.gate_proj", "layers.1.mlp.gate"),
                 v.shape.clone(),
             )
         })
@@ -219,8 +227,16 @@ fn a_renamed_tensor_is_skipped_by_sglang_and_refused_by_vllm() {
         .collect();
     write_file(&path, &owned);
     let report = check(&dir);
-    assert_eq!(report.verdict(Engine::Sglang), Verdict::DoesNotLoad, "{report}");
-    assert_eq!(report.verdict(Engine::Vllm), Verdict::DoesNotLoad, "{report}");
+    assert_eq!(
+        report.verdict(Engine::Sglang),
+        Verdict::DoesNotLoad,
+        "{report}"
+    );
+    assert_eq!(
+        report.verdict(Engine::Vllm),
+        Verdict::DoesNotLoad,
+        "{report}"
+    );
     let sglang = fatal(&report, Engine::Sglang).join("\n");
     assert!(
         sglang.contains("no tensor for parameter `layers.1.mlp.gate_proj.weight`")
@@ -230,13 +246,15 @@ fn a_renamed_tensor_is_skipped_by_sglang_and_refused_by_vllm() {
     assert!(
         report
             .findings_for(Engine::Sglang)
-            .any(|f| f.severity == Severity::Warning && f.message.contains("layers.1.mlp.gate.weight")),
+            .any(|f| f.severity == Severity::Warning
+                && f.message.contains("layers.1.mlp.gate.weight")),
         "{report}"
     );
     let vllm = fatal(&report, Engine::Vllm).join("\n");
     assert!(
         vllm.contains("tensor `layers.1.mlp.gate.weight`")
-            && vllm.contains("There is no module or parameter named 'model.layers.1.mlp.gate.weight'"),
+            && vllm
+                .contains("There is no module or parameter named 'model.layers.1.mlp.gate.weight'"),
         "{vllm}"
     );
 }
@@ -251,7 +269,9 @@ fn a_mask_token_outside_the_vocabulary_is_refused_by_both() {
     for engine in Engine::ALL {
         let messages = fatal(&report, engine).join("\n");
         assert!(
-            messages.contains("`dflash_config.mask_token_id` 96 is outside the vocabulary (`vocab_size` 96"),
+            messages.contains(
+                "`dflash_config.mask_token_id` 96 is outside the vocabulary (`vocab_size` 96"
+            ),
             "{engine:?}: {report}"
         );
     }
@@ -264,23 +284,33 @@ fn a_layer_id_beyond_the_targets_depth_is_refused_by_both() {
     let dir = root.join("ckpt");
     save(&dir, &ModelPlan::new(spec()), Some(TARGET_LAYERS));
     // Target layer 5 is the last of 6: SGLang accepts it (< 6), vLLM cannot capture it (it would need layer 6).
-    rewrite_config(&dir, |c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 1, 5]));
+    rewrite_config(&dir, |c| {
+        c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 1, 5])
+    });
     let report = check(&dir);
     assert_eq!(report.verdict(Engine::Sglang), Verdict::Loads, "{report}");
     let vllm = fatal(&report, Engine::Vllm).join("\n");
     assert!(
-        vllm.contains("`target_layer_ids[2]` = 5 is beyond what vLLM captures from a 6-layer target"),
+        vllm.contains(
+            "`target_layer_ids[2]` = 5 is beyond what vLLM captures from a 6-layer target"
+        ),
         "{vllm}"
     );
     // Layer 6 does not exist at all: both refuse.
-    rewrite_config(&dir, |c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 1, 6]));
+    rewrite_config(&dir, |c| {
+        c["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 1, 6])
+    });
     let report = check(&dir);
     let sglang = fatal(&report, Engine::Sglang).join("\n");
     assert!(
         sglang.contains("`target_layer_ids[2]` = 6 is out of range for 6 target layers"),
         "{sglang}"
     );
-    assert_eq!(report.verdict(Engine::Vllm), Verdict::DoesNotLoad, "{report}");
+    assert_eq!(
+        report.verdict(Engine::Vllm),
+        Verdict::DoesNotLoad,
+        "{report}"
+    );
 }
 
 #[test]
@@ -306,7 +336,10 @@ fn the_speculative_token_count_and_the_tokenizer_are_checked_when_given() {
             .contains("4 speculative tokens draft blocks of 5 slots, but the drafter was trained on blocks of 4"),
         "{long}"
     );
-    assert_eq!(with(Some(2), None).verdict(Engine::Sglang), Verdict::LoadsWithWarnings);
+    assert_eq!(
+        with(Some(2), None).verdict(Engine::Sglang),
+        Verdict::LoadsWithWarnings
+    );
 
     // A tokenizer that has SGLang's `<|MASK|>` as another id than the config's: SGLang refuses.
     let tokenizer = root.join("tokenizer.json");
@@ -324,9 +357,9 @@ fn the_speculative_token_count_and_the_tokenizer_are_checked_when_given() {
     write_tokenizer(94);
     let conflict = with(None, Some(&tokenizer));
     assert!(
-        fatal(&conflict, Engine::Sglang)
-            .join("\n")
-            .contains("the tokenizer has `<|MASK|>` as id 94, but `dflash_config.mask_token_id` is 95"),
+        fatal(&conflict, Engine::Sglang).join("\n").contains(
+            "the tokenizer has `<|MASK|>` as id 94, but `dflash_config.mask_token_id` is 95"
+        ),
         "{conflict}"
     );
     assert_eq!(conflict.verdict(Engine::Vllm), Verdict::Loads);
@@ -374,22 +407,47 @@ drafter d on cpu {{
             weights.display()
         )
     };
-    let compile = |layers: &str| draftpipe_compiler::compile_source("depth.pipe", &pipe(layers)).unwrap();
+    let compile =
+        |layers: &str| draftpipe_compiler::compile_source("depth.pipe", &pipe(layers)).unwrap();
     std::fs::write(weights.join("config.json"), r#"{"num_hidden_layers": 36}"#).unwrap();
-    assert_eq!(resolve_target_layers(&compile("")).unwrap().target.layers, Some(36));
     assert_eq!(
-        resolve_target_layers(&compile("layers = 36")).unwrap().target.layers,
+        resolve_target_layers(&compile("")).unwrap().target.layers,
+        Some(36)
+    );
+    assert_eq!(
+        resolve_target_layers(&compile("layers = 36"))
+            .unwrap()
+            .target
+            .layers,
         Some(36)
     );
     let disagree = resolve_target_layers(&compile("layers = 28")).unwrap_err();
     assert!(
-        matches!(disagree, TargetDepthError::Disagrees { found: 36, pipeline: 28, .. }),
+        matches!(
+            disagree,
+            TargetDepthError::Disagrees {
+                found: 36,
+                pipeline: 28,
+                ..
+            }
+        ),
         "{disagree}"
     );
-    std::fs::write(weights.join("config.json"), r#"{"text_config": {"num_hidden_layers": 4}}"#).unwrap();
+    std::fs::write(
+        weights.join("config.json"),
+        r#"{"text_config": {"num_hidden_layers": 4}}"#,
+    )
+    .unwrap();
     let shallow = resolve_target_layers(&compile("")).unwrap_err().to_string();
-    assert!(shallow.contains("tap 4 is beyond the target's 4 layers"), "{shallow}");
-    std::fs::write(weights.join("config.json"), "{\"num_hidden_layers\": \"36\"}").unwrap();
+    assert!(
+        shallow.contains("tap 4 is beyond the target's 4 layers"),
+        "{shallow}"
+    );
+    std::fs::write(
+        weights.join("config.json"),
+        "{\"num_hidden_layers\": \"36\"}",
+    )
+    .unwrap();
     let bad = resolve_target_layers(&compile("")).unwrap_err().to_string();
     assert!(
         bad.contains("config.json") && bad.contains("expected a positive integer"),

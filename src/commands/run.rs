@@ -7,8 +7,8 @@ use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
 use draftpipe_compiler::plan::{ModelSpec, Plan};
 use draftpipe_runtime::checkpoint::CONFIG_FILE;
-use draftpipe_runtime::export_check::{CheckOptions, check_export};
 use draftpipe_runtime::cpu::{GEMM_THREADS_VAR, gemm_threads};
+use draftpipe_runtime::export_check::{CheckOptions, check_export};
 use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
 use draftpipe_runtime::telemetry::{EndReason, OutputMode};
 

@@ -85,10 +85,7 @@ pub(super) fn check(dir: &Path, findings: &mut Findings) -> Option<DflashConfig>
         }
     };
     let Some(config) = value.as_object() else {
-        findings.both(
-            Severity::Fatal,
-            format!("{shown}: not a JSON object"),
-        );
+        findings.both(Severity::Fatal, format!("{shown}: not a JSON object"));
         return None;
     };
 
@@ -184,7 +181,9 @@ pub(super) fn check(dir: &Path, findings: &mut Findings) -> Option<DflashConfig>
             // `parse_dflash_draft_config`: "dflash_config.mask_token must be a non-empty string".
             findings.fatal(
                 Engine::Sglang,
-                format!("{shown}: `dflash_config.mask_token` is {other}, expected a non-empty string"),
+                format!(
+                    "{shown}: `dflash_config.mask_token` is {other}, expected a non-empty string"
+                ),
             );
             DEFAULT_MASK_TOKEN.to_owned()
         }
@@ -271,7 +270,9 @@ fn mask_token_id(
     let Some(id) = value.as_u64() else {
         findings.both(
             Severity::Fatal,
-            format!("{shown}: `dflash_config.mask_token_id` is {value}, expected a non-negative integer"),
+            format!(
+                "{shown}: `dflash_config.mask_token_id` is {value}, expected a non-negative integer"
+            ),
         );
         return None;
     };

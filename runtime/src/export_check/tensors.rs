@@ -42,9 +42,8 @@ fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> {
     files.sort();
     let index = dir.join(INDEX_FILE);
     if let Ok(text) = std::fs::read(&index) {
-        let named: Option<BTreeSet<String>> = serde_json::from_slice::<Value>(&text)
-            .ok()
-            .and_then(|v| {
+        let named: Option<BTreeSet<String>> =
+            serde_json::from_slice::<Value>(&text).ok().and_then(|v| {
                 v.get("weight_map")?.as_object().map(|m| {
                     m.values()
                         .filter_map(Value::as_str)
@@ -60,7 +59,10 @@ fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> {
             }),
             None => findings.both(
                 Severity::Fatal,
-                format!("{}: not a shard index (no `weight_map` object)", index.display()),
+                format!(
+                    "{}: not a shard index (no `weight_map` object)",
+                    index.display()
+                ),
             ),
         }
     }
@@ -79,7 +81,9 @@ fn headers(files: &[PathBuf], findings: &mut Findings) -> Vec<Header> {
             }
         };
         for name in file.names() {
-            let Some(info) = file.info(&name) else { continue };
+            let Some(info) = file.info(&name) else {
+                continue;
+            };
             let elements: u64 = info.shape.iter().map(|&d| d as u64).product();
             out.push(Header {
                 bytes: elements * (info.dtype.bitsize() as u64 / 8),
@@ -247,10 +251,9 @@ pub(super) fn check(dir: &Path, config: Option<&DflashConfig>, findings: &mut Fi
                 }
                 Mapped::Optional => {}
                 Mapped::Skipped => skipped.push(header),
-                Mapped::Rejected(why) => findings.fatal(
-                    engine,
-                    format!("{file}: tensor `{}`: {why}", header.name),
-                ),
+                Mapped::Rejected(why) => {
+                    findings.fatal(engine, format!("{file}: tensor `{}`: {why}", header.name))
+                }
             }
         }
         if !skipped.is_empty() {
@@ -278,7 +281,9 @@ pub(super) fn check(dir: &Path, config: Option<&DflashConfig>, findings: &mut Fi
             let why = match engine {
                 // SGLang's loader never checks that every parameter was loaded: the missing ones keep their
                 // initial values and the drafter drafts from them.
-                Engine::Sglang => "SGLang loads without it and drafts with an uninitialised parameter",
+                Engine::Sglang => {
+                    "SGLang loads without it and drafts with an uninitialised parameter"
+                }
                 // `DefaultModelLoader.load_weights`: "Following weights were not initialized from checkpoint".
                 Engine::Vllm => {
                     "vLLM raises \"Following weights were not initialized from checkpoint\""

@@ -66,23 +66,26 @@ impl TokenizerVocab {
             // BPE, WordPiece and WordLevel: `{token: id}`.
             Some(Value::Object(vocab)) => {
                 for (token, id) in vocab {
-                    let id = id
-                        .as_u64()
-                        .ok_or_else(|| error(format!("`model.vocab[{token:?}]` is {id}, not an id")))?;
+                    let id = id.as_u64().ok_or_else(|| {
+                        error(format!("`model.vocab[{token:?}]` is {id}, not an id"))
+                    })?;
                     ids.insert(token.clone(), id);
                 }
             }
             // Unigram: `[[token, score], …]`, the id being the position.
             Some(Value::Array(vocab)) => {
                 for (id, entry) in vocab.iter().enumerate() {
-                    let token = entry
-                        .get(0)
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| error(format!("`model.vocab[{id}]` is not [token, score]")))?;
+                    let token = entry.get(0).and_then(Value::as_str).ok_or_else(|| {
+                        error(format!("`model.vocab[{id}]` is not [token, score]"))
+                    })?;
                     ids.insert(token.to_owned(), id as u64);
                 }
             }
-            _ => return Err(error("no `model.vocab`: not a tokenizers `tokenizer.json`".to_owned())),
+            _ => {
+                return Err(error(
+                    "no `model.vocab`: not a tokenizers `tokenizer.json`".to_owned(),
+                ));
+            }
         }
         for token in json
             .get("added_tokens")
