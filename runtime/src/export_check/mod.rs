@@ -14,7 +14,9 @@
 //! speculative token count. The rules are those of SGLang's `python/sglang/srt/models/dflash.py` and
 //! `speculative/dflash_utils.py` / `dflash_worker.py`, and vLLM's `model_executor/models/qwen3_dflash.py`,
 //! `v1/spec_decode/` and `model_loader/default_loader.py`, as of the versions this was written against
-//! (December 2026); a newer engine may accept more.
+//! (December 2026: sgl-project/sglang `models/dflash.py` at 003b23d, `speculative/dflash_utils.py` at 00731f0,
+//! `speculative/dflash_worker.py` at 7f151c5 and its later `_resolve_mask_token_id`; vllm-project/vllm
+//! `models/qwen3_dflash.py` at 036a00d, `v1/spec_decode/dflash.py` at 01046b9); a newer engine may accept more.
 
 mod config;
 mod tensors;
