@@ -4,7 +4,7 @@
 Writes a tiny dflash pipeline with its frozen target weights, its data and random initial drafter weights, runs
 `draftpipe run PIPE --init INIT --steps 3 --save OUT`, takes the same 3 AdamW steps (torch.optim.AdamW, Hugging
 Face's cosine schedule with warmup) in PyTorch, and compares OUT/model.safetensors and the AdamW moments in
-OUT/optimizer.safetensors with PyTorch's, tensor by tensor. It also checks OUT/config.json against the pipeline.
+OUT/training_state/optimizer.safetensors with PyTorch's, tensor by tensor. It also checks OUT/config.json against the pipeline.
 
 Anchors: every sequence has fewer valid anchors than `anchors`, so draftpipe takes all of them, sorted, whatever
 its seed (the issue's rule); PyTorch takes the same.
@@ -242,7 +242,7 @@ def main() -> int:
         reference = torch_steps(init, embed, lm_head, data, torch.float64)
         torch32 = torch_steps(init, embed, lm_head, data, torch.float32)
         weights = load_file(str(out / "model.safetensors"))
-        optimizer = load_file(str(out / "optimizer.safetensors"))
+        optimizer = load_file(str(out / "training_state" / "optimizer.safetensors"))
         moments = [{k: optimizer[f"{prefix}{k}"] for k in init if f"{prefix}{k}" in optimizer}
                    for prefix in ("exp_avg.", "exp_avg_sq.")]  # fmt: skip
 

@@ -31,6 +31,9 @@ pub enum Command {
     Eval(EvalArgs),
     /// Predict a plan's throughput and bottleneck with a discrete-event model, and what `--set` what-ifs change.
     Simulate(SimulateArgs),
+    /// Check that SGLang and vLLM would load a `dflash` export, by their DFlash loaders' rules (exit 1 when an
+    /// engine would not load it).
+    ExportCheck(ExportCheckArgs),
 }
 
 impl Command {
@@ -43,8 +46,24 @@ impl Command {
             Command::Diagnose(args) => commands::diagnose::run(&args),
             Command::Eval(args) => commands::eval::run(&args),
             Command::Simulate(args) => commands::simulate::run(&args),
+            Command::ExportCheck(args) => commands::export_check::run(&args),
         }
     }
+}
+
+/// Arguments of `draftpipe export-check`.
+#[derive(Debug, Args)]
+pub struct ExportCheckArgs {
+    /// The export: the directory `run --save` wrote (`config.json`, `model.safetensors`).
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// The target's tokenizer (`tokenizer.json` or its directory): the mask token must agree with it.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// The speculative token count the engine will run with (vLLM's `num_speculative_tokens`; SGLang's
+    /// `--speculative-num-draft-tokens` is one more), checked against the trained block size.
+    #[arg(long, value_name = "N")]
+    pub speculative_tokens: Option<usize>,
 }
 
 /// Arguments of `draftpipe check`.

@@ -201,6 +201,93 @@ fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
     );
 }
 
+/// Steps of the README's main job in the test (the file's 12000 are its own; the export is the same).
+const MAIN_JOB_TEST_STEPS: &str = "30";
+
+#[test]
+fn the_main_job_ends_with_its_export_and_the_export_checks_verdict() {
+    let dir = scratch("main-job");
+    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/dflash-quickstart.pipe");
+    // The README's first command, shortened.
+    let out = draftpipe(
+        &[
+            "run",
+            pipe.to_str().unwrap(),
+            "--save",
+            "exports/dflash-quickstart",
+            "--steps",
+            MAIN_JOB_TEST_STEPS,
+        ],
+        &dir,
+    );
+    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let verdict = "export-check exports/dflash-quickstart\n  SGLang: loads\n  vLLM:   loads\n  \
+                   serve as trained: SGLang --speculative-num-draft-tokens 4; vLLM \"num_speculative_tokens\": 3\n";
+    assert!(
+        stdout.ends_with(verdict),
+        "stdout ends with the verdict:\n{stdout}"
+    );
+    let export = dir.join("exports/dflash-quickstart");
+    let mut top: Vec<String> = std::fs::read_dir(&export)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    top.sort();
+    assert_eq!(top, ["config.json", "model.safetensors", "training_state"]);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(export.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_target_layers"], 4, "the pipeline's `layers`");
+
+    // The README's `export-check` command: exit 0; a broken export exits 1 with the reason per engine.
+    let check = |extra: &[&str]| {
+        let mut args = vec!["export-check", "exports/dflash-quickstart"];
+        args.extend_from_slice(extra);
+        draftpipe(&args, &dir)
+    };
+    let good = check(&["--speculative-tokens", "3"]);
+    assert_eq!(good.status.code(), Some(0), "{}", text(&good.stdout));
+    let mut broken = config.clone();
+    broken["dflash_config"]["mask_token_id"] = 512.into();
+    std::fs::write(export.join("config.json"), broken.to_string()).unwrap();
+    let bad = check(&[]);
+    assert_eq!(bad.status.code(), Some(1), "{}", text(&bad.stdout));
+    let report = text(&bad.stdout);
+    assert!(
+        report.contains("SGLang: does not load") && report.contains("vLLM:   does not load"),
+        "{report}"
+    );
+    assert!(
+        report.contains("`dflash_config.mask_token_id` 512 is outside the vocabulary"),
+        "{report}"
+    );
+    // And a resume reads the training state from its subdirectory.
+    std::fs::write(export.join("config.json"), config.to_string()).unwrap();
+    let resumed = draftpipe(
+        &[
+            "run",
+            pipe.to_str().unwrap(),
+            "--resume",
+            "exports/dflash-quickstart",
+            "--save",
+            "exports/dflash-quickstart",
+            "--steps",
+            "35",
+        ],
+        &dir,
+    );
+    assert_eq!(
+        resumed.status.code(),
+        Some(0),
+        "stderr:\n{}",
+        text(&resumed.stderr)
+    );
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(export.join("training_state/state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"], 35);
+}
+
 #[test]
 fn a_diverging_run_skips_non_finite_steps_then_stops_with_a_clear_error() {
     let dir = scratch("nonfinite");
@@ -244,7 +331,7 @@ const QUICKSTART_TEST_STEPS: u64 = 30;
 fn checkpoint_bytes(dir: &Path) -> (Vec<u8>, Vec<u8>) {
     (
         std::fs::read(dir.join("model.safetensors")).unwrap(),
-        std::fs::read(dir.join("optimizer.safetensors")).unwrap(),
+        std::fs::read(dir.join("training_state/optimizer.safetensors")).unwrap(),
     )
 }
 
@@ -807,7 +894,7 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
 
     // An optimizer step of 2^64 − 1 wrapped to 0 and made every weight NaN; now the checkpoint is refused, and
     // the one on disk is left as it was.
-    let state_path = dir.join("ckpt/state.json");
+    let state_path = dir.join("ckpt/training_state/state.json");
     let mut state: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
     state["optimizer_step"] = serde_json::json!(u64::MAX);

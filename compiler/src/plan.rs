@@ -79,6 +79,11 @@ pub struct TargetStage {
     pub placement: Placement,
     /// Hidden size of the target model.
     pub hidden: usize,
+    /// The target's depth (decoder layers): the section's `layers`, or, when a run starts, `num_hidden_layers`
+    /// from the `config.json` beside the target's `weights`. `None`: neither says it (a `dflash` export then
+    /// writes the least depth the taps allow and says it is assumed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<usize>,
     /// Target layers whose hidden states are concatenated per token.
     pub tap_layers: Vec<u32>,
     /// Target vocabulary size (also the drafter's).

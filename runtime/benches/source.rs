@@ -82,6 +82,7 @@ fn safetensors_fill(c: &mut Criterion) {
             workers: vec![Device::Cpu],
         },
         hidden,
+        layers: None,
         tap_layers: (0..taps as u32).collect(),
         vocab,
         batch_tokens: 8 * seq,

@@ -128,6 +128,7 @@ fn target() -> TargetStage {
             workers: vec![Device::Cpu],
         },
         hidden: HIDDEN,
+        layers: None,
         tap_layers: (0..TAPS as u32).collect(),
         vocab: VOCAB,
         batch_tokens: ROWS * SEQ,

@@ -1,9 +1,15 @@
 //! Checkpoints: the flat parameter and AdamW buffers as named safetensors tensors, plus the training state.
 //!
 //! ```text
-//!  flat buffers + TrainingState ──save_checkpoint──▶ DIR/{model.safetensors, optimizer.safetensors, state.json}
+//!  flat buffers + TrainingState ──save_checkpoint──▶ DIR/{config.json, model.safetensors}            (engines)
+//!                                                      DIR/training_state/{optimizer.safetensors, state.json} (--resume)
 //!  DIR ──load_checkpoint──▶ flat buffers + TrainingState (--resume)     FILE ──load_weights──▶ params (--init)
 //! ```
+//!
+//! **Layout.** The top of `DIR` holds only what serving engines read ([`layout`]): vLLM loads every
+//! `*.safetensors` file at the top of a draft model's directory and stops on the optimizer's names, and SGLang would
+//! read the optimizer state (gigabytes) only to skip it. The training state lives in [`TRAINING_STATE_DIR`], which
+//! `--resume` reads; a checkpoint of the older layout (all four files at the top) still loads.
 //!
 //! `model.safetensors` holds one tensor per entry of the plan's layout, under its PyTorch name and shape, so
 //! `safetensors.torch.load_file` gives a `state_dict` for the PyTorch version of the model: F32 by default, BF16
@@ -39,8 +45,11 @@ use crate::tensor_file::{
 };
 
 pub mod hf;
+mod layout;
 
-pub use hf::{CONFIG_FILE, WeightsDtype};
+pub use hf::{CONFIG_FILE, ExportOptions, WeightsDtype};
+pub use layout::{TRAINING_STATE_DIR, training_state_dir};
+use layout::{holds_only_checkpoint_files, state_dir_of};
 
 /// The weights file inside a checkpoint directory.
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -59,8 +68,6 @@ pub const FORMAT_VERSION: u32 = 1;
 /// The largest step count a checkpoint may hold (2^48: ten million years at one step a second). Larger counts
 /// can only come from corruption, and near 2^64 they would wrap to 0 in the optimizer's bias correction.
 pub const MAX_STEP: u64 = 1 << 48;
-
-const CHECKPOINT_FILES: [&str; 4] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, CONFIG_FILE];
 
 /// Why saving or loading a checkpoint failed.
 #[derive(Debug, thiserror::Error)]
@@ -242,24 +249,6 @@ fn sibling_paths(dir: &Path) -> Result<(PathBuf, PathBuf), CheckpointError> {
     Ok((with_suffix(".tmp"), with_suffix(".prev")))
 }
 
-/// True when `dir` is a directory holding only checkpoint files (possibly none).
-fn holds_only_checkpoint_files(dir: &Path) -> Result<bool, CheckpointError> {
-    if !dir.is_dir() {
-        return Ok(false);
-    }
-    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
-        let entry = entry.map_err(io_error(dir))?;
-        if !entry
-            .file_name()
-            .to_str()
-            .is_some_and(|n| CHECKPOINT_FILES.contains(&n))
-        {
-            return Ok(false);
-        }
-    }
-    Ok(true)
-}
-
 /// Removes `dir` if it exists, refusing when it holds anything but checkpoint files.
 fn remove_checkpoint_dir(dir: &Path) -> Result<(), CheckpointError> {
     if !dir.exists() {
@@ -370,7 +359,7 @@ pub fn stage_checkpoint(
         [params, exp_avg, exp_avg_sq],
         state,
         None,
-        WeightsDtype::F32,
+        ExportOptions::default(),
     )
 }
 
@@ -380,8 +369,9 @@ fn stage_marked(
     [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
     state: &TrainingState,
     stopped_by: Option<&str>,
-    weights: WeightsDtype,
+    export: ExportOptions,
 ) -> Result<StagedCheckpoint, CheckpointError> {
+    let weights = export.dtype;
     for (what, buffer) in [
         ("params", params),
         ("exp_avg", exp_avg),
@@ -398,7 +388,8 @@ fn stage_marked(
     let (staging, previous) = sibling_paths(dir)?;
     check_save_target(dir)?;
     remove_checkpoint_dir(&staging)?;
-    fs::create_dir_all(&staging).map_err(io_error(&staging))?;
+    let staged_state = training_state_dir(&staging);
+    fs::create_dir_all(&staged_state).map_err(io_error(&staged_state))?;
 
     let metadata = HashMap::from([
         ("format".to_string(), "pt".to_string()),
@@ -421,7 +412,7 @@ fn stage_marked(
         metadata.clone(),
     )?;
     if let ModelSpec::Dflash(spec) = &model.spec {
-        hf::write_dflash_config(&staging.join(CONFIG_FILE), spec, weights)?;
+        hf::write_dflash_config(&staging.join(CONFIG_FILE), spec, export)?;
     }
 
     let names: Vec<(String, String, String)> = model
@@ -461,9 +452,13 @@ fn stage_marked(
             });
         }
     }
-    write_f32_tensors(&staging.join(OPTIMIZER_FILE), &optimizer_tensors, metadata)?;
+    write_f32_tensors(
+        &staged_state.join(OPTIMIZER_FILE),
+        &optimizer_tensors,
+        metadata,
+    )?;
 
-    let state_path = staging.join(STATE_FILE);
+    let state_path = staged_state.join(STATE_FILE);
     let file = StateFile {
         format_version: FORMAT_VERSION,
         parameters: model.parameters,
@@ -475,6 +470,7 @@ fn stage_marked(
         message: e.to_string(),
     })?;
     write_synced(&state_path, &json)?;
+    sync_dir(&staged_state)?;
     sync_dir(&staging)?;
     Ok(StagedCheckpoint {
         dir: dir.to_path_buf(),
@@ -530,13 +526,14 @@ pub fn save_checkpoint(
     stage_checkpoint(dir, model, params, exp_avg, exp_avg_sq, state)?.commit()
 }
 
-/// [`save_checkpoint`] with the weights file stored as `weights` (`--save-dtype`).
+/// [`save_checkpoint`] with the weights file stored as `export.dtype` (`--save-dtype`) and `config.json` naming
+/// the target's depth.
 pub fn save_checkpoint_as(
     dir: &Path,
     model: &ModelPlan,
     [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
     state: &TrainingState,
-    weights: WeightsDtype,
+    export: ExportOptions,
 ) -> Result<(), CheckpointError> {
     stage_marked(
         dir,
@@ -544,7 +541,7 @@ pub fn save_checkpoint_as(
         [params, exp_avg, exp_avg_sq],
         state,
         None,
-        weights,
+        export,
     )?
     .commit()
 }
@@ -557,7 +554,7 @@ pub fn save_last_good_checkpoint(
     [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
     state: &TrainingState,
     stopped_by: &str,
-    weights: WeightsDtype,
+    export: ExportOptions,
 ) -> Result<(), CheckpointError> {
     stage_marked(
         dir,
@@ -565,19 +562,19 @@ pub fn save_last_good_checkpoint(
         [params, exp_avg, exp_avg_sq],
         state,
         Some(stopped_by),
-        weights,
+        export,
     )?
     .commit()
 }
 
 /// The directory that holds the complete checkpoint for `dir`: `dir` itself, or `DIR.prev` after a save that
-/// died between its two renames.
+/// died between its two renames (in either layout).
 pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
-    if dir.join(STATE_FILE).is_file() {
+    if state_dir_of(dir).is_some() {
         return Ok(dir.to_path_buf());
     }
     let (_, previous) = sibling_paths(dir)?;
-    if previous.join(STATE_FILE).is_file() {
+    if state_dir_of(&previous).is_some() {
         return Ok(previous);
     }
     Err(CheckpointError::NotFound {
@@ -585,10 +582,15 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
     })
 }
 
-/// Loads the checkpoint in `dir` (or its fallback), checking it against `model`.
+/// Loads the checkpoint in `dir` (or its fallback), checking it against `model`: the weights from the top, the
+/// training state from [`TRAINING_STATE_DIR`], or from the top in a checkpoint of the older layout.
 pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, CheckpointError> {
-    let dir = resolve_checkpoint_dir(dir)?;
-    let state_path = dir.join(STATE_FILE);
+    let given = dir;
+    let dir = resolve_checkpoint_dir(given)?;
+    let state_dir = state_dir_of(&dir).ok_or_else(|| CheckpointError::NotFound {
+        path: given.to_path_buf(),
+    })?;
+    let state_path = state_dir.join(STATE_FILE);
     let size = fs::metadata(&state_path)
         .map_err(io_error(&state_path))?
         .len();
@@ -631,7 +633,7 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
     }
     check_config_beside(&dir, model)?;
     let mut params = load_weights(&dir.join(MODEL_FILE), model)?;
-    let optimizer_path = dir.join(OPTIMIZER_FILE);
+    let optimizer_path = state_dir.join(OPTIMIZER_FILE);
     let mut optimizer = TensorFile::open(&optimizer_path)?;
     let mut exp_avg = vec![0.0; model.parameters];
     let mut exp_avg_sq = vec![0.0; model.parameters];

@@ -105,13 +105,14 @@ fn the_files_carry_the_plan_names_and_shapes_for_pytorch() {
     }
     let (_, metadata) = SafeTensors::read_metadata(&bytes).unwrap();
     assert_eq!(metadata.metadata().as_ref().unwrap()["format"], "pt");
-    let optimizer = std::fs::read(dir.join(OPTIMIZER_FILE)).unwrap();
+    let optimizer = std::fs::read(training_state_dir(&dir).join(OPTIMIZER_FILE)).unwrap();
     let optimizer = SafeTensors::deserialize(&optimizer).unwrap();
     assert_eq!(optimizer.len(), 2 * model.layout.len());
     let head = optimizer.tensor("exp_avg_sq.lm_head.weight").unwrap();
     assert_eq!(head.shape(), [40, 8]);
     let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join(STATE_FILE)).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(training_state_dir(&dir).join(STATE_FILE)).unwrap())
+            .unwrap();
     assert_eq!(json["step"], 3);
     assert_eq!(json["parameters"], model.parameters);
     assert_eq!(json["plan_name"], "quickstart");
@@ -139,7 +140,11 @@ fn a_write_interrupted_before_the_renames_leaves_the_previous_checkpoint() {
     let new = buffers(model.parameters, 6);
     // The process "dies" after staging: the files are in ckpt.tmp, nothing was renamed.
     let staged = stage_checkpoint(&dir, &model, &new.0, &new.1, &new.2, &state(11)).unwrap();
-    assert!(dir.with_file_name("ckpt.tmp").join(STATE_FILE).is_file());
+    assert!(
+        training_state_dir(&dir.with_file_name("ckpt.tmp"))
+            .join(STATE_FILE)
+            .is_file()
+    );
     drop(staged);
     assert_same(&load_checkpoint(&dir, &model).unwrap(), &old, 10);
     // A half-written staging file (killed mid-write) is likewise ignored, and the next save clears it.
@@ -289,7 +294,7 @@ fn truncated_checkpoint_files_and_bad_state_are_reported() {
     let root = temp_dir("ckpt-corrupt");
     let dir = root.join("ckpt");
     save(&dir, &model, &buffers(model.parameters, 12), 1);
-    let optimizer = dir.join(OPTIMIZER_FILE);
+    let optimizer = training_state_dir(&dir).join(OPTIMIZER_FILE);
     let bytes = std::fs::read(&optimizer).unwrap();
     std::fs::write(&optimizer, &bytes[..bytes.len() - 4]).unwrap();
     let err = load_checkpoint(&dir, &model).unwrap_err();
@@ -299,7 +304,7 @@ fn truncated_checkpoint_files_and_bad_state_are_reported() {
     );
     std::fs::write(&optimizer, &bytes).unwrap();
 
-    let state_path = dir.join(STATE_FILE);
+    let state_path = training_state_dir(&dir).join(STATE_FILE);
     let text = std::fs::read_to_string(&state_path).unwrap();
     std::fs::write(
         &state_path,

@@ -48,6 +48,9 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// The depth of the target `spec()`'s taps are read from.
+const TARGET_LAYERS: usize = 6;
+
 fn training_state() -> TrainingState {
     TrainingState {
         step: 3,
@@ -74,7 +77,10 @@ fn save(dir: &Path, model: &ModelPlan, dtype: WeightsDtype) -> [Vec<f32>; 3] {
         model,
         [&buffers[0], &buffers[1], &buffers[2]],
         &training_state(),
-        dtype,
+        ExportOptions {
+            dtype,
+            target_layers: Some(TARGET_LAYERS),
+        },
     )
     .unwrap();
     buffers
@@ -134,7 +140,7 @@ fn f32_checkpoint_has_z_labs_names_and_round_trips_exactly() {
     assert_eq!(config["torch_dtype"], "float32");
     // No master copy when the weights file is exact.
     assert!(
-        header(&dir.join(OPTIMIZER_FILE))
+        header(&training_state_dir(&dir).join(OPTIMIZER_FILE))
             .iter()
             .all(|(name, _, _)| !name.starts_with(MASTER_PREFIX))
     );
@@ -203,7 +209,13 @@ fn config_for_dflash_5x3_matches_the_hand_checked_file() {
     let plan = draftpipe_compiler::compile_file(&pipe).unwrap();
     let spec = qwen3_8b_drafter();
     assert_eq!(plan.model.spec.as_dflash(), Some(&spec));
-    let generated = dflash_config(&spec, WeightsDtype::Bf16);
+    // The pipeline says the target's depth (`layers = 36`, Qwen3-8B's), which the export writes.
+    assert_eq!(plan.target.layers, Some(36));
+    let export = ExportOptions {
+        dtype: WeightsDtype::Bf16,
+        target_layers: plan.target.layers,
+    };
+    let generated = dflash_config(&spec, export);
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/dflash-5x3.config.json");
     let hand: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     assert_eq!(generated, hand);
@@ -215,7 +227,7 @@ fn config_for_dflash_5x3_matches_the_hand_checked_file() {
 
 /// `config.json` of `spec()` with one key replaced.
 fn config_with(dir: &Path, pointer: &str, value: serde_json::Value) -> PathBuf {
-    let mut config = dflash_config(&spec(), WeightsDtype::F32);
+    let mut config = dflash_config(&spec(), ExportOptions::default());
     *config.pointer_mut(pointer).unwrap() = value;
     let path = dir.join(CONFIG_FILE);
     std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();

@@ -39,7 +39,7 @@ fn save(dir: &Path, model: &draftpipe_compiler::plan::ModelPlan, b: &[Vec<f32>; 
 
 /// Rewrites one field of `dir/state.json`.
 fn edit_state(dir: &Path, field: &str, value: serde_json::Value) {
-    let path = dir.join(STATE_FILE);
+    let path = training_state_dir(dir).join(STATE_FILE);
     let mut json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     json[field] = value;
@@ -96,8 +96,12 @@ fn non_finite_or_negative_tensor_values_are_refused_on_load_naming_the_tensor() 
     ] {
         let dir = root.join(&tensor);
         save(&dir, &model, &buffers(model.parameters), 3);
+        let path = match file {
+            MODEL_FILE => dir.join(file),
+            _ => training_state_dir(&dir).join(file),
+        };
         // Rewrite the file with the same tensors and one value replaced.
-        let bytes = std::fs::read(dir.join(file)).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
         let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let tensors: Vec<(String, Dtype, Vec<usize>, Vec<f64>)> = parsed
             .tensors()
@@ -118,7 +122,7 @@ fn non_finite_or_negative_tensor_values_are_refused_on_load_naming_the_tensor() 
             .iter()
             .map(|(n, d, s, v)| (n.as_str(), *d, s.clone(), v.clone()))
             .collect();
-        write_file(&dir.join(file), &borrowed);
+        write_file(&path, &borrowed);
         let error = load_checkpoint(&dir, &model).unwrap_err();
         let text = error.to_string();
         assert!(

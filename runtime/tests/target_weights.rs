@@ -41,6 +41,7 @@ fn target(weights: Option<String>, source: SourceSpec) -> TargetStage {
             workers: vec![Device::Cpu],
         },
         hidden: HIDDEN,
+        layers: None,
         tap_layers: vec![1, 2],
         vocab: VOCAB,
         batch_tokens: 64,

@@ -15,6 +15,7 @@ pub mod check;
 pub mod compile;
 pub mod diagnose;
 pub mod eval;
+pub mod export_check;
 pub mod input;
 pub mod run;
 pub mod signals;

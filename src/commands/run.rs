@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
-use draftpipe_compiler::plan::Plan;
+use draftpipe_compiler::plan::{ModelSpec, Plan};
+use draftpipe_runtime::checkpoint::CONFIG_FILE;
 use draftpipe_runtime::cpu::{GEMM_THREADS_VAR, gemm_threads};
+use draftpipe_runtime::export_check::{CheckOptions, check_export};
 use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
 use draftpipe_runtime::telemetry::{EndReason, OutputMode};
 
@@ -77,7 +79,7 @@ pub fn run(args: &RunArgs) -> CommandResult {
         .as_ref()
         .is_some_and(|e| e.reason == EndReason::DataExhaustedEarly);
     // The run's own exit status matters more than the report: a reader that went away only shortens it.
-    match report(args, &options, &outcome) {
+    match report(&plan, args, &options, &outcome) {
         Err(error) if !error.is::<StdoutClosed>() => return Err(error),
         _ => {}
     }
@@ -96,6 +98,7 @@ pub fn run(args: &RunArgs) -> CommandResult {
 
 /// The diagnosis and where the run's files are, after a run without `--json`.
 fn report(
+    plan: &Plan,
     args: &RunArgs,
     options: &RunOptions,
     outcome: &draftpipe_runtime::pipeline::RunOutcome,
@@ -123,6 +126,11 @@ fn report(
             dir.display(),
             outcome.step
         ))?;
+        // A `dflash` export is what people serve: say at once whether the engines would load it.
+        if matches!(plan.model.spec, ModelSpec::Dflash(_)) && dir.join(CONFIG_FILE).is_file() {
+            let report = check_export(dir, &CheckOptions::default())?;
+            say(format_args!("{}", report.to_string().trim_end()))?;
+        }
     }
     Ok(())
 }

@@ -28,6 +28,8 @@ pub const DEFAULT_MIN_READY: usize = 1;
 /// What the target section yields; `None` fields had errors (already reported).
 pub(crate) struct TargetParts {
     pub hidden: Option<usize>,
+    /// `layers` (the target's depth), when given: `Some(None)` when it had errors.
+    pub layers: Option<Option<usize>>,
     pub tap_layers: Option<Vec<u32>>,
     pub vocab: Option<usize>,
     pub batch_tokens: Option<(usize, Span)>,
@@ -48,9 +50,13 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
     let hidden = f
         .required("hidden", "4096")
         .and_then(|v| values::count_in(errs, "hidden", v, 1, MAX_DIM));
+    let layers = f
+        .optional("layers")
+        .map(|v| (values::count_in(errs, "layers", v, 1, MAX_DIM), v.span));
+    let depth = layers.and_then(|(layers, span)| Some((layers?, span)));
     let tap_layers = f
         .required("tap_layers", "[1, 18, 35]")
-        .and_then(|v| tap_layers(errs, v));
+        .and_then(|v| tap_layers(errs, v, depth));
     let vocab = f
         .required("vocab", "151936")
         .and_then(|v| values::count_in(errs, "vocab", v, 2, MAX_DIM));
@@ -100,6 +106,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
     f.finish(errs);
     TargetParts {
         hidden,
+        layers: layers.map(|(layers, _)| layers),
         tap_layers,
         vocab,
         batch_tokens,
@@ -123,7 +130,11 @@ fn weights(errs: &mut Errs, call: &Call) -> Option<WeightsSpec> {
     })
 }
 
-fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
+/// The taps of `tap_layers`, each below the target's depth when the section gives one (`depth`: `layers` and
+/// where it is written). Tap `t` is entry `t` of the hidden-states tuple (0: the embeddings, `i`: after layer `i`);
+/// the export's `target_layer_ids` holds `t − 1`, which SGLang and vLLM capture before target layer `t`, so a
+/// tap must name a layer the target has: `t < layers`.
+fn tap_layers(errs: &mut Errs, value: &Value, depth: Option<(usize, Span)>) -> Option<Vec<u32>> {
     let items = values::list(errs, "tap_layers", value)?;
     if items.is_empty() || items.len() as u64 > MAX_REPEATS {
         let rule = format!("must name 1 to {MAX_REPEATS} layers");
@@ -157,6 +168,24 @@ fn tap_layers(errs: &mut Errs, value: &Value) -> Option<Vec<u32>> {
             ok = false;
             continue;
         };
+        if let Some((depth, depth_span)) = depth
+            && layer as usize >= depth
+        {
+            errs.push(
+                Diagnostic::error(
+                    item.span,
+                    format!("tap {layer} is beyond the target's {depth} layers"),
+                )
+                .label(format!("must be below {depth}"))
+                .related(depth_span, "the target's depth, set here")
+                .help(format!(
+                    "tap t is the hidden state entering target layer t (0: the embeddings); serving engines \
+                     capture it before that layer runs, so the deepest tap a {depth}-layer target has is {}",
+                    depth - 1
+                )),
+            );
+            ok = false;
+        }
         if layers.contains(&layer) {
             errs.push(
                 Diagnostic::error(item.span, format!("layer {layer} is tapped twice"))
@@ -373,6 +402,10 @@ pub(crate) fn target_stage(
         name: section.name.name.clone(),
         placement,
         hidden: parts.hidden?,
+        layers: match parts.layers {
+            Some(layers) => Some(layers?),
+            None => None,
+        },
         tap_layers: parts.tap_layers?,
         vocab: parts.vocab?,
         batch_tokens: parts.batch_tokens?.0,

@@ -67,6 +67,30 @@ pub fn target_layer_ids(spec: &DflashSpec) -> Vec<i64> {
     spec.tap_layers.iter().map(|&tap| tap as i64 - 1).collect()
 }
 
+/// What a save writes beside the buffers: the dtype of `model.safetensors` and the target's depth for
+/// `config.json`'s `num_target_layers`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExportOptions {
+    /// The dtype `model.safetensors` is stored in (`--save-dtype`).
+    pub dtype: WeightsDtype,
+    /// The target's depth ([`TargetStage::layers`](draftpipe_compiler::plan::TargetStage::layers)); `None` when
+    /// nothing says it.
+    pub target_layers: Option<usize>,
+}
+
+/// The key, under [`DRAFTPIPE_KEY`], set to `true` when `num_target_layers` is the least depth the taps allow
+/// rather than the target's own: `export-check` then cannot say whether the drafter fits the target.
+pub const DEPTH_ASSUMED_KEY: &str = "num_target_layers_assumed";
+
+/// The `config.json` object that carries draftpipe's own notes (engines ignore unknown keys).
+pub const DRAFTPIPE_KEY: &str = "draftpipe";
+
+/// The least target depth the taps allow: the deepest tap `t` is captured before target layer `t`, which must
+/// exist (see the compiler's check of `tap_layers` against `layers`).
+pub fn least_target_layers(spec: &DflashSpec) -> usize {
+    spec.tap_layers.iter().copied().max().unwrap_or(0) + 1
+}
+
 /// A float as JSON through its shortest decimal form, so `1e-6_f32` is written `1e-6`, not the f64 widening
 /// `9.999999974752427e-7`.
 fn json_f32(value: f32) -> Value {
@@ -78,13 +102,15 @@ fn json_f32(value: f32) -> Value {
         .map_or(Value::Null, Value::Number)
 }
 
-/// The `config.json` of a `dflash` drafter with `spec`'s dimensions whose weights are stored as `dtype`.
+/// The `config.json` of a `dflash` drafter with `spec`'s dimensions, saved with `export`.
 ///
-/// `num_target_layers` is the smallest target depth the taps allow (the highest tap): z-lab's code needs the
-/// key but uses it only when `target_layer_ids` is absent, which it never is here.
-pub fn dflash_config(spec: &DflashSpec, dtype: WeightsDtype) -> Value {
-    let deepest_tap = spec.tap_layers.iter().copied().max().unwrap_or(0);
-    json!({
+/// `num_target_layers` is the target's depth when `export` knows it. SGLang checks every `target_layer_ids`
+/// entry against it (`DFlashDraftConfig.resolve_target_layer_ids`, falling back to the draft's own depth when
+/// the key is absent) and z-lab's `DFlashDraftModel.__init__` reads it unconditionally, so it is always written:
+/// when the depth is unknown, as [`least_target_layers`] with `draftpipe.num_target_layers_assumed = true`.
+pub fn dflash_config(spec: &DflashSpec, export: ExportOptions) -> Value {
+    let dtype = export.dtype;
+    let mut config = json!({
         "architectures": [DFLASH_ARCHITECTURE],
         "model_type": "qwen3",
         "block_size": spec.block,
@@ -92,7 +118,7 @@ pub fn dflash_config(spec: &DflashSpec, dtype: WeightsDtype) -> Value {
             "mask_token_id": spec.mask_token,
             "target_layer_ids": target_layer_ids(spec),
         },
-        "num_target_layers": deepest_tap,
+        "num_target_layers": export.target_layers.unwrap_or_else(|| least_target_layers(spec)),
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
         "num_hidden_layers": spec.layers,
@@ -116,16 +142,20 @@ pub fn dflash_config(spec: &DflashSpec, dtype: WeightsDtype) -> Value {
         "use_cache": true,
         "torch_dtype": dtype.torch_name(),
         "dtype": dtype.torch_name(),
-    })
+    });
+    if export.target_layers.is_none() {
+        config[DRAFTPIPE_KEY] = json!({ DEPTH_ASSUMED_KEY: true });
+    }
+    config
 }
 
 /// Writes [`dflash_config`] to `path` (pretty-printed, keys sorted, newline-terminated) and fsyncs it.
 pub fn write_dflash_config(
     path: &Path,
     spec: &DflashSpec,
-    dtype: WeightsDtype,
+    export: ExportOptions,
 ) -> Result<(), CheckpointError> {
-    let mut text = serde_json::to_vec_pretty(&dflash_config(spec, dtype)).map_err(|e| {
+    let mut text = serde_json::to_vec_pretty(&dflash_config(spec, export)).map_err(|e| {
         CheckpointError::Config {
             path: path.to_path_buf(),
             message: e.to_string(),
@@ -138,7 +168,7 @@ pub fn write_dflash_config(
 /// The keys a loader's model depends on, with the plan's value of each: a config that differs in any of them
 /// describes another model. `dtype`, `max_position_embeddings` and the rest are the serving engine's business.
 fn structural_keys(spec: &DflashSpec) -> Vec<(&'static str, Value)> {
-    let expected = dflash_config(spec, WeightsDtype::F32);
+    let expected = dflash_config(spec, ExportOptions::default());
     let key = |path: &'static str| {
         let value = path
             .split('.')

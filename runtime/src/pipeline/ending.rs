@@ -104,7 +104,7 @@ pub(super) fn save_at_end(
         [&state.params, &state.exp_avg, &state.exp_avg_sq],
         &training,
         &stopped_by,
-        options.save_dtype,
+        super::worker::export_options(plan, options),
     );
     if saved.is_ok() {
         *shared

@@ -36,6 +36,9 @@ pub enum RunError {
         #[source]
         source: SourceError,
     },
+    /// The target's depth (`layers`, or its weights' `config.json`) is unusable or contradicts the pipeline.
+    #[error("target depth: {0}")]
+    TargetDepth(#[from] crate::target_depth::TargetDepthError),
     /// The target's frozen embedding and `lm_head` (a `dflash` drafter's) could not be had.
     #[error("target weights: {0}")]
     TargetWeights(#[from] crate::target_weights::TargetWeightsError),

@@ -186,6 +186,8 @@ pub fn run_with_sources(
 ) -> Result<RunOutcome, RunError> {
     // The pool, the sources and the drafters' input slots all hold hidden states in this one precision.
     let plan = &crate::source::resolve_hs_dtype(plan)?;
+    // The depth a `dflash` export writes as `num_target_layers`, read once from the target's `config.json`.
+    let plan = &crate::target_depth::resolve_target_layers(plan)?;
     host_memory::check(plan)?;
     let _output_locks = outputs::prepare(options)?;
     let gpus = devices::ordinals(plan)?;

@@ -28,7 +28,7 @@ use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::backend::Backend;
-use crate::checkpoint::{TrainingState, save_checkpoint_as};
+use crate::checkpoint::{ExportOptions, TrainingState, save_checkpoint_as};
 use crate::drafter::{Drafter, DrafterError, StepOutcome};
 use crate::params::FlatState;
 use crate::telemetry::{DrafterPhase, DrafterRecorder};
@@ -382,6 +382,14 @@ impl<'a, B: Backend> Worker<'a, B> {
     }
 }
 
+/// What a save of `plan` writes beside the buffers: the `--save-dtype` and the target's depth.
+pub(super) fn export_options(plan: &Plan, options: &RunOptions) -> ExportOptions {
+    ExportOptions {
+        dtype: options.save_dtype,
+        target_layers: plan.target.layers,
+    }
+}
+
 /// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions of the
 /// batches its weights contain.
 pub(super) fn save(
@@ -405,7 +413,7 @@ pub(super) fn save(
         &plan.model,
         [&state.params, &state.exp_avg, &state.exp_avg_sq],
         &training,
-        options.save_dtype,
+        export_options(plan, options),
     ) {
         shared.fail(RunError::Checkpoint(error));
     }

@@ -34,6 +34,7 @@ pub fn plan(
                 workers: vec![Device::Cpu; producers],
             },
             hidden,
+            layers: None,
             tap_layers: (0..taps as u32).collect(),
             vocab,
             batch_tokens,
