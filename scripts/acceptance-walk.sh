@@ -101,6 +101,9 @@ summary = json.load(open(sys.argv[1]))
 print(f"training: {summary['steps']} steps, final tau {summary['final_tau']:.3f} (teacher-forced, last batches)")
 PY
 
+stage "3b. the export as SGLang's and vLLM's loaders read it"
+"$bin" export-check "$work/draft" --tokenizer "$work/target"
+
 stage "4. the draft-and-verify loop on held-out prompts"
 "$python" -m draftpipe_client.speculative --draft "$work/draft" --target "$work/target" \
     --prompts "$work/eval-subset.jsonl" --max-new-tokens "$new_tokens" --json "$work/acceptance.json"
