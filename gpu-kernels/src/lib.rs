@@ -49,13 +49,18 @@
 //! ```
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(asm_experimental_arch))]
-#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx))]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(abi_ptx, stdarch_nvptx, abi_unadjusted, link_llvm_intrinsics)
+)]
+#![cfg_attr(target_arch = "nvptx64", allow(internal_features, improper_ctypes))]
 
 pub mod activation;
 pub mod adamw;
 pub mod attention;
 pub mod convert;
 pub mod embedding;
+pub mod flash;
 pub mod loss;
 pub mod math;
 pub mod norm;
