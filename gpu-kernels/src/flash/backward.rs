@@ -1,7 +1,7 @@
 //! The flash backward ([`super`]): the query-major pass (`D`, then dQ) and the key-major pass (dK, dV).
 
 use super::forward::{FlashInputs, S_TILES, for_each_key_tile, scores, tile_products};
-use super::warp::{Accum, Lanes, MatrixWarp, accum_zero, pack_bf16};
+use super::warp::{Accum, Lanes, MatrixWarp, accum_zero, opaque, pack_bf16};
 use super::{
     BLOCK, KV_TILE, ROW_PAD, accum_to_a, copy_rows, group_and_thread, load_a, load_a_global,
     load_b, load_b_transposed, quad_sum, range_at,
@@ -20,8 +20,9 @@ unsafe fn store_rows<const N: usize, const D8: usize, W: MatrixWarp<N>>(
     row: impl Fn(usize) -> Option<*mut f32>,
 ) {
     let lanes = group_and_thread(warp.lane());
-    for (n, tile) in acc.iter().enumerate() {
-        for (reg, value) in tile.iter().enumerate() {
+    unroll!(n < D8; 16 => {
+        unroll!(reg < 4; 4 => {
+            let value = acc[n][reg];
             for i in 0..N {
                 let (g, t) = lanes.0[i];
                 if let Some(dst) = row(g + 8 * (reg / 2)) {
@@ -29,8 +30,8 @@ unsafe fn store_rows<const N: usize, const D8: usize, W: MatrixWarp<N>>(
                     unsafe { *dst.add(8 * n + 2 * t + reg % 2) = value.0[i] * factor };
                 }
             }
-        }
-    }
+        });
+    });
 }
 
 /// Query-major backward of block `index / kv_heads`, kv head `index % kv_heads`, warp = query head as in
@@ -72,7 +73,7 @@ pub unsafe fn flash_backward_q<
         // D and lse for rows g, g + 8 of each lane: its own columns, then the row group.
         let mut row_delta = [Lanes::splat(0.0f32); 2];
         let mut row_lse = [Lanes::splat(0.0f32); 2];
-        for half in 0..2 {
+        unroll!(half < 2; 2 => {
             let partial = lanes.map(|(g, t)| {
                 let base = at(g + 8 * half);
                 let mut sum = 0.0f32;
@@ -90,7 +91,7 @@ pub unsafe fn flash_backward_q<
                     *delta.add((row0 + g + 8 * half) * heads + head) = row_delta[half].0[i];
                 }
             }
-        }
+        });
         let q = load_a_global::<N, D16, W>(warp, |r, c| *(inputs.q.add(at(r) + c) as *const u32));
         let g_out = load_a_global::<N, D16, W>(warp, |r, c| {
             pack_bf16(*dout.add(at(r) + c), *dout.add(at(r) + c + 1))
@@ -106,8 +107,8 @@ pub unsafe fn flash_backward_q<
                 let s = scores::<N, D, D16, W>(warp, &q, k_tile, inputs.scale, valid);
                 let dp = tile_products::<N, D, D16, W>(warp, &g_out, v_tile);
                 let mut ds = [accum_zero::<N>(); S_TILES];
-                for j in 0..S_TILES {
-                    for reg in 0..4 {
+                unroll!(j < S_TILES; 8 => {
+                    unroll!(reg < 4; 4 => {
                         let half = reg / 2;
                         let p = s[j][reg].zip(row_lse[half], |x, l| {
                             if x == f32::NEG_INFINITY {
@@ -117,16 +118,16 @@ pub unsafe fn flash_backward_q<
                             }
                         });
                         ds[j][reg] = p * (dp[j][reg] - row_delta[half]);
-                    }
-                }
-                for kk in 0..S_TILES / 2 {
+                    });
+                });
+                unroll!(kk < S_TILES / 2; 4 => {
                     let a = accum_to_a(&ds[2 * kk], &ds[2 * kk + 1]);
-                    for pair in 0..D8 / 2 {
+                    unroll!(pair < D8 / 2; 8 => {
                         let [b0, b1] = load_b(warp, k_tile, D + ROW_PAD, 16 * kk, 16 * pair);
                         acc[2 * pair] = warp.mma(&a, &b0, acc[2 * pair]);
                         acc[2 * pair + 1] = warp.mma(&a, &b1, acc[2 * pair + 1]);
-                    }
-                }
+                    });
+                });
             },
         );
         store_rows::<N, D8, W>(warp, &acc, inputs.scale, |r| Some(dq.add(at(r))));
@@ -244,7 +245,10 @@ pub unsafe fn flash_backward_kv<
                 }
             }
         }
-        let ranges = [0, 1].map(|half| lanes.map(|(g, _)| key_range(own + g + 8 * half)));
+        let ranges = [
+            lanes.map(|(g, _)| key_range(own + g)),
+            lanes.map(|(g, _)| key_range(own + g + 8)),
+        ];
         let (mut dk_acc, mut dv_acc) = ([accum_zero::<N>(); D8], [accum_zero::<N>(); D8]);
         let mut qb = if lo < hi { lo - lo % BLOCK } else { hi };
         while qb < hi {
@@ -273,49 +277,61 @@ pub unsafe fn flash_backward_kv<
                 if own_lo >= qb + BLOCK || own_hi <= qb {
                     continue;
                 }
+                let (k_tile, v_tile, q_tile, o_tile) = (
+                    opaque(k_tile),
+                    opaque(v_tile),
+                    opaque(q_tile),
+                    opaque(o_tile),
+                );
+                // Sᵀ, then Pᵀ and dV, then dPᵀ, dSᵀ and dK: the fewest temporaries live beside the accumulators.
                 let mut s = [accum_zero::<N>(); 2];
-                let mut dp = [accum_zero::<N>(); 2];
-                for kk in 0..D16 {
+                unroll!(kk < D16; 8 => {
                     let a = load_a(warp, k_tile, stride, 16 * warp.warp(), 16 * kk);
                     let [b0, b1] = load_b_transposed(warp, q_tile, stride, 0, 16 * kk);
                     s[0] = warp.mma(&a, &b0, s[0]);
                     s[1] = warp.mma(&a, &b1, s[1]);
+                });
+                // Pᵀ: row = key (g, g + 8), col = query row qb + 8n + 2t + (reg % 2); 0 outside the key's rows.
+                let mut p = [accum_zero::<N>(); 2];
+                unroll!(n < 2; 2 => {
+                    unroll!(reg < 4; 4 => {
+                        let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
+                        for i in 0..N {
+                            let (start, end) = ranges[reg / 2].0[i];
+                            let r = col.0[i];
+                            if start <= r && r < end {
+                                let lse = *inputs.lse.add(r * heads + head);
+                                p[n][reg].0[i] = crate::math::exp(s[n][reg].0[i] * inputs.scale - lse);
+                            }
+                        }
+                    });
+                });
+                let pa = accum_to_a(&p[0], &p[1]);
+                unroll!(pair < D8 / 2; 8 => {
+                    let [b0, b1] = load_b(warp, o_tile, stride, 0, 16 * pair);
+                    dv_acc[2 * pair] = warp.mma(&pa, &b0, dv_acc[2 * pair]);
+                    dv_acc[2 * pair + 1] = warp.mma(&pa, &b1, dv_acc[2 * pair + 1]);
+                });
+                let mut dp = [accum_zero::<N>(); 2];
+                unroll!(kk < D16; 8 => {
                     let a = load_a(warp, v_tile, stride, 16 * warp.warp(), 16 * kk);
                     let [b0, b1] = load_b_transposed(warp, o_tile, stride, 0, 16 * kk);
                     dp[0] = warp.mma(&a, &b0, dp[0]);
                     dp[1] = warp.mma(&a, &b1, dp[1]);
-                }
-                // Pᵀ and dSᵀ: row = key (g, g + 8), col = query row qb + 8n + 2t + (reg % 2).
-                let mut p = [accum_zero::<N>(); 2];
-                let mut ds = [accum_zero::<N>(); 2];
-                for n in 0..2 {
-                    for reg in 0..4 {
-                        let half = reg / 2;
+                });
+                unroll!(n < 2; 2 => {
+                    unroll!(reg < 4; 4 => {
                         let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
-                        let row_lse = col.map(|r| *inputs.lse.add(r * heads + head));
                         let row_delta = col.map(|r| *inputs.delta.add(r * heads + head));
-                        let mut value = Lanes::splat(0.0f32);
-                        for i in 0..N {
-                            let (start, end) = ranges[half].0[i];
-                            let r = col.0[i];
-                            if start <= r && r < end {
-                                value.0[i] =
-                                    crate::math::exp(s[n][reg].0[i] * inputs.scale - row_lse.0[i]);
-                            }
-                        }
-                        p[n][reg] = value;
-                        ds[n][reg] = value * (dp[n][reg] - row_delta);
-                    }
-                }
-                let (pa, dsa) = (accum_to_a(&p[0], &p[1]), accum_to_a(&ds[0], &ds[1]));
-                for pair in 0..D8 / 2 {
-                    let [b0, b1] = load_b(warp, o_tile, stride, 0, 16 * pair);
-                    dv_acc[2 * pair] = warp.mma(&pa, &b0, dv_acc[2 * pair]);
-                    dv_acc[2 * pair + 1] = warp.mma(&pa, &b1, dv_acc[2 * pair + 1]);
+                        p[n][reg] = p[n][reg] * (dp[n][reg] - row_delta);
+                    });
+                });
+                let dsa = accum_to_a(&p[0], &p[1]);
+                unroll!(pair < D8 / 2; 8 => {
                     let [b0, b1] = load_b(warp, q_tile, stride, 0, 16 * pair);
                     dk_acc[2 * pair] = warp.mma(&dsa, &b0, dk_acc[2 * pair]);
                     dk_acc[2 * pair + 1] = warp.mma(&dsa, &b1, dk_acc[2 * pair + 1]);
-                }
+                });
             }
             qb += BLOCK;
         }

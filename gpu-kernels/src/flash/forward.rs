@@ -1,6 +1,6 @@
 //! The flash forward ([`super`]): one block per (DFlash block, kv head), one warp per query head of the group.
 
-use super::warp::{Accum, FragA, Lanes, MatrixWarp, accum_zero};
+use super::warp::{Accum, FragA, Lanes, MatrixWarp, accum_zero, opaque};
 use super::{
     BLOCK, KEY_TILE, ROW_PAD, accum_to_a, copy_rows, group_and_thread, load_a_global, load_b,
     load_b_transposed, quad_max, quad_sum, range_at,
@@ -34,14 +34,14 @@ pub(super) unsafe fn tile_products<
     m: *const u16,
 ) -> [Accum<N>; S_TILES] {
     let mut s = [accum_zero::<N>(); S_TILES];
-    for (kk, a) in a.iter().enumerate() {
-        for pair in 0..S_TILES / 2 {
+    unroll!(kk < D16; 8 => {
+        unroll!(pair < S_TILES / 2; 4 => {
             // SAFETY: rows `16 · pair .. + 16`, cols `16 · kk .. + 16` lie in the tile.
             let [b0, b1] = unsafe { load_b_transposed(warp, m, D + ROW_PAD, 16 * pair, 16 * kk) };
-            s[2 * pair] = warp.mma(a, &b0, s[2 * pair]);
-            s[2 * pair + 1] = warp.mma(a, &b1, s[2 * pair + 1]);
-        }
-    }
+            s[2 * pair] = warp.mma(&a[kk], &b0, s[2 * pair]);
+            s[2 * pair + 1] = warp.mma(&a[kk], &b1, s[2 * pair + 1]);
+        });
+    });
     s
 }
 
@@ -61,17 +61,13 @@ pub(super) unsafe fn scores<const N: usize, const D: usize, const D16: usize, W:
     // SAFETY: the caller's contract.
     let mut s = unsafe { tile_products::<N, D, D16, W>(warp, q, k_tile) };
     let cols = group_and_thread(warp.lane());
-    for (j, tile) in s.iter_mut().enumerate() {
-        for (reg, value) in tile.iter_mut().enumerate() {
-            *value = value.zip(cols, |x, (_, t)| {
-                if 8 * j + 2 * t + reg % 2 < valid {
-                    x * scale
-                } else {
-                    f32::NEG_INFINITY
-                }
+    unroll!(j < S_TILES; 8 => {
+        unroll!(reg < 4; 4 => {
+            s[j][reg] = s[j][reg].zip(cols, |x, (_, t)| {
+                if 8 * j + 2 * t + reg % 2 < valid { x * scale } else { f32::NEG_INFINITY }
             });
-        }
-    }
+        });
+    });
     s
 }
 
@@ -87,44 +83,41 @@ unsafe fn fold_tile<const N: usize, const D: usize, const D8: usize, W: MatrixWa
     mut s: [Accum<N>; S_TILES],
     v_tile: *const u16,
 ) {
-    for half in 0..2 {
+    unroll!(half < 2; 2 => {
         let mut tile_max = Lanes::splat(f32::NEG_INFINITY);
-        for tile in &s {
-            tile_max = tile_max.max(tile[2 * half]).max(tile[2 * half + 1]);
-        }
+        unroll!(j < S_TILES; 8 => {
+            tile_max = tile_max.max(s[j][2 * half]).max(s[j][2 * half + 1]);
+        });
         let new_max = state.max[half].max(quad_max(warp, tile_max));
         // Every tile has a column below `valid`, so `new_max` is finite unless the scores are NaN.
         let alpha = (state.max[half] - new_max).exp();
         state.max[half] = new_max;
         let mut sum = state.sum[half] * alpha;
-        for tile in s.iter_mut() {
-            for reg in [2 * half, 2 * half + 1] {
-                let p = tile[reg].zip(new_max, |x, m| {
-                    if x == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        crate::math::exp(x - m)
-                    }
+        unroll!(j < S_TILES; 8 => {
+            unroll!(i < 2; 2 => {
+                let reg = 2 * half + i;
+                let p = s[j][reg].zip(new_max, |x, m| {
+                    if x == f32::NEG_INFINITY { 0.0 } else { crate::math::exp(x - m) }
                 });
                 sum = sum + p;
-                tile[reg] = p;
-            }
-        }
+                s[j][reg] = p;
+            });
+        });
         state.sum[half] = sum;
-        for acc in state.out.iter_mut() {
-            acc[2 * half] = acc[2 * half] * alpha;
-            acc[2 * half + 1] = acc[2 * half + 1] * alpha;
-        }
-    }
-    for kk in 0..S_TILES / 2 {
+        unroll!(n < D8; 16 => {
+            state.out[n][2 * half] = state.out[n][2 * half] * alpha;
+            state.out[n][2 * half + 1] = state.out[n][2 * half + 1] * alpha;
+        });
+    });
+    unroll!(kk < S_TILES / 2; 4 => {
         let p = accum_to_a(&s[2 * kk], &s[2 * kk + 1]);
-        for pair in 0..D8 / 2 {
+        unroll!(pair < D8 / 2; 8 => {
             // SAFETY: rows `16 · kk .. + 16`, cols `16 · pair .. + 16` lie in the tile.
             let [b0, b1] = unsafe { load_b(warp, v_tile, D + ROW_PAD, 16 * kk, 16 * pair) };
             state.out[2 * pair] = warp.mma(&p, &b0, state.out[2 * pair]);
             state.out[2 * pair + 1] = warp.mma(&p, &b1, state.out[2 * pair + 1]);
-        }
-    }
+        });
+    });
 }
 
 /// The pointers and sizes of one attention call (the module layouts of [`super`]).
@@ -169,37 +162,71 @@ pub(super) unsafe fn for_each_key_tile<const N: usize, const D: usize, W: Matrix
     smem: *mut u8,
     mut tile: impl FnMut(*const u16, *const u16, usize),
 ) {
-    let threads = 32 * (inputs.heads / inputs.kv_heads);
     let k_tile = smem as *mut u16;
     // SAFETY: the two tiles are the two halves of `smem`; ranges are clamped to the key sets' lengths.
     unsafe {
         let v_tile = k_tile.add(KEY_TILE * (D + ROW_PAD));
         let first = inputs.query_ranges.add(4 * BLOCK * block);
-        let sets = [
-            (range_at(first, inputs.context), inputs.k_ctx, inputs.v_ctx),
-            (
-                range_at(first.add(2), inputs.queries),
-                inputs.k_blk,
-                inputs.v_blk,
-            ),
-        ];
-        for ((start, end), keys, values) in sets {
-            let mut j0 = start;
-            while j0 < end {
-                let valid = (end - j0).min(KEY_TILE);
-                let row = |base: *const u16| {
-                    move |r: usize| {
-                        (r < valid).then(|| base.add(((j0 + r) * inputs.kv_heads + group) * D))
-                    }
-                };
-                warp.sync_block();
-                copy_rows::<N, D, W>(warp, threads, k_tile, KEY_TILE, row(keys));
-                copy_rows::<N, D, W>(warp, threads, v_tile, KEY_TILE, row(values));
-                warp.sync_block();
-                tile(k_tile, v_tile, valid);
-                j0 += KEY_TILE;
-            }
+        // Both key sets through one loop (one call site of `tile`, so it is inlined), the set's values chosen by
+        // selects: an array of the two sets would be indexed dynamically and live in local memory.
+        for set in 0..2 {
+            let context = set == 0;
+            let range = if context {
+                range_at(first, inputs.context)
+            } else {
+                range_at(first.add(2), inputs.queries)
+            };
+            let sources = if context {
+                [inputs.k_ctx, inputs.v_ctx]
+            } else {
+                [inputs.k_blk, inputs.v_blk]
+            };
+            key_set_tiles::<N, D, W>(
+                warp,
+                inputs,
+                group,
+                [k_tile, v_tile],
+                range,
+                sources,
+                &mut tile,
+            );
         }
+    }
+}
+
+/// The key tiles of one key set `start..end` (see [`for_each_key_tile`]).
+///
+/// # Safety
+/// As [`for_each_key_tile`]; `sources` hold the key set's K and V rows.
+#[inline(always)]
+unsafe fn key_set_tiles<const N: usize, const D: usize, W: MatrixWarp<N>>(
+    warp: W,
+    inputs: &FlashInputs,
+    group: usize,
+    [k_tile, v_tile]: [*mut u16; 2],
+    (start, end): (usize, usize),
+    [keys, values]: [*const u16; 2],
+    tile: &mut impl FnMut(*const u16, *const u16, usize),
+) {
+    let threads = 32 * (inputs.heads / inputs.kv_heads);
+    let mut j0 = start;
+    while j0 < end {
+        let valid = (end - j0).min(KEY_TILE);
+        let row = |base: *const u16| {
+            // SAFETY: rows below `end` lie inside the key set (the caller's contract).
+            move |r: usize| {
+                (r < valid).then(|| unsafe { base.add(((j0 + r) * inputs.kv_heads + group) * D) })
+            }
+        };
+        warp.sync_block();
+        // SAFETY: the tiles hold `KEY_TILE` shared rows each.
+        unsafe {
+            copy_rows::<N, D, W>(warp, threads, k_tile, KEY_TILE, row(keys));
+            copy_rows::<N, D, W>(warp, threads, v_tile, KEY_TILE, row(values));
+        }
+        warp.sync_block();
+        tile(opaque(k_tile), opaque(v_tile), valid);
+        j0 += KEY_TILE;
     }
 }
 
@@ -254,31 +281,30 @@ pub unsafe fn flash_forward<
             },
         );
         let lanes = group_and_thread(warp.lane());
-        for half in 0..2 {
+        unroll!(half < 2; 2 => {
             let sum = quad_sum(warp, state.sum[half]);
             let inv = sum.map(|l| if l > 0.0 { 1.0 / l } else { 0.0 });
-            for (n, acc) in state.out.iter().enumerate() {
-                for reg in [2 * half, 2 * half + 1] {
-                    let value = acc[reg] * inv;
-                    for i in 0..N {
-                        let (g, t) = lanes.0[i];
-                        let row = row0 + g + 8 * half;
-                        *out.add((row * heads + head) * D + 8 * n + 2 * t + reg % 2) = value.0[i];
+            unroll!(n < D8; 16 => {
+                unroll!(reg < 4; 4 => {
+                    if reg / 2 == half {
+                        let value = state.out[n][reg] * inv;
+                        for i in 0..N {
+                            let (g, t) = lanes.0[i];
+                            let row = row0 + g + 8 * half;
+                            *out.add((row * heads + head) * D + 8 * n + 2 * t + reg % 2) = value.0[i];
+                        }
                     }
-                }
-            }
+                });
+            });
             for i in 0..N {
                 let (g, t) = lanes.0[i];
                 if t == 0 {
                     let (m, l) = (state.max[half].0[i], sum.0[i]);
                     let row = row0 + g + 8 * half;
-                    *lse.add(row * heads + head) = if l > 0.0 {
-                        m + crate::math::ln(l)
-                    } else {
-                        f32::NEG_INFINITY
-                    };
+                    *lse.add(row * heads + head) =
+                        if l > 0.0 { m + crate::math::ln(l) } else { f32::NEG_INFINITY };
                 }
             }
-        }
+        });
     }
 }

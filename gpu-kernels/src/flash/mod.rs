@@ -35,6 +35,29 @@
 //! Only `head_dim` 64 and 128 are built ([`check_head_dim`] refuses others); `precision = f32` has no flash
 //! path: the f32 CUDA-core kernels of [`crate::attention`] remain its path.
 
+/// Runs `$body` for `$i` = 0, 1, … below `$bound` (a constant at most `$max`, one of 2, 4, 8, 16), written
+/// out rather than looped: every register array a body indexes with `$i` is then indexed by constants, which
+/// keeps it in registers on the GPU (LLVM does not fully unroll loops this large, and a dynamically indexed
+/// array goes to local memory).
+macro_rules! unroll {
+    ($i:ident < $bound:expr; 2 => $body:block) => { unroll!(@ $i, $bound, 2, $body, [0 1]) };
+    ($i:ident < $bound:expr; 4 => $body:block) => { unroll!(@ $i, $bound, 4, $body, [0 1 2 3]) };
+    ($i:ident < $bound:expr; 8 => $body:block) => { unroll!(@ $i, $bound, 8, $body, [0 1 2 3 4 5 6 7]) };
+    ($i:ident < $bound:expr; 16 => $body:block) => {
+        unroll!(@ $i, $bound, 16, $body, [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15])
+    };
+    (@ $i:ident, $bound:expr, $max:literal, $body:block, [$($k:literal)*]) => {{
+        const { assert!($bound <= $max) };
+        $(
+            #[allow(clippy::reversed_empty_ranges, clippy::absurd_extreme_comparisons)]
+            if $k < $bound {
+                let $i: usize = $k;
+                $body
+            }
+        )*
+    }};
+}
+
 pub mod backward;
 pub mod forward;
 pub mod warp;
@@ -169,11 +192,12 @@ unsafe fn copy_rows<const N: usize, const D: usize, W: MatrixWarp<N>>(
                 let (row, chunk) = (index / chunks_per_row, index % chunks_per_row);
                 // SAFETY: the caller's contract; `chunk · 8 < D`.
                 unsafe {
-                    let value = match source(row) {
-                        Some(src) => *(src.add(8 * chunk) as *const Chunk),
-                        None => Chunk([0; 4]),
-                    };
-                    *(dst.add(row * (D + ROW_PAD) + 8 * chunk) as *mut Chunk) = value;
+                    let to = dst.add(row * (D + ROW_PAD) + 8 * chunk) as *mut Chunk;
+                    // Two stores rather than a selected 16-byte value (which would go through local memory).
+                    match source(row) {
+                        Some(src) => *to = *(src.add(8 * chunk) as *const Chunk),
+                        None => *to = Chunk([0; 4]),
+                    }
                 }
             }
         }
@@ -274,11 +298,13 @@ fn load_a_global<const N: usize, const D16: usize, W: MatrixWarp<N>>(
     pair: impl Fn(usize, usize) -> u32,
 ) -> [FragA<N>; D16] {
     let lanes = group_and_thread(warp.lane());
-    core::array::from_fn(|kk| {
-        core::array::from_fn(|reg| {
-            lanes.map(|(g, t)| pair(g + 8 * (reg % 2), 16 * kk + 2 * t + 8 * (reg / 2)))
-        })
-    })
+    let mut frags = [[Lanes::splat(0u32); 4]; D16];
+    unroll!(kk < D16; 8 => {
+        unroll!(reg < 4; 4 => {
+            frags[kk][reg] = lanes.map(|(g, t)| pair(g + 8 * (reg % 2), 16 * kk + 2 * t + 8 * (reg / 2)));
+        });
+    });
+    frags
 }
 
 /// The sum over the 4 lanes of a row group (`t = 0..4`): butterflies at distances 1 and 2.

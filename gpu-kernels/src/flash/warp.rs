@@ -370,3 +370,24 @@ impl MatrixWarp<1> for DeviceWarp {
         unsafe { core::arch::nvptx::_syncthreads() }
     }
 }
+
+/// `pointer`, made opaque to the optimiser on the GPU (an empty `asm!` it cannot see through or move): shared
+/// tile addresses derived from it are then computed where they are used, instead of being hoisted out of the key
+/// loop all at once (LLVM's loop-invariant code motion does not weigh register pressure, and 64 hoisted
+/// `ldmatrix` addresses would spill). The identity on the host.
+#[inline(always)]
+pub fn opaque<T>(pointer: *const T) -> *const T {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let mut address = pointer as u64;
+        // SAFETY: an empty instruction sequence; it only pins the value in a register.
+        unsafe {
+            core::arch::asm!("// opaque {0}", inout(reg64) address, options(nomem, nostack, preserves_flags))
+        };
+        address as *const T
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        pointer
+    }
+}
