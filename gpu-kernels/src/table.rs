@@ -412,7 +412,7 @@ macro_rules! flash_kernel_table {
                     out, lse, smem, warp, index
                 ),
             }
-            /// Flash backward, query-major: `delta = rowsum(dout ∘ out)` and dq.
+            /// Flash backward, query-major: `delta = rowsum(dout ∘ out)`, dq, and dout's bf16 copy.
             $backward_q {
                 reads: [
                     q: u16 = queries * heads * $d,
@@ -425,7 +425,11 @@ macro_rules! flash_kernel_table {
                     dout: f32 = queries * heads * $d,
                     lse: f32 = queries * heads,
                 ],
-                writes: [delta: f32 = queries * heads, dq: f32 = queries * heads * $d],
+                writes: [
+                    delta: f32 = queries * heads,
+                    dq: f32 = queries * heads * $d,
+                    dout_bf16: u16 = queries * heads * $d,
+                ],
                 scalars: [queries: usize, context: usize, heads: usize, kv_heads: usize, scale: f32],
                 launch: blocks(
                     queries / $crate::flash::BLOCK * kv_heads,
@@ -436,14 +440,14 @@ macro_rules! flash_kernel_table {
                     $crate::flash::forward::FlashInputs {
                         q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, queries, context, heads, kv_heads, scale,
                     },
-                    out, dout, lse, delta, dq, smem, warp, index
+                    out, dout, lse, delta, dq, dout_bf16, smem, warp, index
                 ),
             }
             /// Flash backward, key-major over one key set: dk and dv.
             $backward_kv {
                 reads: [
                     q: u16 = queries * heads * $d,
-                    dout: f32 = queries * heads * $d,
+                    dout: u16 = queries * heads * $d,
                     lse: f32 = queries * heads,
                     delta: f32 = queries * heads,
                     k: u16 = keys * kv_heads * $d,

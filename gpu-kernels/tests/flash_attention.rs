@@ -303,6 +303,7 @@ fn run(c: &Case, mutation: LayoutMutation) -> Outputs {
         dv: [vec![f32::NAN; tn * kvh * d], vec![f32::NAN; qn * kvh * d]],
     };
     let mut delta = vec![f32::NAN; qn * h];
+    let mut dout_bf16 = vec![u16::MAX; qn * h * d];
     let inputs = FlashInputs {
         q: c.q.0.as_ptr(),
         k_ctx: c.k_ctx.0.as_ptr(),
@@ -325,6 +326,7 @@ fn run(c: &Case, mutation: LayoutMutation) -> Outputs {
         o.dq.as_mut_ptr() as usize,
         delta.as_mut_ptr() as usize,
     );
+    let dout_bf16 = dout_bf16.as_mut_ptr() as usize;
     let inputs_addr = &inputs as *const FlashInputs as usize;
     with_head_dim!(d, |D, D8, D16| {
         launch(
@@ -359,6 +361,7 @@ fn run(c: &Case, mutation: LayoutMutation) -> Outputs {
                     lse as *const f32,
                     dl as *mut f32,
                     dq as *mut f32,
+                    dout_bf16 as *mut u16,
                     smem,
                     w,
                     i,
@@ -382,7 +385,7 @@ fn run(c: &Case, mutation: LayoutMutation) -> Outputs {
         for (set, (keys, k, v, key_ranges)) in key_sets.into_iter().enumerate() {
             let kv_inputs = KeyMajorInputs {
                 q: c.q.0.as_ptr(),
-                dout: c.dout.as_ptr(),
+                dout: dout_bf16 as *const u16,
                 lse: lse as *const f32,
                 delta: dl as *const f32,
                 k,

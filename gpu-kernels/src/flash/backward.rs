@@ -36,12 +36,14 @@ unsafe fn store_rows<const N: usize, const D8: usize, W: MatrixWarp<N>>(
 
 /// Query-major backward of block `index / kv_heads`, kv head `index % kv_heads`, warp = query head as in
 /// [`super::forward::flash_forward`]: writes `delta = rowsum(dout ∘ out)` (read by [`flash_backward_kv`])
-/// and `dq = scale · Σ_k p (dout·v_k − delta) k_k` for the block's rows.
+/// and `dq = scale · Σ_k p (dout·v_k − delta) k_k` for the block's rows, and `dout` rounded to bf16
+/// (`dout_bf16`, the key-major pass's copy).
 ///
 /// Launch: as the forward.
 ///
 /// # Safety
-/// As the forward; `out`, `dout`, `dq` hold `Q · heads · D` f32, `lse`, `delta` `Q · heads`.
+/// As the forward; `out`, `dout`, `dq` hold `Q · heads · D` f32, `dout_bf16` as many u16, `lse`, `delta`
+/// `Q · heads`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn flash_backward_q<
@@ -57,6 +59,7 @@ pub unsafe fn flash_backward_q<
     lse: *const f32,
     delta: *mut f32,
     dq: *mut f32,
+    dout_bf16: *mut u16,
     smem: *mut u8,
     warp: W,
     index: usize,
@@ -94,7 +97,10 @@ pub unsafe fn flash_backward_q<
         });
         let q = load_a_global::<N, D16, W>(warp, |r, c| *(inputs.q.add(at(r) + c) as *const u32));
         let g_out = load_a_global::<N, D16, W>(warp, |r, c| {
-            pack_bf16(*dout.add(at(r) + c), *dout.add(at(r) + c + 1))
+            let pair = pack_bf16(*dout.add(at(r) + c), *dout.add(at(r) + c + 1));
+            // The fragments cover the tile once: its bf16 copy for the key-major pass.
+            *(dout_bf16.add(at(r) + c) as *mut u32) = pair;
+            pair
         });
         let mut acc = [accum_zero::<N>(); D8];
         for_each_key_tile::<N, D, W>(
@@ -139,8 +145,8 @@ pub unsafe fn flash_backward_q<
 pub struct KeyMajorInputs {
     /// `[Q, heads, D]` bf16.
     pub q: *const u16,
-    /// `[Q, heads, D]` f32.
-    pub dout: *const f32,
+    /// `[Q, heads, D]` bf16: the copy [`flash_backward_q`] writes.
+    pub dout: *const u16,
     /// `[Q, heads]`.
     pub lse: *const f32,
     /// `[Q, heads]`, from [`flash_backward_q`].
@@ -249,99 +255,102 @@ pub unsafe fn flash_backward_kv<
             lanes.map(|(g, _)| key_range(own + g)),
             lanes.map(|(g, _)| key_range(own + g + 8)),
         ];
-        let (mut dk_acc, mut dv_acc) = ([accum_zero::<N>(); D8], [accum_zero::<N>(); D8]);
-        let mut qb = if lo < hi { lo - lo % BLOCK } else { hi };
-        while qb < hi {
-            for head in group * per_group..(group + 1) * per_group {
-                let at = move |r: usize| ((qb + r) * heads + head) * D;
-                warp.sync_block();
-                copy_rows::<N, D, W>(warp, 32 * super::KV_WARPS, q_tile, BLOCK, |r| {
-                    Some(inputs.q.add(at(r)))
-                });
-                // dO rounded to bf16 on its way into shared memory, two elements per lane and step.
-                let pairs = BLOCK * D / 2;
-                let mut base = 0;
-                while base < pairs {
-                    for i in 0..N {
-                        let p = base + 32 * warp.warp() + warp.lane().0[i] as usize;
-                        if p < pairs {
-                            let (r, c) = (2 * p / D, 2 * p % D);
-                            let src = inputs.dout.add(at(r) + c);
-                            *(o_tile.add(r * stride + c) as *mut u32) =
-                                pack_bf16(*src, *src.add(1));
-                        }
-                    }
-                    base += 32 * super::KV_WARPS;
-                }
-                warp.sync_block();
-                if own_lo >= qb + BLOCK || own_hi <= qb {
-                    continue;
-                }
-                let (k_tile, v_tile, q_tile, o_tile) = (
-                    opaque(k_tile),
-                    opaque(v_tile),
-                    opaque(q_tile),
-                    opaque(o_tile),
-                );
-                // Sᵀ, then Pᵀ and dV, then dPᵀ, dSᵀ and dK: the fewest temporaries live beside the accumulators.
-                let mut s = [accum_zero::<N>(); 2];
-                unroll!(kk < D16; 8 => {
-                    let a = load_a(warp, k_tile, stride, 16 * warp.warp(), 16 * kk);
-                    let [b0, b1] = load_b_transposed(warp, q_tile, stride, 0, 16 * kk);
-                    s[0] = warp.mma(&a, &b0, s[0]);
-                    s[1] = warp.mma(&a, &b1, s[1]);
-                });
-                // Pᵀ: row = key (g, g + 8), col = query row qb + 8n + 2t + (reg % 2); 0 outside the key's rows.
-                let mut p = [accum_zero::<N>(); 2];
-                unroll!(n < 2; 2 => {
-                    unroll!(reg < 4; 4 => {
-                        let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
-                        for i in 0..N {
-                            let (start, end) = ranges[reg / 2].0[i];
-                            let r = col.0[i];
-                            if start <= r && r < end {
-                                let lse = *inputs.lse.add(r * heads + head);
-                                p[n][reg].0[i] = crate::math::exp(s[n][reg].0[i] * inputs.scale - lse);
-                            }
-                        }
-                    });
-                });
-                let pa = accum_to_a(&p[0], &p[1]);
-                unroll!(pair < D8 / 2; 8 => {
-                    let [b0, b1] = load_b(warp, o_tile, stride, 0, 16 * pair);
-                    dv_acc[2 * pair] = warp.mma(&pa, &b0, dv_acc[2 * pair]);
-                    dv_acc[2 * pair + 1] = warp.mma(&pa, &b1, dv_acc[2 * pair + 1]);
-                });
-                let mut dp = [accum_zero::<N>(); 2];
-                unroll!(kk < D16; 8 => {
-                    let a = load_a(warp, v_tile, stride, 16 * warp.warp(), 16 * kk);
-                    let [b0, b1] = load_b_transposed(warp, o_tile, stride, 0, 16 * kk);
-                    dp[0] = warp.mma(&a, &b0, dp[0]);
-                    dp[1] = warp.mma(&a, &b1, dp[1]);
-                });
-                unroll!(n < 2; 2 => {
-                    unroll!(reg < 4; 4 => {
-                        let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
-                        let row_delta = col.map(|r| *inputs.delta.add(r * heads + head));
-                        p[n][reg] = p[n][reg] * (dp[n][reg] - row_delta);
-                    });
-                });
-                let dsa = accum_to_a(&p[0], &p[1]);
-                unroll!(pair < D8 / 2; 8 => {
-                    let [b0, b1] = load_b(warp, q_tile, stride, 0, 16 * pair);
-                    dk_acc[2 * pair] = warp.mma(&dsa, &b0, dk_acc[2 * pair]);
-                    dk_acc[2 * pair + 1] = warp.mma(&dsa, &b1, dk_acc[2 * pair + 1]);
-                });
-            }
-            qb += BLOCK;
-        }
+        // Phases over the query tiles: both gradients at once for D = 64; for D = 128 dV first, then dK with the
+        // scores recomputed (one more tile product per query tile), so only one 16 × D accumulator pair of
+        // registers is live and the kernel fits 255 registers without spilling.
         let key_out = |base: *mut f32| {
             move |r: usize| {
                 let j = own + r;
                 (j < j0 + valid).then(|| base.add((j * kv_heads + group) * D))
             }
         };
-        store_rows::<N, D8, W>(warp, &dk_acc, inputs.scale, key_out(dk));
-        store_rows::<N, D8, W>(warp, &dv_acc, 1.0, key_out(dv));
+        let split = D > 64;
+        unroll!(phase < if D > 64 { 2 } else { 1 }; 2 => {
+            let (with_dv, with_dk) = (!split || phase == 0, !split || phase == 1);
+            let (mut dk_acc, mut dv_acc) = ([accum_zero::<N>(); D8], [accum_zero::<N>(); D8]);
+            let mut qb = if lo < hi { lo - lo % BLOCK } else { hi };
+            while qb < hi {
+                for head in group * per_group..(group + 1) * per_group {
+                    let at = move |r: usize| ((qb + r) * heads + head) * D;
+                    warp.sync_block();
+                    copy_rows::<N, D, W>(warp, 32 * super::KV_WARPS, q_tile, BLOCK, |r| {
+                        Some(inputs.q.add(at(r)))
+                    });
+                    copy_rows::<N, D, W>(warp, 32 * super::KV_WARPS, o_tile, BLOCK, |r| {
+                        Some(inputs.dout.add(at(r)))
+                    });
+                    warp.sync_block();
+                    if own_lo >= qb + BLOCK || own_hi <= qb {
+                        continue;
+                    }
+                    let (k_tile, v_tile, q_tile, o_tile) = (
+                        opaque(k_tile),
+                        opaque(v_tile),
+                        opaque(q_tile),
+                        opaque(o_tile),
+                    );
+                    // Sᵀ, then Pᵀ and dV, then dPᵀ, dSᵀ and dK: the fewest temporaries live beside the accumulators.
+                    let mut s = [accum_zero::<N>(); 2];
+                    unroll!(kk < D16; 8 => {
+                        let a = load_a(warp, k_tile, stride, 16 * warp.warp(), 16 * kk);
+                        let [b0, b1] = load_b_transposed(warp, q_tile, stride, 0, 16 * kk);
+                        s[0] = warp.mma(&a, &b0, s[0]);
+                        s[1] = warp.mma(&a, &b1, s[1]);
+                    });
+                    // Pᵀ: row = key (g, g + 8), col = query row qb + 8n + 2t + (reg % 2); 0 outside the key's rows.
+                    let mut p = [accum_zero::<N>(); 2];
+                    unroll!(n < 2; 2 => {
+                        unroll!(reg < 4; 4 => {
+                            let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
+                            for i in 0..N {
+                                let (start, end) = ranges[reg / 2].0[i];
+                                let r = col.0[i];
+                                if start <= r && r < end {
+                                    let lse = *inputs.lse.add(r * heads + head);
+                                    p[n][reg].0[i] = crate::math::exp(s[n][reg].0[i] * inputs.scale - lse);
+                                }
+                            }
+                        });
+                    });
+                    if with_dv {
+                        let pa = accum_to_a(&p[0], &p[1]);
+                        unroll!(pair < D8 / 2; 8 => {
+                            let [b0, b1] = load_b(warp, o_tile, stride, 0, 16 * pair);
+                            dv_acc[2 * pair] = warp.mma(&pa, &b0, dv_acc[2 * pair]);
+                            dv_acc[2 * pair + 1] = warp.mma(&pa, &b1, dv_acc[2 * pair + 1]);
+                        });
+                    }
+                    if with_dk {
+                        let mut dp = [accum_zero::<N>(); 2];
+                        unroll!(kk < D16; 8 => {
+                            let a = load_a(warp, v_tile, stride, 16 * warp.warp(), 16 * kk);
+                            let [b0, b1] = load_b_transposed(warp, o_tile, stride, 0, 16 * kk);
+                            dp[0] = warp.mma(&a, &b0, dp[0]);
+                            dp[1] = warp.mma(&a, &b1, dp[1]);
+                        });
+                        unroll!(n < 2; 2 => {
+                            unroll!(reg < 4; 4 => {
+                                let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
+                                let row_delta = col.map(|r| *inputs.delta.add(r * heads + head));
+                                p[n][reg] = p[n][reg] * (dp[n][reg] - row_delta);
+                            });
+                        });
+                        let dsa = accum_to_a(&p[0], &p[1]);
+                        unroll!(pair < D8 / 2; 8 => {
+                            let [b0, b1] = load_b(warp, q_tile, stride, 0, 16 * pair);
+                            dk_acc[2 * pair] = warp.mma(&dsa, &b0, dk_acc[2 * pair]);
+                            dk_acc[2 * pair + 1] = warp.mma(&dsa, &b1, dk_acc[2 * pair + 1]);
+                        });
+                    }
+                }
+                qb += BLOCK;
+            }
+            if with_dk {
+                store_rows::<N, D8, W>(warp, &dk_acc, inputs.scale, key_out(dk));
+            }
+            if with_dv {
+                store_rows::<N, D8, W>(warp, &dv_acc, 1.0, key_out(dv));
+            }
+        });
     }
 }

@@ -223,10 +223,10 @@ unsafe fn load_a<const N: usize, W: MatrixWarp<N>>(
     let rows = warp.lane().map(|l| {
         let (l, m) = (l as usize, l as usize / 8);
         // SAFETY: inside the block (the caller's contract).
-        unsafe { smem.add((row0 + l % 8 + 8 * (m % 2)) * stride + col0 + 8 * (m / 2)) }
+        unsafe { smem.add((l % 8 + 8 * (m % 2)) * stride + 8 * (m / 2)) }
     });
     // SAFETY: the caller's contract.
-    unsafe { warp.ldmatrix_x4(rows, false) }
+    unsafe { warp.ldmatrix_x4(rows, row0 * stride + col0, false) }
 }
 
 /// The B fragments of two neighbouring n-tiles (`n0..n0+8`, `n0+8..n0+16`) at k-step `k0..k0+16` of
@@ -246,10 +246,10 @@ unsafe fn load_b_transposed<const N: usize, W: MatrixWarp<N>>(
     let rows = warp.lane().map(|l| {
         let (l, m) = (l as usize, l as usize / 8);
         // SAFETY: inside the block (the caller's contract).
-        unsafe { smem.add((n0 + l % 8 + 8 * (m / 2)) * stride + k0 + 8 * (m % 2)) }
+        unsafe { smem.add((l % 8 + 8 * (m / 2)) * stride + 8 * (m % 2)) }
     });
     // SAFETY: the caller's contract.
-    let [r0, r1, r2, r3] = unsafe { warp.ldmatrix_x4(rows, false) };
+    let [r0, r1, r2, r3] = unsafe { warp.ldmatrix_x4(rows, n0 * stride + k0, false) };
     [[r0, r1], [r2, r3]]
 }
 
@@ -270,10 +270,10 @@ unsafe fn load_b<const N: usize, W: MatrixWarp<N>>(
     let rows = warp.lane().map(|l| {
         let (l, m) = (l as usize, l as usize / 8);
         // SAFETY: inside the block (the caller's contract).
-        unsafe { smem.add((k0 + l % 8 + 8 * (m % 2)) * stride + n0 + 8 * (m / 2)) }
+        unsafe { smem.add((l % 8 + 8 * (m % 2)) * stride + 8 * (m / 2)) }
     });
     // SAFETY: the caller's contract.
-    let [r0, r1, r2, r3] = unsafe { warp.ldmatrix_x4(rows, true) };
+    let [r0, r1, r2, r3] = unsafe { warp.ldmatrix_x4(rows, k0 * stride + n0, true) };
     [[r0, r1], [r2, r3]]
 }
 

@@ -137,12 +137,19 @@ pub trait MatrixWarp<const N: usize>: Copy {
     /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: `d = a · b + c`.
     fn mma(self, a: &FragA<N>, b: &FragB<N>, c: Accum<N>) -> Accum<N>;
 
-    /// `ldmatrix.sync.aligned.m8n8.x4.shared.b16` (`trans`: with `.trans`), each lane giving one row address.
+    /// `ldmatrix.sync.aligned.m8n8.x4.shared.b16` (`trans`: with `.trans`), each lane giving one row address:
+    /// `rows + offset` (`offset` in bf16, the same on every lane: the device adds it inside the instruction
+    /// sequence, so each call site keeps one base register instead of its own 64-bit address).
     ///
     /// # Safety
     /// Each address points at 8 readable, 16-byte aligned bf16 in shared memory; every lane of the warp calls
     /// it together.
-    unsafe fn ldmatrix_x4(self, rows: Lanes<*const u16, N>, trans: bool) -> [Lanes<u32, N>; 4];
+    unsafe fn ldmatrix_x4(
+        self,
+        rows: Lanes<*const u16, N>,
+        offset: usize,
+        trans: bool,
+    ) -> [Lanes<u32, N>; 4];
 
     /// `shfl.sync.bfly.b32` over the full warp: lane `l` gets lane `l ^ mask`'s value.
     fn shuffle_xor(self, value: Lanes<f32, N>, mask: u32) -> Lanes<f32, N>;
@@ -242,13 +249,19 @@ impl MatrixWarp<32> for ModelWarp<'_> {
         d
     }
 
-    unsafe fn ldmatrix_x4(self, rows: Lanes<*const u16, 32>, trans: bool) -> [Lanes<u32, 32>; 4] {
+    unsafe fn ldmatrix_x4(
+        self,
+        rows: Lanes<*const u16, 32>,
+        offset: usize,
+        trans: bool,
+    ) -> [Lanes<u32, 32>; 4] {
         let trans = trans && self.mutation != LayoutMutation::LdmatrixIgnoresTrans;
         let mut out = [Lanes::splat(0u32); 4];
         for (m, reg) in out.iter_mut().enumerate() {
             // Matrix m: row i at the address lane 8m + i gave.
             // SAFETY: the caller's contract: each address holds 8 bf16.
-            let element = |row: usize, col: usize| unsafe { *rows.0[8 * m + row].add(col) } as u32;
+            let element =
+                |row: usize, col: usize| unsafe { *rows.0[8 * m + row].add(offset + col) } as u32;
             for l in 0..32 {
                 let (g, t) = (l >> 2, l % 4);
                 reg.0[l] = if trans {
@@ -338,20 +351,29 @@ impl MatrixWarp<1> for DeviceWarp {
     }
 
     #[inline(always)]
-    unsafe fn ldmatrix_x4(self, rows: Lanes<*const u16, 1>, trans: bool) -> [Lanes<u32, 1>; 4] {
+    unsafe fn ldmatrix_x4(
+        self,
+        rows: Lanes<*const u16, 1>,
+        offset: usize,
+        trans: bool,
+    ) -> [Lanes<u32, 1>; 4] {
         let (r0, r1, r2, r3): (u32, u32, u32, u32);
-        let address = rows.0[0] as u64;
+        let (address, bytes) = (rows.0[0] as u64, 2 * offset as u64);
         // SAFETY: the caller's contract (a shared-memory row per lane, the whole warp together).
         unsafe {
             if trans {
                 core::arch::asm!(
-                    "ldmatrix.sync.aligned.m8n8.x4.trans.b16 {{{0}, {1}, {2}, {3}}}, [{a}];",
+                    "{{ .reg .b64 at; add.s64 at, {a}, {o};",
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.b16 {{{0}, {1}, {2}, {3}}}, [at]; }}",
                     out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, a = in(reg64) address,
+                    o = in(reg64) bytes,
                 );
             } else {
                 core::arch::asm!(
-                    "ldmatrix.sync.aligned.m8n8.x4.b16 {{{0}, {1}, {2}, {3}}}, [{a}];",
+                    "{{ .reg .b64 at; add.s64 at, {a}, {o};",
+                    "ldmatrix.sync.aligned.m8n8.x4.b16 {{{0}, {1}, {2}, {3}}}, [at]; }}",
                     out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, a = in(reg64) address,
+                    o = in(reg64) bytes,
                 );
             }
         }
