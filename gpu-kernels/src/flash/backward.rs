@@ -255,102 +255,91 @@ pub unsafe fn flash_backward_kv<
             lanes.map(|(g, _)| key_range(own + g)),
             lanes.map(|(g, _)| key_range(own + g + 8)),
         ];
-        // Phases over the query tiles: both gradients at once for D = 64; for D = 128 dV first, then dK with the
-        // scores recomputed (one more tile product per query tile), so only one 16 × D accumulator pair of
-        // registers is live and the kernel fits 255 registers without spilling.
         let key_out = |base: *mut f32| {
             move |r: usize| {
                 let j = own + r;
                 (j < j0 + valid).then(|| base.add((j * kv_heads + group) * D))
             }
         };
-        let split = D > 64;
-        unroll!(phase < if D > 64 { 2 } else { 1 }; 2 => {
-            let (with_dv, with_dk) = (!split || phase == 0, !split || phase == 1);
-            let (mut dk_acc, mut dv_acc) = ([accum_zero::<N>(); D8], [accum_zero::<N>(); D8]);
-            let mut qb = if lo < hi { lo - lo % BLOCK } else { hi };
-            while qb < hi {
-                for head in group * per_group..(group + 1) * per_group {
-                    let at = move |r: usize| ((qb + r) * heads + head) * D;
-                    warp.sync_block();
-                    copy_rows::<N, D, W>(warp, 32 * super::KV_WARPS, q_tile, BLOCK, |r| {
-                        Some(inputs.q.add(at(r)))
+        let (mut dk_acc, mut dv_acc) = ([accum_zero::<N>(); D8], [accum_zero::<N>(); D8]);
+        let mut qb = if lo < hi { lo - lo % BLOCK } else { hi };
+        while qb < hi {
+            for head in group * per_group..(group + 1) * per_group {
+                let at = move |r: usize| ((qb + r) * heads + head) * D;
+                warp.sync_block();
+                copy_rows::<N, D, W>(warp, 32 * super::KV_WARPS, q_tile, BLOCK, |r| {
+                    Some(inputs.q.add(at(r)))
+                });
+                copy_rows::<N, D, W>(warp, 32 * super::KV_WARPS, o_tile, BLOCK, |r| {
+                    Some(inputs.dout.add(at(r)))
+                });
+                warp.sync_block();
+                if own_lo >= qb + BLOCK || own_hi <= qb {
+                    continue;
+                }
+                let (k_tile, v_tile, q_tile, o_tile) = (
+                    opaque(k_tile),
+                    opaque(v_tile),
+                    opaque(q_tile),
+                    opaque(o_tile),
+                );
+                // Sᵀ, then Pᵀ and dV, then dPᵀ, dSᵀ and dK: the fewest temporaries live beside the accumulators.
+                let mut s = [accum_zero::<N>(); 2];
+                unroll!(kk < D16; 8 => {
+                    let a = load_a(warp, k_tile, stride, 16 * warp.warp(), 16 * kk);
+                    let [b0, b1] = load_b_transposed(warp, q_tile, stride, 0, 16 * kk);
+                    s[0] = warp.mma(&a, &b0, s[0]);
+                    s[1] = warp.mma(&a, &b1, s[1]);
+                });
+                // Pᵀ: row = key (g, g + 8), col = query row qb + 8n + 2t + (reg % 2); 0 outside the key's rows.
+                let mut p = [accum_zero::<N>(); 2];
+                unroll!(n < 2; 2 => {
+                    unroll!(reg < 4; 4 => {
+                        let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
+                        for i in 0..N {
+                            let (start, end) = ranges[reg / 2].0[i];
+                            let r = col.0[i];
+                            if start <= r && r < end {
+                                let lse = *inputs.lse.add(r * heads + head);
+                                p[n][reg].0[i] = crate::math::exp(s[n][reg].0[i] * inputs.scale - lse);
+                            }
+                        }
                     });
-                    copy_rows::<N, D, W>(warp, 32 * super::KV_WARPS, o_tile, BLOCK, |r| {
-                        Some(inputs.dout.add(at(r)))
+                });
+                {
+                    let pa = accum_to_a(&p[0], &p[1]);
+                    unroll!(pair < D8 / 2; 8 => {
+                        let [b0, b1] = load_b(warp, o_tile, stride, 0, 16 * pair);
+                        dv_acc[2 * pair] = warp.mma(&pa, &b0, dv_acc[2 * pair]);
+                        dv_acc[2 * pair + 1] = warp.mma(&pa, &b1, dv_acc[2 * pair + 1]);
                     });
-                    warp.sync_block();
-                    if own_lo >= qb + BLOCK || own_hi <= qb {
-                        continue;
-                    }
-                    let (k_tile, v_tile, q_tile, o_tile) = (
-                        opaque(k_tile),
-                        opaque(v_tile),
-                        opaque(q_tile),
-                        opaque(o_tile),
-                    );
-                    // Sᵀ, then Pᵀ and dV, then dPᵀ, dSᵀ and dK: the fewest temporaries live beside the accumulators.
-                    let mut s = [accum_zero::<N>(); 2];
+                }
+                {
+                    let mut dp = [accum_zero::<N>(); 2];
                     unroll!(kk < D16; 8 => {
-                        let a = load_a(warp, k_tile, stride, 16 * warp.warp(), 16 * kk);
-                        let [b0, b1] = load_b_transposed(warp, q_tile, stride, 0, 16 * kk);
-                        s[0] = warp.mma(&a, &b0, s[0]);
-                        s[1] = warp.mma(&a, &b1, s[1]);
+                        let a = load_a(warp, v_tile, stride, 16 * warp.warp(), 16 * kk);
+                        let [b0, b1] = load_b_transposed(warp, o_tile, stride, 0, 16 * kk);
+                        dp[0] = warp.mma(&a, &b0, dp[0]);
+                        dp[1] = warp.mma(&a, &b1, dp[1]);
                     });
-                    // Pᵀ: row = key (g, g + 8), col = query row qb + 8n + 2t + (reg % 2); 0 outside the key's rows.
-                    let mut p = [accum_zero::<N>(); 2];
                     unroll!(n < 2; 2 => {
                         unroll!(reg < 4; 4 => {
                             let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
-                            for i in 0..N {
-                                let (start, end) = ranges[reg / 2].0[i];
-                                let r = col.0[i];
-                                if start <= r && r < end {
-                                    let lse = *inputs.lse.add(r * heads + head);
-                                    p[n][reg].0[i] = crate::math::exp(s[n][reg].0[i] * inputs.scale - lse);
-                                }
-                            }
+                            let row_delta = col.map(|r| *inputs.delta.add(r * heads + head));
+                            p[n][reg] = p[n][reg] * (dp[n][reg] - row_delta);
                         });
                     });
-                    if with_dv {
-                        let pa = accum_to_a(&p[0], &p[1]);
-                        unroll!(pair < D8 / 2; 8 => {
-                            let [b0, b1] = load_b(warp, o_tile, stride, 0, 16 * pair);
-                            dv_acc[2 * pair] = warp.mma(&pa, &b0, dv_acc[2 * pair]);
-                            dv_acc[2 * pair + 1] = warp.mma(&pa, &b1, dv_acc[2 * pair + 1]);
-                        });
-                    }
-                    if with_dk {
-                        let mut dp = [accum_zero::<N>(); 2];
-                        unroll!(kk < D16; 8 => {
-                            let a = load_a(warp, v_tile, stride, 16 * warp.warp(), 16 * kk);
-                            let [b0, b1] = load_b_transposed(warp, o_tile, stride, 0, 16 * kk);
-                            dp[0] = warp.mma(&a, &b0, dp[0]);
-                            dp[1] = warp.mma(&a, &b1, dp[1]);
-                        });
-                        unroll!(n < 2; 2 => {
-                            unroll!(reg < 4; 4 => {
-                                let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
-                                let row_delta = col.map(|r| *inputs.delta.add(r * heads + head));
-                                p[n][reg] = p[n][reg] * (dp[n][reg] - row_delta);
-                            });
-                        });
-                        let dsa = accum_to_a(&p[0], &p[1]);
-                        unroll!(pair < D8 / 2; 8 => {
-                            let [b0, b1] = load_b(warp, q_tile, stride, 0, 16 * pair);
-                            dk_acc[2 * pair] = warp.mma(&dsa, &b0, dk_acc[2 * pair]);
-                            dk_acc[2 * pair + 1] = warp.mma(&dsa, &b1, dk_acc[2 * pair + 1]);
-                        });
-                    }
+                    let dsa = accum_to_a(&p[0], &p[1]);
+                    unroll!(pair < D8 / 2; 8 => {
+                        let [b0, b1] = load_b(warp, q_tile, stride, 0, 16 * pair);
+                        dk_acc[2 * pair] = warp.mma(&dsa, &b0, dk_acc[2 * pair]);
+                        dk_acc[2 * pair + 1] = warp.mma(&dsa, &b1, dk_acc[2 * pair + 1]);
+                    });
                 }
-                qb += BLOCK;
             }
-            if with_dk {
-                store_rows::<N, D8, W>(warp, &dk_acc, inputs.scale, key_out(dk));
-            }
-            if with_dv {
-                store_rows::<N, D8, W>(warp, &dv_acc, 1.0, key_out(dv));
-            }
-        });
+            qb += BLOCK;
+        }
+        store_rows::<N, D8, W>(warp, &dk_acc, inputs.scale, key_out(dk));
+        store_rows::<N, D8, W>(warp, &dv_acc, 1.0, key_out(dv));
     }
 }
