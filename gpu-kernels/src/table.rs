@@ -32,6 +32,12 @@
 //!
 //! The table is a `macro_rules!` callback: `kernel_table!(my_generator)` expands to `my_generator! { ... }`
 //! with every entry, so each consumer writes only the generator for its side.
+//!
+//! The flash-attention kernels have a second table, [`flash_kernel_table!`], with the launch shape
+//! `blocks(count, warps, shared)`: the PTX entry points and [`FLASH_KERNELS`] come from it, the runtime's
+//! launchers do not (no backend launches those kernels yet; the host runs their bodies through the warp model
+//! of the tests). For attention, the CPU backend runs its own lanes and the CUDA backend the `attention_*`
+//! entries of this table.
 
 /// `ceil(a / b)`, and 0 for `b = 0` (a count computed on the device must not reach a division panic).
 #[inline(always)]
