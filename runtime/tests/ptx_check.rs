@@ -206,7 +206,10 @@ fn flash_entries_use_tensor_cores_within_their_budgets() {
             body.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
             "{name} has no bf16 mma.m16n8k16"
         );
-        assert!(body.contains("ldmatrix.sync.aligned.m8n8.x4"), "{name} has no ldmatrix");
+        assert!(
+            body.contains("ldmatrix.sync.aligned.m8n8.x4"),
+            "{name} has no ldmatrix"
+        );
         let k = kernels
             .iter()
             .find(|k| k.name == name)
@@ -228,7 +231,10 @@ fn flash_entries_use_tensor_cores_within_their_budgets() {
         );
         let spilled = k.spill_store_bytes + k.spill_load_bytes;
         match FLASH_KNOWN_SPILLS.iter().find(|(known, _)| *known == name) {
-            Some(&(_, bound)) => assert!(spilled <= bound, "{name}: {spilled} bytes spilled, bound {bound}"),
+            Some(&(_, bound)) => assert!(
+                spilled <= bound,
+                "{name}: {spilled} bytes spilled, bound {bound}"
+            ),
             None => assert!(
                 k.stack_frame_bytes == 0 && spilled == 0,
                 "{name}: stack frame {} bytes, {spilled} bytes spilled",
@@ -298,7 +304,12 @@ fn entry_parameters_match_the_launchers_arguments() {
             .iter()
             .find(|(name, _)| name == entry.name)
             .unwrap_or_else(|| panic!("flash kernel {} has no .entry in the PTX", entry.name));
-        assert_eq!(declared.as_slice(), entry.argument_widths, "flash kernel {}", entry.name);
+        assert_eq!(
+            declared.as_slice(),
+            entry.argument_widths,
+            "flash kernel {}",
+            entry.name
+        );
     }
 }
 
