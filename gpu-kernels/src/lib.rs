@@ -35,6 +35,12 @@
 //! | [`attention::attention_delta`] | a plane per (query, head) | `query · heads + head` |
 //! | [`attention::attention_backward_kv`] | a plane per (key tile, kv head) | `tile · kv_heads + kv head` |
 //! | [`convert::round_to_half`] | element range | chunk |
+//! | [`flash`] forward, backward dq, backward dk/dv (own table, `flash_kernel_table!`) | a block of warps per (DFlash block, kv head) or (64 keys, kv head) | block |
+//!
+//! Which body each backend runs for attention: the CPU backend its own vector lanes
+//! (`runtime/src/cpu/attention/lanes.rs`; the [`attention`] bodies are tested on the host beside them); the
+//! CUDA backend the [`attention`] plane bodies (f32, CUDA cores). The [`flash`] bodies (bf16, tensor cores) are
+//! compiled to PTX and run on the host only through their warp model in the tests; no backend launches them yet.
 //!
 //! One training step in kernel order (GEMMs are the caller's):
 //!
@@ -49,13 +55,18 @@
 //! ```
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(asm_experimental_arch))]
-#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx))]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(abi_ptx, stdarch_nvptx, abi_unadjusted, link_llvm_intrinsics)
+)]
+#![cfg_attr(target_arch = "nvptx64", allow(internal_features, improper_ctypes))]
 
 pub mod activation;
 pub mod adamw;
 pub mod attention;
 pub mod convert;
 pub mod embedding;
+pub mod flash;
 pub mod loss;
 pub mod math;
 pub mod norm;

@@ -15,6 +15,7 @@
 
 use core::arch::nvptx::{_block_dim_x, _block_idx_x, _thread_idx_x};
 
+use crate::flash::warp::DeviceWarp;
 use crate::plane::{WIDTH, Warp};
 
 /// This thread's index in a one-dimensional launch.
@@ -96,3 +97,59 @@ fn panic(_: &core::panic::PanicInfo) -> ! {
     // SAFETY: `trap` aborts the kernel; it has no preconditions.
     unsafe { core::arch::nvptx::trap() }
 }
+
+/// Runs `body(warp, smem, index)` for this thread when its block's index is below `count`, `smem` the
+/// entry's static shared memory.
+#[inline(always)]
+fn for_block(count: usize, smem: *mut u8, body: impl FnOnce(DeviceWarp, *mut u8, usize)) {
+    // SAFETY: reading the special registers has no preconditions inside a kernel.
+    let (index, thread) = unsafe { (_block_idx_x() as usize, _thread_idx_x() as usize) };
+    if index < count {
+        // SAFETY: every thread of the block takes this branch (`index` is the block's) and runs `body`.
+        body(unsafe { DeviceWarp::new(thread) }, smem, index);
+    }
+}
+
+macro_rules! flash_entry_points {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident {
+            reads: [$($read:ident: $read_ty:ty = $read_len:expr),* $(,)?],
+            writes: [$($write:ident: $write_ty:ty = $write_len:expr),* $(,)?],
+            scalars: [$($scalar:ident: $scalar_ty:ty),* $(,)?],
+            launch: blocks($count:expr, $warps:expr, $shared:expr),
+            body: |$warp:ident, $smem:ident, $index:ident| $body:expr,
+        }
+    )*) => {$(
+        // The entry's shared memory: a module-scope `.shared` array only this entry names.
+        core::arch::global_asm!(
+            concat!(".shared .align 16 .b8 ", stringify!($name), "_smem[{bytes}];"),
+            bytes = const $shared,
+        );
+
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The buffers hold the lengths the flash table declares for these scalars; the launch has the
+        /// table's block count and `32 · warps` threads per block.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            $($read: *const $read_ty,)*
+            $($write: *mut $write_ty,)*
+            $($scalar: $scalar_ty,)*
+        ) {
+            let smem: u64;
+            // SAFETY: converting the address of this module's shared array has no preconditions.
+            unsafe {
+                core::arch::asm!(
+                    concat!("cvta.shared.u64 {smem}, ", stringify!($name), "_smem;"),
+                    smem = out(reg64) smem,
+                )
+            };
+            for_block($count, smem as *mut u8, |$warp, $smem, $index| unsafe { $body });
+        }
+    )*};
+}
+
+crate::flash_kernel_table!(flash_entry_points);

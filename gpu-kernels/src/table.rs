@@ -32,6 +32,12 @@
 //!
 //! The table is a `macro_rules!` callback: `kernel_table!(my_generator)` expands to `my_generator! { ... }`
 //! with every entry, so each consumer writes only the generator for its side.
+//!
+//! The flash-attention kernels have a second table, [`flash_kernel_table!`], with the launch shape
+//! `blocks(count, warps, shared)`: the PTX entry points and [`FLASH_KERNELS`] come from it, the runtime's
+//! launchers do not (no backend launches those kernels yet; the host runs their bodies through the warp model
+//! of the tests). For attention, the CPU backend runs its own lanes and the CUDA backend the `attention_*`
+//! entries of this table.
 
 /// `ceil(a / b)`, and 0 for `b = 0` (a count computed on the device must not reach a division panic).
 #[inline(always)]
@@ -370,3 +376,131 @@ macro_rules! signatures {
 }
 
 kernel_table!(signatures);
+
+/// Expands `$generator! { entries }` with the flash-attention kernels ([`crate::flash`]): entries as in
+/// [`kernel_table!`], with the launch shape `blocks(count, warps, shared)` (a thread block of `32 · warps` threads
+/// per index, `shared` bytes of static shared memory) and a body binding `(warp, smem, index)`. They have their
+/// own table because the runtime's launchers (host loops over indices, CUDA launches of 8-warp blocks) have no
+/// block shape yet: the device entry points and [`FLASH_KERNELS`] are generated from it; the host runs these
+/// bodies only through the warp model of `gpu-kernels/tests/flash_attention.rs`, and no backend launches them
+/// yet (docs/kernels.md, "Flash attention").
+#[macro_export]
+macro_rules! flash_kernel_table {
+    ($generator:ident) => {
+        $crate::flash_kernel_table!(@dims $generator
+            [flash_forward_d64, flash_backward_q_d64, flash_backward_kv_d64, 64, 8, 4]
+            [flash_forward_d128, flash_backward_q_d128, flash_backward_kv_d128, 128, 16, 8]
+        );
+    };
+    (@dims $generator:ident $([$forward:ident, $backward_q:ident, $backward_kv:ident, $d:literal, $d8:literal, $d16:literal])*) => {
+        $generator! {$(
+            /// Flash forward (bf16 Q/K/V, f32 out and log-sum-exp), one block per (DFlash block, kv head).
+            $forward {
+                reads: [
+                    q: u16 = queries * heads * $d,
+                    k_ctx: u16 = context * kv_heads * $d,
+                    v_ctx: u16 = context * kv_heads * $d,
+                    k_blk: u16 = queries * kv_heads * $d,
+                    v_blk: u16 = queries * kv_heads * $d,
+                    query_ranges: u32 = 4 * queries,
+                ],
+                writes: [out: f32 = queries * heads * $d, lse: f32 = queries * heads],
+                scalars: [queries: usize, context: usize, heads: usize, kv_heads: usize, scale: f32],
+                launch: blocks(
+                    queries / $crate::flash::BLOCK * kv_heads,
+                    heads / kv_heads,
+                    $crate::flash::query_major_smem_bytes($d)
+                ),
+                body: |warp, smem, index| $crate::flash::forward::flash_forward::<1, $d, $d8, $d16, _>(
+                    $crate::flash::forward::FlashInputs {
+                        q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, queries, context, heads, kv_heads, scale,
+                    },
+                    out, lse, smem, warp, index
+                ),
+            }
+            /// Flash backward, query-major: `delta = rowsum(dout ∘ out)`, dq, and dout's bf16 copy.
+            $backward_q {
+                reads: [
+                    q: u16 = queries * heads * $d,
+                    k_ctx: u16 = context * kv_heads * $d,
+                    v_ctx: u16 = context * kv_heads * $d,
+                    k_blk: u16 = queries * kv_heads * $d,
+                    v_blk: u16 = queries * kv_heads * $d,
+                    query_ranges: u32 = 4 * queries,
+                    out: f32 = queries * heads * $d,
+                    dout: f32 = queries * heads * $d,
+                    lse: f32 = queries * heads,
+                ],
+                writes: [
+                    delta: f32 = queries * heads,
+                    dq: f32 = queries * heads * $d,
+                    dout_bf16: u16 = queries * heads * $d,
+                ],
+                scalars: [queries: usize, context: usize, heads: usize, kv_heads: usize, scale: f32],
+                launch: blocks(
+                    queries / $crate::flash::BLOCK * kv_heads,
+                    heads / kv_heads,
+                    $crate::flash::query_major_smem_bytes($d)
+                ),
+                body: |warp, smem, index| $crate::flash::backward::flash_backward_q::<1, $d, $d8, $d16, _>(
+                    $crate::flash::forward::FlashInputs {
+                        q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, queries, context, heads, kv_heads, scale,
+                    },
+                    out, dout, lse, delta, dq, dout_bf16, smem, warp, index
+                ),
+            }
+            /// Flash backward, key-major over one key set: dk and dv.
+            $backward_kv {
+                reads: [
+                    q: u16 = queries * heads * $d,
+                    dout: u16 = queries * heads * $d,
+                    lse: f32 = queries * heads,
+                    delta: f32 = queries * heads,
+                    k: u16 = keys * kv_heads * $d,
+                    v: u16 = keys * kv_heads * $d,
+                    key_ranges: u32 = 2 * keys,
+                ],
+                writes: [dk: f32 = keys * kv_heads * $d, dv: f32 = keys * kv_heads * $d],
+                scalars: [keys: usize, queries: usize, heads: usize, kv_heads: usize, scale: f32],
+                launch: blocks(
+                    $crate::table::div_ceil(keys, $crate::flash::KV_TILE) * kv_heads,
+                    $crate::flash::KV_WARPS,
+                    $crate::flash::key_major_smem_bytes($d)
+                ),
+                body: |warp, smem, index| $crate::flash::backward::flash_backward_kv::<1, $d, $d8, $d16, _>(
+                    $crate::flash::backward::KeyMajorInputs {
+                        q, dout, lse, delta, k, v, key_ranges, keys, queries, heads, kv_heads, scale,
+                    },
+                    dk, dv, smem, warp, index
+                ),
+            }
+        )*}
+    };
+}
+
+macro_rules! flash_signatures {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident {
+            reads: [$($read:ident: $read_ty:ty = $read_len:expr),* $(,)?],
+            writes: [$($write:ident: $write_ty:ty = $write_len:expr),* $(,)?],
+            scalars: [$($scalar:ident: $scalar_ty:ty),* $(,)?],
+            launch: blocks($count:expr, $warps:expr, $shared:expr),
+            body: |$($bind:ident),*| $body:expr,
+        }
+    )*) => {
+        /// The flash-attention kernels ([`flash_kernel_table!`]), with the argument widths of their entry points.
+        pub const FLASH_KERNELS: &[KernelSignature] = &[$(
+            KernelSignature {
+                name: stringify!($name),
+                argument_widths: &[
+                    $(device_pointer_width::<$read_ty>(),)*
+                    $(device_pointer_width::<$write_ty>(),)*
+                    $(size_of::<$scalar_ty>(),)*
+                ],
+            },
+        )*];
+    };
+}
+
+flash_kernel_table!(flash_signatures);

@@ -14,6 +14,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use draftpipe_gpu_kernels::flash::{key_major_smem_bytes, query_major_smem_bytes};
+use draftpipe_gpu_kernels::table::FLASH_KERNELS;
 use draftpipe_runtime::cuda::{EMBEDDED_PTX, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS};
 
 fn in_ci() -> bool {
@@ -48,6 +50,7 @@ struct KernelResources {
     stack_frame_bytes: u32,
     spill_store_bytes: u32,
     spill_load_bytes: u32,
+    shared_bytes: u32,
 }
 
 fn number_before(line: &str, unit: &str) -> Option<u32> {
@@ -77,6 +80,7 @@ fn parse_resources(report: &str) -> Vec<KernelResources> {
                     number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
             } else if line.contains("Used ") && line.contains(" registers") {
                 kernel.registers = number_before(line, "registers").unwrap_or(u32::MAX);
+                kernel.shared_bytes = number_before(line, "bytes smem").unwrap_or(0);
                 kernels.extend(current.take());
             }
         }
@@ -84,34 +88,24 @@ fn parse_resources(report: &str) -> Vec<KernelResources> {
     kernels
 }
 
-#[test]
-fn every_kernel_assembles_for_sm90_without_spills() {
+/// The embedded PTX and ptxas's report on it, or `None` (after `skip_or_fail`) without PTX or ptxas.
+fn assemble() -> Option<(&'static str, Vec<KernelResources>, String)> {
     let ptx = match EMBEDDED_PTX {
         Ok(ptx) => ptx,
         Err(reason) => {
-            return skip_or_fail(&format!("the runtime was built without PTX: {reason}"));
+            skip_or_fail(&format!("the runtime was built without PTX: {reason}"));
+            return None;
         }
     };
     let Some(ptxas) = find_ptxas() else {
-        return skip_or_fail("ptxas not found (run scripts/install-ptxas.sh or set PTXAS)");
+        skip_or_fail("ptxas not found (run scripts/install-ptxas.sh or set PTXAS)");
+        return None;
     };
-
-    let undefined: Vec<&str> = ptx
-        .lines()
-        .filter(|l| l.starts_with(".extern .func"))
-        .collect();
-    assert!(
-        undefined.is_empty(),
-        "the PTX calls undefined functions: {undefined:?}"
-    );
-    for name in KERNEL_NAMES {
-        assert!(
-            ptx.contains(&format!(".visible .entry {name}(")),
-            "kernel {name} is launched by the CUDA backend but missing from the PTX"
-        );
-    }
-
-    let dir = std::env::temp_dir().join(format!("draftpipe-ptx-check-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "draftpipe-ptx-check-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     std::fs::create_dir_all(&dir).expect("create a temp dir");
     let ptx_path = dir.join("kernels.ptx");
     std::fs::write(&ptx_path, ptx).expect("write the PTX");
@@ -131,34 +125,123 @@ fn every_kernel_assembles_for_sm90_without_spills() {
         !report.to_lowercase().contains("error"),
         "ptxas reported errors:\n{report}"
     );
-
     let kernels = parse_resources(&report);
+    Some((ptx, kernels, report))
+}
+
+#[test]
+fn every_kernel_assembles_for_sm90_without_spills() {
+    let Some((ptx, kernels, report)) = assemble() else {
+        return;
+    };
+    let undefined: Vec<&str> = ptx
+        .lines()
+        .filter(|l| l.starts_with(".extern .func"))
+        .collect();
+    assert!(
+        undefined.is_empty(),
+        "the PTX calls undefined functions: {undefined:?}"
+    );
+    for name in KERNEL_NAMES {
+        assert!(
+            ptx.contains(&format!(".visible .entry {name}(")),
+            "kernel {name} is launched by the CUDA backend but missing from the PTX"
+        );
+    }
     assert_eq!(
         kernels.len(),
-        KERNEL_NAMES.len(),
+        KERNEL_NAMES.len() + FLASH_KERNELS.len(),
         "ptxas reported other entry points than expected:\n{report}"
     );
     eprintln!(
-        "{:<36} {:>9} {:>7} {:>7}",
-        "kernel (sm_90)", "registers", "stack", "spills"
+        "{:<36} {:>9} {:>7} {:>7} {:>7}",
+        "kernel (sm_90)", "registers", "stack", "spills", "smem"
     );
     for k in &kernels {
         eprintln!(
-            "{:<36} {:>9} {:>7} {:>7}",
+            "{:<36} {:>9} {:>7} {:>7} {:>7}",
             k.name,
             k.registers,
             k.stack_frame_bytes,
-            k.spill_store_bytes + k.spill_load_bytes
+            k.spill_store_bytes + k.spill_load_bytes,
+            k.shared_bytes
         );
     }
     let heavy: Vec<&KernelResources> = kernels
         .iter()
+        .filter(|k| KERNEL_NAMES.contains(&k.name.as_str()))
         .filter(|k| k.stack_frame_bytes != 0 || k.spill_store_bytes != 0 || k.spill_load_bytes != 0)
         .collect();
     assert!(
         heavy.is_empty(),
         "kernels with a stack frame or spills: {heavy:?}"
     );
+}
+
+/// Registers of an SM (sm_90) and the shared memory two blocks may use between them (228 KiB less the 1 KiB
+/// the driver reserves per block).
+const SM_REGISTERS: u32 = 65536;
+const SM_SHARED_FOR_TWO_BLOCKS: u32 = 228 * 1024 - 2 * 1024;
+
+/// Flash entries with spills still there, and the most they may spill (docs/kernels.md, "Flash attention":
+/// not done). Any other flash entry must have neither a stack frame nor spills.
+const FLASH_KNOWN_SPILLS: &[(&str, u32)] = &[("flash_backward_kv_d128", 64)];
+
+/// The flash-attention entries (gpu-kernels/src/flash): the tensor-core instruction in each, the shared memory
+/// the table declares, no spills (but the listed one, bounded), and two blocks per SM at Qwen3-8B's group of 4
+/// query heads per kv head (4 warps; the key-major pass always has 4).
+#[test]
+fn flash_entries_use_tensor_cores_within_their_budgets() {
+    let Some((ptx, kernels, report)) = assemble() else {
+        return;
+    };
+    for entry in FLASH_KERNELS {
+        let name = entry.name;
+        let body = ptx
+            .split(&format!(".visible .entry {name}("))
+            .nth(1)
+            .unwrap_or_else(|| panic!("flash entry {name} missing from the PTX"));
+        let body = &body[..body.find("\n}\n").unwrap_or(body.len())];
+        assert!(
+            body.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+            "{name} has no bf16 mma.m16n8k16"
+        );
+        assert!(
+            body.contains("ldmatrix.sync.aligned.m8n8.x4"),
+            "{name} has no ldmatrix"
+        );
+        let k = kernels
+            .iter()
+            .find(|k| k.name == name)
+            .unwrap_or_else(|| panic!("ptxas did not report {name}:\n{report}"));
+        let head_dim = if name.ends_with("_d64") { 64 } else { 128 };
+        let shared = if name.contains("_kv_") {
+            key_major_smem_bytes(head_dim)
+        } else {
+            query_major_smem_bytes(head_dim)
+        };
+        assert_eq!(k.shared_bytes as usize, shared, "{name}: shared memory");
+        // Registers are allocated per warp in units of 256.
+        let per_warp = (k.registers * 32).div_ceil(256) * 256;
+        assert!(
+            2 * 4 * per_warp <= SM_REGISTERS && 2 * k.shared_bytes <= SM_SHARED_FOR_TWO_BLOCKS,
+            "{name}: two blocks of 4 warps do not fit an SM ({} registers, {} bytes shared)",
+            k.registers,
+            k.shared_bytes
+        );
+        let spilled = k.spill_store_bytes + k.spill_load_bytes;
+        match FLASH_KNOWN_SPILLS.iter().find(|(known, _)| *known == name) {
+            Some(&(_, bound)) => assert!(
+                spilled <= bound,
+                "{name}: {spilled} bytes spilled, bound {bound}"
+            ),
+            None => assert!(
+                k.stack_frame_bytes == 0 && spilled == 0,
+                "{name}: stack frame {} bytes, {spilled} bytes spilled",
+                k.stack_frame_bytes
+            ),
+        }
+    }
 }
 
 /// The byte width of each `.param` of every `.entry` in `ptx`, in order: `(name, widths)`.
@@ -201,7 +284,7 @@ fn entry_parameters_match_the_launchers_arguments() {
     let entries = entry_parameters(ptx);
     assert_eq!(
         entries.len(),
-        LAUNCH_ARGUMENT_WIDTHS.len(),
+        LAUNCH_ARGUMENT_WIDTHS.len() + FLASH_KERNELS.len(),
         "PTX entries {:?}",
         entries.iter().map(|(n, _)| n).collect::<Vec<_>>()
     );
@@ -214,6 +297,18 @@ fn entry_parameters_match_the_launchers_arguments() {
             declared.as_slice(),
             *pushed,
             "kernel {name}: PTX parameter widths vs the launcher's arguments"
+        );
+    }
+    for entry in FLASH_KERNELS {
+        let (_, declared) = entries
+            .iter()
+            .find(|(name, _)| name == entry.name)
+            .unwrap_or_else(|| panic!("flash kernel {} has no .entry in the PTX", entry.name));
+        assert_eq!(
+            declared.as_slice(),
+            entry.argument_widths,
+            "flash kernel {}",
+            entry.name
         );
     }
 }
@@ -233,6 +328,7 @@ fn parser_reads_ptxas_verbose_output() {
                   ptxas info    : Used 24 registers, used 0 barriers, 392 bytes cmem[0]\n";
     let kernels = parse_resources(report);
     assert_eq!(kernels.len(), 1);
+    assert_eq!(kernels[0].shared_bytes, 0);
     let k = &kernels[0];
     assert_eq!(
         (
