@@ -351,7 +351,7 @@ impl StreamSource {
                 });
             match read {
                 Ok(0) => self.finish_slot(),
-                Ok(len) => self.receive_message(len),
+                Ok(len) => self.receive_message(len, stop),
                 Err(WireError::Stopped) => {}
                 Err(WireError::Closed) => {
                     let (connection, generation) =
@@ -394,7 +394,7 @@ impl StreamSource {
 
     /// Reads the body of a message frame of `len` bytes and makes it the current message; a bad one (or a
     /// connection that fails inside it) drops the connection.
-    fn receive_message(&mut self, len: u64) {
+    fn receive_message(&mut self, len: u64, stop: &AtomicBool) {
         let Some((connection, _)) = &mut self.connection else {
             return;
         };
@@ -407,7 +407,13 @@ impl StreamSource {
         }
         let received = self
             .receiver
-            .receive(connection, len, config, &origin, &mut self.buffer);
+            .receive(
+                connection,
+                len,
+                config,
+                (&origin, &|| stop.load(Ordering::Acquire)),
+                &mut self.buffer,
+            );
         match received {
             Ok(Received::Buffered) => self.accept_message(origin, len as usize),
             Ok(Received::Staged { bucket, sequences }) => {

@@ -114,24 +114,32 @@ struct Body<'a> {
     len: u64,
     timeout: Duration,
     at: u64,
+    /// Raised when the run ends: the frame is abandoned.
+    stop: &'a dyn Fn() -> bool,
 }
 
 impl Body<'_> {
     /// Reads the next `out.len()` bytes.
     fn read(&mut self, out: &mut [u8]) -> Result<(), WireError> {
         self.connection
-            .read_frame_body(out, self.at, self.len, self.timeout)?;
+            .read_frame_body(out, (self.at, self.len), self.timeout, self.stop)?;
         self.at += out.len() as u64;
         Ok(())
     }
 
-    /// Reads up to body offset `end` into `buffer` (grown as needed), at its own offsets.
+    /// Reads up to body offset `end` into `buffer`, at its own offsets. The buffer grows as bytes arrive (at
+    /// most doubling what has arrived, by [`CHUNK_BYTES`] at least), never by what the frame announces: a
+    /// length prefix alone must not cost the memory it names.
     fn read_into(&mut self, buffer: &mut Vec<u8>, end: usize) -> Result<(), WireError> {
-        if buffer.len() < end {
-            buffer.resize(end, 0);
+        while (self.at as usize) < end {
+            let start = self.at as usize;
+            let step_end = end.min(start + start.max(CHUNK_BYTES));
+            if buffer.len() < step_end {
+                buffer.resize(step_end, 0);
+            }
+            self.read(&mut buffer[start..step_end])?;
         }
-        let start = self.at as usize;
-        self.read(&mut buffer[start..end])
+        Ok(())
     }
 
     /// Reads and drops the next `bytes` bytes, through `scratch`.
@@ -158,7 +166,7 @@ impl DirectReceiver {
         connection: &mut Connection,
         len: u64,
         config: &StreamConfig,
-        origin: &Path,
+        (origin, stop): (&Path, &dyn Fn() -> bool),
         buffer: &mut Vec<u8>,
     ) -> Result<Received, ReceiveError> {
         let mut body = Body {
@@ -166,6 +174,7 @@ impl DirectReceiver {
             len,
             timeout: config.read_timeout,
             at: 0,
+            stop,
         };
         let received = self.receive_body(&mut body, config, origin, buffer);
         if let Err(ReceiveError::Content(_)) = received {
