@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod drafter;
 pub mod eval;
 pub mod lock;
+pub mod log;
 pub mod model;
 pub mod params;
 pub mod pipeline;

@@ -50,9 +50,10 @@ use crate::batch::HsBatch;
 /// Where a stream source's events go (listening address, refused connections, faults): one line each.
 pub type StreamLog = Arc<dyn Fn(&str) + Send + Sync>;
 
-/// A log that writes each line to standard error, prefixed `stream:`.
+/// A log that writes each line to standard error, prefixed `stream:` (a closed standard error loses the line,
+/// never the connection: see [`crate::log`]).
 pub fn stderr_log() -> StreamLog {
-    Arc::new(|line| eprintln!("stream: {line}"))
+    Arc::new(|line| crate::log_line!("stream: {line}"))
 }
 
 /// Settings of a stream listener, as the plan gives them.

@@ -169,12 +169,7 @@ impl Listener {
     pub fn bind(listen: &str) -> io::Result<Self> {
         let listener = if let Some(path) = listen.strip_prefix("unix:") {
             let path = PathBuf::from(path);
-            // A socket file left by a killed run would make bind fail; only a socket is removed.
-            if std::fs::symlink_metadata(&path)
-                .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
-            {
-                std::fs::remove_file(&path)?;
-            }
+            remove_stale_socket(&path)?;
             Self::Unix(UnixListener::bind(&path)?, path)
         } else {
             let address = match listen.strip_prefix("localhost:") {
@@ -216,6 +211,34 @@ impl Listener {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Removes a socket file that a killed run left at `path` (it would make bind fail), and refuses one that a
+/// live run listens on, as TCP's "address in use" does: removing it would hand that run's producers to this
+/// one. Only a socket is ever removed; anything else at `path` is left for bind to refuse.
+fn remove_stale_socket(path: &std::path::Path) -> io::Result<()> {
+    let is_socket = std::fs::symlink_metadata(path)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+    if !is_socket {
+        return Ok(());
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "address in use: another process is listening on {}",
+                path.display()
+            ),
+        )),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!(
+                "cannot tell whether {} is in use ({e}); remove it if no run listens there",
+                path.display()
+            ),
+        )),
     }
 }
 
@@ -459,5 +482,40 @@ impl Connection {
             Socket::Tcp(s) => s.shutdown(Shutdown::Both),
             Socket::Unix(s) => s.shutdown(Shutdown::Both),
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_path(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("draftpipe-wire-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join("hs.sock")
+    }
+
+    #[test]
+    fn a_live_unix_socket_is_refused_and_kept() {
+        let path = socket_path("live");
+        let listen = format!("unix:{}", path.display());
+        let first = Listener::bind(&listen).unwrap();
+        let second = Listener::bind(&listen).unwrap_err();
+        assert_eq!(second.kind(), io::ErrorKind::AddrInUse, "{second}");
+        assert!(second.to_string().contains("address in use"), "{second}");
+        // The first run still owns its socket: a producer reaches it.
+        let _client = UnixStream::connect(&path).unwrap();
+        assert!(first.accept().unwrap().is_some());
+    }
+
+    #[test]
+    fn a_stale_unix_socket_is_replaced() {
+        let path = socket_path("stale");
+        drop(UnixListener::bind(&path).unwrap());
+        assert!(path.exists(), "std leaves the socket file behind");
+        let listener = Listener::bind(&format!("unix:{}", path.display())).unwrap();
+        let _client = UnixStream::connect(&path).unwrap();
+        assert!(listener.accept().unwrap().is_some());
     }
 }
