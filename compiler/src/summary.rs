@@ -223,6 +223,15 @@ impl fmt::Display for Summary<'_> {
                 declared
             )?;
         }
+        let receiving = crate::cost::stream_receive_bytes(&plan.target);
+        if receiving > 0 {
+            writeln!(
+                f,
+                "  host: stream receive buffers up to {} (max_message × {} producers)",
+                format_bytes(receiving),
+                plan.target.placement.workers.len()
+            )?;
+        }
         writeln!(f, "\ncost per step")?;
         writeln!(
             f,

@@ -492,6 +492,27 @@ fn a_nan_in_the_hidden_states_is_refused() {
     }
 }
 
+#[test]
+fn a_finite_f32_that_overflows_bf16_refuses_that_message_only() {
+    for layout in LAYOUTS {
+        refused_then_recovers(None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
+            tensors[0].1 = Dtype::F32;
+            tensors[0].3[(8 + 2) * DIN + 3] = 3.0e38; // finite in f32, infinite in bf16
+            let reply = client.send_in(layout, &tensors);
+            let error = expect_error(reply, "bf16");
+            assert!(
+                error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
+                "{layout:?}: {error}"
+            );
+            (error, peer)
+        });
+    }
+}
+
 /// Every batch a one-producer server makes of `messages`, sent in `layout` into a pool whose buffers hold
 /// poison (NaN hidden states, nonzero ids and masks), and whether each came out of the pool's own buffers.
 fn received(layout: Layout, messages: &[Tensors]) -> Vec<(HsBatch, bool)> {

@@ -156,6 +156,17 @@ fn workspace_bytes(
         .bytes()
 }
 
+/// Host memory a `stream` source may hold for messages being received: one buffer per producer slot, which
+/// grows as a message's bytes arrive up to `max_message_bytes`. 0 for the other sources.
+pub fn stream_receive_bytes(target: &TargetStage) -> u64 {
+    match target.source {
+        crate::plan::SourceSpec::Stream {
+            max_message_bytes, ..
+        } => max_message_bytes.saturating_mul(target.placement.workers.len() as u64),
+        _ => 0,
+    }
+}
+
 /// Memory on each drafter device, in device order; `None` when a figure (or a device's total) overflows `u64`.
 pub fn device_memory(
     drafters: &Placement,

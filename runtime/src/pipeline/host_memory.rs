@@ -8,17 +8,18 @@
 
 use std::path::{Path, PathBuf};
 
-use draftpipe_compiler::cost::format_bytes;
+use draftpipe_compiler::cost::{format_bytes, stream_receive_bytes};
 use draftpipe_compiler::plan::{Device, Plan};
 
 /// Bytes of host memory the plan needs: every part the compiler placed on the CPU (parameters, gradients,
-/// optimizer state and workspaces of CPU drafters, and the hidden-state pool).
+/// optimizer state and workspaces of CPU drafters, and the hidden-state pool), and a stream's receive buffers
+/// (`max_message` per producer slot).
 pub(super) fn needed(plan: &Plan) -> u64 {
     plan.memory
         .iter()
         .filter(|memory| memory.device == Device::Cpu)
         .map(|memory| memory.total())
-        .sum()
+        .fold(stream_receive_bytes(&plan.target), u64::saturating_add)
 }
 
 /// `MemAvailable` of `/proc/meminfo` in bytes: what the kernel can give without swapping. `None` where the file

@@ -76,6 +76,10 @@ pub struct Reply {
     /// Ack of `done`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub done: bool,
+    /// Error: the refusal is only for now (every handshake or producer slot taken): the producer may try the
+    /// hello again after a while.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retry: bool,
 }
 
 impl Reply {
@@ -471,8 +475,13 @@ impl Connection {
     }
 
     /// Sends an error reply (best effort: the peer may be gone) and closes the connection.
-    pub fn refuse(mut self, message: &str) {
-        let _ = self.send(&Reply::error(message));
+    pub fn refuse(self, message: &str) {
+        self.refuse_with(Reply::error(message));
+    }
+
+    /// Sends `reply` (best effort) and closes the connection.
+    pub fn refuse_with(mut self, reply: Reply) {
+        let _ = self.send(&reply);
         self.close();
     }
 
