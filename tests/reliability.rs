@@ -72,6 +72,34 @@ fn draftpipe(args: &[&str], cwd: &Path) -> Output {
         .expect("the draftpipe binary runs")
 }
 
+/// [`draftpipe`], failing the test when the command is still running after `limit` (it was training).
+fn draftpipe_within(args: &[&str], cwd: &Path, limit: Duration) -> Output {
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_draftpipe"))
+            .args(args)
+            .current_dir(cwd)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let started = Instant::now();
+    while child.0.try_wait().unwrap().is_none() {
+        assert!(
+            started.elapsed() < limit,
+            "draftpipe {args:?} still running after {limit:?}: it trained instead of refusing"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut stderr = Vec::new();
+    std::io::Read::read_to_end(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    Output {
+        status: child.0.wait().unwrap(),
+        stdout: Vec::new(),
+        stderr,
+    }
+}
+
 /// A pipe whose reading end is closed: writing to it fails with EPIPE.
 fn broken_pipe() -> std::io::PipeWriter {
     let (reader, writer) = std::io::pipe().unwrap();
@@ -221,12 +249,10 @@ fn save_paths_that_collide_with_the_run_directory_are_refused_before_training() 
     ] {
         let mut all = vec!["run", "tiny.pipe", "--steps", "100000"];
         all.extend_from_slice(args);
-        let started = Instant::now();
-        let out = draftpipe(&all, &dir);
+        let out = draftpipe_within(&all, &dir, Duration::from_secs(20));
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
-        assert!(started.elapsed() < Duration::from_secs(20), "{args:?} trained first");
     }
     assert_eq!(
         std::fs::read_to_string(dir.join("stale.prev/notes.txt")).unwrap(),
