@@ -153,7 +153,12 @@ pub struct SimulateArgs {
     #[arg(long, allow_negative_numbers = true, value_name = "ITEMS_PER_S")]
     pub producer_rate: Option<f64>,
     /// Seconds per drafter step on every bucket, instead of the cost model's FLOPs (without --from).
-    #[arg(long, allow_negative_numbers = true, value_name = "SECONDS", conflicts_with = "from")]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        value_name = "SECONDS",
+        conflicts_with = "from"
+    )]
     pub step_time: Option<f64>,
     /// GFLOP/s one drafter worker sustains, for the cost model (default: an assumption per device kind).
     #[arg(long, allow_negative_numbers = true, value_name = "GFLOPS", conflicts_with_all = ["from", "step_time"])]

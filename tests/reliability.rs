@@ -129,7 +129,10 @@ fn start_stream_run(dir: &Path, stderr: Stdio) -> KillOnDrop {
         .unwrap();
     let started = Instant::now();
     while !dir.join("hs.sock").exists() {
-        assert!(started.elapsed() < Duration::from_secs(60), "never listened");
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "never listened"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     KillOnDrop(child)
@@ -245,7 +248,10 @@ fn save_paths_that_collide_with_the_run_directory_are_refused_before_training() 
             &["--save", "out", "--run-dir", "out.tmp"][..],
             "SAVE.tmp or SAVE.prev",
         ),
-        (&["--save", "stale"][..], "stale.prev exists and is not a checkpoint"),
+        (
+            &["--save", "stale"][..],
+            "stale.prev exists and is not a checkpoint",
+        ),
     ] {
         let mut all = vec!["run", "tiny.pipe", "--steps", "100000"];
         all.extend_from_slice(args);

@@ -102,8 +102,14 @@ fn bad_what_ifs_and_missing_figures_exit_1_with_clear_errors() {
 #[test]
 fn out_of_range_inputs_are_refused_as_the_checker_refuses_them() {
     for (args, needle) in [
-        (&["--set", "queue.capacity=4294967296"][..], "at most 1048576"),
-        (&["--set", "drafter.devices=9223372036854775808"][..], "at most 1024"),
+        (
+            &["--set", "queue.capacity=4294967296"][..],
+            "at most 1048576",
+        ),
+        (
+            &["--set", "drafter.devices=9223372036854775808"][..],
+            "at most 1024",
+        ),
         (&["--set", "producer.workers=100000000"][..], "at most 1024"),
         (&["--duration", "NaN"][..], "--duration must be"),
         (&["--duration", "inf"][..], "--duration must be"),

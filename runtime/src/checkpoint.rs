@@ -459,7 +459,6 @@ fn write_staged(
     (state, stopped_by): (&TrainingState, Option<&str>),
     weights: WeightsDtype,
 ) -> Result<(), CheckpointError> {
-
     let metadata = HashMap::from([
         ("format".to_string(), "pt".to_string()),
         ("step".to_string(), state.step.to_string()),

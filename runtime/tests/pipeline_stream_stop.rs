@@ -7,8 +7,8 @@ mod stream_support;
 
 use std::io::{Write, sink};
 use std::path::Path;
-use std::sync::{Arc, mpsc};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use draftpipe_compiler::compile_source;
@@ -126,7 +126,9 @@ fn an_interrupt_saves_and_drops_a_producer_in_the_middle_of_a_message() {
             // The length of a third message and half of it, then nothing: the producer is stuck inside a frame.
             let third = blob(&batch(1, 16, HIDDEN * TAPS, VOCAB, &[16], 7));
             let stream = &mut client.stream;
-            stream.write_all(&(third.len() as u64).to_le_bytes()).unwrap();
+            stream
+                .write_all(&(third.len() as u64).to_le_bytes())
+                .unwrap();
             stream.write_all(&third[..third.len() / 2]).unwrap();
             client
         });

@@ -69,7 +69,9 @@ pub fn run(args: &RunArgs) -> CommandResult {
         )
     })?;
     for error in &outcome.producer_errors {
-        draftpipe_runtime::log_line!("warning: {error} (continued with the other producers: --keep-going)");
+        draftpipe_runtime::log_line!(
+            "warning: {error} (continued with the other producers: --keep-going)"
+        );
     }
     let ended_early = outcome
         .summary

@@ -171,7 +171,10 @@ mod tests {
             (6 * gib, "ulimit -v".to_string()),
         ];
         let error = check_against(3 * gib, limits).unwrap_err();
-        assert_eq!((error.available, error.limit.as_str()), (2 * gib, "the cgroup"));
+        assert_eq!(
+            (error.available, error.limit.as_str()),
+            (2 * gib, "the cgroup")
+        );
     }
 
     #[test]

@@ -234,7 +234,10 @@ impl<'a, B: Backend> Worker<'a, B> {
             }
             self.context.recorder.waiting(self.since);
             let shared = &self.context.shared;
-            let batch = shared.queue.pop_unless(|| shared.should_stop(), STOP_POLL).ok();
+            let batch = shared
+                .queue
+                .pop_unless(|| shared.should_stop(), STOP_POLL)
+                .ok();
             self.lap(DrafterPhase::DataWait);
             let staged = match batch {
                 Some(batch) => {

@@ -197,7 +197,10 @@ struct Busy(String);
 
 /// Refuses with `retry` set, so the producer tries again after a while instead of giving up.
 fn refuse_for_now(state: &ServerState, connection: Connection, problem: &str) {
-    state.log(&format!("{}: refused for now: {problem}", connection.peer()));
+    state.log(&format!(
+        "{}: refused for now: {problem}",
+        connection.peer()
+    ));
     connection.refuse_with(Reply {
         retry: true,
         ..Reply::error(problem)

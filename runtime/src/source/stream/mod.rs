@@ -406,15 +406,13 @@ impl StreamSource {
         if let Some(Current::Buffered(message)) = self.message.take() {
             self.buffer = message.into_bytes();
         }
-        let received = self
-            .receiver
-            .receive(
-                connection,
-                len,
-                config,
-                (&origin, &|| stop.load(Ordering::Acquire)),
-                &mut self.buffer,
-            );
+        let received = self.receiver.receive(
+            connection,
+            len,
+            config,
+            (&origin, &|| stop.load(Ordering::Acquire)),
+            &mut self.buffer,
+        );
         match received {
             Ok(Received::Buffered) => self.accept_message(origin, len as usize),
             Ok(Received::Staged { bucket, sequences }) => {

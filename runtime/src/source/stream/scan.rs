@@ -115,9 +115,8 @@ mod tests {
 
     #[test]
     fn overflow_thresholds_are_where_rounding_reaches_infinity() {
-        let f32_bytes = |values: &[f32]| -> Vec<u8> {
-            values.iter().flat_map(|v| v.to_le_bytes()).collect()
-        };
+        let f32_bytes =
+            |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
         let below_bf16 = f32::from_bits(0x7F7F_7FFF);
         let at_bf16 = f32::from_bits(0x7F7F_8000);
         assert!(bf16::from_f32(below_bf16).is_finite() && bf16::from_f32(at_bf16).is_infinite());

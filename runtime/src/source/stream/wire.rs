@@ -139,7 +139,9 @@ pub enum WireError {
     #[error("the run is stopping")]
     Stopped,
     /// The run is stopping while a frame was arriving: the frame is dropped, not waited for.
-    #[error("the run is stopping: this message was not queued ({got} of {expected} bytes had arrived)")]
+    #[error(
+        "the run is stopping: this message was not queued ({got} of {expected} bytes had arrived)"
+    )]
     Abandoned {
         /// Bytes received.
         got: u64,
@@ -389,7 +391,10 @@ impl Connection {
                 if (wait.stop)() {
                     return Err(WireError::Abandoned { got, expected });
                 }
-                if wait.deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                if wait
+                    .deadline
+                    .is_some_and(|deadline| Instant::now() >= deadline)
+                {
                     return Err(WireError::Late {
                         got,
                         expected,
@@ -499,7 +504,8 @@ mod tests {
     use super::*;
 
     fn socket_path(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("draftpipe-wire-{name}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("draftpipe-wire-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir.join("hs.sock")
