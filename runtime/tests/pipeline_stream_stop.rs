@@ -85,7 +85,10 @@ fn interrupted_run<T>(
     let interrupt = Arc::new(AtomicBool::new(false));
     let (done, outcome) = mpsc::channel();
     let flag = Arc::clone(&interrupt);
-    std::thread::spawn(move || done.send(run(&plan, &options, flag, sink())));
+    std::thread::spawn(move || {
+        // The receiver is gone only when the test has already failed.
+        let _ = done.send(run(&plan, &options, flag, sink()));
+    });
     let fed = feed(&socket);
     std::thread::sleep(after);
     interrupt.store(true, Ordering::Release);

@@ -27,11 +27,7 @@ const DIN: usize = HIDDEN * TAPS;
 const VOCAB: usize = 50;
 
 /// A listener on a free loopback port with `producers` slots; its log lines are collected.
-fn server(
-    producers: usize,
-    token: Option<&str>,
-    max_message_bytes: u64,
-) -> Server {
+fn server(producers: usize, token: Option<&str>, max_message_bytes: u64) -> Server {
     server_holding(producers, token, max_message_bytes, None)
 }
 
@@ -220,8 +216,7 @@ fn refused_then_recovers_holding(
     max_message_bytes: u64,
     misbehave: impl FnOnce(&str) -> (String, String),
 ) {
-    let (mut producers, status, pool, log) =
-        server_holding(1, token, max_message_bytes, hs_dtype);
+    let (mut producers, status, pool, log) = server_holding(1, token, max_message_bytes, hs_dtype);
     let address = status.address().to_string();
     let stop = AtomicBool::new(false);
     let taken = std::sync::atomic::AtomicUsize::new(0);
