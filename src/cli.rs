@@ -169,13 +169,18 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "RUN_DIR")]
     pub from: Option<PathBuf>,
     /// Items per second one producer worker makes (needed without --from: the plan has no target cost).
-    #[arg(long, value_name = "ITEMS_PER_S")]
+    #[arg(long, allow_negative_numbers = true, value_name = "ITEMS_PER_S")]
     pub producer_rate: Option<f64>,
     /// Seconds per drafter step on every bucket, instead of the cost model's FLOPs (without --from).
-    #[arg(long, value_name = "SECONDS", conflicts_with = "from")]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        value_name = "SECONDS",
+        conflicts_with = "from"
+    )]
     pub step_time: Option<f64>,
     /// GFLOP/s one drafter worker sustains, for the cost model (default: an assumption per device kind).
-    #[arg(long, value_name = "GFLOPS", conflicts_with_all = ["from", "step_time"])]
+    #[arg(long, allow_negative_numbers = true, value_name = "GFLOPS", conflicts_with_all = ["from", "step_time"])]
     pub drafter_gflops: Option<f64>,
     /// A what-if, `KEY=VALUE[,KEY=VALUE...]` (repeatable): queue.capacity, queue.min_ready, queue.pull,
     /// drafter.devices, drafter.step_time, drafter.sync, producer.workers, producer.rate.
@@ -185,7 +190,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub compare: bool,
     /// Simulated seconds.
-    #[arg(long, value_name = "SECONDS", default_value_t = draftpipe_runtime::simulate::DEFAULT_DURATION_S)]
+    #[arg(long, allow_negative_numbers = true, value_name = "SECONDS", default_value_t = draftpipe_runtime::simulate::DEFAULT_DURATION_S)]
     pub duration: f64,
     /// Seed of the simulated variability.
     #[arg(long, value_name = "SEED", default_value_t = 1)]

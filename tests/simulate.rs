@@ -98,3 +98,34 @@ fn bad_what_ifs_and_missing_figures_exit_1_with_clear_errors() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn out_of_range_inputs_are_refused_as_the_checker_refuses_them() {
+    for (args, needle) in [
+        (
+            &["--set", "queue.capacity=4294967296"][..],
+            "at most 1048576",
+        ),
+        (
+            &["--set", "drafter.devices=9223372036854775808"][..],
+            "at most 1024",
+        ),
+        (&["--set", "producer.workers=100000000"][..], "at most 1024"),
+        (&["--duration", "NaN"][..], "--duration must be"),
+        (&["--duration", "inf"][..], "--duration must be"),
+        (&["--duration", "-5"][..], "--duration must be"),
+        (&["--producer-rate", "-3"][..], "--producer-rate must be"),
+        (&["--step-time", "-1"][..], "--step-time must be"),
+    ] {
+        let mut all = vec!["simulate", "pipelines/quickstart.pipe"];
+        if !args.contains(&"--producer-rate") {
+            all.extend(["--producer-rate", "50"]);
+        }
+        all.extend_from_slice(args);
+        let out = draftpipe(&all);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -785,7 +785,8 @@ impl DeviceMemory {
 
 /// Host memory of a run outside any drafter's replica: the hidden-state pool, one allocation on the host that
 /// every producer and drafter shares, whichever devices the drafters run on (a GPU drafter stages its batch
-/// from it). The runtime's pool allocates exactly this many buffers of exactly this size.
+/// from it; the runtime's pool allocates exactly this many buffers of exactly this size), and a stream's
+/// receive buffers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostMemory {
     /// Buffers in the pool: the queue's capacity, two per drafter (the batch in its step and the one staged
@@ -794,6 +795,10 @@ pub struct HostMemory {
     /// Bytes of one buffer: room for the bucket with the most tokens and the one with the most sequences
     /// (hidden states, token ids, loss mask, sequence lengths).
     pub hs_buffer_bytes: u64,
+    /// The most a `stream` source's receive buffers may hold: one per producer slot, growing as a message's
+    /// bytes arrive up to `max_message`; 0 for the other sources.
+    #[serde(default)]
+    pub stream_receive: u64,
 }
 
 impl HostMemory {
@@ -804,7 +809,7 @@ impl HostMemory {
 
     /// Sum of all parts.
     pub fn total(&self) -> u64 {
-        self.hs_pool()
+        self.hs_pool().saturating_add(self.stream_receive)
     }
 }
 

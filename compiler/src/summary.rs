@@ -230,6 +230,14 @@ impl fmt::Display for Summary<'_> {
             format_bytes(host.hs_buffer_bytes),
             plan.queue.capacity
         )?;
+        if host.stream_receive > 0 {
+            writeln!(
+                f,
+                "host: stream receive buffers up to {} (max_message × {} producers)",
+                format_bytes(host.stream_receive),
+                plan.target.placement.workers.len()
+            )?;
+        }
         writeln!(f, "\ncost per step")?;
         writeln!(
             f,

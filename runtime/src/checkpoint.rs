@@ -137,6 +137,26 @@ pub enum CheckpointError {
         /// What it holds and what the plan expects.
         message: String,
     },
+    /// Writing the checkpoint's files failed (a full disk, a file-size limit, an I/O error); the checkpoint
+    /// in place, if any, is untouched.
+    #[error(
+        "cannot write the checkpoint for {}: {source}{hint}; {}",
+        dir.display(),
+        match kept {
+            Some(kept) => format!("the previous checkpoint is kept in {}", kept.display()),
+            None => "there is no earlier checkpoint".to_string(),
+        }
+    )]
+    NotWritten {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// Where the checkpoint saved before is, if there is one.
+        kept: Option<PathBuf>,
+        /// Why the write failed, in words an operator can act on (or empty).
+        hint: &'static str,
+        /// The failed operation.
+        source: Box<CheckpointError>,
+    },
     /// The target path exists and holds something other than a checkpoint, so it is left alone.
     #[error("{} exists and is not a checkpoint directory; refusing to replace it", path.display())]
     NotACheckpoint {
@@ -332,12 +352,16 @@ fn check_values(
 
 /// Fails unless `dir` can receive a checkpoint: absent, or a directory holding only checkpoint files. Checked by
 /// `draftpipe run` before it trains, so a `--save` path that cannot work is found at once, not after hours.
+/// The siblings `DIR.tmp` and `DIR.prev` are checked the same way: every save removes them, so one that holds
+/// something else would fail the first save after training, not the start.
 pub fn check_save_target(dir: &Path) -> Result<(), CheckpointError> {
-    sibling_paths(dir)?;
-    if dir.exists() && !holds_only_checkpoint_files(dir)? {
-        return Err(CheckpointError::NotACheckpoint {
-            path: dir.to_path_buf(),
-        });
+    let (staging, previous) = sibling_paths(dir)?;
+    for path in [dir, &staging, &previous] {
+        if path.exists() && !holds_only_checkpoint_files(path)? {
+            return Err(CheckpointError::NotACheckpoint {
+                path: path.to_path_buf(),
+            });
+        }
     }
     Ok(())
 }
@@ -371,7 +395,6 @@ fn stage_marked(
     stopped_by: Option<&str>,
     export: ExportOptions,
 ) -> Result<StagedCheckpoint, CheckpointError> {
-    let weights = export.dtype;
     for (what, buffer) in [
         ("params", params),
         ("exp_avg", exp_avg),
@@ -388,7 +411,42 @@ fn stage_marked(
     let (staging, previous) = sibling_paths(dir)?;
     check_save_target(dir)?;
     remove_checkpoint_dir(&staging)?;
-    let staged_state = training_state_dir(&staging);
+    let written = write_staged(
+        &staging,
+        model,
+        [params, exp_avg, exp_avg_sq],
+        (state, stopped_by),
+        export,
+    );
+    if let Err(source) = written {
+        // A full disk or a file-size limit (`ulimit -f`) leaves a partial `DIR.tmp`: removed to give the space
+        // back; `dir` was not touched.
+        let _ = remove_checkpoint_dir(&staging);
+        return Err(CheckpointError::NotWritten {
+            dir: dir.to_path_buf(),
+            kept: resolve_checkpoint_dir(dir).ok(),
+            hint: io_hint(&source),
+            source: Box::new(source),
+        });
+    }
+    Ok(StagedCheckpoint {
+        dir: dir.to_path_buf(),
+        staging,
+        previous,
+    })
+}
+
+/// Writes and fsyncs every file of a checkpoint into `staging`: the engines' files at its top, the training
+/// state in its training-state directory.
+fn write_staged(
+    staging: &Path,
+    model: &ModelPlan,
+    [params, exp_avg, exp_avg_sq]: [&[f32]; 3],
+    (state, stopped_by): (&TrainingState, Option<&str>),
+    export: ExportOptions,
+) -> Result<(), CheckpointError> {
+    let weights = export.dtype;
+    let staged_state = training_state_dir(staging);
     fs::create_dir_all(&staged_state).map_err(io_error(&staged_state))?;
 
     let metadata = HashMap::from([
@@ -471,12 +529,27 @@ fn stage_marked(
     })?;
     write_synced(&state_path, &json)?;
     sync_dir(&staged_state)?;
-    sync_dir(&staging)?;
-    Ok(StagedCheckpoint {
-        dir: dir.to_path_buf(),
-        staging,
-        previous,
-    })
+    sync_dir(staging)
+}
+
+/// What an operator can do about a write that failed for want of room: the disk is full, or the process's
+/// file-size limit (`ulimit -f`, which batch systems set) is below a checkpoint file.
+fn io_hint(error: &CheckpointError) -> &'static str {
+    let kind = match error {
+        CheckpointError::Io { source, .. } => Some(source.kind()),
+        CheckpointError::Tensor(TensorFileError {
+            problem: TensorProblem::Io(source),
+            ..
+        }) => Some(source.kind()),
+        _ => None,
+    };
+    match kind {
+        Some(io::ErrorKind::StorageFull) => " (the disk is full)",
+        Some(io::ErrorKind::FileTooLarge) => {
+            " (a file would exceed this process's file-size limit: `ulimit -f`)"
+        }
+        _ => "",
+    }
 }
 
 impl StagedCheckpoint {

@@ -16,6 +16,7 @@ pub mod drafter;
 pub mod eval;
 pub mod export_check;
 pub mod lock;
+pub mod log;
 pub mod model;
 pub mod params;
 pub mod pipeline;

@@ -85,6 +85,18 @@ pub enum TensorProblem {
         /// Its index in the flattened tensor.
         at: usize,
     },
+    /// A finite value too large for the precision hidden states are held in: converted, it would be infinite.
+    #[error(
+        "value {value} at element {at} (of the flattened tensor) overflows hs_dtype {held} (it would become infinite)"
+    )]
+    Overflows {
+        /// The value found.
+        value: f32,
+        /// Its index in the flattened tensor.
+        at: usize,
+        /// The pipeline's `hs_dtype`.
+        held: &'static str,
+    },
     /// A value is out of its allowed range (a token id ≥ vocab, a negative id).
     #[error("value {value} at {at} out of range ({allowed})")]
     OutOfRange {

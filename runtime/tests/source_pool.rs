@@ -49,6 +49,7 @@ fn the_pool_allocates_exactly_the_host_memory_compile_reports() {
         ),
         &bf16.buckets,
         (bf16.target.hs_width(), HsDtype::Bf16),
+        0,
     )
     .unwrap();
     for plan in [

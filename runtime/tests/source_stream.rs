@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use draftpipe_compiler::plan::SourceSpec;
+use draftpipe_compiler::plan::{HsDtype, SourceSpec};
 use draftpipe_runtime::batch::HsBatch;
 use draftpipe_runtime::source::stream::wire::{Hello, PROTOCOL_VERSION};
 use draftpipe_runtime::source::{
@@ -27,17 +27,26 @@ const DIN: usize = HIDDEN * TAPS;
 const VOCAB: usize = 50;
 
 /// A listener on a free loopback port with `producers` slots; its log lines are collected.
-fn server(
-    producers: usize,
-    token: Option<&str>,
-    max_message_bytes: u64,
-) -> (
+fn server(producers: usize, token: Option<&str>, max_message_bytes: u64) -> Server {
+    server_holding(producers, token, max_message_bytes, None)
+}
+
+/// The sources, the status, the pool and the log of a test server.
+type Server = (
     Vec<Producer>,
     StreamStatus,
     BatchPool,
     Arc<Mutex<Vec<String>>>,
-) {
-    let plan = plan(
+);
+
+/// [`server`] whose batches hold hidden states in `hs_dtype` (`None`: as the plan's default decides).
+fn server_holding(
+    producers: usize,
+    token: Option<&str>,
+    max_message_bytes: u64,
+    hs_dtype: Option<HsDtype>,
+) -> Server {
+    let mut plan = plan(
         SourceSpec::Stream {
             listen: "127.0.0.1:0".into(),
             token_env: None,
@@ -51,6 +60,7 @@ fn server(
         32,
         producers,
     );
+    plan.target.hs_dtype = hs_dtype;
     let log = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&log);
     let shapes = BucketShapes::from_plan(&plan);
@@ -196,7 +206,17 @@ fn refused_then_recovers(
     max_message_bytes: u64,
     misbehave: impl FnOnce(&str) -> (String, String),
 ) {
-    let (mut producers, status, pool, log) = server(1, token, max_message_bytes);
+    refused_then_recovers_holding(None, token, max_message_bytes, misbehave);
+}
+
+/// [`refused_then_recovers`] on a server holding hidden states in `hs_dtype`.
+fn refused_then_recovers_holding(
+    hs_dtype: Option<HsDtype>,
+    token: Option<&str>,
+    max_message_bytes: u64,
+    misbehave: impl FnOnce(&str) -> (String, String),
+) {
+    let (mut producers, status, pool, log) = server_holding(1, token, max_message_bytes, hs_dtype);
     let address = status.address().to_string();
     let stop = AtomicBool::new(false);
     let taken = std::sync::atomic::AtomicUsize::new(0);
@@ -483,6 +503,27 @@ fn a_nan_in_the_hidden_states_is_refused() {
             tensors[0].3[(8 + 2) * DIN + 3] = value; // row 1, token 2: inside its kept length
             tensors[0].3[(8 + 6) * DIN] = f64::NAN; // row 1, token 6: padding, never read
             let error = expect_error(client.send_in(layout, &tensors), "non-finite value");
+            assert!(
+                error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
+                "{layout:?}: {error}"
+            );
+            (error, peer)
+        });
+    }
+}
+
+#[test]
+fn a_finite_f32_that_overflows_bf16_refuses_that_message_only() {
+    for layout in LAYOUTS {
+        refused_then_recovers_holding(Some(HsDtype::Bf16), None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
+            tensors[0].1 = Dtype::F32;
+            tensors[0].3[(8 + 2) * DIN + 3] = 3.4e38; // finite in f32, above bf16's largest (3.39e38)
+            let reply = client.send_in(layout, &tensors);
+            let error = expect_error(reply, "bf16");
             assert!(
                 error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
                 "{layout:?}: {error}"

@@ -28,7 +28,7 @@ pub fn run(args: &CheckArgs) -> CommandResult {
             }
             Err(CompileError::Invalid(diagnostics)) => {
                 failed += 1;
-                eprintln!("{diagnostics}\n");
+                draftpipe_runtime::log_line!("{diagnostics}\n");
             }
             Err(error) => {
                 failed += 1;

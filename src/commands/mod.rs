@@ -75,15 +75,15 @@ pub fn finish(result: CommandResult) -> ExitCode {
 /// too) is not repeated.
 pub fn report(error: &anyhow::Error) {
     if let Some(diagnostics) = error.downcast_ref::<Diagnostics>() {
-        eprintln!("{diagnostics}");
+        draftpipe_runtime::log_line!("{diagnostics}");
         return;
     }
     let mut shown = error.to_string();
-    eprintln!("error: {shown}");
+    draftpipe_runtime::log_line!("error: {shown}");
     for cause in error.chain().skip(1) {
         let text = cause.to_string();
         if !shown.contains(&text) {
-            eprintln!("  Caused by: {text}");
+            draftpipe_runtime::log_line!("  Caused by: {text}");
         }
         shown = text;
     }

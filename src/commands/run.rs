@@ -71,7 +71,9 @@ pub fn run(args: &RunArgs) -> CommandResult {
         )
     })?;
     for error in &outcome.producer_errors {
-        eprintln!("warning: {error} (continued with the other producers: --keep-going)");
+        draftpipe_runtime::log_line!(
+            "warning: {error} (continued with the other producers: --keep-going)"
+        );
     }
     let ended_early = outcome
         .summary
@@ -84,7 +86,7 @@ pub fn run(args: &RunArgs) -> CommandResult {
         _ => {}
     }
     if ended_early {
-        eprintln!(
+        draftpipe_runtime::log_line!(
             "warning: the data ran out at step {} before the step limit (exit status {EXIT_DATA_EXHAUSTED_EARLY})",
             outcome.step
         );

@@ -1,12 +1,14 @@
 //! Stopping a run by signal: SIGINT (Ctrl-C), SIGTERM (what Slurm and Kubernetes send before they kill) and
 //! SIGHUP (a closed terminal) all ask the run to finish the step in hand, save, write its summary and exit with
-//! 128 + the signal; the same signal again exits at once.
+//! 128 + the signal; the same signal again exits at once. SIGXFSZ (a file over `ulimit -f`, which batch systems
+//! set) is caught and dropped, so a write past the limit fails with EFBIG, which the checkpoint writer reports
+//! with the previous checkpoint kept, instead of the default action killing the run at its first save.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use anyhow::Context as _;
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGXFSZ};
 use signal_hook::iterator::Signals;
 
 /// The signals that stop a run gracefully.
@@ -44,6 +46,9 @@ pub fn install() -> anyhow::Result<Interrupts> {
         flag: Arc::new(AtomicBool::new(false)),
         signal: Arc::new(AtomicI32::new(SIGINT)),
     };
+    // A handler that only raises a flag nobody reads: the kernel then fails the write with EFBIG instead.
+    signal_hook::flag::register(SIGXFSZ, Arc::new(AtomicBool::new(false)))
+        .context("cannot install the SIGXFSZ handler")?;
     let mut signals = Signals::new(STOPPING).context("cannot install the signal handlers")?;
     let (flag, signal) = (Arc::clone(&interrupts.flag), Arc::clone(&interrupts.signal));
     std::thread::Builder::new()
@@ -56,7 +61,7 @@ pub fn install() -> anyhow::Result<Interrupts> {
                 }
                 signal.store(received, Ordering::Release);
                 flag.store(true, Ordering::Release);
-                eprintln!(
+                draftpipe_runtime::log_line!(
                     "\n{} received: finishing the current step, then saving ({} again quits at once)",
                     name(received),
                     name(received)

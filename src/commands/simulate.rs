@@ -15,8 +15,17 @@ use super::input::{MAX_SUMMARY_BYTES, require_regular_file};
 use super::{CommandResult, compile_failure, say};
 use crate::cli::SimulateArgs;
 
+/// The longest simulated time: a week, a thousand times the prediction's default hour would be hours of
+/// wall time at the event rates of a busy plan; NaN or an infinity would never end.
+const MAX_DURATION_S: f64 = 7.0 * 24.0 * 3600.0;
+
 /// Prints the prediction (or the comparison); an error for an invalid file, what-if or run directory.
 pub fn run(args: &SimulateArgs) -> CommandResult {
+    anyhow::ensure!(
+        args.duration.is_finite() && args.duration > 0.0 && args.duration <= MAX_DURATION_S,
+        "--duration must be a number of simulated seconds above 0 and at most {MAX_DURATION_S}, found {}",
+        args.duration
+    );
     let plan = compile_file(&args.file).map_err(compile_failure)?;
     let what_ifs = parse_what_ifs(&args.set)?;
     let base = base_model(args, &plan)?;

@@ -9,6 +9,7 @@ frame says the producer is done. Any error is one reply ``{"ok": false, "error":
 
 import json
 import os
+import random
 import socket
 import struct
 import time
@@ -29,6 +30,10 @@ class DraftpipeError(RuntimeError):
 
 class ProducerError(DraftpipeError):
     """draftpipe refused the hello or a message (its reason is the message), or the connection failed."""
+
+
+class _Busy(ProducerError):
+    """A hello refused only for now (every handshake or producer slot taken): worth trying again."""
 
 
 @dataclass
@@ -80,7 +85,9 @@ class Producer:
     reconnects (default: host name and process id); a restarted producer that reuses its name takes its slot
     back and learns from :attr:`delivered` how many messages were acknowledged before. ``hidden_dtype``
     (``"bf16"``, ``"f16"``, ``"f32"`` or ``None`` to send floats as given) converts float32 hidden states before
-    sending. ``connect_timeout`` keeps retrying while the run is still starting.
+    sending. For ``connect_timeout`` seconds the producer keeps trying while the run is still starting and while
+    draftpipe refuses it only for now (every handshake or producer slot taken), waiting longer after each
+    refusal; a refusal for cause (wrong token, shapes that do not match the plan) raises at once.
     """
 
     def __init__(
@@ -105,12 +112,22 @@ class Producer:
         self.hidden_dtype = hidden_dtype
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         token = os.environ.get("DRAFTPIPE_TOKEN", "") if token is None else token
-        self._socket = self._connect(address, connect_timeout, timeout)
-        try:
-            reply = self._hello(token)
-        except BaseException:
-            self._socket.close()
-            raise
+        deadline = time.monotonic() + connect_timeout
+        backoff = 0.05
+        while True:
+            self._socket = self._connect(address, max(deadline - time.monotonic(), 0.0), timeout)
+            try:
+                reply = self._hello(token)
+                break
+            except _Busy:
+                self._socket.close()
+                if time.monotonic() + backoff >= deadline:
+                    raise
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 2.0)
+            except BaseException:
+                self._socket.close()
+                raise
         self.slot = reply["slot"]
         self.max_message_bytes = reply["max_message_bytes"]
         self.delivered = reply.get("delivered", 0)
@@ -154,7 +171,8 @@ class Producer:
         reply = json.loads(self._recv_exact(length))
         if not reply.get("ok"):
             self._socket.close()
-            raise ProducerError(reply.get("error", "refused"))
+            error = _Busy if reply.get("retry") else ProducerError
+            raise error(reply.get("error", "refused"))
         return reply
 
     def _hello(self, token):

@@ -179,6 +179,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         ),
         &buckets,
         (target.hs_width(), target.hs_dtype_or_widest()),
+        cost::stream_receive_bytes(&target),
     )
     .ok_or_else(|| too_large("memory plan"))?;
     // No error was recorded, so every declared memory was read.
@@ -602,6 +603,12 @@ fn check_memory(
                 format_bytes(host.hs_pool()),
                 host.hs_pool_buffers,
                 format_bytes(host.hs_buffer_bytes)
+            )
+        }))
+        .chain((*host_need > 0 && host.stream_receive > 0).then(|| {
+            format!(
+                "stream receive buffers {}",
+                format_bytes(host.stream_receive)
             )
         }))
         .collect();

@@ -149,6 +149,17 @@ fn workspace_bytes(
         .bytes()
 }
 
+/// Host memory a `stream` source may hold for messages being received: one buffer per producer slot, which
+/// grows as a message's bytes arrive up to `max_message_bytes`. 0 for the other sources.
+pub fn stream_receive_bytes(target: &TargetStage) -> u64 {
+    match target.source {
+        crate::plan::SourceSpec::Stream {
+            max_message_bytes, ..
+        } => max_message_bytes.saturating_mul(target.placement.workers.len() as u64),
+        _ => 0,
+    }
+}
+
 /// Memory on each drafter device, in device order; `None` when a figure (or a device's total) overflows `u64`.
 pub fn device_memory(
     drafters: &Placement,
@@ -199,11 +210,13 @@ pub fn device_memory(
 
 /// The host memory outside the drafters' replicas (formula in the module docs): the hidden-state pool of
 /// `capacity` queued items for `producers` producers and `drafters` drafters, each buffer hidden states of
-/// `din` values in `hs` with room for any of `buckets`. `None` when a figure overflows `u64`.
+/// `din` values in `hs` with room for any of `buckets`, and `stream_receive` bytes of a stream's receive
+/// buffers ([`stream_receive_bytes`]). `None` when a figure overflows `u64`.
 pub fn host_memory(
     (capacity, producers, drafters): (usize, usize, usize),
     buckets: &[BucketPlan],
     (din, hs): (usize, HsDtype),
+    stream_receive: u64,
 ) -> Option<HostMemory> {
     let most_tokens = buckets.iter().map(|b| wide(b.tokens)).max().unwrap_or(0);
     let most_sequences = buckets.iter().map(|b| wide(b.sequences)).max().unwrap_or(0);
@@ -212,9 +225,10 @@ pub fn host_memory(
     let memory = HostMemory {
         hs_pool_buffers: fit(buffers)?,
         hs_buffer_bytes: fit(buffer)?,
+        stream_receive,
     };
-    // `HostMemory::hs_pool` multiplies in u64: make sure it cannot overflow.
-    fit(buffers * buffer).map(|_| memory)
+    // `HostMemory::hs_pool` multiplies in u64 and `total` adds: make sure neither can overflow.
+    fit(buffers * buffer + u128::from(stream_receive)).map(|_| memory)
 }
 
 /// `1.50 GiB`, `12.0 MiB`, `512 B`: binary units, three significant figures.
@@ -265,7 +279,7 @@ mod tests {
             step_bytes: 0,
         };
         assert_eq!(
-            host_memory((1 << 20, 1, 1), &[huge], (1 << 40, HsDtype::F32)),
+            host_memory((1 << 20, 1, 1), &[huge], (1 << 40, HsDtype::F32), 0),
             None
         );
         assert!(activation_floats_per_token(&spec).is_some());

@@ -606,7 +606,9 @@ pub(crate) mod tests {
         use rand::{RngExt, SeedableRng};
 
         if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
-            eprintln!("skipped: this CPU has no AVX2 + FMA, so only the baseline copies run");
+            crate::log_line!(
+                "skipped: this CPU has no AVX2 + FMA, so only the baseline copies run"
+            );
             return;
         }
         // Odd sizes, so every kernel runs its vector body and its remainder.

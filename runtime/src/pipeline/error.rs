@@ -103,6 +103,16 @@ pub enum RunError {
     /// A directory the run writes is in use by another run, or cannot be locked.
     #[error(transparent)]
     Lock(#[from] crate::lock::LockError),
+    /// Two outputs of the run would overwrite each other (the checkpoint's renames would move the run directory).
+    #[error("--save {} and the run directory {} conflict: {reason}", save.display(), run_dir.display())]
+    OutputConflict {
+        /// The checkpoint directory.
+        save: PathBuf,
+        /// The run directory.
+        run_dir: PathBuf,
+        /// How they collide.
+        reason: &'static str,
+    },
     /// A file the run will write cannot be created.
     #[error("cannot write {what} {}", path.display())]
     Output {

@@ -3,7 +3,7 @@
 //! hours of training.
 
 use std::fs::OpenOptions;
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 use crate::checkpoint::check_save_target;
 use crate::lock::{DirLock, LockPlace};
@@ -21,6 +21,9 @@ pub(super) struct OutputLocks {
 /// Checks the checkpoint directory, the run directory and the trace path of `options`, and locks both
 /// directories for this process.
 pub(super) fn prepare(options: &RunOptions) -> Result<OutputLocks, RunError> {
+    if let (Some(save), Some(run_dir)) = (&options.save_dir, &options.run_dir) {
+        check_apart(save, run_dir)?;
+    }
     let save = match &options.save_dir {
         Some(dir) => {
             check_save_target(dir)?;
@@ -48,6 +51,62 @@ pub(super) fn prepare(options: &RunOptions) -> Result<OutputLocks, RunError> {
         _save: save,
         _run_dir: run_dir,
     })
+}
+
+/// Fails when saving to `save` would move or remove `run_dir`: a checkpoint is written into `SAVE.tmp`, and the
+/// one in place is renamed to `SAVE.prev` then removed, so `run_dir` may be neither `SAVE` nor inside it, nor
+/// one of those two siblings.
+fn check_apart(save: &Path, run_dir: &Path) -> Result<(), RunError> {
+    let (save_at, run_at) = (resolved(save), resolved(run_dir));
+    let conflict = |reason| RunError::OutputConflict {
+        save: save.to_path_buf(),
+        run_dir: run_dir.to_path_buf(),
+        reason,
+    };
+    if run_at.starts_with(&save_at) {
+        return Err(conflict(
+            "the run directory is the checkpoint directory or inside it, and each save replaces that directory",
+        ));
+    }
+    let sibling = |suffix: &str| {
+        save_at.file_name().map(|name| {
+            let mut name = name.to_os_string();
+            name.push(suffix);
+            save_at.with_file_name(name)
+        })
+    };
+    if [sibling(".tmp"), sibling(".prev")].contains(&Some(run_at)) {
+        return Err(conflict(
+            "the run directory is named like the checkpoint's SAVE.tmp or SAVE.prev, which each save removes",
+        ));
+    }
+    Ok(())
+}
+
+/// `path` made absolute, with `.` and `..` resolved and symbolic links followed as far as the path exists, so two
+/// spellings of one directory compare equal.
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut lexical = PathBuf::new();
+    for component in absolute.components() {
+        match component {
+            Component::ParentDir => {
+                lexical.pop();
+            }
+            Component::CurDir => {}
+            other => lexical.push(other),
+        }
+    }
+    let existing = lexical
+        .ancestors()
+        .find_map(|ancestor| Some((ancestor, ancestor.canonicalize().ok()?)));
+    match existing {
+        Some((ancestor, real)) => match lexical.strip_prefix(ancestor) {
+            Ok(rest) if !rest.as_os_str().is_empty() => real.join(rest),
+            _ => real,
+        },
+        None => lexical,
+    }
 }
 
 /// Fails unless `file` can be created or written; a file this check creates is removed again.

@@ -37,6 +37,10 @@ use super::error::RunError;
 use super::options::{RunOptions, StopReason};
 use super::shared::Shared;
 
+/// How often a drafter waiting for data looks at the stop flags: a signal only raises the interrupt flag, and
+/// nothing else would wake a pop parked below `min_ready` (a stream whose producers are idle or not connected).
+const STOP_POLL: Duration = Duration::from_millis(50);
+
 /// Length of the workers' round group: the readiness number.
 pub(super) const ROUND_LEN: usize = 1;
 
@@ -229,7 +233,11 @@ impl<'a, B: Backend> Worker<'a, B> {
                 return Ok(StopReason::Interrupted);
             }
             self.context.recorder.waiting(self.since);
-            let batch = self.context.shared.queue.pop();
+            let shared = &self.context.shared;
+            let batch = shared
+                .queue
+                .pop_unless(|| shared.should_stop(), STOP_POLL)
+                .ok();
             self.lap(DrafterPhase::DataWait);
             let staged = match batch {
                 Some(batch) => {

@@ -119,4 +119,7 @@ pub enum PopError {
     /// A timed pop found nothing it could take before its deadline.
     #[error("timed out waiting for an item")]
     Timeout,
+    /// [`HsQueue::pop_unless`](super::HsQueue::pop_unless) was told to stop waiting.
+    #[error("stopped waiting for an item")]
+    Stopped,
 }

@@ -415,7 +415,7 @@ impl<T> HsQueue<T> {
     /// Takes an item, parking until at least `min_ready` are queued; after [`close`](Self::close)
     /// takes what is left and returns `None` once the queue is drained.
     pub fn pop(&self) -> Option<T> {
-        self.pop_until(None).ok()
+        self.pop_until(None, None).ok()
     }
 
     /// Like [`pop`](Self::pop), giving up after `timeout`.
@@ -424,10 +424,26 @@ impl<T> HsQueue<T> {
     /// [`PopError::Timeout`] when nothing could be taken in time, [`PopError::Closed`] once closed
     /// and drained.
     pub fn pop_timeout(&self, timeout: Duration) -> Result<T, PopError> {
-        self.pop_until(Instant::now().checked_add(timeout))
+        self.pop_until(Instant::now().checked_add(timeout), None)
     }
 
-    fn pop_until(&self, deadline: Option<Instant>) -> Result<T, PopError> {
+    /// Like [`pop`](Self::pop), but a consumer that has to wait gives up once `stop` returns true,
+    /// which it asks at least every `poll`: for a flag raised where no one can wake the queue (a
+    /// signal handler only stores it). An item that can be taken at once is taken whatever `stop`
+    /// says. Counts as one wait in the statistics, however many polls it took.
+    ///
+    /// # Errors
+    /// [`PopError::Stopped`] when `stop` said so while waiting, [`PopError::Closed`] once closed
+    /// and drained.
+    pub fn pop_unless(&self, stop: impl Fn() -> bool, poll: Duration) -> Result<T, PopError> {
+        self.pop_until(None, Some((&stop, poll)))
+    }
+
+    fn pop_until(
+        &self,
+        deadline: Option<Instant>,
+        stop: Option<(&dyn Fn() -> bool, Duration)>,
+    ) -> Result<T, PopError> {
         match self.claim() {
             Claim::Claimed => return Ok(self.take_claimed()),
             Claim::Drained => return Err(PopError::Closed),
@@ -439,16 +455,37 @@ impl<T> HsQueue<T> {
             Claim::Settling => {}
         }
         let since = Instant::now();
-        let outcome = self.consumers.wait_for(deadline, || match self.claim() {
-            Claim::Claimed => Some(true),
-            Claim::Drained => Some(false),
-            Claim::Below { .. } | Claim::Settling => None,
-        });
+        let outcome = loop {
+            let wake = match stop {
+                Some((_, poll)) => {
+                    let next_poll = Instant::now().checked_add(poll);
+                    match (deadline, next_poll) {
+                        (Some(deadline), Some(next_poll)) => Some(deadline.min(next_poll)),
+                        (deadline, next_poll) => deadline.or(next_poll),
+                    }
+                }
+                None => deadline,
+            };
+            let outcome = self.consumers.wait_for(wake, || match self.claim() {
+                Claim::Claimed => Some(true),
+                Claim::Drained => Some(false),
+                Claim::Below { .. } | Claim::Settling => None,
+            });
+            match (outcome, stop) {
+                (Some(claimed), _) => break Ok(claimed),
+                (None, _) if deadline.is_some_and(|d| Instant::now() >= d) => {
+                    break Err(PopError::Timeout);
+                }
+                (None, Some((stop, _))) if stop() => break Err(PopError::Stopped),
+                (None, Some(_)) => {}
+                (None, None) => break Err(PopError::Timeout),
+            }
+        };
         self.counters.consumer_waited(since);
         match outcome {
-            Some(true) => Ok(self.take_claimed()),
-            Some(false) => Err(PopError::Closed),
-            None => Err(PopError::Timeout),
+            Ok(true) => Ok(self.take_claimed()),
+            Ok(false) => Err(PopError::Closed),
+            Err(error) => Err(error),
         }
     }
 }

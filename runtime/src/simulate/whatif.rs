@@ -290,14 +290,37 @@ impl WhatIf {
     }
 }
 
+/// The most workers a what-if may set, on either side: the checker's limit on `xN` and on a device list.
+const MAX_WORKERS: usize = 1024;
+
+/// The largest count `key` accepts, as the checker bounds the same field of a `.pipe` file: the simulation
+/// allocates per worker and per queued item, so an unbounded count would abort or exhaust memory.
+fn count_limit(key: &str) -> usize {
+    match key {
+        "queue.capacity" | "queue.min_ready" => crate::queue::MAX_CAPACITY,
+        _ => MAX_WORKERS,
+    }
+}
+
 fn count(a: &Assignment, at_least: usize) -> Result<usize, Diagnostic> {
+    let at_most = count_limit(&a.key);
     match a.value.parse::<i64>() {
-        Ok(n) if n >= at_least as i64 => Ok(n as usize),
+        Ok(n) if n >= at_least as i64 && n as u64 <= at_most as u64 => Ok(n as usize),
+        Ok(n) if n >= at_least as i64 => Err(Diagnostic::error(
+            a.value_span,
+            format!("`{}` must be at most {at_most}, found {n}", a.key),
+        )
+        .label("too large")),
         Ok(n) => Err(Diagnostic::error(
             a.value_span,
             format!("`{}` must be at least {at_least}, found {n}", a.key),
         )
         .label("too small")),
+        Err(_) if a.value.parse::<u128>().is_ok() => Err(Diagnostic::error(
+            a.value_span,
+            format!("`{}` must be at most {at_most}, found {}", a.key, a.value),
+        )
+        .label("too large")),
         Err(_) => Err(Diagnostic::error(
             a.value_span,
             format!("`{}` takes a whole number, found `{}`", a.key, a.value),

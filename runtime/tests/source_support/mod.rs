@@ -103,6 +103,7 @@ pub fn plan(
         ),
         &plan.buckets,
         (plan.target.hs_width(), plan.target.hs_dtype_or_widest()),
+        draftpipe_compiler::cost::stream_receive_bytes(&plan.target),
     )
     .expect("a small plan's host memory");
     plan

@@ -30,7 +30,7 @@ pub(super) fn accept_loop(listener: &Listener, state: &Arc<ServerState>) {
                 }
                 if pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HELLOS {
                     pending.fetch_sub(1, Ordering::AcqRel);
-                    refuse(
+                    refuse_for_now(
                         state,
                         connection,
                         &format!(
@@ -91,10 +91,14 @@ fn handshake(mut connection: Connection, state: &ServerState) {
         })
         .or_else(|| slots.iter().position(|s| s.connected.is_none() && !s.done));
         match slot {
-            Some(w) if slots[w].done => Err(format!(
-                "producer `{}` already said it is done",
-                hello.producer.as_deref().unwrap_or("?")
-            )),
+            Some(w) if slots[w].done => {
+                let problem = format!(
+                    "producer `{}` already said it is done",
+                    hello.producer.as_deref().unwrap_or("?")
+                );
+                drop(slots);
+                return refuse(state, connection, &problem);
+            }
             Some(w) => {
                 let slot = &mut slots[w];
                 if hello.producer.is_some() {
@@ -103,15 +107,21 @@ fn handshake(mut connection: Connection, state: &ServerState) {
                 slot.connected = Some(generation);
                 Ok((w, slot.delivered))
             }
-            None => Err(format!(
+            None if slots.iter().all(|s| s.done) => {
+                let problem = format!("all {} producers already said they are done", slots.len());
+                drop(slots);
+                return refuse(state, connection, &problem);
+            }
+            // Every slot not done holds a connection: one may drop (a producer restarting), so try again.
+            None => Err(Busy(format!(
                 "all {} producer slots are connected or done",
                 slots.len()
-            )),
+            ))),
         }
     };
     let (slot, delivered) = match assigned {
         Ok(assigned) => assigned,
-        Err(problem) => return refuse(state, connection, &problem),
+        Err(Busy(problem)) => return refuse_for_now(state, connection, &problem),
     };
     let reply = Reply {
         ok: true,
@@ -180,4 +190,19 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 fn refuse(state: &ServerState, connection: Connection, problem: &str) {
     state.log(&format!("{}: refused: {problem}", connection.peer()));
     connection.refuse(problem);
+}
+
+/// A refusal that is only for now: every handshake or producer slot is taken.
+struct Busy(String);
+
+/// Refuses with `retry` set, so the producer tries again after a while instead of giving up.
+fn refuse_for_now(state: &ServerState, connection: Connection, problem: &str) {
+    state.log(&format!(
+        "{}: refused for now: {problem}",
+        connection.peer()
+    ));
+    connection.refuse_with(Reply {
+        retry: true,
+        ..Reply::error(problem)
+    });
 }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use draftpipe_compiler::plan::TargetStage;
 use safetensors::Dtype;
 
-use super::scan::first_non_finite;
+use super::scan::{first_non_finite, first_overflow};
 use crate::batch::{HsBatch, HsDtype};
 use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
 use crate::source::{BucketShapes, SourceError};
@@ -103,19 +103,33 @@ impl Message {
             Ok(checked) => checked,
             Err(e) => return Err((Box::new(e), blob.into_bytes())),
         };
-        // As the file source: a NaN in the data would surface as a non-finite loss and be blamed on the run.
+        // As the file source: a NaN in the data would surface as a non-finite loss and be blamed on the run. So
+        // would a finite value that the conversion into `hs_dtype` (f32 into bf16) rounds to an infinity: found
+        // here, it refuses this message only, before any of its items is queued.
         let din = shapes.din;
         for (row, &len) in checked.lengths.iter().enumerate() {
             let first = row * checked.seq * din;
             let found = blob
                 .element_bytes(HIDDEN_STATES, first..first + len * din)
-                .map(|(dtype, bytes)| first_non_finite(dtype, bytes));
+                .map(|(dtype, bytes)| {
+                    first_non_finite(dtype, bytes)
+                        .map(|(at, value)| TensorProblem::NonFinite {
+                            value,
+                            at: first + at,
+                        })
+                        .or_else(|| {
+                            first_overflow(dtype, shapes.hs_dtype, bytes).map(|(at, value)| {
+                                TensorProblem::Overflows {
+                                    value,
+                                    at: first + at,
+                                    held: shapes.hs_dtype.name(),
+                                }
+                            })
+                        })
+                });
             let problem = match found {
                 Ok(None) => continue,
-                Ok(Some((at, value))) => TensorProblem::NonFinite {
-                    value,
-                    at: first + at,
-                },
+                Ok(Some(problem)) => problem,
                 Err(e) => e.problem,
             };
             let origin = blob.origin().to_path_buf();

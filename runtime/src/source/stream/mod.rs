@@ -50,9 +50,10 @@ use crate::batch::HsBatch;
 /// Where a stream source's events go (listening address, refused connections, faults): one line each.
 pub type StreamLog = Arc<dyn Fn(&str) + Send + Sync>;
 
-/// A log that writes each line to standard error, prefixed `stream:`.
+/// A log that writes each line to standard error, prefixed `stream:` (a closed standard error loses the line,
+/// never the connection: see [`crate::log`]).
 pub fn stderr_log() -> StreamLog {
-    Arc::new(|line| eprintln!("stream: {line}"))
+    Arc::new(|line| crate::log_line!("stream: {line}"))
 }
 
 /// Settings of a stream listener, as the plan gives them.
@@ -351,7 +352,7 @@ impl StreamSource {
                 });
             match read {
                 Ok(0) => self.finish_slot(),
-                Ok(len) => self.receive_message(len),
+                Ok(len) => self.receive_message(len, stop),
                 Err(WireError::Stopped) => {}
                 Err(WireError::Closed) => {
                     let (connection, generation) =
@@ -394,7 +395,7 @@ impl StreamSource {
 
     /// Reads the body of a message frame of `len` bytes and makes it the current message; a bad one (or a
     /// connection that fails inside it) drops the connection.
-    fn receive_message(&mut self, len: u64) {
+    fn receive_message(&mut self, len: u64, stop: &AtomicBool) {
         let Some((connection, _)) = &mut self.connection else {
             return;
         };
@@ -405,9 +406,13 @@ impl StreamSource {
         if let Some(Current::Buffered(message)) = self.message.take() {
             self.buffer = message.into_bytes();
         }
-        let received = self
-            .receiver
-            .receive(connection, len, config, &origin, &mut self.buffer);
+        let received = self.receiver.receive(
+            connection,
+            len,
+            config,
+            (&origin, &|| stop.load(Ordering::Acquire)),
+            &mut self.buffer,
+        );
         match received {
             Ok(Received::Buffered) => self.accept_message(origin, len as usize),
             Ok(Received::Staged { bucket, sequences }) => {

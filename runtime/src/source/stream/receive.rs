@@ -29,7 +29,7 @@ use safetensors::tensor::{Metadata, TensorInfo};
 
 use super::StreamConfig;
 use super::message::plan_items;
-use super::scan::first_non_finite;
+use super::scan::{first_non_finite, first_overflow};
 use super::wire::{Connection, WireError};
 use crate::batch::{HsBatch, HsData, HsDtype};
 use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
@@ -114,24 +114,32 @@ struct Body<'a> {
     len: u64,
     timeout: Duration,
     at: u64,
+    /// Raised when the run ends: the frame is abandoned.
+    stop: &'a dyn Fn() -> bool,
 }
 
 impl Body<'_> {
     /// Reads the next `out.len()` bytes.
     fn read(&mut self, out: &mut [u8]) -> Result<(), WireError> {
         self.connection
-            .read_frame_body(out, self.at, self.len, self.timeout)?;
+            .read_frame_body(out, (self.at, self.len), self.timeout, self.stop)?;
         self.at += out.len() as u64;
         Ok(())
     }
 
-    /// Reads up to body offset `end` into `buffer` (grown as needed), at its own offsets.
+    /// Reads up to body offset `end` into `buffer`, at its own offsets. The buffer grows as bytes arrive (at
+    /// most doubling what has arrived, by [`CHUNK_BYTES`] at least), never by what the frame announces: a
+    /// length prefix alone must not cost the memory it names.
     fn read_into(&mut self, buffer: &mut Vec<u8>, end: usize) -> Result<(), WireError> {
-        if buffer.len() < end {
-            buffer.resize(end, 0);
+        while (self.at as usize) < end {
+            let start = self.at as usize;
+            let step_end = end.min(start + start.max(CHUNK_BYTES));
+            if buffer.len() < step_end {
+                buffer.resize(step_end, 0);
+            }
+            self.read(&mut buffer[start..step_end])?;
         }
-        let start = self.at as usize;
-        self.read(&mut buffer[start..end])
+        Ok(())
     }
 
     /// Reads and drops the next `bytes` bytes, through `scratch`.
@@ -158,7 +166,7 @@ impl DirectReceiver {
         connection: &mut Connection,
         len: u64,
         config: &StreamConfig,
-        origin: &Path,
+        (origin, stop): (&Path, &dyn Fn() -> bool),
         buffer: &mut Vec<u8>,
     ) -> Result<Received, ReceiveError> {
         let mut body = Body {
@@ -166,6 +174,7 @@ impl DirectReceiver {
             len,
             timeout: config.read_timeout,
             at: 0,
+            stop,
         };
         let received = self.receive_body(&mut body, config, origin, buffer);
         if let Err(ReceiveError::Content(_)) = received {
@@ -275,7 +284,8 @@ fn read_head(
 }
 
 /// Reads every row of `hidden_states`: a kept row's tokens into its slot of `out`, its padding and the dropped
-/// rows into `scratch`. Each chunk is scanned for NaN/inf (and, after a narrowing conversion, its result).
+/// rows into `scratch`. Each chunk is scanned for NaN/inf and, before a narrowing conversion, for finite values
+/// the conversion would make infinite.
 fn receive_rows(
     body: &mut Body<'_>,
     head: &Head,
@@ -289,10 +299,6 @@ fn receive_rows(
     let rows = head.hs.shape[0];
     let held = out.hs.dtype();
     let in_place = cfg!(target_endian = "little") && same_precision(dtype, held);
-    let narrowing = !matches!(
-        (dtype, held),
-        (_, HsDtype::F32) | (Dtype::BF16, HsDtype::Bf16) | (Dtype::F16, HsDtype::F16)
-    );
     let chunk = scratch.len() / width;
     let mut kept = head.rows.iter().enumerate().peekable();
     for row in 0..rows {
@@ -304,28 +310,33 @@ fn receive_rows(
             for done in (0..len * din).step_by(chunk) {
                 let n = chunk.min(len * din - done);
                 let dst = base + done..base + done + n;
-                let found = if in_place {
+                let at = |index: usize| first + done + index;
+                let problem = if in_place {
                     let bytes = raw_bytes_mut(&mut out.hs, dst);
                     body.read(bytes)?;
                     first_non_finite(dtype, bytes)
+                        .map(|(i, value)| TensorProblem::NonFinite { value, at: at(i) })
                 } else {
                     let bytes = &mut scratch[..n * width];
                     body.read(bytes)?;
-                    let found = first_non_finite(dtype, bytes);
-                    if found.is_none() {
+                    // A narrowing conversion (f32 into bf16) turns a huge finite value into an infinity.
+                    let problem = first_non_finite(dtype, bytes)
+                        .map(|(i, value)| TensorProblem::NonFinite { value, at: at(i) })
+                        .or_else(|| {
+                            first_overflow(dtype, held, bytes).map(|(i, value)| {
+                                TensorProblem::Overflows {
+                                    value,
+                                    at: at(i),
+                                    held: held.name(),
+                                }
+                            })
+                        });
+                    if problem.is_none() {
                         decode_floats_into(dtype, bytes, &mut out.hs, dst.start);
                     }
-                    found.or_else(|| {
-                        narrowing
-                            .then(|| out.hs.as_slice().slice(dst).first_non_finite())
-                            .flatten()
-                    })
+                    problem
                 };
-                if let Some((at, value)) = found {
-                    let problem = TensorProblem::NonFinite {
-                        value,
-                        at: first + done + at,
-                    };
+                if let Some(problem) = problem {
                     return Err(TensorFileError::tensor(origin, HIDDEN_STATES, problem).into());
                 }
             }

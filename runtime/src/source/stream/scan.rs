@@ -10,6 +10,8 @@
 use half::{bf16, f16};
 use safetensors::Dtype;
 
+use crate::batch::HsDtype;
+
 /// Elements per block.
 const BLOCK: usize = 4096;
 
@@ -22,7 +24,7 @@ pub(super) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32
     }
 }
 
-/// Half-width floats, non-finite from magnitude `exponent` on (the exponent field all ones).
+/// Half-width floats from magnitude bits `exponent` on (the exponent field all ones: non-finite).
 fn halves(bytes: &[u8], exponent: u16, to_f32: fn(u16) -> f32) -> Option<(usize, f32)> {
     let magnitude = |bits: u16| (u16::from_le(bits) & 0x7FFF) as i16;
     lanes::<u16>(bytes, |lanes| {
@@ -34,17 +36,36 @@ fn halves(bytes: &[u8], exponent: u16, to_f32: fn(u16) -> f32) -> Option<(usize,
     })
 }
 
-/// f32 values.
+/// f32 values, non-finite from the all-ones exponent on.
 fn singles(bytes: &[u8]) -> Option<(usize, f32)> {
-    const EXPONENT: i32 = 0x7F80_0000;
+    singles_from(bytes, 0x7F80_0000)
+}
+
+/// The first f32 whose magnitude bits are `threshold` or more.
+fn singles_from(bytes: &[u8], threshold: i32) -> Option<(usize, f32)> {
     let magnitude = |bits: u32| (u32::from_le(bits) & 0x7FFF_FFFF) as i32;
     lanes::<u32>(bytes, |lanes| {
         first_in_blocks(
             lanes,
-            |block| block.iter().fold(0, |m, &x| magnitude(x).max(m)) >= EXPONENT,
-            |&x| (magnitude(x) >= EXPONENT).then(|| f32::from_bits(u32::from_le(x))),
+            |block| block.iter().fold(0, |m, &x| magnitude(x).max(m)) >= threshold,
+            |&x| (magnitude(x) >= threshold).then(|| f32::from_bits(u32::from_le(x))),
         )
     })
+}
+
+/// The first finite value of `wire` (already checked finite) that converting into `held` rounds to an
+/// infinity: an f32 above bf16's or f16's largest value, a bf16 above f16's. `None` for widening conversions.
+/// The thresholds are the magnitudes that round to nearest, ties to even, onto the all-ones exponent.
+pub(super) fn first_overflow(wire: Dtype, held: HsDtype, bytes: &[u8]) -> Option<(usize, f32)> {
+    match (wire, held) {
+        // bf16's largest finite value is 0x7F7F; f32 values from halfway to the next step round to infinity.
+        (Dtype::F32, HsDtype::Bf16) => singles_from(bytes, 0x7F7F_8000),
+        // f16's largest finite value is 65504; from 65520 on, values round to infinity.
+        (Dtype::F32, HsDtype::F16) => singles_from(bytes, 65520f32.to_bits() as i32),
+        // The bf16 values at or above 65520 start at 65536 (0x4780).
+        (Dtype::BF16, HsDtype::F16) => halves(bytes, 0x4780, |b| bf16::from_bits(b).to_f32()),
+        _ => None,
+    }
 }
 
 /// Runs `scan` over `bytes` read as lanes of `T`: in place when they are aligned for `T` (a batch buffer
@@ -91,6 +112,37 @@ fn first_in_blocks<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overflow_thresholds_are_where_rounding_reaches_infinity() {
+        let f32_bytes =
+            |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
+        let below_bf16 = f32::from_bits(0x7F7F_7FFF);
+        let at_bf16 = f32::from_bits(0x7F7F_8000);
+        assert!(bf16::from_f32(below_bf16).is_finite() && bf16::from_f32(at_bf16).is_infinite());
+        let bytes = f32_bytes(&[1.0, -below_bf16, 3.0, -at_bf16]);
+        assert_eq!(
+            first_overflow(Dtype::F32, HsDtype::Bf16, &bytes),
+            Some((3, -at_bf16))
+        );
+        assert_eq!(first_overflow(Dtype::F32, HsDtype::F32, &bytes), None);
+        assert!(f16::from_f32(65519.0).is_finite() && f16::from_f32(65520.0).is_infinite());
+        let bytes = f32_bytes(&[65519.0, 65520.0]);
+        assert_eq!(
+            first_overflow(Dtype::F32, HsDtype::F16, &bytes),
+            Some((1, 65520.0))
+        );
+        let halves: Vec<u8> = [bf16::from_f32(65280.0), bf16::from_f32(-65536.0)]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert!(f16::from_f32(65280.0).is_finite());
+        assert_eq!(
+            first_overflow(Dtype::BF16, HsDtype::F16, &halves),
+            Some((1, -65536.0))
+        );
+        assert_eq!(first_overflow(Dtype::BF16, HsDtype::Bf16, &halves), None);
+    }
 
     /// The reference: decode each element and ask the float type.
     fn naive(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {

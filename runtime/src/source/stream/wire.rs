@@ -76,6 +76,10 @@ pub struct Reply {
     /// Ack of `done`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub done: bool,
+    /// Error: the refusal is only for now (every handshake or producer slot taken): the producer may try the
+    /// hello again after a while.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retry: bool,
 }
 
 impl Reply {
@@ -113,6 +117,16 @@ pub enum WireError {
         /// The timeout.
         timeout: Duration,
     },
+    /// A frame that must arrive whole within the timeout (a hello) did not.
+    #[error("only {got} of {expected} bytes of a frame arrived within {timeout:?} (read timeout)")]
+    Late {
+        /// Bytes received.
+        got: u64,
+        /// Bytes announced (8 while the length prefix itself is arriving).
+        expected: u64,
+        /// The timeout.
+        timeout: Duration,
+    },
     /// The frame announces more bytes than allowed.
     #[error("a frame of {len} bytes exceeds the limit of {max} bytes")]
     TooLarge {
@@ -121,9 +135,19 @@ pub enum WireError {
         /// The limit.
         max: u64,
     },
-    /// The run is stopping.
+    /// The run is stopping (nothing of a frame had arrived).
     #[error("the run is stopping")]
     Stopped,
+    /// The run is stopping while a frame was arriving: the frame is dropped, not waited for.
+    #[error(
+        "the run is stopping: this message was not queued ({got} of {expected} bytes had arrived)"
+    )]
+    Abandoned {
+        /// Bytes received.
+        got: u64,
+        /// Bytes announced.
+        expected: u64,
+    },
     /// A control message is not the JSON expected.
     #[error("malformed {what}: {detail}")]
     Malformed {
@@ -151,12 +175,7 @@ impl Listener {
     pub fn bind(listen: &str) -> io::Result<Self> {
         let listener = if let Some(path) = listen.strip_prefix("unix:") {
             let path = PathBuf::from(path);
-            // A socket file left by a killed run would make bind fail; only a socket is removed.
-            if std::fs::symlink_metadata(&path)
-                .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
-            {
-                std::fs::remove_file(&path)?;
-            }
+            remove_stale_socket(&path)?;
             Self::Unix(UnixListener::bind(&path)?, path)
         } else {
             let address = match listen.strip_prefix("localhost:") {
@@ -201,6 +220,34 @@ impl Listener {
     }
 }
 
+/// Removes a socket file that a killed run left at `path` (it would make bind fail), and refuses one that a
+/// live run listens on, as TCP's "address in use" does: removing it would hand that run's producers to this
+/// one. Only a socket is ever removed; anything else at `path` is left for bind to refuse.
+fn remove_stale_socket(path: &std::path::Path) -> io::Result<()> {
+    let is_socket = std::fs::symlink_metadata(path)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+    if !is_socket {
+        return Ok(());
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "address in use: another process is listening on {}",
+                path.display()
+            ),
+        )),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!(
+                "cannot tell whether {} is in use ({e}); remove it if no run listens there",
+                path.display()
+            ),
+        )),
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Self::Unix(_, path) = self {
@@ -240,6 +287,16 @@ impl Write for Socket {
     }
 }
 
+/// What a read waits for besides bytes.
+struct Wait<'a> {
+    /// Asked every [`POLL`] while no byte of a frame has arrived: false gives up ([`WireError::Stopped`]).
+    idle: &'a mut dyn FnMut() -> bool,
+    /// Asked between reads inside a frame: true gives up ([`WireError::Abandoned`]).
+    stop: &'a dyn Fn() -> bool,
+    /// When the whole frame must have arrived, if ever ([`WireError::Late`] after it).
+    deadline: Option<Instant>,
+}
+
 /// One producer's connection, with its peer address for the logs.
 #[derive(Debug)]
 pub struct Connection {
@@ -275,25 +332,6 @@ impl Connection {
         &self.peer
     }
 
-    /// Reads one frame into `buf` (grown as needed, never shrunk) and returns its length. Waits for the first
-    /// byte as long as `keep_waiting` says so (checked every [`POLL`]); once a frame has begun, every
-    /// `timeout` must bring some bytes. A frame over `max` is refused before its body is read.
-    pub fn read_frame(
-        &mut self,
-        buf: &mut Vec<u8>,
-        max: u64,
-        timeout: Duration,
-        keep_waiting: impl FnMut() -> bool,
-    ) -> Result<usize, WireError> {
-        let len = self.read_frame_len(max, timeout, keep_waiting)?;
-        let len = len as usize;
-        if buf.len() < len {
-            buf.resize(len, 0);
-        }
-        self.read_frame_body(&mut buf[..len], 0, len as u64, timeout)?;
-        Ok(len)
-    }
-
     /// Reads the length prefix of the next frame, waiting for its first byte as long as `keep_waiting` says
     /// so; a length over `max` is refused before any of the body is read. The body is then read with
     /// [`Self::read_frame_body`], in as many pieces as the reader likes.
@@ -304,7 +342,12 @@ impl Connection {
         mut keep_waiting: impl FnMut() -> bool,
     ) -> Result<u64, WireError> {
         let mut prefix = [0u8; 8];
-        self.read_full(&mut prefix, 0, 8, timeout, &mut keep_waiting)?;
+        let mut wait = Wait {
+            idle: &mut keep_waiting,
+            stop: &|| false,
+            deadline: None,
+        };
+        self.read_full(&mut prefix, 0, 8, timeout, &mut wait)?;
         let len = u64::from_le_bytes(prefix);
         if len > max {
             return Err(WireError::TooLarge { len, max });
@@ -313,15 +356,22 @@ impl Connection {
     }
 
     /// Fills `out` with the body bytes `at..at + out.len()` of a frame whose body is `len` bytes; every
-    /// `timeout` must bring some bytes, and errors count bytes from the start of the frame.
+    /// `timeout` must bring some bytes, and errors count bytes from the start of the frame. `stop` is asked
+    /// between reads: a run that is ending abandons the frame ([`WireError::Abandoned`]) rather than wait for
+    /// a producer in the middle of a message.
     pub fn read_frame_body(
         &mut self,
         out: &mut [u8],
-        at: u64,
-        len: u64,
+        (at, len): (u64, u64),
         timeout: Duration,
+        stop: &dyn Fn() -> bool,
     ) -> Result<(), WireError> {
-        self.read_full(out, 8 + at, 8 + len, timeout, &mut || true)
+        let mut wait = Wait {
+            idle: &mut || true,
+            stop,
+            deadline: None,
+        };
+        self.read_full(out, 8 + at, 8 + len, timeout, &mut wait)
     }
 
     /// Fills `out`; `offset` bytes of the frame came before it and the frame is `expected` bytes in all.
@@ -331,19 +381,30 @@ impl Connection {
         offset: u64,
         expected: u64,
         timeout: Duration,
-        keep_waiting: &mut dyn FnMut() -> bool,
+        wait: &mut Wait<'_>,
     ) -> Result<(), WireError> {
         let mut filled = 0;
         let mut last_progress = Instant::now();
         while filled < out.len() {
-            match self.socket.read(&mut out[filled..]) {
-                Ok(0) if filled == 0 && offset == 0 => return Err(WireError::Closed),
-                Ok(0) => {
-                    return Err(WireError::Truncated {
-                        got: offset + filled as u64,
+            let got = offset + filled as u64;
+            if got > 0 {
+                if (wait.stop)() {
+                    return Err(WireError::Abandoned { got, expected });
+                }
+                if wait
+                    .deadline
+                    .is_some_and(|deadline| Instant::now() >= deadline)
+                {
+                    return Err(WireError::Late {
+                        got,
                         expected,
+                        timeout,
                     });
                 }
+            }
+            match self.socket.read(&mut out[filled..]) {
+                Ok(0) if got == 0 => return Err(WireError::Closed),
+                Ok(0) => return Err(WireError::Truncated { got, expected }),
                 Ok(n) => {
                     filled += n;
                     last_progress = Instant::now();
@@ -354,13 +415,13 @@ impl Connection {
                         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                     ) =>
                 {
-                    if filled == 0 && offset == 0 {
-                        if !keep_waiting() {
+                    if got == 0 {
+                        if !(wait.idle)() {
                             return Err(WireError::Stopped);
                         }
                     } else if last_progress.elapsed() >= timeout {
                         return Err(WireError::Stalled {
-                            got: offset + filled as u64,
+                            got,
                             expected,
                             timeout,
                         });
@@ -373,19 +434,34 @@ impl Connection {
         Ok(())
     }
 
-    /// Reads one JSON control frame of at most [`MAX_HELLO_BYTES`].
+    /// Reads one JSON control frame of at most [`MAX_HELLO_BYTES`], all of it within `timeout` of the call
+    /// (a deadline for the whole frame, not for each byte: a peer dripping a byte at a time cannot hold a
+    /// handshake slot longer), or until `stop` is raised.
     pub fn read_json<T: for<'de> Deserialize<'de>>(
         &mut self,
         what: &'static str,
         timeout: Duration,
         stop: &AtomicBool,
     ) -> Result<T, WireError> {
-        let mut buf = Vec::new();
-        let started = Instant::now();
-        let len = self.read_frame(&mut buf, MAX_HELLO_BYTES, timeout, || {
-            !stop.load(Ordering::Relaxed) && started.elapsed() < timeout
-        })?;
-        serde_json::from_slice(&buf[..len]).map_err(|e| WireError::Malformed {
+        let deadline = Instant::now().checked_add(timeout);
+        let past_deadline = || deadline.is_some_and(|deadline| Instant::now() >= deadline);
+        let mut prefix = [0u8; 8];
+        let mut wait = Wait {
+            idle: &mut || !stop.load(Ordering::Relaxed) && !past_deadline(),
+            stop: &|| stop.load(Ordering::Relaxed),
+            deadline,
+        };
+        self.read_full(&mut prefix, 0, 8, timeout, &mut wait)?;
+        let len = u64::from_le_bytes(prefix);
+        if len > MAX_HELLO_BYTES {
+            return Err(WireError::TooLarge {
+                len,
+                max: MAX_HELLO_BYTES,
+            });
+        }
+        let mut buf = vec![0; len as usize];
+        self.read_full(&mut buf, 8, 8 + len, timeout, &mut wait)?;
+        serde_json::from_slice(&buf).map_err(|e| WireError::Malformed {
             what,
             detail: e.to_string(),
         })
@@ -404,8 +480,13 @@ impl Connection {
     }
 
     /// Sends an error reply (best effort: the peer may be gone) and closes the connection.
-    pub fn refuse(mut self, message: &str) {
-        let _ = self.send(&Reply::error(message));
+    pub fn refuse(self, message: &str) {
+        self.refuse_with(Reply::error(message));
+    }
+
+    /// Sends `reply` (best effort) and closes the connection.
+    pub fn refuse_with(mut self, reply: Reply) {
+        let _ = self.send(&reply);
         self.close();
     }
 
@@ -415,5 +496,41 @@ impl Connection {
             Socket::Tcp(s) => s.shutdown(Shutdown::Both),
             Socket::Unix(s) => s.shutdown(Shutdown::Both),
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_path(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("draftpipe-wire-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join("hs.sock")
+    }
+
+    #[test]
+    fn a_live_unix_socket_is_refused_and_kept() {
+        let path = socket_path("live");
+        let listen = format!("unix:{}", path.display());
+        let first = Listener::bind(&listen).unwrap();
+        let second = Listener::bind(&listen).unwrap_err();
+        assert_eq!(second.kind(), io::ErrorKind::AddrInUse, "{second}");
+        assert!(second.to_string().contains("address in use"), "{second}");
+        // The first run still owns its socket: a producer reaches it.
+        let _client = UnixStream::connect(&path).unwrap();
+        assert!(first.accept().unwrap().is_some());
+    }
+
+    #[test]
+    fn a_stale_unix_socket_is_replaced() {
+        let path = socket_path("stale");
+        drop(UnixListener::bind(&path).unwrap());
+        assert!(path.exists(), "std leaves the socket file behind");
+        let listener = Listener::bind(&format!("unix:{}", path.display())).unwrap();
+        let _client = UnixStream::connect(&path).unwrap();
+        assert!(listener.accept().unwrap().is_some());
     }
 }
