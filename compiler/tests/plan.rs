@@ -115,6 +115,7 @@ fn quickstart_memory_matches_the_documented_formula() {
         HostMemory {
             hs_pool_buffers: 21,
             hs_buffer_bytes: buffer,
+            stream_receive: 0,
         }
     );
     assert_eq!(
