@@ -118,6 +118,8 @@ fn handshake(mut connection: Connection, state: &ServerState) {
         slot: Some(slot),
         max_message_bytes: Some(config.max_message_bytes),
         delivered: Some(delivered),
+        largest_bucket: config.shapes.buckets.last().map(|&(len, _)| len),
+        batch_tokens: Some(config.target.batch_tokens),
         ..Reply::default()
     };
     let peer = connection.peer().to_string();
