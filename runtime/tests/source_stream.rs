@@ -665,3 +665,20 @@ fn a_nan_early_in_a_large_direct_message_is_answered_after_the_whole_message() {
         (error, peer)
     });
 }
+
+#[test]
+fn a_sequence_longer_than_the_largest_bucket_is_named_by_row_and_length() {
+    for layout in LAYOUTS {
+        refused_then_recovers(None, 1 << 20, |address| {
+            let mut client = Client::connect(address);
+            let peer = client.local_name();
+            assert!(client.hello(&hello("", "bad")).ok);
+            let tensors = batch(2, 20, DIN, VOCAB, &[8, 20], 21);
+            let error = expect_error(
+                client.send_in(layout, &tensors),
+                "sequence 1 of 2 has 20 tokens; the largest bucket is 16",
+            );
+            (error, peer)
+        });
+    }
+}
