@@ -682,3 +682,64 @@ fn a_sequence_longer_than_the_largest_bucket_is_named_by_row_and_length() {
         });
     }
 }
+
+#[test]
+fn counts_belong_to_names_and_a_restored_server_gives_them_back() {
+    let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
+    let address = status.address().to_string();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (stop, pool) = (&stop, &pool);
+        scope.spawn(move || {
+            let mut producer = producers.remove(0);
+            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
+                pool.give_back(batch).unwrap();
+            }
+        });
+        let _stop_on_panic = StopOnDrop(stop);
+        let mut first = Client::connect(&address);
+        assert!(first.hello(&hello("", "p")).ok);
+        assert_eq!(
+            first.send(&batch(2, 8, DIN, VOCAB, &[8, 2], 1)).delivered,
+            Some(1)
+        );
+        drop(first);
+        while status.connected().0 != 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // A new name takes the free slot but not `p`'s count: it has delivered nothing.
+        let mut other = Client::connect(&address);
+        assert_eq!(other.hello(&hello("", "q")).delivered, Some(0));
+        assert_eq!(
+            other.send(&batch(1, 8, DIN, VOCAB, &[3], 2)).delivered,
+            Some(1)
+        );
+        assert_eq!(
+            other.send(&batch(1, 8, DIN, VOCAB, &[4], 3)).delivered,
+            Some(2)
+        );
+        drop(other);
+        while status.connected().0 != 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut again = Client::connect(&address);
+        assert_eq!(again.hello(&hello("", "p")).delivered, Some(1));
+        drop(again);
+        while status.connected().0 != 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let records = status.records();
+    let counts: Vec<_> = records
+        .iter()
+        .map(|r| (r.name.as_str(), r.slot, r.delivered))
+        .collect();
+    assert_eq!(counts, [("p", Some(0), 1), ("q", None, 2)]);
+
+    // A resumed run's server starts from the checkpoint's records.
+    let (_producers, restored, _pool, _log) = server(1, None, 1 << 20);
+    restored.restore(&records);
+    assert_eq!(restored.records(), records);
+    let mut client = Client::connect(restored.address());
+    assert_eq!(client.hello(&hello("", "q")).delivered, Some(2));
+}

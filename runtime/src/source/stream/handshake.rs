@@ -97,9 +97,8 @@ fn handshake(mut connection: Connection, state: &ServerState) {
             )),
             Some(w) => {
                 let slot = &mut slots[w];
-                if hello.producer.is_some() {
-                    slot.name = hello.producer.clone();
-                }
+                // Counts belong to names: a new name in a slot starts from its own count, not the slot's.
+                slot.take_over(hello.producer.as_ref(), &mut state.known());
                 slot.connected = Some(generation);
                 Ok((w, slot.delivered))
             }

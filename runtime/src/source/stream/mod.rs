@@ -35,6 +35,7 @@ mod receive;
 mod scan;
 pub mod wire;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
@@ -51,6 +52,7 @@ use self::receive::{DirectReceiver, ReceiveError, Received};
 use self::wire::{Connection, Listener, POLL, Reply, WireError};
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
+use crate::checkpoint::ProducerRecord;
 
 /// Where a stream source's events go (listening address, refused connections, faults): one line each.
 pub type StreamLog = Arc<dyn Fn(&str) + Send + Sync>;
@@ -88,8 +90,23 @@ struct Slot {
     /// The generation of the connection now held, if any.
     connected: Option<u64>,
     done: bool,
-    /// Messages acknowledged, over reconnects.
+    /// Messages of the producer named `name` acknowledged, over reconnects.
     delivered: u64,
+}
+
+impl Slot {
+    /// Gives the slot to producer `name` (`None`: unnamed), whose count follows it: the count of the name
+    /// that held the slot goes to `known`, the new name's comes from there (0 for a name never seen).
+    fn take_over(&mut self, name: Option<&String>, known: &mut BTreeMap<String, u64>) {
+        if self.name.as_ref() == name {
+            return;
+        }
+        if let Some(old) = self.name.take() {
+            known.insert(old, self.delivered);
+        }
+        self.delivered = name.and_then(|n| known.remove(n)).unwrap_or(0);
+        self.name = name.cloned();
+    }
 }
 
 struct ServerState {
@@ -97,6 +114,8 @@ struct ServerState {
     address: String,
     stop: AtomicBool,
     slots: Mutex<Vec<Slot>>,
+    /// Counts of the names that gave their slot to another name (taken with `slots` held).
+    known: Mutex<BTreeMap<String, u64>>,
     handoff: Vec<Sender<(Connection, u64)>>,
     /// Per slot: a newer connection waits in `handoff` (wakes a source idle on its old connection).
     replacement: Vec<AtomicBool>,
@@ -106,6 +125,10 @@ struct ServerState {
 impl ServerState {
     fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Slot>> {
         self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, u64>> {
+        self.known.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn log(&self, line: &str) {
@@ -155,9 +178,46 @@ impl StreamStatus {
         format!("producers=[{connected}/{expected} connected]")
     }
 
-    /// Messages acknowledged per slot so far.
+    /// Messages acknowledged per slot so far (of the producer that holds it now).
     pub fn delivered(&self) -> Vec<u64> {
         self.state.slots().iter().map(|s| s.delivered).collect()
+    }
+
+    /// Every named producer seen: its slot (if it still holds one) and its messages acknowledged.
+    pub fn records(&self) -> Vec<ProducerRecord> {
+        let slots = self.state.slots();
+        let known = self.state.known();
+        let held = slots.iter().enumerate().filter_map(|(w, slot)| {
+            slot.name.as_ref().map(|name| ProducerRecord {
+                name: name.clone(),
+                slot: Some(w),
+                delivered: slot.delivered,
+            })
+        });
+        let released = known.iter().map(|(name, &delivered)| ProducerRecord {
+            name: name.clone(),
+            slot: None,
+            delivered,
+        });
+        held.chain(released).collect()
+    }
+
+    /// Gives the producers of a checkpoint back their slots and counts (before any connects): a producer that
+    /// reconnects under its name then learns where its acknowledged messages end.
+    pub fn restore(&self, records: &[ProducerRecord]) {
+        let mut slots = self.state.slots();
+        let mut known = self.state.known();
+        for record in records {
+            match record.slot.and_then(|w| slots.get_mut(w)) {
+                Some(slot) if slot.name.is_none() => {
+                    slot.name = Some(record.name.clone());
+                    slot.delivered = record.delivered;
+                }
+                _ => {
+                    known.insert(record.name.clone(), record.delivered);
+                }
+            }
+        }
     }
 
     /// The address producers connect to.
@@ -177,6 +237,7 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
         address: address.clone(),
         stop: AtomicBool::new(false),
         slots: Mutex::new(vec![Slot::default(); producers]),
+        known: Mutex::new(BTreeMap::new()),
         handoff: senders,
         replacement: (0..producers).map(|_| AtomicBool::new(false)).collect(),
         generation: AtomicUsize::new(1),
@@ -545,6 +606,12 @@ impl HsSource for StreamSource {
         check_owned(position, self.slot, self.server.state.config.producers)?;
         self.next = position;
         Ok(())
+    }
+
+    fn stream_status(&self) -> Option<StreamStatus> {
+        Some(StreamStatus {
+            state: Arc::clone(&self.server.state),
+        })
     }
 
     fn status_probe(&self) -> Option<super::SourceStatusProbe> {
