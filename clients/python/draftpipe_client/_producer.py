@@ -278,12 +278,18 @@ class Producer:
         return ack
 
     def done(self):
-        """Tells draftpipe this producer has nothing more to send; the run ends when every producer is done."""
-        if not self._done:
-            self._frame([], 0)
-            self._reply()
-            self._done = True
-            self._socket.close()
+        """Tells draftpipe this producer has nothing more to send; the run ends when every producer is done.
+
+        Returns the :class:`Ack` of the rows still held in part-filled items, which are queued before the reply
+        (``batches`` of them), or ``None`` when done was already said."""
+        if self._done:
+            return None
+        self._frame([], 0)
+        reply = self._reply()
+        self._done = True
+        self._socket.close()
+        return Ack(messages=0, batches=reply.get("batches", 0), sequences=0,
+                   delivered=reply.get("delivered", self.delivered))
 
     def close(self):
         """Closes the connection without saying done: the slot waits for this producer to reconnect."""

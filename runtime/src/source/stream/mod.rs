@@ -483,6 +483,7 @@ impl StreamSource {
     fn producer_done(&mut self) {
         self.done_pending = true;
         self.flush = true;
+        self.cut = 0;
     }
 
     /// Acknowledges `done` (every row of the producer is queued), closes, and ends this slot's stream.
@@ -501,6 +502,8 @@ impl StreamSource {
             ok: true,
             done: true,
             delivered: Some(delivered),
+            // The part-filled items its last rows were in, queued before this reply.
+            batches: Some(self.cut),
             ..Reply::default()
         });
         self.state().log(&format!(
