@@ -204,12 +204,15 @@ def _stream(args, tokenizer, target, sequences_of):
         progress = _Progress(len(sequences), first)
         outputs = target.run(sequences[first:], _hidden_torch_dtype(torch, args.dtype))
         tokens_sent = 0
-        for start, end in plan[skip:]:
-            group = [next(outputs) for _ in range(end - start)]
-            producer.send(input_ids=[ids for ids, _ in group], hidden_states=[hs for _, hs in group])
-            tokens_sent += sum(len(ids) for ids, _ in group)
-            progress.update(end - start, tokens_sent)
-        progress.close()
+        try:
+            for start, end in plan[skip:]:
+                group = [next(outputs) for _ in range(end - start)]
+                producer.send(input_ids=[ids for ids, _ in group], hidden_states=[hs for _, hs in group])
+                tokens_sent += sum(len(ids) for ids, _ in group)
+                progress.update(end - start, tokens_sent)
+        finally:
+            # Before any closing line (the run has ended, a refusal), so that line is the last one.
+            progress.close()
         print(f"producer `{producer.name}`: {len(plan)} messages acknowledged ({len(sequences)} prompts), done",
               file=sys.stderr)
 
