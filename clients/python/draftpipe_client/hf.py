@@ -185,7 +185,7 @@ def _hidden_torch_dtype(torch, name):
     return {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[name]
 
 
-def _stream(args, tokenizer, target, sequences_of):
+def _stream(args, target, sequences_of):
     torch = target.torch
     config = target.config
     with Producer(args.connect, hidden=config.hidden_size, tap_layers=args.tap_layers,
@@ -266,7 +266,7 @@ def main(argv=None):
         if args.write:
             _write(args, target, _tokenize(tokenizer, records, args.max_length))
         else:
-            _stream(args, tokenizer, target, lambda limit: _tokenize(tokenizer, records, limit))
+            _stream(args, target, lambda limit: _tokenize(tokenizer, records, limit))
     except RunEnded as ended:
         print(f"draftpipe: {ended}; this producer stops", file=sys.stderr)
         return 0
