@@ -242,20 +242,21 @@ pub fn run_with_sources(
     finish((plan, options), &shared, reporter, (stop, step, step_limit))
 }
 
+/// What [`open_producers`] opens: the producers, the status line's probe, a stream's names and counts.
+type OpenedProducers = (
+    Vec<Producer>,
+    Option<SourceStatusProbe>,
+    Option<StreamStatus>,
+);
+
 /// The producers, one per target worker, each source moved to the resumed position, and the first source's
-/// status probe for the status line (a stream source's connections).
+/// status probe for the status line (a stream source's connections) and stream handle (its producers' names
+/// and counts, given back from the checkpoint here and saved with each checkpoint).
 fn open_producers(
     plan: &Plan,
     open: impl FnOnce(&Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError>,
     start: &Start,
-) -> Result<
-    (
-        Vec<Producer>,
-        Option<SourceStatusProbe>,
-        Option<StreamStatus>,
-    ),
-    RunError,
-> {
+) -> Result<OpenedProducers, RunError> {
     let mut sources = open(plan)?;
     let workers = plan.target.placement.workers.len();
     if sources.len() != workers {
