@@ -729,6 +729,10 @@ fn counts_belong_to_names_and_a_restored_server_gives_them_back() {
             std::thread::sleep(Duration::from_millis(10));
         }
     });
+    assert_eq!(
+        status.describe(),
+        "producers=[0/1 connected; waiting for p (lost, may reconnect)]"
+    );
     let records = status.records();
     let counts: Vec<_> = records
         .iter()
@@ -738,6 +742,10 @@ fn counts_belong_to_names_and_a_restored_server_gives_them_back() {
 
     // A resumed run's server starts from the checkpoint's records.
     let (_producers, restored, _pool, _log) = server(1, None, 1 << 20);
+    assert_eq!(
+        restored.describe(),
+        "producers=[0/1 connected; waiting for slot 0 (never connected)]"
+    );
     restored.restore(&records);
     assert_eq!(restored.records(), records);
     let mut client = Client::connect(restored.address());

@@ -172,10 +172,27 @@ impl StreamStatus {
         )
     }
 
-    /// `producers=[3/5 connected]`.
+    /// `producers=[3/5 connected]`, and while some are missing, which ones the run waits for:
+    /// `producers=[1/3 connected; waiting for gpu1 (lost, may reconnect), slot 2 (never connected)]`.
     pub fn describe(&self) -> String {
-        let (connected, expected) = self.connected();
-        format!("producers=[{connected}/{expected} connected]")
+        let slots = self.state.slots();
+        let connected = slots.iter().filter(|s| s.connected.is_some()).count();
+        let waiting: Vec<String> = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.connected.is_none() && !s.done)
+            .map(|(w, s)| match &s.name {
+                Some(name) => format!("{name} (lost, may reconnect)"),
+                None => format!("slot {w} (never connected)"),
+            })
+            .collect();
+        let mut line = format!("producers=[{connected}/{} connected", slots.len());
+        if !waiting.is_empty() {
+            line.push_str("; waiting for ");
+            line.push_str(&waiting.join(", "));
+        }
+        line.push(']');
+        line
     }
 
     /// Messages acknowledged per slot so far (of the producer that holds it now).
