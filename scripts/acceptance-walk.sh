@@ -77,8 +77,8 @@ else
     sed -e "s#runs/walk/#$work/#g" pipelines/dflash-tiny-target.pipe > "$pipe"
     taps=(1 2 3 4)
 fi
-# One message of 8 conversations is one queue item (bucket 256, 2048 tokens): one step each.
-steps=$(( (prompts + 7) / 8 * epochs ))
+# A queue item holds 8 conversations (bucket 256, 2048 tokens), filled across messages and epochs: one step each.
+steps=$(( (prompts * epochs + 7) / 8 ))
 "$bin" run "$pipe" --steps "$steps" --save "$work/draft" --save-every "$steps" --run-dir "$work/run" \
     > "$work/run.log" 2>&1 &
 run_pid=$!
@@ -88,7 +88,7 @@ for _ in $(seq 600); do
     sleep 0.1
 done
 "$python" -m draftpipe_client.hf --model "$work/target" --data "$work/regenerated.jsonl" --tap-layers "${taps[@]}" \
-    --connect "unix:$work/hs.sock" --dtype float32 --batch-size 8 --max-length 256 --epochs "$epochs" --name walk
+    --connect "unix:$work/hs.sock" --model-dtype float32 --batch-size 8 --max-length 256 --epochs "$epochs" --name walk
 if ! wait "$run_pid"; then
     cat "$work/run.log" >&2
     echo "acceptance-walk: draftpipe run failed" >&2

@@ -195,6 +195,24 @@ pub struct TrainingState {
     pub rng_state: Vec<u64>,
     /// Per producer worker, the global position of the next batch it must produce.
     pub data_positions: Vec<u64>,
+    /// A stream source's producers by name: the slot each held and how many of its messages were
+    /// acknowledged, so a producer of a resumed run goes on where its acknowledged messages end (empty for
+    /// other sources and for checkpoints written before it was kept).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stream_producers: Vec<ProducerRecord>,
+}
+
+/// One stream producer's name, its slot (`None`: it had given its slot to another name) and the messages of it
+/// acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProducerRecord {
+    /// The name its hello gave.
+    pub name: String,
+    /// The producer slot it held last, if it still held one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<usize>,
+    /// Its messages acknowledged, over reconnects.
+    pub delivered: u64,
 }
 
 impl TrainingState {
@@ -582,7 +600,7 @@ impl StagedCheckpoint {
 /// ```no_run
 /// # use draftpipe_runtime::checkpoint::{save_checkpoint, load_checkpoint, TrainingState};
 /// # fn demo(model: &draftpipe_compiler::plan::ModelPlan, p: &[f32], m: &[f32], v: &[f32]) -> Result<(), Box<dyn std::error::Error>> {
-/// let state = TrainingState { step: 100, optimizer_step: 98, plan_name: "quickstart".into(), rng_state: vec![7], data_positions: vec![200, 201] };
+/// let state = TrainingState { step: 100, optimizer_step: 98, plan_name: "quickstart".into(), rng_state: vec![7], data_positions: vec![200, 201], stream_producers: Vec::new() };
 /// save_checkpoint("runs/ckpt".as_ref(), model, p, m, v, &state)?;
 /// let restored = load_checkpoint("runs/ckpt".as_ref(), model)?;
 /// assert_eq!(restored.state, state);

@@ -77,6 +77,21 @@ pub enum TensorProblem {
         /// The expected shape, in words.
         expected: String,
     },
+    /// A sequence is longer than the plan's largest bucket (rows counted from 0, as the tensor's are).
+    #[error(
+        "sequence {row} of {rows} has {len} tokens; the largest bucket is {largest} (truncate or split longer \
+         sequences, or add a larger bucket)"
+    )]
+    TooLong {
+        /// The row.
+        row: usize,
+        /// Rows in the tensor.
+        rows: usize,
+        /// The row's length (its last nonzero loss-mask position, or the tensor's width without a mask).
+        len: usize,
+        /// The largest bucket's length.
+        largest: usize,
+    },
     /// A float value is NaN or infinite where only finite values can train (hidden states, weights).
     #[error("non-finite value {value} at element {at} (of the flattened tensor)")]
     NonFinite {

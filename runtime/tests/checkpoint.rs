@@ -35,6 +35,7 @@ fn state(step: u64) -> TrainingState {
         plan_name: "quickstart".into(),
         rng_state: vec![step, 42, u64::MAX],
         data_positions: vec![step * 2, step * 2 + 1],
+        stream_producers: Vec::new(),
     }
 }
 
@@ -320,4 +321,28 @@ fn truncated_checkpoint_files_and_bad_state_are_reported() {
         load_checkpoint(&dir, &model),
         Err(CheckpointError::State { .. })
     ));
+}
+
+#[test]
+fn stream_producer_records_round_trip_and_old_states_read_without_them() {
+    let mut with = state(3);
+    with.stream_producers = vec![
+        ProducerRecord {
+            name: "gpu0".into(),
+            slot: Some(1),
+            delivered: 17,
+        },
+        ProducerRecord {
+            name: "gone".into(),
+            slot: None,
+            delivered: 4,
+        },
+    ];
+    let json = serde_json::to_string(&with).unwrap();
+    assert_eq!(serde_json::from_str::<TrainingState>(&json).unwrap(), with);
+    // Written before the records were kept (and by runs without a stream): the field is absent.
+    let old = serde_json::to_string(&state(3)).unwrap();
+    assert!(!old.contains("stream_producers"), "{old}");
+    let read: TrainingState = serde_json::from_str(&old).unwrap();
+    assert!(read.stream_producers.is_empty());
 }

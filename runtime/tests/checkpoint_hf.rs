@@ -58,6 +58,7 @@ fn training_state() -> TrainingState {
         plan_name: "dflash-test".into(),
         rng_state: vec![0],
         data_positions: vec![3],
+        stream_producers: Vec::new(),
     }
 }
 

@@ -36,6 +36,7 @@ fn save_step(dir: &std::path::Path, step: u64) {
         plan_name: "kill".into(),
         rng_state: vec![step],
         data_positions: vec![step],
+        stream_producers: Vec::new(),
     };
     save_checkpoint(dir, &model, &p, &m, &v, &state).unwrap();
 }

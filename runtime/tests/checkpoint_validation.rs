@@ -20,6 +20,7 @@ fn state(step: u64) -> TrainingState {
         plan_name: "validation".into(),
         rng_state: vec![0],
         data_positions: vec![step],
+        stream_producers: Vec::new(),
     }
 }
 

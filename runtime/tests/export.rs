@@ -44,6 +44,7 @@ fn training_state(step: u64) -> TrainingState {
         plan_name: "dflash-export".into(),
         rng_state: vec![1],
         data_positions: vec![step],
+        stream_producers: Vec::new(),
     }
 }
 

@@ -403,7 +403,7 @@ fn out_of_range_ids_and_overlong_sequences_are_refused() {
         ],
     );
     assert!(
-        m.contains("sequence 0 (length 20)") && m.contains("16 tokens"),
+        m.contains("sequence 0 of 2 has 20 tokens; the largest bucket is 16"),
         "{m}"
     );
     assert_eq!(tensor_of(&e), "input_ids");

@@ -36,6 +36,12 @@ class _Busy(ProducerError):
     """A hello refused only for now (every handshake or producer slot taken): worth trying again."""
 
 
+class RunEnded(ProducerError):
+    """The run stopped (it reached its step limit, got a signal or failed): nothing more will be accepted.
+
+    Not a fault of the producer: a producer that gets it should exit normally, not reconnect."""
+
+
 @dataclass
 class Ack:
     """What draftpipe acknowledged for one :meth:`Producer.send` (summed over the messages it was split into)."""
@@ -131,6 +137,10 @@ class Producer:
         self.slot = reply["slot"]
         self.max_message_bytes = reply["max_message_bytes"]
         self.delivered = reply.get("delivered", 0)
+        #: The plan's largest bucket: a longer sequence is refused (``None`` from a server before it was sent).
+        self.largest_bucket = reply.get("largest_bucket")
+        #: Token slots of one queue item (the plan's ``batch_tokens``), or ``None`` from an older server.
+        self.batch_tokens = reply.get("batch_tokens")
         self._done = False
 
     @staticmethod
@@ -153,9 +163,20 @@ class Producer:
                 time.sleep(0.05)
 
     def _frame(self, parts, length):
-        self._socket.sendall(struct.pack("<Q", length))
-        for part in parts:
-            self._socket.sendall(part)
+        try:
+            self._socket.sendall(struct.pack("<Q", length))
+            for part in parts:
+                self._socket.sendall(part)
+        except OSError as error:
+            # The server stopped reading: it may have said why (the run ended) before it closed.
+            self._socket.settimeout(1.0)
+            try:
+                self._reply()
+            except ProducerError:
+                raise
+            except (OSError, ValueError, struct.error):
+                pass
+            raise ProducerError(f"draftpipe closed the connection while a message was sent ({error})") from None
 
     def _recv_exact(self, n):
         chunks = bytearray()
@@ -167,10 +188,15 @@ class Producer:
         return bytes(chunks)
 
     def _reply(self):
-        (length,) = struct.unpack("<Q", self._recv_exact(8))
-        reply = json.loads(self._recv_exact(length))
+        try:
+            (length,) = struct.unpack("<Q", self._recv_exact(8))
+            reply = json.loads(self._recv_exact(length))
+        except ConnectionError as error:
+            raise ProducerError(f"draftpipe closed the connection ({error})") from None
         if not reply.get("ok"):
             self._socket.close()
+            if reply.get("ended"):
+                raise RunEnded(reply.get("error", "the run has ended"))
             error = _Busy if reply.get("retry") else ProducerError
             raise error(reply.get("error", "refused"))
         return reply
@@ -210,6 +236,20 @@ class Producer:
             mask = None if mask is None else mask[None]
         return ids, (hs, hs_dtype), mask
 
+    def _sent_itemsize(self, hs, hs_dtype):
+        """Bytes per hidden-state value as :meth:`_hidden_tensor` will send them."""
+        if hs_dtype == "BF16" or self.hidden_dtype in ("bf16", "f16"):
+            return 2
+        if self.hidden_dtype == "f32":
+            return 4
+        return hs.dtype.itemsize
+
+    def rows_per_message(self, width, itemsize=2, masked=True):
+        """Rows of ``width`` tokens that fit one message under the server's ``max_message_bytes``, with hidden
+        states of ``itemsize`` bytes per value, int64 ids and (``masked``) a one-byte loss mask; at least 1."""
+        row_bytes = width * (self.width * itemsize + 8 + (1 if masked else 0))
+        return max(1, (self.max_message_bytes - (1 << 16)) // max(row_bytes, 1))
+
     def _hidden_tensor(self, hs, hs_dtype):
         if hs_dtype == "BF16":
             return Tensor(hs, "BF16")
@@ -239,8 +279,8 @@ class Producer:
             )
         if mask is not None and mask.shape != ids.shape:
             raise ValueError(f"loss_mask has shape {tuple(mask.shape)}, expected {tuple(ids.shape)}")
-        row_bytes = ids.shape[1] * (self.width * 4 + 16) if ids.size else 1
-        rows_per_message = max(1, (self.max_message_bytes - (1 << 16)) // row_bytes)
+        # Sized by what is sent (2 bytes a value for bf16/f16), so a message carries as many rows as fit.
+        rows_per_message = self.rows_per_message(ids.shape[1], self._sent_itemsize(hs, hs_dtype), mask is not None)
         ack = Ack()
         for start in range(0, max(ids.shape[0], 1), rows_per_message):
             rows = slice(start, start + rows_per_message)
@@ -260,12 +300,18 @@ class Producer:
         return ack
 
     def done(self):
-        """Tells draftpipe this producer has nothing more to send; the run ends when every producer is done."""
-        if not self._done:
-            self._frame([], 0)
-            self._reply()
-            self._done = True
-            self._socket.close()
+        """Tells draftpipe this producer has nothing more to send; the run ends when every producer is done.
+
+        Returns the :class:`Ack` of the rows still held in part-filled items, which are queued before the reply
+        (``batches`` of them), or ``None`` when done was already said."""
+        if self._done:
+            return None
+        self._frame([], 0)
+        reply = self._reply()
+        self._done = True
+        self._socket.close()
+        return Ack(messages=0, batches=reply.get("batches", 0), sequences=0,
+                   delivered=reply.get("delivered", self.delivered))
 
     def close(self):
         """Closes the connection without saying done: the slot waits for this producer to reconnect."""

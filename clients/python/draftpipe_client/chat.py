@@ -136,16 +136,6 @@ def prepare(record: dict, tokenizer: Any, model: Any, regenerate_tokens: int, ma
     return {"input_ids": encoded.input_ids, "loss_mask": encoded.loss_mask}
 
 
-def pad_loss_mask(records: Sequence[dict], attention_mask: Any) -> Any:
-    """The batch's loss mask: each record's ``loss_mask`` where it has one, else its attention mask (padding 0)."""
-    mask = attention_mask.clone()
-    for row, record in enumerate(records):
-        if "loss_mask" in record:
-            given = record["loss_mask"][: mask.shape[1]]
-            mask[row, : len(given)] = mask.new_tensor(given) * attention_mask[row, : len(given)]
-    return mask
-
-
 def read_records(path: str) -> Iterator[tuple[str, dict]]:
     """``(file:line, record)`` for each non-empty JSON line of ``path``."""
     with open(path, encoding="utf-8") as lines:

@@ -45,7 +45,9 @@ def main():
             log.write(f"{m} {ack.batches}\n")
             if args.hang_after is not None and index + 1 == args.hang_after:
                 time.sleep(3600)
-    producer.done()
+    ack = producer.done()
+    with open(args.ack_log, "a", buffering=1) as log:
+        log.write(f"done {ack.batches}\n")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def test_bad_producers_are_refused_and_the_run_goes_on(tmp_path, start_run):
     with Producer(address, hidden=HIDDEN, tap_layers=TAPS, vocab=VOCAB, token="correct horse") as good:
         ack = good.send(input_ids=[np.arange(5), np.arange(20)],
                         hidden_states=[np.ones((5, WIDTH), np.float32), np.ones((20, WIDTH), np.float32)])
-        assert (ack.batches, ack.sequences) == (2, 2)  # lengths 5 and 20: buckets 16 and 32
+        # Lengths 5 and 20: buckets 16 and 32, whose items (4 and 2 sequences) wait open for more rows.
+        assert (ack.batches, ack.sequences) == (0, 2)
     assert run.wait() == 0, run.stderr()
     log = run.stderr()
     assert "refused: wrong token" in log and "hidden_states" in log, log
@@ -106,7 +107,9 @@ def test_five_producers_one_killed_and_restarted_train_on_every_acknowledged_bat
     assert run.wait() == 0, run.stderr()
 
     acknowledged = sum(int(line.split()[1]) for log in logs.values() for line in log.read_text().splitlines())
-    assert all(len(log.read_text().splitlines()) == messages for log in logs.values())
-    assert run.summary()["steps"] == acknowledged
+    assert all(len(log.read_text().splitlines()) == messages + 1 for log in logs.values())
+    # Every acknowledged item trained, plus the victim's part-filled items (at most one per bucket), queued
+    # when its connection closed.
+    assert acknowledged <= run.summary()["steps"] <= acknowledged + 2
     assert "producer `p3` connected as slot" in run.stderr()
     assert "producers=[" in run.stdout(), run.stdout()

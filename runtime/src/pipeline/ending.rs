@@ -97,6 +97,7 @@ pub(super) fn save_at_end(
         plan_name: plan.name.clone(),
         rng_state: vec![options.init_seed],
         data_positions,
+        stream_producers: shared.stream_producers(),
     };
     let saved = save_last_good_checkpoint(
         dir,

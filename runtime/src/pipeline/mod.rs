@@ -40,13 +40,15 @@ use draftpipe_compiler::plan::{Device, ModelSpec, Plan, SyncMode};
 use crate::allreduce::AllReduce;
 use crate::backend::cpu::CpuBackend;
 use crate::batch::HsBatch;
-use crate::checkpoint::{load_checkpoint, load_initial_weights};
+use crate::checkpoint::{ProducerRecord, load_checkpoint, load_initial_weights};
 use crate::cpu::HostThreads;
 use crate::cuda::GradientAllReduce;
 use crate::drafter::DrafterError;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
-use crate::source::{BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, open_sources};
+use crate::source::{
+    BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, StreamStatus, open_sources,
+};
 use crate::target_weights::TargetWeights;
 use crate::telemetry::{
     Diagnosis, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
@@ -106,6 +108,8 @@ struct Start {
     state: FlatState,
     step: u64,
     data_positions: Option<Vec<u64>>,
+    /// A stream's producers by name, from the checkpoint resumed.
+    stream_producers: Vec<ProducerRecord>,
     frozen: Option<TargetWeights>,
 }
 
@@ -144,6 +148,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
             state,
             step: checkpoint.state.step,
             data_positions: Some(checkpoint.state.data_positions),
+            stream_producers: checkpoint.state.stream_producers,
             frozen,
         });
     }
@@ -154,6 +159,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
         state,
         step: 0,
         data_positions: None,
+        stream_producers: Vec::new(),
         frozen,
     })
 }
@@ -196,7 +202,7 @@ pub fn run_with_sources(
         None => Vec::new(),
     };
     let start = starting_state(plan, options)?;
-    let (producers, source_status) = open_producers(plan, open, &start)?;
+    let (producers, source_status, stream) = open_producers(plan, open, &start)?;
     let first_positions = start
         .data_positions
         .clone()
@@ -210,6 +216,7 @@ pub fn run_with_sources(
         interrupt,
         first_positions,
         start.state.step,
+        stream,
     ));
     let drafters = plan.drafter.placement.workers.len();
     let telemetry = Arc::new(Telemetry::new(
@@ -237,13 +244,21 @@ pub fn run_with_sources(
     finish((plan, options), &shared, reporter, (stop, step, step_limit))
 }
 
+/// What [`open_producers`] opens: the producers, the status line's probe, a stream's names and counts.
+type OpenedProducers = (
+    Vec<Producer>,
+    Option<SourceStatusProbe>,
+    Option<StreamStatus>,
+);
+
 /// The producers, one per target worker, each source moved to the resumed position, and the first source's
-/// status probe for the status line (a stream source's connections).
+/// status probe for the status line (a stream source's connections) and stream handle (its producers' names
+/// and counts, given back from the checkpoint here and saved with each checkpoint).
 fn open_producers(
     plan: &Plan,
     open: impl FnOnce(&Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError>,
     start: &Start,
-) -> Result<(Vec<Producer>, Option<SourceStatusProbe>), RunError> {
+) -> Result<OpenedProducers, RunError> {
     let mut sources = open(plan)?;
     let workers = plan.target.placement.workers.len();
     if sources.len() != workers {
@@ -259,9 +274,14 @@ fn open_producers(
         }
     }
     let source_status = sources.first().and_then(|source| source.status_probe());
+    let stream = sources.first().and_then(|source| source.stream_status());
+    if let Some(stream) = &stream {
+        stream.restore(&start.stream_producers);
+    }
     Ok((
         sources.into_iter().map(Producer::new).collect(),
         source_status,
+        stream,
     ))
 }
 

@@ -10,8 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::batch::HsBatch;
+use crate::checkpoint::ProducerRecord;
 use crate::queue::HsQueue;
-use crate::source::BatchPool;
+use crate::source::{BatchPool, StreamStatus};
 
 use super::ending::EndState;
 use super::error::RunError;
@@ -48,6 +49,8 @@ pub(super) struct Shared {
     pub(super) producer_errors: Mutex<Vec<String>>,
     /// What the end of the run needs: the final save's record of a last good state.
     pub(super) end: EndState,
+    /// The stream's producer names and counts, when the source is a stream (saved with each checkpoint).
+    pub(super) stream: Option<StreamStatus>,
 }
 
 impl Shared {
@@ -58,6 +61,7 @@ impl Shared {
         interrupt: Arc<AtomicBool>,
         first_positions: Vec<u64>,
         first_optimizer_step: u64,
+        stream: Option<StreamStatus>,
     ) -> Self {
         Self {
             queue,
@@ -71,7 +75,16 @@ impl Shared {
             trained: Mutex::new(first_positions),
             producer_errors: Mutex::new(Vec::new()),
             end: EndState::new(first_optimizer_step),
+            stream,
         }
+    }
+
+    /// The stream's producers by name, for a checkpoint (empty without a stream).
+    pub(super) fn stream_producers(&self) -> Vec<ProducerRecord> {
+        self.stream
+            .as_ref()
+            .map(StreamStatus::records)
+            .unwrap_or_default()
     }
 
     pub(super) fn fail(&self, error: RunError) {

@@ -415,6 +415,7 @@ pub(super) fn save(
         plan_name: plan.name.clone(),
         rng_state: vec![options.init_seed],
         data_positions,
+        stream_producers: shared.stream_producers(),
     };
     if let Err(error) = save_checkpoint_as(
         dir,

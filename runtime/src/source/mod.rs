@@ -203,6 +203,12 @@ pub trait HsSource: Send {
     /// Makes the batch at global `position` the next one (it must belong to this producer).
     fn seek(&mut self, position: u64) -> Result<(), SourceError>;
 
+    /// The stream server's producer names and counts, when this is a stream source (every slot of one stream
+    /// shares them).
+    fn stream_status(&self) -> Option<StreamStatus> {
+        None
+    }
+
     /// What the status line should show of this source (connected producers, the epoch), if anything.
     fn status_probe(&self) -> Option<SourceStatusProbe> {
         None

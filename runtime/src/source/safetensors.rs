@@ -115,13 +115,14 @@ impl SafetensorsDataset {
         for path in paths {
             let file_index = dataset.files.len() as u32;
             let (data_file, lengths) = check_file(&path, target, shapes)?;
+            let rows = lengths.len();
             for (row, len) in lengths.into_iter().enumerate() {
                 if len == 0 {
                     continue;
                 }
                 let bucket = shapes
                     .bucket_for_len(len)
-                    .ok_or_else(|| too_long(&path, row, len, shapes))?;
+                    .ok_or_else(|| too_long(&path, row, rows, len, shapes))?;
                 pending[bucket].push(SeqRef {
                     file: file_index,
                     row: row as u32,
@@ -205,13 +206,18 @@ impl SafetensorsDataset {
     }
 }
 
-fn too_long(path: &Path, row: usize, len: usize, shapes: &BucketShapes) -> SourceError {
-    let largest = shapes.buckets.last().map_or(0, |b| b.0);
-    let problem = TensorProblem::WrongShape {
-        found: vec![row, len],
-        expected: format!(
-            "sequence {row} (length {len}) to fit the largest bucket, {largest} tokens"
-        ),
+pub(crate) fn too_long(
+    path: &Path,
+    row: usize,
+    rows: usize,
+    len: usize,
+    shapes: &BucketShapes,
+) -> SourceError {
+    let problem = TensorProblem::TooLong {
+        row,
+        rows,
+        len,
+        largest: shapes.buckets.last().map_or(0, |b| b.0),
     };
     TensorFileError::tensor(path, INPUT_IDS, problem).into()
 }
@@ -352,7 +358,7 @@ pub fn check_tensors(
         });
     }
     if !has_mask && seq > shapes.buckets.last().map_or(0, |b| b.0) {
-        return Err(too_long(path, 0, seq, shapes));
+        return Err(too_long(path, 0, rows, seq, shapes));
     }
     let mut bytes = Vec::new();
     let mut ids_row = vec![0i64; seq];

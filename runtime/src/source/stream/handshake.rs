@@ -101,9 +101,8 @@ fn handshake(mut connection: Connection, state: &ServerState) {
             }
             Some(w) => {
                 let slot = &mut slots[w];
-                if hello.producer.is_some() {
-                    slot.name = hello.producer.clone();
-                }
+                // Counts belong to names: a new name in a slot starts from its own count, not the slot's.
+                slot.take_over(hello.producer.as_ref(), &mut state.known());
                 slot.connected = Some(generation);
                 Ok((w, slot.delivered))
             }
@@ -128,6 +127,8 @@ fn handshake(mut connection: Connection, state: &ServerState) {
         slot: Some(slot),
         max_message_bytes: Some(config.max_message_bytes),
         delivered: Some(delivered),
+        largest_bucket: config.shapes.buckets.last().map(|&(len, _)| len),
+        batch_tokens: Some(config.target.batch_tokens),
         ..Reply::default()
     };
     let peer = connection.peer().to_string();

@@ -1,89 +1,64 @@
-//! One received message: a safetensors blob checked like a hidden-state file, cut into bucketed batches.
+//! One received message: a safetensors blob checked like a hidden-state file, its rows placed into the
+//! producer slot's open items.
 //!
 //! ```text
-//!  frame bytes ──TensorBlob::parse──▶ check_tensors (the file source's checks) ──▶ rows by bucket ──▶ items
+//!  frame bytes ──TensorBlob::parse──▶ check_tensors (the file source's checks) ──▶ rows by bucket
+//!        ──place_next──▶ the slot's open item of each row's bucket (open_items.rs) ──full──▶ queue
 //! ```
 //!
-//! Rows go to the smallest bucket that holds them, in row order; a bucket's item is cut when it is full, and
-//! the partly filled ones at the end in bucket order, exactly as the file source plans one file. A message is
-//! thus independent of the next one, and its acknowledgement can be sent as soon as its own items are queued.
+//! Rows go to the smallest bucket that holds them, in row order, into the first free sequence slot of that
+//! bucket's open item; an item is handed out when it is full, so one message's rows may share an item with the
+//! previous message's and the next one's. The acknowledgement is sent once every row is queued or held open.
 
-use std::ops::Range;
 use std::path::PathBuf;
 
 use draftpipe_compiler::plan::TargetStage;
 use safetensors::Dtype;
 
+use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use crate::batch::{HsBatch, HsDtype};
-use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
+use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors, too_long};
 use crate::source::{BucketShapes, SourceError};
 use crate::tensor_file::{
     TensorBlob, TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids,
     decode_mask,
 };
 
-/// One planned item: its bucket and its rows (a range of the kept rows).
-#[derive(Debug, Clone)]
-pub(super) struct Item {
+/// A kept (non-empty) row of a message: its index, its length and the smallest bucket that holds it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Row {
+    pub(super) row: usize,
+    pub(super) len: usize,
     pub(super) bucket: usize,
-    pub(super) rows: Range<usize>,
 }
 
-/// How a message's rows become items.
-#[derive(Debug, Clone)]
-pub(super) struct ItemPlan {
-    /// `(row, length)` of every kept row, grouped by item.
-    pub(super) rows: Vec<(usize, usize)>,
-    /// The items, each a range of `rows`.
-    pub(super) items: Vec<Item>,
-}
+/// A row too long for every bucket: `(row, length)`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TooLong(pub(super) usize, pub(super) usize);
 
-/// Plans the items of rows of `lengths`: each row goes to the smallest bucket that holds it, in row order; a
-/// bucket's item is cut when it is full, and the partly filled ones at the end in bucket order. A row too long
-/// for every bucket is the error, as `(row, length)`.
-pub(super) fn plan_items(
-    lengths: &[usize],
-    shapes: &BucketShapes,
-) -> Result<ItemPlan, (usize, usize)> {
-    let mut pending: Vec<Vec<(usize, usize)>> = vec![Vec::new(); shapes.buckets.len()];
-    let mut rows = Vec::new();
-    let mut items = Vec::new();
-    let mut cut = |bucket: usize, group: &mut Vec<(usize, usize)>, rows: &mut Vec<_>| {
-        let start = rows.len();
-        rows.append(group);
-        items.push(Item {
-            bucket,
-            rows: start..rows.len(),
-        });
-    };
+/// The kept rows of `lengths` in row order, each with the smallest bucket that holds it.
+pub(super) fn bucket_rows(lengths: &[usize], shapes: &BucketShapes) -> Result<Vec<Row>, TooLong> {
+    let mut rows = Vec::with_capacity(lengths.len());
     for (row, &len) in lengths.iter().enumerate() {
         if len == 0 {
             continue;
         }
-        let bucket = shapes.bucket_for_len(len).ok_or((row, len))?;
-        pending[bucket].push((row, len));
-        if pending[bucket].len() == shapes.buckets[bucket].1 {
-            cut(bucket, &mut pending[bucket], &mut rows);
-        }
+        let bucket = shapes.bucket_for_len(len).ok_or(TooLong(row, len))?;
+        rows.push(Row { row, len, bucket });
     }
-    for (bucket, group) in pending.iter_mut().enumerate() {
-        if !group.is_empty() {
-            cut(bucket, group, &mut rows);
-        }
-    }
-    Ok(ItemPlan { rows, items })
+    Ok(rows)
 }
 
-/// A checked message and the items it makes.
+/// A checked message and the rows it places into the slot's open items.
 #[derive(Debug)]
 pub(super) struct Message {
     blob: TensorBlob,
     seq: usize,
     has_mask: bool,
-    /// `(row, length)` of every kept row, grouped by item.
-    rows: Vec<(usize, usize)>,
-    items: Vec<Item>,
+    /// The kept rows, in row order.
+    rows: Vec<Row>,
+    /// Rows placed so far.
     next: usize,
     ids: Vec<i64>,
 }
@@ -136,22 +111,12 @@ impl Message {
             let error = TensorFileError::tensor(&origin, HIDDEN_STATES, problem);
             return Err((Box::new(error.into()), blob.into_bytes()));
         }
-        let ItemPlan { rows, items } = match plan_items(&checked.lengths, shapes) {
-            Ok(planned) => planned,
-            Err((row, len)) => {
-                let largest = shapes.buckets.last().map_or(0, |b| b.0);
-                let problem = TensorProblem::WrongShape {
-                    found: vec![row, len],
-                    expected: format!(
-                        "sequence {row} (length {len}) to fit the largest bucket, {largest} tokens"
-                    ),
-                };
-                let error = TensorFileError::tensor(
-                    &PathBuf::from(crate::tensor_file::TensorRead::origin(&blob)),
-                    INPUT_IDS,
-                    problem,
-                );
-                return Err((Box::new(error.into()), blob.into_bytes()));
+        let rows = match bucket_rows(&checked.lengths, shapes) {
+            Ok(rows) => rows,
+            Err(TooLong(row, len)) => {
+                let origin = blob.origin().to_path_buf();
+                let error = too_long(&origin, row, checked.lengths.len(), len, shapes);
+                return Err((Box::new(error), blob.into_bytes()));
             }
         };
         Ok(Self {
@@ -159,25 +124,9 @@ impl Message {
             seq: checked.seq,
             has_mask: checked.has_mask,
             rows,
-            items,
             next: 0,
             ids: Vec::new(),
         })
-    }
-
-    /// True when every item has been handed out.
-    pub(super) fn exhausted(&self) -> bool {
-        self.next >= self.items.len()
-    }
-
-    /// The bucket of the next item.
-    pub(super) fn next_bucket(&self) -> Option<usize> {
-        self.items.get(self.next).map(|item| item.bucket)
-    }
-
-    /// Items this message makes.
-    pub(super) fn batches(&self) -> usize {
-        self.items.len()
     }
 
     /// Rows this message queues.
@@ -185,38 +134,28 @@ impl Message {
         self.rows.len()
     }
 
-    /// Fills `out` (shaped for the next item's bucket) with the next item, padding zeroed, and advances.
-    pub(super) fn fill_next(
+    /// Copies the rows not yet placed into `open`, each into its bucket's open item (its padding zeroed), until
+    /// an item is full (`Some(bucket)`: hand it out, then call again) or every row is placed (`None`).
+    pub(super) fn place_next(
         &mut self,
-        out: &mut HsBatch,
+        open: &mut OpenItems,
         shapes: &BucketShapes,
-    ) -> Result<(), SourceError> {
-        let Some(item) = self.items.get(self.next).cloned() else {
-            return Err(SourceError::Buffer("the message has no batch left".into()));
-        };
-        if !shapes.matches(out, item.bucket) {
-            return Err(SourceError::Buffer(format!(
-                "a batch of bucket {} {:?} needs its shape, got a {}×{} buffer",
-                item.bucket, shapes.buckets[item.bucket], out.sequences, out.padded_len
-            )));
-        }
-        let (padded, din) = (out.padded_len, out.din);
-        for slot in 0..out.sequences {
-            let len = match self.rows.get(item.rows.start + slot) {
-                Some(&(row, len)) if item.rows.start + slot < item.rows.end => {
-                    self.copy_row(row, len, slot, out)?;
-                    len
-                }
-                _ => 0,
-            };
+    ) -> Result<Option<usize>, SourceError> {
+        while let Some(&Row { row, len, bucket }) = self.rows.get(self.next) {
+            let (out, slot) = open.next_slot(bucket, shapes);
+            self.copy_row(row, len, slot, out)?;
+            let (padded, din) = (out.padded_len, out.din);
             out.seq_lens[slot] = len as u32;
             let (start, end) = (slot * padded + len, (slot + 1) * padded);
             out.input_ids[start..end].fill(0);
             out.loss_mask[start..end].fill(0);
             out.hs.zero(start * din..end * din);
+            self.next += 1;
+            if open.filled(bucket, 1, shapes) {
+                return Ok(Some(bucket));
+            }
         }
-        self.next += 1;
-        Ok(())
+        Ok(None)
     }
 
     /// Copies the first `len` tokens of row `row` into slot `slot` of `out`.

@@ -6,16 +6,19 @@
 //!                                                         │ Connection
 //!                                                         ▼
 //!  StreamSource (slot w, run by producer thread w) ──reads a message (receive.rs)──▶ checked like a file
-//!        one item, hidden_states last: rows read straight into a staged batch ──fill_next swaps it──▶ HsBatch
-//!        otherwise: the whole message buffered, cut into items ──fill_next copies each──▶ HsBatch
-//!        HsBatch ──producer thread──▶ HS queue;  ack once all of a message's items are in
+//!        one bucket with room, hidden_states last: rows read straight into the slot's open item of it
+//!        otherwise: the whole message buffered, each row copied into its bucket's open item (message.rs)
+//!        open item full ──fill_next swaps it with a pooled HsBatch──▶ producer thread ──▶ HS queue
+//!        ack once every row of the message is queued or held in an open item (open_items.rs)
 //! ```
 //!
 //! The target stage's `on …` workers are the producer slots: slot `w` is one producer thread of the pipeline,
 //! which owns the connection of the producer process in that slot, so a full queue blocks that thread and the
 //! producer waiting for its acknowledgement exactly as an in-process producer would be blocked, and the
-//! telemetry counts it the same way. A message is acknowledged when the producer thread asks for the batch after
-//! its last one, which it does only after that one was pushed; nothing unacknowledged counts as delivered.
+//! telemetry counts it the same way. A message is acknowledged when its last row is placed and the items it
+//! filled were pushed; nothing unacknowledged counts as delivered. Part-filled items stay open for the next
+//! message and go to the queue (padded) when the producer says `done`, disconnects, is dropped for a fault, or
+//! sends nothing for `read_timeout`.
 //!
 //! Any fault of a connection (bad hello, wrong token, a message that fails the file source's checks, a frame
 //! over the limit, a truncated frame, a stall past `read_timeout`) gets one error reply, is logged with the
@@ -27,22 +30,27 @@
 
 mod handshake;
 mod message;
+mod open_items;
 mod receive;
 mod scan;
+mod status;
 pub mod wire;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use draftpipe_compiler::plan::TargetStage;
 
 use self::handshake::accept_loop;
 use self::message::Message;
+use self::open_items::OpenItems;
 use self::receive::{DirectReceiver, ReceiveError, Received};
+pub use self::status::StreamStatus;
 use self::wire::{Connection, Listener, POLL, Reply, WireError};
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
@@ -84,8 +92,23 @@ struct Slot {
     /// The generation of the connection now held, if any.
     connected: Option<u64>,
     done: bool,
-    /// Messages acknowledged, over reconnects.
+    /// Messages of the producer named `name` acknowledged, over reconnects.
     delivered: u64,
+}
+
+impl Slot {
+    /// Gives the slot to producer `name` (`None`: unnamed), whose count follows it: the count of the name
+    /// that held the slot goes to `known`, the new name's comes from there (0 for a name never seen).
+    fn take_over(&mut self, name: Option<&String>, known: &mut BTreeMap<String, u64>) {
+        if self.name.as_ref() == name {
+            return;
+        }
+        if let Some(old) = self.name.take() {
+            known.insert(old, self.delivered);
+        }
+        self.delivered = name.and_then(|n| known.remove(n)).unwrap_or(0);
+        self.name = name.cloned();
+    }
 }
 
 struct ServerState {
@@ -93,6 +116,8 @@ struct ServerState {
     address: String,
     stop: AtomicBool,
     slots: Mutex<Vec<Slot>>,
+    /// Counts of the names that gave their slot to another name (taken with `slots` held).
+    known: Mutex<BTreeMap<String, u64>>,
     handoff: Vec<Sender<(Connection, u64)>>,
     /// Per slot: a newer connection waits in `handoff` (wakes a source idle on its old connection).
     replacement: Vec<AtomicBool>,
@@ -102,6 +127,10 @@ struct ServerState {
 impl ServerState {
     fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Slot>> {
         self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, u64>> {
+        self.known.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn log(&self, line: &str) {
@@ -129,39 +158,6 @@ impl Drop for Server {
     }
 }
 
-/// What the status line shows of a stream: producers connected out of those expected.
-#[derive(Clone)]
-pub struct StreamStatus {
-    state: Arc<ServerState>,
-}
-
-impl StreamStatus {
-    /// `(connected, expected)`.
-    pub fn connected(&self) -> (usize, usize) {
-        let slots = self.state.slots();
-        (
-            slots.iter().filter(|s| s.connected.is_some()).count(),
-            slots.len(),
-        )
-    }
-
-    /// `producers=[3/5 connected]`.
-    pub fn describe(&self) -> String {
-        let (connected, expected) = self.connected();
-        format!("producers=[{connected}/{expected} connected]")
-    }
-
-    /// Messages acknowledged per slot so far.
-    pub fn delivered(&self) -> Vec<u64> {
-        self.state.slots().iter().map(|s| s.delivered).collect()
-    }
-
-    /// The address producers connect to.
-    pub fn address(&self) -> &str {
-        &self.state.address
-    }
-}
-
 /// Binds the listener, starts accepting, and returns one source per producer slot plus the status handle.
 pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamStatus), SourceError> {
     let listener = Listener::bind(&config.listen)
@@ -173,6 +169,7 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
         address: address.clone(),
         stop: AtomicBool::new(false),
         slots: Mutex::new(vec![Slot::default(); producers]),
+        known: Mutex::new(BTreeMap::new()),
         handoff: senders,
         replacement: (0..producers).map(|_| AtomicBool::new(false)).collect(),
         generation: AtomicUsize::new(1),
@@ -193,6 +190,7 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
         state: Arc::clone(&state),
         acceptor: Mutex::new(Some(acceptor)),
     });
+    let buckets = state.config.shapes.buckets.len();
     let sources = receivers
         .into_iter()
         .enumerate()
@@ -203,8 +201,13 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
             connection: None,
             buffer: Vec::new(),
             receiver: DirectReceiver::default(),
+            open: OpenItems::new(buckets),
             message: None,
+            ready: None,
+            flush: false,
+            done_pending: false,
             ack_due: None,
+            cut: 0,
             next: slot as u64,
             finished: false,
         })
@@ -219,48 +222,12 @@ fn release_slot(state: &ServerState, slot: usize, generation: u64) {
     }
 }
 
-/// An acknowledgement owed for a message whose batches have all been handed out.
+/// An acknowledgement owed for a message whose rows are all placed.
 #[derive(Debug, Clone, Copy)]
 struct AckDue {
+    /// Items handed out while its rows were placed.
     batches: u64,
     sequences: u64,
-}
-
-/// The message whose batches are being handed out.
-#[derive(Debug)]
-enum Current {
-    /// Read whole into the buffer, checked; its items are copied out one by one.
-    Buffered(Box<Message>),
-    /// One item, received straight into the receiver's staged batch, handed out by a swap.
-    Staged {
-        bucket: usize,
-        sequences: usize,
-        handed: bool,
-    },
-}
-
-impl Current {
-    fn exhausted(&self) -> bool {
-        match self {
-            Self::Buffered(message) => message.exhausted(),
-            Self::Staged { handed, .. } => *handed,
-        }
-    }
-
-    fn next_bucket(&self) -> Option<usize> {
-        match self {
-            Self::Buffered(message) => message.next_bucket(),
-            Self::Staged { bucket, handed, .. } => (!handed).then_some(*bucket),
-        }
-    }
-
-    /// `(batches, sequences)` the whole message makes.
-    fn counts(&self) -> (usize, usize) {
-        match self {
-            Self::Buffered(message) => (message.batches(), message.sequences()),
-            Self::Staged { sequences, .. } => (1, *sequences),
-        }
-    }
 }
 
 /// One producer slot of a stream: the connection of the producer process in that slot, read on demand.
@@ -271,8 +238,19 @@ pub struct StreamSource {
     connection: Option<(Connection, u64)>,
     buffer: Vec<u8>,
     receiver: DirectReceiver,
-    message: Option<Current>,
+    /// Part-filled items, one per bucket, kept across messages.
+    open: OpenItems,
+    /// A buffered message whose rows are being placed.
+    message: Option<Box<Message>>,
+    /// The bucket whose open item is to be handed out next.
+    ready: Option<usize>,
+    /// Hand out every part-filled item (the producer is done, gone or idle).
+    flush: bool,
+    /// The producer said `done`; its acknowledgement waits until the rows held open are queued.
+    done_pending: bool,
     ack_due: Option<AckDue>,
+    /// Items handed out since the current message began.
+    cut: u64,
     next: u64,
     finished: bool,
 }
@@ -291,9 +269,16 @@ impl StreamSource {
                 connection.peer(),
                 self.slot
             ));
-            connection.refuse(problem);
+            // Free before the peer reads the reason: a producer told of its fault may reconnect at once.
             release_slot(state, self.slot, generation);
+            connection.refuse(problem);
         }
+        // The message refused half-way takes back its rows; those of acknowledged messages go to the queue.
+        if self.message.take().is_some() {
+            self.open.roll_back();
+        }
+        self.ack_due = None;
+        self.flush = true;
     }
 
     /// Sends the acknowledgement owed for the last message, now that its last batch was pushed.
@@ -320,13 +305,32 @@ impl StreamSource {
         }
     }
 
-    /// Waits until a message with batches left is at hand, the slot's producer is done, or `stop` is set.
+    /// Waits until an item is ready to hand out, the slot's producer is done, or `stop` is set; reads and
+    /// places messages meanwhile.
     fn await_message(&mut self, stop: &AtomicBool) -> Result<(), SourceError> {
+        let mut idle_since = Instant::now();
         loop {
-            if self.finished
-                || stop.load(Ordering::Acquire)
-                || self.message.as_ref().is_some_and(|m| !m.exhausted())
-            {
+            if self.ready.is_some() || stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            if self.message.is_some() {
+                self.place_message();
+                continue;
+            }
+            if self.ack_due.is_some() {
+                self.settle_ack();
+                continue;
+            }
+            if self.flush {
+                self.ready = self.open.first_held();
+                self.flush = self.ready.is_some();
+                continue;
+            }
+            if self.done_pending {
+                self.finish_slot();
+                continue;
+            }
+            if self.finished {
                 return Ok(());
             }
             // A newer connection from this slot replaces the one held (the producer reconnected).
@@ -340,20 +344,37 @@ impl StreamSource {
                 match self.incoming.recv_timeout(POLL) {
                     Ok(handed) => self.connection = Some(handed),
                     Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => self.finished = true,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        self.finished = true;
+                        self.flush = true;
+                    }
                 }
                 continue;
             };
             let config = &self.server.state.config;
             let replacement = &self.server.state.replacement[self.slot];
+            // Part-filled items wait for more rows as long as a message may stall, then go as they are.
+            let holding = self.open.held() > 0;
+            let mut idle = false;
             let read =
                 connection.read_frame_len(config.max_message_bytes, config.read_timeout, || {
-                    !stop.load(Ordering::Acquire) && !replacement.swap(false, Ordering::AcqRel)
+                    idle = holding && idle_since.elapsed() >= config.read_timeout;
+                    !idle
+                        && !stop.load(Ordering::Acquire)
+                        && !replacement.swap(false, Ordering::AcqRel)
                 });
             match read {
-                Ok(0) => self.finish_slot(),
-                Ok(len) => self.receive_message(len, stop),
-                Err(WireError::Stopped) => {}
+                Ok(0) => self.producer_done(),
+                Ok(len) => {
+                    self.receive_message(len, stop);
+                    idle_since = Instant::now();
+                }
+                Err(WireError::Stopped) => {
+                    if idle {
+                        self.flush = true;
+                        idle_since = Instant::now();
+                    }
+                }
                 Err(WireError::Closed) => {
                     let (connection, generation) =
                         self.connection.take().expect("a connection was read");
@@ -363,15 +384,47 @@ impl StreamSource {
                         self.slot
                     ));
                     release_slot(self.state(), self.slot, generation);
+                    self.flush = true;
                 }
                 Err(e) => self.drop_connection(&e.to_string()),
             }
         }
     }
 
-    /// The producer said `done`: acknowledge, close, and end this slot's stream.
+    /// Places the current buffered message's rows until an item is full or every row is placed (then its
+    /// acknowledgement is due); a row that fails its conversion drops the connection.
+    fn place_message(&mut self) {
+        let Some(message) = self.message.as_mut() else {
+            return;
+        };
+        match message.place_next(&mut self.open, &self.server.state.config.shapes) {
+            Ok(Some(bucket)) => self.ready = Some(bucket),
+            Ok(None) => {
+                let message = self.message.take().expect("a message is being placed");
+                self.ack_due = Some(AckDue {
+                    batches: self.cut,
+                    sequences: message.sequences() as u64,
+                });
+                self.buffer = message.into_bytes();
+            }
+            Err(error) => self.drop_connection(&error.to_string()),
+        }
+    }
+
+    /// The producer said `done`: hand out the rows held open, then [`Self::finish_slot`].
+    fn producer_done(&mut self) {
+        self.done_pending = true;
+        self.flush = true;
+        self.cut = 0;
+    }
+
+    /// Acknowledges `done` (every row of the producer is queued), closes, and ends this slot's stream.
     fn finish_slot(&mut self) {
-        let (mut connection, generation) = self.connection.take().expect("a connection was read");
+        self.done_pending = false;
+        let Some((mut connection, generation)) = self.connection.take() else {
+            self.finished = true;
+            return;
+        };
         let delivered = {
             let mut slots = self.state().slots();
             slots[self.slot].done = true;
@@ -381,6 +434,8 @@ impl StreamSource {
             ok: true,
             done: true,
             delivered: Some(delivered),
+            // The part-filled items its last rows were in, queued before this reply.
+            batches: Some(self.cut),
             ..Reply::default()
         });
         self.state().log(&format!(
@@ -393,8 +448,9 @@ impl StreamSource {
         self.finished = true;
     }
 
-    /// Reads the body of a message frame of `len` bytes and makes it the current message; a bad one (or a
-    /// connection that fails inside it) drops the connection.
+    /// Reads the body of a message frame of `len` bytes and places its rows (at once when it was read straight
+    /// into an open item, else through [`Self::place_message`]); a bad one (or a connection that fails inside
+    /// it) drops the connection. A stop raised while the body arrives abandons it (see the receiver).
     fn receive_message(&mut self, len: u64, stop: &AtomicBool) {
         let Some((connection, _)) = &mut self.connection else {
             return;
@@ -403,23 +459,25 @@ impl StreamSource {
         let delivered = state.slots()[self.slot].delivered;
         let origin = PathBuf::from(format!("{} message {}", connection.peer(), delivered + 1));
         let config = &state.config;
-        if let Some(Current::Buffered(message)) = self.message.take() {
-            self.buffer = message.into_bytes();
-        }
+        self.open.mark();
+        self.cut = 0;
         let received = self.receiver.receive(
             connection,
             len,
             config,
             (&origin, &|| stop.load(Ordering::Acquire)),
             &mut self.buffer,
+            &mut self.open,
         );
         match received {
             Ok(Received::Buffered) => self.accept_message(origin, len as usize),
-            Ok(Received::Staged { bucket, sequences }) => {
-                self.message = Some(Current::Staged {
-                    bucket,
-                    sequences,
-                    handed: false,
+            Ok(Received::Placed { bucket, sequences }) => {
+                if self.open.filled(bucket, sequences, &config.shapes) {
+                    self.ready = Some(bucket);
+                }
+                self.ack_due = Some(AckDue {
+                    batches: u64::from(self.ready.is_some()),
+                    sequences: sequences as u64,
                 });
             }
             Err(ReceiveError::Wire(e)) => self.drop_connection(&e.to_string()),
@@ -427,23 +485,13 @@ impl StreamSource {
         }
     }
 
-    /// Checks a message read whole into the buffer and makes it the current one; a bad one drops the
-    /// connection.
+    /// Checks a message read whole into the buffer and makes it the one whose rows are placed next; a bad one
+    /// drops the connection.
     fn accept_message(&mut self, origin: PathBuf, len: usize) {
         let buffer = std::mem::take(&mut self.buffer);
         let config = &self.server.state.config;
         match Message::parse(origin, buffer, len, &config.target, &config.shapes) {
-            Ok(message) => {
-                if message.exhausted() {
-                    // Every row was empty: nothing to queue, acknowledged at once.
-                    self.ack_due = Some(AckDue {
-                        batches: 0,
-                        sequences: 0,
-                    });
-                    self.settle_ack();
-                }
-                self.message = Some(Current::Buffered(Box::new(message)));
-            }
+            Ok(message) => self.message = Some(Box::new(message)),
             Err((error, bytes)) => {
                 self.buffer = bytes;
                 self.drop_connection(&error.to_string());
@@ -459,59 +507,30 @@ impl HsSource for StreamSource {
     }
 
     fn next_bucket_until(&mut self, stop: &AtomicBool) -> Result<Option<usize>, SourceError> {
-        self.settle_ack();
         self.await_message(stop)?;
-        Ok(self
-            .message
-            .as_ref()
-            .filter(|m| !m.exhausted())
-            .and_then(Current::next_bucket))
+        Ok(self.ready)
     }
 
     fn fill_next(&mut self, out: &mut HsBatch) -> Result<(), SourceError> {
         let shapes = &self.server.state.config.shapes;
-        let Some(message) = self.message.as_mut().filter(|m| !m.exhausted()) else {
+        let Some(bucket) = self.ready else {
             return Err(SourceError::Buffer(format!(
-                "stream slot {} has no message to fill from",
+                "stream slot {} has no batch to fill from",
                 self.slot
             )));
         };
-        let fill = match message {
-            Current::Buffered(message) => message.fill_next(out, shapes),
-            Current::Staged { bucket, handed, .. } => {
-                match self.receiver.staged_mut() {
-                    Some(staged) if shapes.matches(out, *bucket) => {
-                        // The pooled batch becomes the next message's staging buffer: no copy.
-                        std::mem::swap(out, staged);
-                        *handed = true;
-                        Ok(())
-                    }
-                    _ => Err(SourceError::Buffer(format!(
-                        "a batch of bucket {bucket} {:?} needs its shape, got a {}×{} buffer",
-                        shapes.buckets[*bucket], out.sequences, out.padded_len
-                    ))),
-                }
-            }
-        };
-        match fill {
-            Ok(()) => {
-                out.source_position = self.next;
-                self.next += self.server.state.config.producers as u64;
-                if message.exhausted() {
-                    let (batches, sequences) = message.counts();
-                    self.ack_due = Some(AckDue {
-                        batches: batches as u64,
-                        sequences: sequences as u64,
-                    });
-                }
-                Ok(())
-            }
-            Err(error) => {
-                // The message passed its checks, so this is a buffer mismatch: the run's fault, not the peer's.
-                self.message = None;
-                Err(error)
-            }
+        if !self.open.hand_out(bucket, out, shapes) {
+            // Its rows passed their checks, so this is a buffer mismatch: the run's fault, not the peer's.
+            return Err(SourceError::Buffer(format!(
+                "a batch of bucket {bucket} {:?} needs its shape, got a {}×{} buffer",
+                shapes.buckets[bucket], out.sequences, out.padded_len
+            )));
         }
+        self.ready = None;
+        self.cut += 1;
+        out.source_position = self.next;
+        self.next += self.server.state.config.producers as u64;
+        Ok(())
     }
 
     fn position(&self) -> u64 {
@@ -524,11 +543,31 @@ impl HsSource for StreamSource {
         Ok(())
     }
 
+    fn stream_status(&self) -> Option<StreamStatus> {
+        Some(StreamStatus {
+            state: Arc::clone(&self.server.state),
+        })
+    }
+
     fn status_probe(&self) -> Option<super::SourceStatusProbe> {
         let status = StreamStatus {
             state: Arc::clone(&self.server.state),
         };
         Some(super::SourceStatusProbe::new(move || status.describe()))
+    }
+}
+
+impl Drop for StreamSource {
+    /// A producer still connected when the run stops is told so (it then exits rather than retrying).
+    fn drop(&mut self) {
+        if let Some((mut connection, generation)) = self.connection.take() {
+            let _ = connection.send(&Reply {
+                ended: true,
+                ..Reply::error(wire::RUN_ENDED)
+            });
+            connection.close();
+            release_slot(self.state(), self.slot, generation);
+        }
     }
 }
 

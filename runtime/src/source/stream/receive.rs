@@ -1,23 +1,23 @@
 //! Reading one message off a producer's socket: the safetensors header and the small tensors first, then,
-//! when the message makes one queue item and `hidden_states` comes last, its rows straight into a batch buffer;
-//! any other message whole into the connection's buffer, for [`super::message::Message::parse`].
+//! when every row goes to one bucket whose open item has room for them all and `hidden_states` comes last,
+//! its rows straight into that open item; any other message whole into the connection's buffer, for
+//! [`super::message::Message::parse`].
 //!
 //! ```text
-//!  frame ──header, input_ids, loss_mask──▶ check_tensors, plan_items
-//!        ├─ one item, hidden_states last ──▶ each row read into its slot of the staged batch, a chunk at a
-//!        │                                   time, every chunk scanned for NaN/inf while it is in cache
-//!        │                                   ──fill_next swaps it with the pooled batch (no copy)──▶ queue
-//!        └─ otherwise ──▶ the rest of the frame into the buffer ──▶ Message::parse (checks, copy per item)
+//!  frame ──header, input_ids, loss_mask──▶ check_tensors, bucket_rows
+//!        ├─ one bucket, room enough, hidden_states last ──▶ each row read into its slot of the open item, a
+//!        │                                   chunk at a time, every chunk scanned for NaN/inf while in cache
+//!        │                                   ──full: fill_next swaps it with the pooled batch (no copy)──▶ queue
+//!        └─ otherwise ──▶ the rest of the frame into the buffer ──▶ Message::parse (checks, copy per row)
 //! ```
 //!
 //! The producer waits for each acknowledgement (the queue's backpressure), so whatever the server does with a
 //! message after its last byte arrived adds to the time per message. Buffered, that was two more passes over
 //! the hidden states (the NaN scan and the copy into the pooled batch); received in place, a message costs
-//! the socket copy and a scan of bytes still in cache, and the batch is swapped with the pooled one. One batch
-//! buffer per producer slot is kept for this, in place of the message-sized buffer a buffered message needs.
+//! the socket copy and a scan of bytes still in cache, and the full item is swapped with the pooled one.
 //!
 //! Both paths run the same checks in the same order and report the same errors; a message refused on the
-//! direct path has queued nothing, since the staged batch only reaches the queue through `fill_next`.
+//! direct path has placed nothing: its rows count as filled only once all of them were read and checked.
 
 use std::ops::Range;
 use std::path::Path;
@@ -28,7 +28,8 @@ use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
 
 use super::StreamConfig;
-use super::message::plan_items;
+use super::message::bucket_rows;
+use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use super::wire::{Connection, WireError};
 use crate::batch::{HsBatch, HsData, HsDtype};
@@ -50,11 +51,11 @@ const MAX_DIRECT_HEADER: u64 = 1 << 20;
 pub(super) enum Received {
     /// The whole frame is in the buffer, unchecked.
     Buffered,
-    /// The message's one item is in the staged batch, checked and padded.
-    Staged {
-        /// The item's bucket.
+    /// Every row is in its bucket's open item, checked and padded (not yet counted as filled there).
+    Placed {
+        /// The rows' bucket.
         bucket: usize,
-        /// Rows queued.
+        /// Rows placed.
         sequences: usize,
     },
 }
@@ -89,8 +90,6 @@ impl From<TensorFileError> for ReceiveError {
 /// A producer slot's receiving state, kept across messages so steady state allocates nothing.
 #[derive(Debug, Default)]
 pub(super) struct DirectReceiver {
-    /// The batch a direct message is read into; swapped with a pooled batch by `fill_next`.
-    staged: Option<HsBatch>,
     /// One row's token ids, decoded.
     ids: Vec<i64>,
 }
@@ -104,7 +103,7 @@ struct Head {
     seq: usize,
     has_mask: bool,
     bucket: usize,
-    /// `(row, length)` of the kept rows, in row order: slot `k` holds entry `k`.
+    /// `(row, length)` of the kept rows, in row order: the `k`-th goes to the open item's `k`-th free slot.
     rows: Vec<(usize, usize)>,
 }
 
@@ -154,13 +153,9 @@ impl Body<'_> {
 }
 
 impl DirectReceiver {
-    /// The staged batch of the last [`Received::Staged`] message, to swap with a pooled batch.
-    pub(super) fn staged_mut(&mut self) -> Option<&mut HsBatch> {
-        self.staged.as_mut()
-    }
-
     /// Reads the body of a frame of `len` bytes whose length prefix was read. `origin` names the message in
-    /// errors; `buffer` is the connection's reusable buffer.
+    /// errors; `buffer` is the connection's reusable buffer; `open` the slot's open items, which a direct
+    /// message is read into.
     pub(super) fn receive(
         &mut self,
         connection: &mut Connection,
@@ -168,6 +163,7 @@ impl DirectReceiver {
         config: &StreamConfig,
         (origin, stop): (&Path, &dyn Fn() -> bool),
         buffer: &mut Vec<u8>,
+        open: &mut OpenItems,
     ) -> Result<Received, ReceiveError> {
         let mut body = Body {
             connection,
@@ -176,7 +172,7 @@ impl DirectReceiver {
             at: 0,
             stop,
         };
-        let received = self.receive_body(&mut body, config, origin, buffer);
+        let received = self.receive_body(&mut body, config, origin, buffer, open);
         if let Err(ReceiveError::Content(_)) = received {
             // The buffered path reads a bad message whole before it answers, and so does this one: closing a
             // socket with unread data resets the connection, and the producer, still sending, would see the
@@ -196,9 +192,11 @@ impl DirectReceiver {
         config: &StreamConfig,
         origin: &Path,
         buffer: &mut Vec<u8>,
+        open: &mut OpenItems,
     ) -> Result<Received, ReceiveError> {
         let shapes = &config.shapes;
-        let Some(head) = read_head(body, buffer, origin, &config.target, shapes)? else {
+        let rooms = open.rooms(shapes);
+        let Some(head) = read_head(body, buffer, origin, &config.target, shapes, &rooms)? else {
             body.read_into(buffer, body.len as usize)?;
             return Ok(Received::Buffered);
         };
@@ -213,11 +211,17 @@ impl DirectReceiver {
             metadata: &head.metadata,
             data: &prefix[head.data_start..],
         };
-        let staged = self.staged.get_or_insert_with(|| shapes.buffer());
-        shapes.shape_for(staged, head.bucket);
-        receive_rows(body, &head, staged, &mut scratch[..CHUNK_BYTES], origin)?;
-        fill_tokens(&head, &prefix, staged, &mut self.ids)?;
-        Ok(Received::Staged {
+        let (item, first_slot) = open.next_slot(head.bucket, shapes);
+        receive_rows(
+            body,
+            &head,
+            item,
+            first_slot,
+            &mut scratch[..CHUNK_BYTES],
+            origin,
+        )?;
+        fill_tokens(&head, &prefix, item, first_slot, &mut self.ids)?;
+        Ok(Received::Placed {
             bucket: head.bucket,
             sequences: head.rows.len(),
         })
@@ -225,7 +229,8 @@ impl DirectReceiver {
 }
 
 /// Reads the header and every tensor before `hidden_states` into `buffer` and runs the file source's checks.
-/// `None`: the message is not for the direct path (it is then read whole, and parsed as before, so every
+/// `rooms` are the free sequence slots of each bucket's open item. `None`: the message is not for the direct
+/// path (it is then read whole, and parsed as before, so every
 /// malformed header gets the buffered path's error).
 fn read_head(
     body: &mut Body<'_>,
@@ -233,6 +238,7 @@ fn read_head(
     origin: &Path,
     target: &TargetStage,
     shapes: &BucketShapes,
+    rooms: &[usize],
 ) -> Result<Option<Head>, ReceiveError> {
     let len = body.len;
     if len < 8 {
@@ -265,13 +271,16 @@ fn read_head(
         data: &buffer[data_start..data_start + hs.data_offsets.0],
     };
     let checked = check_tensors(&mut prefix, target, shapes)?;
-    let Ok(plan) = plan_items(&checked.lengths, shapes) else {
+    let Ok(kept) = bucket_rows(&checked.lengths, shapes) else {
         return Ok(None);
     };
-    let [item] = plan.items.as_slice() else {
+    let Some(bucket) = kept.first().map(|row| row.bucket) else {
         return Ok(None);
     };
-    let (bucket, rows) = (item.bucket, plan.rows);
+    if kept.iter().any(|row| row.bucket != bucket) || kept.len() > rooms[bucket] {
+        return Ok(None);
+    }
+    let rows = kept.iter().map(|row| (row.row, row.len)).collect();
     Ok(Some(Head {
         metadata,
         data_start,
@@ -283,13 +292,14 @@ fn read_head(
     }))
 }
 
-/// Reads every row of `hidden_states`: a kept row's tokens into its slot of `out`, its padding and the dropped
-/// rows into `scratch`. Each chunk is scanned for NaN/inf and, before a narrowing conversion, for finite values
-/// the conversion would make infinite.
+/// Reads every row of `hidden_states`: the `k`-th kept row's tokens into slot `first_slot + k` of `out`, its
+/// padding and the dropped rows into `scratch`. Each chunk is scanned for NaN/inf and, before a narrowing
+/// conversion, for finite values the conversion would make infinite.
 fn receive_rows(
     body: &mut Body<'_>,
     head: &Head,
     out: &mut HsBatch,
+    first_slot: usize,
     scratch: &mut [u8],
     origin: &Path,
 ) -> Result<(), ReceiveError> {
@@ -306,7 +316,7 @@ fn receive_rows(
         let mut len = 0;
         if let Some((slot, &(_, row_len))) = kept.next_if(|(_, (r, _))| *r == row) {
             len = row_len;
-            let base = slot * padded * din;
+            let base = (first_slot + slot) * padded * din;
             for done in (0..len * din).step_by(chunk) {
                 let n = chunk.min(len * din - done);
                 let dst = base + done..base + done + n;
@@ -363,11 +373,13 @@ fn raw_bytes_mut(data: &mut HsData, range: Range<usize>) -> &mut [u8] {
     }
 }
 
-/// Writes the ids, mask and lengths of every slot and zeroes the padding.
+/// Writes the ids, mask and length of the slots from `first_slot` on that the message's rows fill, and zeroes
+/// their padding.
 fn fill_tokens(
     head: &Head,
     prefix: &Prefix<'_>,
     out: &mut HsBatch,
+    first_slot: usize,
     ids: &mut Vec<i64>,
 ) -> Result<(), ReceiveError> {
     let (padded, din) = (out.padded_len, out.din);
@@ -375,32 +387,27 @@ fn fill_tokens(
         let problem = TensorProblem::BadHeader("data changed after it was checked".into());
         TensorFileError::tensor(prefix.origin, INPUT_IDS, problem).into()
     };
-    for slot in 0..out.sequences {
+    for (k, &(row, len)) in head.rows.iter().enumerate() {
+        let slot = first_slot + k;
         let base = slot * padded;
-        let len = match head.rows.get(slot) {
-            Some(&(row, len)) => {
-                let tokens = row * head.seq..row * head.seq + len;
-                let (dtype, bytes) = prefix.element_bytes(INPUT_IDS, tokens.clone())?;
-                ids.resize(len, 0);
-                if !decode_ids(dtype, bytes, ids) {
-                    return Err(corrupt());
-                }
-                for (dst, &id) in out.input_ids[base..base + len].iter_mut().zip(ids.iter()) {
-                    *dst = u32::try_from(id).map_err(|_| corrupt())?;
-                }
-                let mask = &mut out.loss_mask[base..base + len];
-                if head.has_mask {
-                    let (dtype, bytes) = prefix.element_bytes(LOSS_MASK, tokens)?;
-                    if !decode_mask(dtype, bytes, mask) {
-                        return Err(corrupt());
-                    }
-                } else {
-                    mask.fill(1);
-                }
-                len
+        let tokens = row * head.seq..row * head.seq + len;
+        let (dtype, bytes) = prefix.element_bytes(INPUT_IDS, tokens.clone())?;
+        ids.resize(len, 0);
+        if !decode_ids(dtype, bytes, ids) {
+            return Err(corrupt());
+        }
+        for (dst, &id) in out.input_ids[base..base + len].iter_mut().zip(ids.iter()) {
+            *dst = u32::try_from(id).map_err(|_| corrupt())?;
+        }
+        let mask = &mut out.loss_mask[base..base + len];
+        if head.has_mask {
+            let (dtype, bytes) = prefix.element_bytes(LOSS_MASK, tokens)?;
+            if !decode_mask(dtype, bytes, mask) {
+                return Err(corrupt());
             }
-            None => 0,
-        };
+        } else {
+            mask.fill(1);
+        }
         out.seq_lens[slot] = len as u32;
         let (start, end) = (base + len, base + padded);
         out.input_ids[start..end].fill(0);

@@ -64,6 +64,12 @@ pub struct Reply {
     /// Hello: the largest message accepted, in bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_message_bytes: Option<u64>,
+    /// Hello: the largest bucket's length; a longer sequence is refused, so producers truncate or split to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub largest_bucket: Option<usize>,
+    /// Hello: the plan's `batch_tokens` (token slots of one queue item), what a producer may gather per message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_tokens: Option<usize>,
     /// Hello and acks: messages of this producer acknowledged so far (over reconnects).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivered: Option<u64>,
@@ -73,6 +79,9 @@ pub struct Reply {
     /// Ack: sequences of this message that were queued (rows with no kept token are dropped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sequences: Option<u64>,
+    /// The run has ended (its step limit, a signal or an error): the producer should stop, not reconnect.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ended: bool,
     /// Ack of `done`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub done: bool,
@@ -92,6 +101,9 @@ impl Reply {
         }
     }
 }
+
+/// What a producer still connected is told when the run stops.
+pub const RUN_ENDED: &str = "the run has ended";
 
 /// Why reading from or writing to a peer failed.
 #[derive(Debug, thiserror::Error)]
