@@ -50,6 +50,9 @@ fi
 if "$venv/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; then
     "$venv/bin/python" scripts/dflash_parity.py || status=1
     PYTHON="$venv/bin/python" scripts/acceptance-walk.sh --tiny target/acceptance-walk-tiny || status=1
+    # The README's fill-ratio benchmark, at a small size (its figure is not checked here; the pytest fill test is).
+    rm -rf target/fill-ratio
+    PROMPTS=40 "$venv/bin/python" scripts/fill_ratio.py "$DRAFTPIPE_BIN" clients/python target/fill-ratio new || status=1
 else
     echo "python-tests: dflash parity and the acceptance walk skipped: torch/transformers are not installed (see above)" >&2
 fi
