@@ -122,8 +122,10 @@ fn an_interrupt_saves_and_drops_a_producer_in_the_middle_of_a_message() {
     let (outcome, seconds, mut client) =
         interrupted_run(&dir, Duration::from_millis(500), |socket| {
             let mut client = connect(socket);
+            // Each message fills one queue item (4 sequences of bucket 16 at batch_tokens 64): a message of
+            // fewer rows would only be held in the slot's open item.
             for salt in 0..2 {
-                let ack = client.send(&batch(1, 16, HIDDEN * TAPS, VOCAB, &[16], salt));
+                let ack = client.send(&batch(4, 16, HIDDEN * TAPS, VOCAB, &[16; 4], salt));
                 assert!(ack.ok, "{ack:?}");
             }
             // The length of a third message and half of it, then nothing: the producer is stuck inside a frame.

@@ -194,13 +194,14 @@ pub fn run_with_sources(
     let plan = &crate::source::resolve_hs_dtype(plan)?;
     // The depth a `dflash` export writes as `num_target_layers`, read once from the target's `config.json`.
     let plan = &crate::target_depth::resolve_target_layers(plan)?;
-    host_memory::check(plan)?;
     let _output_locks = outputs::prepare(options)?;
     let gpus = devices::ordinals(plan)?;
     let communicators = match &gpus {
         Some(ordinals) => devices::prepare(plan, ordinals)?,
         None => Vec::new(),
     };
+    // After the devices: a plan for GPUs this machine lacks is first of all that, whatever its host memory.
+    host_memory::check(plan)?;
     let start = starting_state(plan, options)?;
     let (producers, source_status, stream) = open_producers(plan, open, &start)?;
     let first_positions = start
