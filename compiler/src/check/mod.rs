@@ -550,10 +550,17 @@ fn check_memory(
             host.total(),
         )))
         .collect();
-    let mut over: Vec<(&(DeviceMemory, u64), &DeclaredDevice, Span, Vec<String>)> = Vec::new();
+    // Devices over their declared memory, those that fail the same way (same needs, same capacity) grouped.
+    struct Over<'a> {
+        need: &'a (DeviceMemory, u64),
+        have: &'a DeclaredDevice,
+        declared_at: Span,
+        names: Vec<String>,
+    }
+    let mut over: Vec<Over<'_>> = Vec::new();
     for need in &needs {
         let (device_need, host_need) = need;
-        let Some((have, decl_span)) = declared
+        let Some((have, declared_at)) = declared
             .iter()
             .find(|(d, _)| d.device == device_need.device)
         else {
@@ -562,26 +569,31 @@ fn check_memory(
         if device_need.total() + host_need <= have.memory_bytes {
             continue;
         }
-        let same =
-            |(n, h, _, _): &&mut (&(DeviceMemory, u64), &DeclaredDevice, Span, Vec<String>)| {
-                h.memory_bytes == have.memory_bytes
-                    && n.1 == *host_need
-                    && DeviceMemory {
-                        device: device_need.device,
-                        ..n.0.clone()
-                    } == *device_need
-            };
+        let same = |group: &&mut Over<'_>| {
+            group.have.memory_bytes == have.memory_bytes
+                && group.need.1 == *host_need
+                && DeviceMemory {
+                    device: device_need.device,
+                    ..group.need.0.clone()
+                } == *device_need
+        };
         match over.iter_mut().find(same) {
-            Some(group) => group.3.push(device_name(device_need.device)),
-            None => over.push((
+            Some(group) => group.names.push(device_name(device_need.device)),
+            None => over.push(Over {
                 need,
                 have,
-                *decl_span,
-                vec![device_name(device_need.device)],
-            )),
+                declared_at: *declared_at,
+                names: vec![device_name(device_need.device)],
+            }),
         }
     }
-    for ((need, host_need), have, decl_span, names) in over {
+    for Over {
+        need: (need, host_need),
+        have,
+        declared_at: decl_span,
+        names,
+    } in over
+    {
         let total = need.total() + host_need;
         let (device, has) = match names.as_slice() {
             [one] => (one.clone(), "which has"),
