@@ -10,7 +10,7 @@
 #
 #   scripts/acceptance-walk.sh [--tiny] [--reuse] [WORKDIR]
 #
-# --tiny is the CI size (a 2-layer target, a 1-layer drafter, a few seconds per stage); without it the figures
+# --tiny is the CI size (a 3-layer target, a 1-layer drafter, a few seconds per stage); without it the figures
 # in docs/serving.md. WORKDIR defaults to runs/walk (runs/walk-tiny with --tiny); it is replaced, except with
 # --reuse, which keeps the target and the regenerated responses a previous walk left there (stages 1 and 2 are
 # seeded and step-counted, so they would make the same files again) and redoes stages 3 and 4.

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="the model directory to write")
     parser.add_argument("--minutes", type=float, default=4.0, help="training wall time (default 4)")
     parser.add_argument("--steps", type=int, default=100000, help="stop earlier after this many steps")
-    parser.add_argument("--tiny", action="store_true", help="CI size: a 512-token vocabulary and a 2-layer model")
+    parser.add_argument("--tiny", action="store_true", help="CI size: a 512-token vocabulary and a 3-layer model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--prompts", type=Path, help="also write chat prompts from the training files here")
@@ -124,9 +124,11 @@ def main(argv=None) -> int:
     print(f"tokenizer: {len(tokenizer)} tokens from {len(train_files)} training files "
           f"({time.monotonic() - started:.1f} s)", flush=True)
 
-    dims = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+    # One layer more than the drafter's deepest tap: a tap is the hidden state entering a layer, as the engines
+    # capture it, so the target's last output (after its final norm) is never a tap.
+    dims = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=32) if args.tiny else \
-        dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        dict(hidden_size=128, intermediate_size=384, num_hidden_layers=5, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32)
     config = Qwen3Config(
         vocab_size=len(tokenizer), max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,

@@ -147,6 +147,10 @@ fn an_interrupt_saves_and_drops_a_producer_in_the_middle_of_a_message() {
     assert!(outcome.step >= 1);
     let reply = client.reply();
     assert!(!reply.ok);
+    assert!(
+        reply.ended,
+        "the producer is told the run ends, not that it failed"
+    );
     let error = reply.error.unwrap_or_default();
     assert!(
         error.contains("the run is stopping") && error.contains("not queued"),

@@ -262,6 +262,12 @@ impl StreamSource {
 
     /// Drops the current connection after a fault: error reply, log line with the peer, slot free again.
     fn drop_connection(&mut self, problem: &str) {
+        self.drop_connection_as(problem, false);
+    }
+
+    /// [`Self::drop_connection`], the reply marked `ended` when the run is ending (the producer is told to stop,
+    /// not to reconnect or count it as its own fault).
+    fn drop_connection_as(&mut self, problem: &str, ended: bool) {
         if let Some((connection, generation)) = self.connection.take() {
             let state = &self.server.state;
             state.log(&format!(
@@ -271,7 +277,10 @@ impl StreamSource {
             ));
             // Free before the peer reads the reason: a producer told of its fault may reconnect at once.
             release_slot(state, self.slot, generation);
-            connection.refuse(problem);
+            connection.refuse_with(Reply {
+                ended,
+                ..Reply::error(problem)
+            });
         }
         // The message refused half-way takes back its rows; those of acknowledged messages go to the queue.
         if self.message.take().is_some() {
@@ -479,6 +488,10 @@ impl StreamSource {
                     batches: u64::from(self.ready.is_some()),
                     sequences: sequences as u64,
                 });
+            }
+            // A message cut off by the run's end: the producer stops (`hf` exits 0), and resumes after it.
+            Err(ReceiveError::Wire(e @ WireError::Abandoned { .. })) => {
+                self.drop_connection_as(&e.to_string(), true);
             }
             Err(ReceiveError::Wire(e)) => self.drop_connection(&e.to_string()),
             Err(ReceiveError::Content(e)) => self.drop_connection(&e.to_string()),
