@@ -7,69 +7,26 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod binary_support;
+
+use binary_support::{SYNTHETIC, draftpipe, text};
 use draftpipe_compiler::compile_file;
 use draftpipe_runtime::checkpoint::load_checkpoint;
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("reliability-{name}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+    binary_support::scratch("reliability", name)
 }
 
 /// A small pipeline, fed by `source` (a stream leaves a watermark of 2 that one message cannot meet).
 fn tiny_pipe(dir: &Path, source: &str) -> PathBuf {
-    let text = format!(
-        r#"pipeline "tiny"
-
-target toy on cpu x1 {{
-    hidden       = 32
-    tap_layers   = [0, 1]
-    vocab        = 256
-    batch_tokens = 256
-    source       = {source}
-}}
-
-queue hs from toy to draft {{
-    capacity  = 8
-    min_ready = 2
-    buckets   = [32, 64]
-    pull      = fifo
-}}
-
-drafter draft on cpu {{
-    model     = mlp(hidden = 64, blocks = 1, intermediate = 128, heads = 2)
-    loss      = cross_entropy(head_decay = 0.8, chunk_tokens = 128)
-    optimizer = adamw(lr = 3e-3)
-}}
-
-telemetry {{ every = 100ms }}
-"#
-    );
-    let path = dir.join("tiny.pipe");
-    std::fs::write(&path, text).unwrap();
-    path
+    binary_support::tiny_pipe(dir, (1, 1), "fifo", source, None)
 }
-
-const SYNTHETIC: &str = "synthetic(seed = 3, lengths = 16..64)";
 
 fn stream_source(dir: &Path) -> String {
     format!(
         r#"stream(listen = "unix:{}")"#,
         dir.join("hs.sock").display()
     )
-}
-
-fn draftpipe(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_draftpipe"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("the draftpipe binary runs")
 }
 
 /// [`draftpipe`], failing the test when the command is still running after `limit` (it was training).

@@ -6,64 +6,19 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod binary_support;
+
+use binary_support::{SYNTHETIC, draftpipe, text};
 use draftpipe_compiler::compile_file;
 use draftpipe_runtime::checkpoint::load_checkpoint;
 
-/// A fresh directory under the target dir for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("run-{name}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A small pipeline: the quickstart's shape scaled down so a test trains in seconds.
+/// The tests' small pipeline, trained for 60 steps.
 fn tiny_pipe(dir: &Path, producers: usize, drafters: usize, pull: &str, source: &str) -> PathBuf {
-    let text = format!(
-        r#"pipeline "tiny"
-
-target toy on cpu x{producers} {{
-    hidden       = 32
-    tap_layers   = [0, 1]
-    vocab        = 256
-    batch_tokens = 256
-    source       = {source}
-}}
-
-queue hs from toy to draft {{
-    capacity  = 8
-    min_ready = 2
-    buckets   = [32, 64]
-    pull      = {pull}
-}}
-
-drafter draft on cpu x{drafters} {{
-    model     = mlp(hidden = 64, blocks = 1, intermediate = 128, heads = 2)
-    loss      = cross_entropy(head_decay = 0.8, chunk_tokens = 128)
-    optimizer = adamw(lr = 3e-3)
-    steps     = 60
-}}
-
-telemetry {{ every = 100ms }}
-"#
-    );
-    let path = dir.join("tiny.pipe");
-    std::fs::write(&path, text).unwrap();
-    path
+    binary_support::tiny_pipe(dir, (producers, drafters), pull, source, Some(60))
 }
 
-const SYNTHETIC: &str = "synthetic(seed = 3, lengths = 16..64)";
-
-fn draftpipe(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_draftpipe"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("the draftpipe binary runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+fn scratch(name: &str) -> PathBuf {
+    binary_support::scratch("run", name)
 }
 
 fn json_lines(output: &Output) -> Vec<serde_json::Value> {
