@@ -189,6 +189,13 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Width of one token's `last_hidden_states` (the target's final-norm output), when the family reads them.
+    pub fn last_hidden_width(&self) -> Option<usize> {
+        match self {
+            Model::Mlp(_) | Model::Dflash(_) => None,
+        }
+    }
+
     /// Width of one token's hidden state the model reads, and its vocabulary.
     pub fn input_width_and_vocab(&self) -> (usize, usize) {
         match self {
