@@ -18,7 +18,6 @@
 pub mod attention;
 pub mod cpu;
 pub mod cuda;
-mod cuda_dflash;
 
 use std::marker::PhantomData;
 
@@ -31,7 +30,7 @@ pub use draftpipe_gpu_kernels::adamw::{
 };
 
 use crate::batch::{HsBatch, HsData, HsDtype, HsSlice};
-use crate::cuda::CudaError;
+use cuda::error::CudaError;
 
 /// What a device buffer can hold.
 pub trait Element:

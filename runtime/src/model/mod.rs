@@ -8,6 +8,7 @@
 
 pub mod dflash;
 pub mod mlp;
+pub mod step;
 pub mod update;
 
 use draftpipe_compiler::plan::{
@@ -16,9 +17,9 @@ use draftpipe_compiler::plan::{
 
 use crate::backend::{Backend, BackendResult, Buf, InputSlot};
 use crate::batch::HsDtype;
-use crate::cpu::PhaseTimes;
 use dflash::{Dflash, DflashOffsets};
-use mlp::{AllocateError, LayoutError, Mlp, MlpOffsets, StepShape};
+use mlp::{Mlp, MlpOffsets};
+use step::{AllocateError, LayoutError, PhaseTimes, StepShape};
 use update::FlatBuffers;
 
 /// Either model family, so the drafter and the worker loop are written once for both. An enum rather than a

@@ -16,6 +16,9 @@
 //! and its outcome comes back at once. The gradient average runs between the two captured parts, never inside
 //! a graph (NCCL's graph rules; see `docs/gpu.md`).
 
+pub mod cpu;
+pub mod cuda;
+
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -23,8 +26,7 @@ use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Preci
 
 use crate::backend::{Backend, BackendError, HostBatch, StepPart};
 use crate::batch::{HsBatch, HsDtype};
-use crate::cpu::PhaseTimes;
-use crate::model::mlp::{AllocateError, LayoutError, StepShape};
+use crate::model::step::{AllocateError, LayoutError, PhaseTimes, StepShape};
 use crate::model::{BuildError, Model};
 use crate::params::FlatState;
 
