@@ -48,7 +48,7 @@ pub struct CpuBackend {
     allocated: u64,
 }
 
-fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
+pub(crate) fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
     let (raw, start, len) = view.parts();
     &raw[start..start + len]
 }
@@ -64,7 +64,7 @@ fn slices<'a>(inputs: AttentionInputs<'a, CpuBackend>) -> AttentionSlices<'a> {
     }
 }
 
-fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
+pub(crate) fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
     let (raw, start, len) = view.parts();
     &mut raw[start..start + len]
 }
@@ -760,6 +760,8 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+
+    crate::model::eagle3::kernels::eagle3_backend_methods!(delegate);
 }
 
 #[cfg(test)]
