@@ -26,7 +26,8 @@ use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Preci
 
 use crate::backend::{Backend, BackendError, HostBatch, StepPart};
 use crate::batch::{HsBatch, HsDtype};
-use crate::model::registry::{self, BuildError, FamilyPlan};
+use crate::model::family::{BuildError, FamilyPlan};
+use crate::model::registry;
 use crate::model::step::{AllocateError, LayoutError, PhaseTimes, StepShape};
 use crate::model::{BlockMetrics, Family};
 use crate::params::FlatState;

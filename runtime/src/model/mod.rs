@@ -15,5 +15,4 @@ pub mod serving;
 pub mod step;
 pub mod update;
 
-pub use family::{BlockMetrics, Family};
-pub use registry::BuildError;
+pub use family::{BlockMetrics, BuildError, Family};

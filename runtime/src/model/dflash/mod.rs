@@ -34,8 +34,7 @@ use crate::backend::{
     HsOperand, InputSlot, Operand, Precision,
 };
 use crate::batch::HsBatch;
-use crate::model::family::{Family, FrozenTables};
-use crate::model::registry::{BuildError, Built, FamilyPlan};
+use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
 

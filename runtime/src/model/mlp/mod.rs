@@ -17,8 +17,7 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{Backend, BackendResult, Buf, HsOperand, InputSlot, Operand, Precision};
-use crate::model::family::Family;
-use crate::model::registry::{BuildError, Built, FamilyPlan};
+use crate::model::family::{BuildError, Built, Family, FamilyPlan};
 use crate::model::serving::FamilySpec;
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{Optimizer, UpdateBuffers, UpdateParts};
