@@ -127,9 +127,10 @@ fn gradients_match_the_f64_reference<D: TestDevice>(device: &D) {
     // Chunks of 5 rows: each step's loss spans several logits chunks, one of them partial.
     let settings = (loss(5), adamw(1e-3), Precision::F32);
     let mut drafter = device.drafter(&model, settings, &[bucket(padded_len, sequences)]);
+    drafter.upload_frozen(&embed, &target_head).expect("frozen");
     drafter
-        .upload_eagle3_frozen((&embed, &target_head), (&map.d2t, &map.t2d))
-        .expect("frozen");
+        .upload_vocab_map(&map.d2t, &map.t2d)
+        .expect("vocab map");
     drafter.upload_state(&init).expect("upload");
     let evaluation = drafter.evaluate(&batch).expect("evaluate");
     let mut untouched = init.clone();
@@ -271,9 +272,10 @@ fn loss_falls_and_tau_rises<D: TestDevice>(device: &D) {
         (loss(16), adamw(1e-2), Precision::F32),
         &[bucket(shape.0, shape.1)],
     );
+    drafter.upload_frozen(&embed, &target_head).expect("frozen");
     drafter
-        .upload_eagle3_frozen((&embed, &target_head), (&map.d2t, &map.t2d))
-        .expect("frozen");
+        .upload_vocab_map(&map.d2t, &map.t2d)
+        .expect("vocab map");
     drafter
         .upload_state(&FlatState::init(&model, 3))
         .expect("upload");

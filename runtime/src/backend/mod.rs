@@ -535,7 +535,7 @@ impl<'a, B: Backend> From<Operand<'a, B>> for HsOperand<'a, B> {
 }
 
 /// The operations a model step is written with. See the module docs for the execution model.
-pub trait Backend: Sized + Send {
+pub trait Backend: Sized + Send + 'static {
     /// A raw allocation of `T`s.
     type Raw<T: Element>: Send;
 

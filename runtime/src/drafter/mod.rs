@@ -1,13 +1,13 @@
 //! A drafter on one backend: the batch checks, staging into input slots, the step (forward/loss/backward, the
 //! gradient average, the update) and the read-back of its results, written once for every backend and for
-//! both model families ([`Model`]: `mlp`, `dflash`).
+//! every model family (a [`Family`] built by the [`registry`], asked through its trait).
 //!
 //! ```text
 //!  stage(batch n+1) ── checks ──▶ Backend::stage (CUDA: pinned copy, async H2D into the free slot)
-//!                                  └─ dflash: block plan of the batch (anchors seeded by (seed, step)) uploaded
+//!                                  └─ Family::stage (dflash: the batch's block plan, anchors seeded by (seed, step))
 //!  step()  begin_step ─▶ run_part(ForwardBackward{bucket, slot}) ─▶ average_gradients ─▶ run_part(Update)
-//!          ─▶ end_step (read-back of [grad_norm, clip, loss, dflash: correct rows per slot] queued)
-//!          ─▶ results of step n (CUDA) or n+1 (CPU), with dflash's per-slot accuracy and τ
+//!          ─▶ end_step (read-back of [grad_norm, clip, loss, the family's extra values] queued)
+//!          ─▶ results of step n (CUDA) or n+1 (CPU), with Family::metrics (dflash: per-slot accuracy, τ)
 //!  finish() results of the last step still in flight (CUDA), nothing on the CPU
 //! ```
 //!
@@ -19,6 +19,7 @@
 pub mod cpu;
 pub mod cuda;
 
+use std::any::Any;
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -26,8 +27,11 @@ use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Preci
 
 use crate::backend::{Backend, BackendError, HostBatch, StepPart};
 use crate::batch::{HsBatch, HsDtype};
+use crate::model::eagle3::Eagle3;
+use crate::model::family::{BuildError, FamilyPlan};
+use crate::model::registry;
 use crate::model::step::{AllocateError, LayoutError, PhaseTimes, StepShape};
-use crate::model::{BuildError, Model};
+use crate::model::{BlockMetrics, Family};
 use crate::params::FlatState;
 
 /// A batch or state the drafter cannot train on.
@@ -162,65 +166,6 @@ impl From<BuildError> for DrafterError {
     }
 }
 
-/// A `dflash` step's block metrics: SpecForge's per-slot accuracy and simulated acceptance length.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BlockMetrics {
-    /// Accuracy of slots `1..block` (argmax = label over the slot's labelled rows; 0 for a slot without one).
-    pub slot_accuracy: Vec<f32>,
-    /// `τ = 1 + Σ_k Π_{j≤k} acc_j`: the simulated acceptance length with the bonus token counted.
-    pub tau: f32,
-}
-
-impl BlockMetrics {
-    /// The metrics from the correct rows of every slot (slot 0 included, never labelled) and the labelled
-    /// rows of every slot.
-    pub fn new(correct: &[f32], labelled: &[u32]) -> Self {
-        let slot_accuracy: Vec<f32> = correct
-            .iter()
-            .zip(labelled)
-            .skip(1)
-            .map(|(&c, &n)| if n == 0 { 0.0 } else { c / n as f32 })
-            .collect();
-        let accepted: f32 = slot_accuracy
-            .iter()
-            .scan(1.0f32, |chain, &acc| {
-                *chain *= acc;
-                Some(*chain)
-            })
-            .sum();
-        Self {
-            slot_accuracy,
-            tau: 1.0 + accepted,
-        }
-    }
-}
-
-impl BlockMetrics {
-    /// An `eagle3` step's metrics from its step scalars' extra part `[loss_k …, correct_k …, supervised_k …]`
-    /// of `steps` TTT steps: accuracy_k = correct_k / supervised_k (0 without a supervised row) and the same
-    /// simulated acceptance length, TTT step `k` standing for draft position `k + 1`.
-    pub fn from_ttt_steps(extra: &[f32], steps: usize) -> Self {
-        let correct = &extra[steps..2 * steps];
-        let supervised = &extra[2 * steps..3 * steps];
-        let slot_accuracy: Vec<f32> = correct
-            .iter()
-            .zip(supervised)
-            .map(|(&c, &n)| if n == 0.0 { 0.0 } else { c / n })
-            .collect();
-        let accepted: f32 = slot_accuracy
-            .iter()
-            .scan(1.0f32, |chain, &acc| {
-                *chain *= acc;
-                Some(*chain)
-            })
-            .sum();
-        Self {
-            slot_accuracy,
-            tau: 1.0 + accepted,
-        }
-    }
-}
-
 /// What [`Drafter::evaluate`] reports for one batch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Evaluation {
@@ -297,10 +242,10 @@ struct InFlight {
     labelled: Option<Vec<u32>>,
 }
 
-/// A drafter (either model family) on backend `B`. See the module docs.
+/// A drafter (any model family) on backend `B`. See the module docs.
 pub struct Drafter<B: Backend> {
     backend: B,
-    model: Model<B>,
+    model: Box<dyn Family<B>>,
     buckets: Vec<BucketPlan>,
     parameters: usize,
     slots: usize,
@@ -339,7 +284,16 @@ impl<B: Backend> Drafter<B> {
         buckets: &[BucketPlan],
         hs_dtype: HsDtype,
     ) -> Result<Self, DrafterError> {
-        let (built, layout) = Model::new(&mut backend, model, settings, buckets, hs_dtype)?;
+        let (loss, optimizer, precision) = settings;
+        let plan = FamilyPlan {
+            model,
+            loss,
+            optimizer,
+            precision,
+            buckets,
+            hs_dtype,
+        };
+        let (built, layout) = registry::build(&mut backend, plan)?;
         Ok(Self {
             backend,
             model: built,
@@ -363,20 +317,23 @@ impl<B: Backend> Drafter<B> {
     /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`); call it before the
     /// first step (a captured update keeps the value). Without it a linear or cosine schedule has no length.
     pub fn set_schedule_total(&mut self, total_steps: u64) {
-        self.model.set_schedule_total(total_steps);
+        self.model.optimizer_mut().set_schedule_total(total_steps);
     }
 
-    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) into a `dflash` model.
+    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) into a model that reads
+    /// them (`dflash`).
     ///
     /// # Errors
-    /// [`DrafterError::Frozen`] for an `mlp` or tensors of the wrong size; backend failures.
+    /// [`DrafterError::Frozen`] for a family without frozen tensors (`mlp`) or tensors of the wrong size;
+    /// backend failures.
     pub fn upload_frozen(&mut self, embed: &[f32], lm_head: &[f32]) -> Result<(), DrafterError> {
-        let Some(model) = self.model.as_dflash_mut() else {
-            return Err(DrafterError::Frozen(
-                "the mlp drafter has no frozen tensors".into(),
-            ));
+        let family = self.model.name();
+        let Some((embed_buf, lm_head_buf)) = self.model.frozen_mut() else {
+            return Err(DrafterError::Frozen(format!(
+                "the {family} drafter has no frozen tensors"
+            )));
         };
-        let expected = model.spec().vocab * model.spec().hidden;
+        let expected = embed_buf.len();
         for (name, len) in [("embedding", embed.len()), ("lm_head", lm_head.len())] {
             if len != expected {
                 return Err(DrafterError::Frozen(format!(
@@ -384,27 +341,26 @@ impl<B: Backend> Drafter<B> {
                 )));
             }
         }
-        model.upload_frozen(&mut self.backend, embed, lm_head)?;
+        self.backend.upload(embed_buf.all_mut(), embed)?;
+        self.backend.upload(lm_head_buf.all_mut(), lm_head)?;
         Ok(())
     }
 
-    /// Copies the target's frozen tables into an `eagle3` model: `embed`, `lm_head` (`[vocab, hidden]`), the
-    /// draft vocabulary's `d2t` offsets and `t2d` mask (see [`crate::model::eagle3::Eagle3::upload_frozen`]).
+    /// Copies an `eagle3` model's draft vocabulary (`d2t` offsets `[draft_vocab]`, `t2d` mask `[vocab]`, as
+    /// SpecForge's `vocab_mapping` writes them) to the device; its teacher rows of the target's `lm_head` are
+    /// gathered from them before the next step.
     ///
     /// # Errors
-    /// [`DrafterError::Frozen`] for another family or tables that do not fit; backend failures.
-    pub fn upload_eagle3_frozen(
-        &mut self,
-        (embed, lm_head): (&[f32], &[f32]),
-        (d2t, t2d): (&[i64], &[u8]),
-    ) -> Result<(), DrafterError> {
-        let Some(model) = self.model.as_eagle3_mut() else {
-            return Err(DrafterError::Frozen(
-                "only an eagle3 drafter reads a draft vocabulary".into(),
-            ));
+    /// [`DrafterError::Frozen`] for another family or a map that does not fit; backend failures.
+    pub fn upload_vocab_map(&mut self, d2t: &[i64], t2d: &[u8]) -> Result<(), DrafterError> {
+        let family = self.model.name();
+        let Some(eagle3) = (self.model.as_mut() as &mut dyn Any).downcast_mut::<Eagle3<B>>() else {
+            return Err(DrafterError::Frozen(format!(
+                "the {family} drafter has no draft vocabulary"
+            )));
         };
-        model
-            .upload_frozen(&mut self.backend, (embed, lm_head), (d2t, t2d))?
+        eagle3
+            .upload_vocab_map(&mut self.backend, d2t, t2d)?
             .map_err(|e| DrafterError::Frozen(e.to_string()))
     }
 
@@ -414,13 +370,13 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// The backend and the model's buffers (tests, benchmarks).
-    pub fn parts_mut(&mut self) -> (&mut B, &mut Model<B>) {
-        (&mut self.backend, &mut self.model)
+    pub fn parts_mut(&mut self) -> (&mut B, &mut dyn Family<B>) {
+        (&mut self.backend, self.model.as_mut())
     }
 
     /// The model's buffers.
-    pub fn model(&self) -> &Model<B> {
-        &self.model
+    pub fn model(&self) -> &dyn Family<B> {
+        self.model.as_ref()
     }
 
     /// Bytes of device memory this drafter allocated: the flat state and the workspace layout's buffers.
@@ -434,7 +390,7 @@ impl<B: Backend> Drafter<B> {
     /// [`StepError::StateSize`] when a buffer's length is not the model's; backend failures.
     pub fn upload_state(&mut self, state: &FlatState) -> Result<(), DrafterError> {
         self.check_state(state)?;
-        let adamw = self.model.adamw_state_for(state.step);
+        let adamw = self.model.optimizer().adamw_state_for(state.step);
         let be = &mut self.backend;
         let (flat, adamw_state) = self.model.state_mut();
         be.upload(flat.params.all_mut(), &state.params)?;
@@ -574,18 +530,13 @@ impl<B: Backend> Drafter<B> {
         let slot = self.next_slot;
         self.backend
             .stage(slot, HostBatch::from(batch), self.model.input_mut(slot))?;
-        let labelled = match self.model.as_dflash_mut() {
-            Some(model) => {
-                let (seed, first) = self.sampler;
-                let step = first + self.launched;
-                Some(
-                    model
-                        .stage_plan(&mut self.backend, slot, batch, (seed, step))?
-                        .to_vec(),
-                )
-            }
-            None => None,
-        };
+        let (seed, first) = self.sampler;
+        let labelled = self.model.stage(
+            &mut self.backend,
+            slot,
+            batch,
+            (seed, first + self.launched),
+        )?;
         self.staged = Some(Staged {
             bucket,
             slot,
@@ -614,7 +565,7 @@ impl<B: Backend> Drafter<B> {
             padded_len: self.buckets[bucket].padded_len,
             sequences: self.buckets[bucket].sequences,
         };
-        let (be, model) = (&mut self.backend, &mut self.model);
+        let (be, model) = (&mut self.backend, self.model.as_mut());
         be.begin_step(slot, ring)?;
         let mut compute = PhaseTimes::default();
         be.run_part(StepPart::ForwardBackward { bucket, slot }, &mut |be| {
@@ -669,7 +620,7 @@ impl<B: Backend> Drafter<B> {
             padded_len: self.buckets[bucket].padded_len,
             sequences: self.buckets[bucket].sequences,
         };
-        let (be, model) = (&mut self.backend, &mut self.model);
+        let (be, model) = (&mut self.backend, self.model.as_mut());
         be.begin_step(slot, 0)?;
         model.forward_loss(be, shape, slot)?;
         be.end_step(slot, 0, model.step_scalars().all())?;
@@ -685,12 +636,7 @@ impl<B: Backend> Drafter<B> {
         Ok(Evaluation {
             loss: results.scalars[2],
             tokens,
-            blocks: match labelled {
-                Some(labelled) => Some(BlockMetrics::new(&results.extra, &labelled)),
-                None => model
-                    .ttt_steps()
-                    .map(|steps| BlockMetrics::from_ttt_steps(&results.extra, steps)),
-            },
+            blocks: labelled.map(|labelled| model.metrics(&results.extra, &labelled)),
             slot_counts,
         })
     }
@@ -712,13 +658,9 @@ impl<B: Backend> Drafter<B> {
             device_ms: results.device_ms,
             phases: step.phases,
             host_us: step.host_us,
-            blocks: match step.labelled {
-                Some(labelled) => Some(BlockMetrics::new(&results.extra, &labelled)),
-                None => self
-                    .model
-                    .ttt_steps()
-                    .map(|steps| BlockMetrics::from_ttt_steps(&results.extra, steps)),
-            },
+            blocks: step
+                .labelled
+                .map(|labelled| self.model.metrics(&results.extra, &labelled)),
         })
     }
 
@@ -737,23 +679,5 @@ impl<B: Backend> Drafter<B> {
     /// Steps launched since the drafter was created.
     pub fn launched(&self) -> u64 {
         self.launched
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::BlockMetrics;
-
-    /// SpecForge's simulated acceptance length over the per-slot accuracies, plus the bonus token; a slot
-    /// without labels counts as never accepted (the chain stops there).
-    #[test]
-    fn tau_is_one_plus_the_sum_of_accuracy_prefix_products() {
-        let metrics = BlockMetrics::new(&[0.0, 8.0, 4.0, 3.0], &[0, 10, 8, 6]);
-        assert_eq!(metrics.slot_accuracy, [0.8, 0.5, 0.5]);
-        let expected = 1.0 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5;
-        assert!((metrics.tau - expected).abs() < 1e-6);
-        let unlabelled = BlockMetrics::new(&[0.0, 5.0, 0.0, 2.0], &[0, 5, 0, 2]);
-        assert_eq!(unlabelled.slot_accuracy, [1.0, 0.0, 1.0]);
-        assert!((unlabelled.tau - 2.0).abs() < 1e-6);
     }
 }

@@ -30,12 +30,15 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{
-    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult,
-    HsOperand, Operand, Precision,
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Buf,
+    HsOperand, InputSlot, Operand, Precision,
 };
 use crate::batch::HsBatch;
+use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
+
+pub mod serving;
 
 pub use blocks::{BlockGeometry, BlockPlan, PlanInput};
 pub use buffers::{DflashWorkspace, PlanSlot};
@@ -93,91 +96,6 @@ impl<B: Backend> Dflash<B> {
     /// The model's dimensions.
     pub fn spec(&self) -> &DflashSpec {
         self.offsets.spec()
-    }
-
-    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) to the device.
-    ///
-    /// # Errors
-    /// Backend failures.
-    ///
-    /// # Panics
-    /// When a tensor's length is not `vocab · hidden` (the caller validated the weights against the plan).
-    pub fn upload_frozen(&mut self, be: &mut B, embed: &[f32], lm_head: &[f32]) -> BackendResult {
-        be.upload(self.ws.embed.all_mut(), embed)?;
-        be.upload(self.ws.lm_head.all_mut(), lm_head)
-    }
-
-    /// Builds the block plan of `batch` (anchors drawn with `(seed, step)`) and copies it into input slot
-    /// `slot`'s plan buffers. Returns the labelled rows per slot.
-    ///
-    /// # Errors
-    /// Backend failures.
-    pub fn stage_plan(
-        &mut self,
-        be: &mut B,
-        slot: usize,
-        batch: &HsBatch,
-        (seed, step): (u64, u64),
-    ) -> BackendResult<&[u32]> {
-        let input = PlanInput {
-            padded_len: batch.padded_len,
-            input_ids: &batch.input_ids,
-            loss_mask: &batch.loss_mask,
-            seq_lens: &batch.seq_lens,
-        };
-        let geometry = BlockGeometry {
-            anchors: self.spec().block_slots(batch.padded_len),
-            ..self.geometry
-        };
-        self.plan.build(&geometry, input, seed, step);
-        let plan = &self.plan;
-        let dev = &mut self.ws.plans[slot];
-        let (t, q) = (plan.context_positions.len(), plan.query_rows());
-        be.upload(dev.block_ids.at_mut(0, q), &plan.block_ids)?;
-        be.upload(dev.positions.at_mut(0, t), &plan.context_positions)?;
-        be.upload(dev.positions.at_mut(t, q), &plan.block_positions)?;
-        be.upload(dev.query_ranges.at_mut(0, 4 * q), &plan.query_ranges)?;
-        be.upload(
-            dev.context_key_ranges.at_mut(0, 2 * t),
-            &plan.context_key_ranges,
-        )?;
-        be.upload(
-            dev.block_key_ranges.at_mut(0, 2 * q),
-            &plan.block_key_ranges,
-        )?;
-        be.upload(dev.labels.at_mut(0, q), &plan.labels)?;
-        be.upload(dev.weights.at_mut(0, q), &plan.weights)?;
-        be.upload(dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
-        Ok(&self.plan.slot_labels)
-    }
-
-    /// Forward, weighted loss and backward of the batch in input slot `slot` (its plan staged by
-    /// [`Dflash::stage_plan`]): overwrites every gradient, writes the loss into `step_scalars[2]` and the
-    /// correct rows of each slot into `step_scalars[3..3 + block]`. Returns the host time of each phase.
-    pub fn forward_backward(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        let started = Instant::now();
-        self.forward(be, shape, slot)?;
-        let forward_done = Instant::now();
-        self.loss(be, shape, slot)?;
-        let loss_done = Instant::now();
-        self.backward(be, shape, slot)?;
-        Ok(PhaseTimes {
-            forward: forward_done - started,
-            loss: loss_done - forward_done,
-            backward: loss_done.elapsed(),
-        })
-    }
-
-    /// Forward and weighted loss only (evaluation, [`crate::drafter::Drafter::evaluate`]): the loss and the
-    /// per-slot correct counts into the step scalars, no gradient of any parameter.
-    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.forward(be, shape, slot)?;
-        self.loss(be, shape, slot)
     }
 
     /// Rows of the step: `(T, Q, blocks)`.
@@ -714,9 +632,44 @@ impl<B: Backend> Dflash<B> {
             p,
         )
     }
+}
+
+impl<B: Backend> Family<B> for Dflash<B> {
+    fn name(&self) -> &'static str {
+        "dflash"
+    }
+
+    /// Forward, weighted loss and backward of the batch in input slot `slot` (its plan staged by
+    /// [`Dflash::stage_plan`]): overwrites every gradient, writes the loss into `step_scalars[2]` and the
+    /// correct rows of each slot into `step_scalars[3..3 + block]`. Returns the host time of each phase.
+    fn forward_backward(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+    ) -> BackendResult<PhaseTimes> {
+        let started = Instant::now();
+        self.forward(be, shape, slot)?;
+        let forward_done = Instant::now();
+        self.loss(be, shape, slot)?;
+        let loss_done = Instant::now();
+        self.backward(be, shape, slot)?;
+        Ok(PhaseTimes {
+            forward: forward_done - started,
+            loss: loss_done - forward_done,
+            backward: loss_done.elapsed(),
+        })
+    }
+
+    /// Forward and weighted loss only (evaluation, [`crate::drafter::Drafter::evaluate`]): the loss and the
+    /// per-slot correct counts into the step scalars, no gradient of any parameter.
+    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss(be, shape, slot)
+    }
 
     /// The optimizer, state and update buffers the shared update runs on.
-    pub fn update_parts(&mut self) -> UpdateParts<'_, B> {
+    fn update_parts(&mut self) -> UpdateParts<'_, B> {
         let ws = &mut self.ws;
         (
             &self.optimizer,
@@ -729,4 +682,112 @@ impl<B: Backend> Dflash<B> {
             },
         )
     }
+
+    fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
+    fn state(&self) -> &FlatBuffers<B> {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>) {
+        (&mut self.state, &mut self.ws.adamw_state)
+    }
+
+    fn step_scalars(&self) -> &Buf<B, f32> {
+        &self.ws.step_scalars
+    }
+
+    fn inputs(&self) -> &[InputSlot<B>] {
+        &self.ws.inputs
+    }
+
+    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B> {
+        &mut self.ws.inputs[slot]
+    }
+
+    fn input_width_and_vocab(&self) -> (usize, usize) {
+        (self.spec().taps * self.spec().hidden, self.spec().vocab)
+    }
+
+    fn frozen_mut(&mut self) -> Option<FrozenTables<'_, B>> {
+        Some((&mut self.ws.embed, &mut self.ws.lm_head))
+    }
+
+    /// Builds the block plan of `batch` (anchors drawn with `(seed, step)`) and copies it into input slot
+    /// `slot`'s plan buffers. Returns the labelled rows per slot.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn stage(
+        &mut self,
+        be: &mut B,
+        slot: usize,
+        batch: &HsBatch,
+        (seed, step): (u64, u64),
+    ) -> BackendResult<Option<Vec<u32>>> {
+        let input = PlanInput {
+            padded_len: batch.padded_len,
+            input_ids: &batch.input_ids,
+            loss_mask: &batch.loss_mask,
+            seq_lens: &batch.seq_lens,
+        };
+        let geometry = BlockGeometry {
+            anchors: self.spec().block_slots(batch.padded_len),
+            ..self.geometry
+        };
+        self.plan.build(&geometry, input, seed, step);
+        let plan = &self.plan;
+        let dev = &mut self.ws.plans[slot];
+        let (t, q) = (plan.context_positions.len(), plan.query_rows());
+        be.upload(dev.block_ids.at_mut(0, q), &plan.block_ids)?;
+        be.upload(dev.positions.at_mut(0, t), &plan.context_positions)?;
+        be.upload(dev.positions.at_mut(t, q), &plan.block_positions)?;
+        be.upload(dev.query_ranges.at_mut(0, 4 * q), &plan.query_ranges)?;
+        be.upload(
+            dev.context_key_ranges.at_mut(0, 2 * t),
+            &plan.context_key_ranges,
+        )?;
+        be.upload(
+            dev.block_key_ranges.at_mut(0, 2 * q),
+            &plan.block_key_ranges,
+        )?;
+        be.upload(dev.labels.at_mut(0, q), &plan.labels)?;
+        be.upload(dev.weights.at_mut(0, q), &plan.weights)?;
+        be.upload(dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
+        Ok(Some(self.plan.slot_labels.clone()))
+    }
+}
+
+/// The `dflash` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
+///
+/// # Errors
+/// [`BuildError`] when the plan's layout is not the `dflash` layout, the workspace overflows or a buffer cannot
+/// be allocated.
+pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
+    let kind = backend.kind();
+    let offsets = DflashOffsets::new(plan.model)?;
+    let layout = WorkspaceLayout::dflash(
+        offsets.spec(),
+        plan.buckets,
+        &plan.loss,
+        kind,
+        plan.precision,
+    )
+    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
+    .ok_or(BuildError::WorkspaceTooLarge)?;
+    let model = Dflash::new(
+        backend,
+        (plan.model, offsets),
+        plan.loss,
+        plan.optimizer,
+        plan.precision,
+        &layout,
+    )?;
+    Ok((Box::new(model), layout))
 }

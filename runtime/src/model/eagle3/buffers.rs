@@ -1,6 +1,6 @@
 //! Every buffer of [`WorkspaceLayout::eagle3`], allocated by name, and the frozen target tables the step reads:
 //! the embedding, the whole `lm_head` (the once-per-batch argmax), its rows `d2t` selects (the teacher on the
-//! draft vocabulary) and `t2d`.
+//! draft vocabulary), `t2d` and the draft tokens' target ids.
 
 use draftpipe_compiler::plan::{Eagle3Spec, WorkspaceLayout};
 
@@ -10,7 +10,7 @@ use crate::model::step::{AllocateError, input_slot, take_buffer as take};
 /// The target's frozen tables on the device (f32 whatever the checkpoint's dtype; not part of the trained
 /// state).
 #[allow(missing_docs)] // each field is the table of the same name
-pub struct FrozenTables<B: Backend> {
+pub struct Eagle3Frozen<B: Backend> {
     /// `[vocab, hidden]`.
     pub embed: Buf<B, f32>,
     /// The target's whole `lm_head`, `[vocab, hidden]`.
@@ -19,11 +19,13 @@ pub struct FrozenTables<B: Backend> {
     pub teacher_head: Buf<B, f32>,
     /// `[vocab]`: 1 where the target token is in the draft vocabulary.
     pub t2d: Buf<B, u8>,
+    /// `[draft_vocab]`: the target token of each draft token (`d + d2t[d]`), the gather's indices.
+    pub draft_ids: Buf<B, u32>,
 }
 
 #[allow(missing_docs)] // each field is the layout buffer of the same name
 pub struct Eagle3Workspace<B: Backend> {
-    pub frozen: FrozenTables<B>,
+    pub frozen: Eagle3Frozen<B>,
     pub(crate) ids: Buf<B, u32>,
     pub(crate) teacher_hs: Buf<B, f32>,
     pub(crate) row_valid: Buf<B, f32>,
@@ -90,11 +92,12 @@ impl<B: Backend> Eagle3Workspace<B> {
             .collect::<Result<_, _>>()?;
         let (v, vd, h) = (spec.vocab, spec.draft_vocab, spec.hidden);
         Ok(Self {
-            frozen: FrozenTables {
+            frozen: Eagle3Frozen {
                 embed: be.alloc(v * h)?,
                 lm_head: be.alloc(v * h)?,
                 teacher_head: be.alloc(vd * h)?,
                 t2d: be.alloc(v)?,
+                draft_ids: be.alloc(vd)?,
             },
             ids: take(be, layout, "ids")?,
             teacher_hs: take(be, layout, "teacher_hs")?,

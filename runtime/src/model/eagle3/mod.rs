@@ -29,6 +29,7 @@
 
 mod backward;
 mod buffers;
+mod family;
 pub mod kernels;
 mod offsets;
 
@@ -37,11 +38,12 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, Eagle3Spec, LossSpec, ModelPlan, WorkspaceLayout};
 use draftpipe_compiler::workspace::STEP_SCALARS;
 
-use crate::backend::{Backend, BackendResult, HsOperand, HsSrc, Operand, Precision};
+use crate::backend::{Backend, BackendError, BackendResult, HsOperand, HsSrc, Operand, Precision};
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
-use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
+use crate::model::update::{FlatBuffers, Optimizer};
 
-pub use buffers::{Eagle3Workspace, FrozenTables};
+pub use buffers::{Eagle3Frozen, Eagle3Workspace};
+pub use family::{build, ttt_metrics};
 pub use kernels::{UnrollAttention, UnrollSaved};
 pub use offsets::Eagle3Offsets;
 
@@ -58,6 +60,10 @@ pub struct Eagle3<B: Backend> {
     chunk_rows: usize,
     /// The flat state (trained tensors only).
     pub state: FlatBuffers<B>,
+    /// Whether a draft vocabulary was uploaded.
+    vocab_uploaded: bool,
+    /// Whether `teacher_head` holds the rows of the current `lm_head` and draft vocabulary.
+    teacher_gathered: bool,
     /// The workspace and the frozen tables.
     pub ws: Eagle3Workspace<B>,
 }
@@ -93,7 +99,8 @@ pub enum FrozenError {
 
 impl<B: Backend> Eagle3<B> {
     /// The model of `plan` on `backend`, state zeroed, workspace allocated from `layout`; the frozen tables are
-    /// zero until [`Eagle3::upload_frozen`].
+    /// zero until the drafter uploads them ([`Family::frozen_mut`](crate::model::Family::frozen_mut)) and the
+    /// draft vocabulary ([`Eagle3::upload_vocab_map`]).
     ///
     /// # Errors
     /// When the layout lacks a buffer or the backend cannot allocate.
@@ -111,6 +118,8 @@ impl<B: Backend> Eagle3<B> {
             precision,
             chunk_rows: layout.chunk_rows,
             state: FlatBuffers::zeroed(backend, model.parameters)?,
+            vocab_uploaded: false,
+            teacher_gathered: false,
             ws: Eagle3Workspace::allocate(backend, layout, offsets.spec())?,
             offsets,
         })
@@ -121,29 +130,21 @@ impl<B: Backend> Eagle3<B> {
         self.offsets.spec()
     }
 
-    /// Copies the target's frozen tables to the device: `embed` and `lm_head` (`[vocab, hidden]` each), the
-    /// teacher's rows of `lm_head` gathered by `d2t` (draft token `d` is target token `d + d2t[d]`, SpecForge's
-    /// offsets) and `t2d` (`[vocab]`, non-zero where the target token is in the draft vocabulary).
+    /// Copies the draft vocabulary to the device: `d2t` (draft token `d` is target token `d + d2t[d]`,
+    /// SpecForge's offsets) and `t2d` (`[vocab]`, non-zero where the target token is in the draft vocabulary).
+    /// The teacher's rows of the target's `lm_head` are gathered from it when the next batch is staged (after
+    /// the frozen tables, whichever is uploaded last).
     ///
     /// # Errors
     /// [`FrozenError`] (nothing is uploaded then) inside `Ok`; backend failures outside.
-    pub fn upload_frozen(
+    pub fn upload_vocab_map(
         &mut self,
         be: &mut B,
-        (embed, lm_head): (&[f32], &[f32]),
-        (d2t, t2d): (&[i64], &[u8]),
+        d2t: &[i64],
+        t2d: &[u8],
     ) -> BackendResult<Result<(), FrozenError>> {
-        let (v, vd, h) = (
-            self.spec().vocab,
-            self.spec().draft_vocab,
-            self.spec().hidden,
-        );
-        for (name, expected, got) in [
-            ("embed_tokens", v * h, embed.len()),
-            ("lm_head", v * h, lm_head.len()),
-            ("d2t", vd, d2t.len()),
-            ("t2d", v, t2d.len()),
-        ] {
+        let (v, vd) = (self.spec().vocab, self.spec().draft_vocab);
+        for (name, expected, got) in [("d2t", vd, d2t.len()), ("t2d", v, t2d.len())] {
             if expected != got {
                 return Ok(Err(FrozenError::Length {
                     name,
@@ -152,10 +153,10 @@ impl<B: Backend> Eagle3<B> {
                 }));
             }
         }
-        let mut teacher = Vec::with_capacity(vd * h);
+        let mut ids = Vec::with_capacity(vd);
         for (draft, &offset) in d2t.iter().enumerate() {
             let target = draft as i64 + offset;
-            if target < 0 || target >= v as i64 {
+            if target < 0 || target >= v as i64 || t2d[target as usize] == 0 {
                 return Ok(Err(FrozenError::D2tOutOfRange {
                     draft,
                     offset,
@@ -163,20 +164,39 @@ impl<B: Backend> Eagle3<B> {
                     vocab: v,
                 }));
             }
-            let row = target as usize * h;
-            teacher.extend_from_slice(&lm_head[row..row + h]);
+            ids.push(target as u32);
         }
-        let frozen = &mut self.ws.frozen;
-        be.upload(frozen.embed.all_mut(), embed)?;
-        be.upload(frozen.lm_head.all_mut(), lm_head)?;
-        be.upload(frozen.teacher_head.all_mut(), &teacher)?;
-        be.upload(frozen.t2d.all_mut(), t2d)?;
+        be.upload(self.ws.frozen.t2d.all_mut(), t2d)?;
+        be.upload(self.ws.frozen.draft_ids.all_mut(), &ids)?;
+        self.vocab_uploaded = true;
+        self.teacher_gathered = false;
         Ok(Ok(()))
+    }
+
+    /// Gathers the teacher's rows of the target's `lm_head` by the draft vocabulary, when either changed since
+    /// the last gather. Fails when no draft vocabulary was uploaded (the teacher would be all zeros).
+    pub(super) fn gather_teacher(&mut self, be: &mut B) -> BackendResult {
+        if !self.vocab_uploaded {
+            return Err(BackendError::Unsupported(
+                "an eagle3 drafter needs its draft vocabulary (vocab map) before the first batch"
+                    .to_owned(),
+            ));
+        }
+        if !self.teacher_gathered {
+            let frozen = &mut self.ws.frozen;
+            be.embedding_gather(
+                frozen.lm_head.all(),
+                frozen.draft_ids.all(),
+                frozen.teacher_head.all_mut(),
+            )?;
+            self.teacher_gathered = true;
+        }
+        Ok(())
     }
 
     /// Forward, loss and backward of the batch in input slot `slot`: overwrites every gradient and writes the
     /// step scalars (module docs). Returns the host time of each phase.
-    pub fn forward_backward(
+    pub(super) fn train_step(
         &mut self,
         be: &mut B,
         shape: StepShape,
@@ -196,7 +216,7 @@ impl<B: Backend> Eagle3<B> {
     }
 
     /// Forward and loss only (evaluation): the step scalars' loss and per-step counts, no gradient.
-    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+    pub(super) fn evaluate(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
         self.forward(be, shape, slot)?;
         self.loss(be, shape, slot, false)
     }
@@ -479,21 +499,6 @@ impl<B: Backend> Eagle3<B> {
             ws.row_loss.at(0, steps * t),
             ws.loss_partials.all_mut(),
             ws.step_scalars.at_mut(2, 1),
-        )
-    }
-
-    /// The optimizer, state and update buffers the shared update runs on.
-    pub fn update_parts(&mut self) -> UpdateParts<'_, B> {
-        let ws = &mut self.ws;
-        (
-            &self.optimizer,
-            &mut self.state,
-            UpdateBuffers {
-                grad_norm_partials: &mut ws.grad_norm_partials,
-                step_scalars: &mut ws.step_scalars,
-                adamw_step: &mut ws.adamw_step,
-                adamw_state: &mut ws.adamw_state,
-            },
         )
     }
 }

@@ -16,7 +16,9 @@ use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
-use crate::backend::{Backend, BackendResult, HsOperand, Operand, Precision};
+use crate::backend::{Backend, BackendResult, Buf, HsOperand, InputSlot, Operand, Precision};
+use crate::model::family::{BuildError, Built, Family, FamilyPlan};
+use crate::model::serving::FamilySpec;
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{Optimizer, UpdateBuffers, UpdateParts};
 
@@ -72,35 +74,6 @@ impl<B: Backend> Mlp<B> {
     /// The model's dimensions.
     pub fn spec(&self) -> &MlpSpec {
         &self.spec
-    }
-
-    /// Forward, fused loss and backward of the batch in input slot `slot`: overwrites every gradient and
-    /// writes the loss into `step_scalars[2]`. Returns the host time of each phase (what the CPU spends; on
-    /// CUDA only the enqueueing).
-    pub fn forward_backward(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        let started = Instant::now();
-        self.forward(be, shape, slot)?;
-        let forward_done = Instant::now();
-        self.loss_and_heads(be, shape, slot)?;
-        let loss_done = Instant::now();
-        self.backward(be, shape, slot)?;
-        Ok(PhaseTimes {
-            forward: forward_done - started,
-            loss: loss_done - forward_done,
-            backward: loss_done.elapsed(),
-        })
-    }
-
-    /// Forward and fused loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves
-    /// behind are partial and belong to no step.
-    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.forward(be, shape, slot)?;
-        self.loss_and_heads(be, shape, slot)
     }
 
     fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
@@ -341,9 +314,44 @@ impl<B: Backend> Mlp<B> {
             p,
         )
     }
+}
+
+impl<B: Backend> Family<B> for Mlp<B> {
+    fn name(&self) -> &'static str {
+        "mlp"
+    }
+
+    /// Forward, fused loss and backward of the batch in input slot `slot`: overwrites every gradient and
+    /// writes the loss into `step_scalars[2]`. Returns the host time of each phase (what the CPU spends; on
+    /// CUDA only the enqueueing).
+    fn forward_backward(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+    ) -> BackendResult<PhaseTimes> {
+        let started = Instant::now();
+        self.forward(be, shape, slot)?;
+        let forward_done = Instant::now();
+        self.loss_and_heads(be, shape, slot)?;
+        let loss_done = Instant::now();
+        self.backward(be, shape, slot)?;
+        Ok(PhaseTimes {
+            forward: forward_done - started,
+            loss: loss_done - forward_done,
+            backward: loss_done.elapsed(),
+        })
+    }
+
+    /// Forward and fused loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves
+    /// behind are partial and belong to no step.
+    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss_and_heads(be, shape, slot)
+    }
 
     /// The optimizer, state and update buffers the shared update runs on.
-    pub fn update_parts(&mut self) -> UpdateParts<'_, B> {
+    fn update_parts(&mut self) -> UpdateParts<'_, B> {
         let ws = &mut self.ws;
         (
             &self.optimizer,
@@ -355,5 +363,72 @@ impl<B: Backend> Mlp<B> {
                 adamw_state: &mut ws.adamw_state,
             },
         )
+    }
+
+    fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
+    fn state(&self) -> &FlatBuffers<B> {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>) {
+        (&mut self.state, &mut self.ws.adamw_state)
+    }
+
+    fn step_scalars(&self) -> &Buf<B, f32> {
+        &self.ws.step_scalars
+    }
+
+    fn inputs(&self) -> &[InputSlot<B>] {
+        &self.ws.inputs
+    }
+
+    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B> {
+        &mut self.ws.inputs[slot]
+    }
+
+    fn input_width_and_vocab(&self) -> (usize, usize) {
+        (self.spec.din, self.spec.vocab)
+    }
+}
+
+/// The `mlp` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
+///
+/// # Errors
+/// [`BuildError`] when the plan's layout is not the `mlp` layout, the workspace overflows or a buffer cannot
+/// be allocated.
+pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
+    let kind = backend.kind();
+    let offsets = MlpOffsets::new(plan.model)?;
+    let layout = WorkspaceLayout::mlp(
+        offsets.spec(),
+        plan.buckets,
+        &plan.loss,
+        kind,
+        plan.precision,
+    )
+    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
+    .ok_or(BuildError::WorkspaceTooLarge)?;
+    let model = Mlp::new(
+        backend,
+        (plan.model, offsets),
+        plan.loss,
+        plan.optimizer,
+        plan.precision,
+        &layout,
+    )?;
+    Ok((Box::new(model), layout))
+}
+
+/// `mlp` reads no target tensors and exports no serving config (the defaults).
+impl FamilySpec for MlpSpec {
+    fn name(&self) -> &'static str {
+        "mlp"
     }
 }
