@@ -329,3 +329,126 @@ fn the_trained_tensors_have_sglangs_names() {
         ]
     );
 }
+
+/// What `compile` reports is what a drafter allocates: the layout's buffers, the four flat state buffers and
+/// the frozen tables, for f32 and bf16 batches (the bf16 slots hold `hs` and `last_hs` in 16 bits).
+fn the_allocation_is_the_compiled_memory<D: TestDevice>(device: &D) {
+    use draftpipe_compiler::plan::{BackendKind, HsDtype, WorkspaceLayout};
+    let spec = SPEC();
+    let model = ModelPlan::new(spec.clone());
+    let buckets = [bucket(8, 2), bucket(16, 1)];
+    let kind = if D::NAME == "cpu" {
+        BackendKind::Cpu
+    } else {
+        BackendKind::Cuda
+    };
+    for hs in [HsDtype::F32, HsDtype::Bf16] {
+        let precision = if hs == HsDtype::F32 {
+            Precision::F32
+        } else {
+            Precision::Bf16
+        };
+        let settings = (loss(4), adamw(1e-3), precision);
+        let drafter = device.drafter_for(&model, settings, &buckets, hs);
+        let layout = WorkspaceLayout::of_model(&model.spec, &buckets, &settings.0, kind, precision)
+            .and_then(|layout| layout.with_hs_dtype(kind, hs))
+            .expect("layout");
+        let expected =
+            layout.bytes().unwrap() + 16 * model.parameters as u64 + spec.frozen_bytes().unwrap();
+        assert_eq!(drafter.allocated_bytes(), expected, "{}: {hs:?}", D::NAME);
+    }
+}
+test_device!(the_allocation_is_the_compiled_memory);
+
+/// A bf16 batch (hidden states and last hidden states held in 16 bits through the slot, widened by the teacher's
+/// shift and the `fc` product's tiles) trains as the f32 batch of the same values does.
+fn a_bf16_batch_trains_as_its_f32_values<D: TestDevice>(device: &D) {
+    use draftpipe_compiler::plan::HsDtype;
+    let spec = SPEC();
+    let model = ModelPlan::new(spec.clone());
+    let shape = (6, 2);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
+    let wide = random_batch(&mut rng, shape, spec.hidden, spec.vocab);
+    let mut narrow = HsBatch::zeroed_in(HsDtype::Bf16, shape.0, shape.1, 3 * spec.hidden)
+        .with_last_hidden_states(spec.hidden);
+    narrow
+        .hs
+        .store_f32(0, &wide.hs.to_f32_vec(0..wide.hs.len()));
+    let last = wide.last_hidden_states.as_ref().unwrap();
+    narrow
+        .last_hidden_states
+        .as_mut()
+        .unwrap()
+        .store_f32(0, &last.to_f32_vec(0..last.len()));
+    narrow.input_ids.clone_from(&wide.input_ids);
+    narrow.seq_lens.clone_from(&wide.seq_lens);
+    narrow.loss_mask.clone_from(&wide.loss_mask);
+    // The f32 batch of exactly the bf16 values.
+    let mut rounded = wide.clone();
+    rounded
+        .hs
+        .store_f32(0, &narrow.hs.to_f32_vec(0..narrow.hs.len()));
+    let nl = narrow.last_hidden_states.as_ref().unwrap();
+    rounded
+        .last_hidden_states
+        .as_mut()
+        .unwrap()
+        .store_f32(0, &nl.to_f32_vec(0..nl.len()));
+    let frozen = spec.vocab * spec.hidden;
+    let embed = to_f32(&uniform(&mut rng, frozen, 1.0));
+    let target_head = to_f32(&uniform(&mut rng, frozen, 1.0));
+    let map = vocab_map(&spec);
+    let init = FlatState::init(&model, 9);
+    let run = |batch: &HsBatch, hs: HsDtype| {
+        let settings = (loss(5), adamw(1e-3), Precision::F32);
+        let mut drafter = device.drafter_for(&model, settings, &[bucket(shape.0, shape.1)], hs);
+        drafter.upload_frozen(&embed, &target_head).expect("frozen");
+        drafter.upload_vocab_map(&map.d2t, &map.t2d).expect("map");
+        drafter.upload_state(&init).expect("upload");
+        drafter.evaluate(batch).expect("evaluate").loss
+    };
+    let (got, want) = (run(&narrow, HsDtype::Bf16), run(&rounded, HsDtype::F32));
+    assert!(
+        (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+        "{}: bf16 {got} vs f32 {want}",
+        D::NAME
+    );
+}
+test_device!(a_bf16_batch_trains_as_its_f32_values);
+
+/// A batch without the teacher's hidden states, and a drafter without a draft vocabulary, are refused with
+/// errors that say what is missing (nothing trains on zeros).
+fn missing_teacher_inputs_are_refused<D: TestDevice>(device: &D) {
+    use draftpipe_runtime::drafter::{DrafterError, StepError};
+    let spec = SPEC();
+    let model = ModelPlan::new(spec.clone());
+    let shape = (6, 2);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(13);
+    let batch = random_batch(&mut rng, shape, spec.hidden, spec.vocab);
+    let settings = (loss(5), adamw(1e-3), Precision::F32);
+    let mut drafter = device.drafter(&model, settings, &[bucket(shape.0, shape.1)]);
+    let frozen = vec![0.5f32; spec.vocab * spec.hidden];
+    drafter.upload_frozen(&frozen, &frozen).expect("frozen");
+    let without = HsBatch {
+        last_hidden_states: None,
+        ..batch.clone()
+    };
+    match drafter.stage(&without) {
+        Err(DrafterError::Batch(StepError::MissingLastHiddenStates { hidden })) => {
+            assert_eq!(hidden, spec.hidden)
+        }
+        other => panic!("{}: {other:?}", D::NAME),
+    }
+    let refused = drafter.stage(&batch).expect_err("no draft vocabulary yet");
+    assert!(refused.to_string().contains("vocab map"), "{refused}");
+    let map = vocab_map(&spec);
+    let mut bad = map.d2t.clone();
+    bad[0] = -1;
+    let refused = drafter
+        .upload_vocab_map(&bad, &map.t2d)
+        .expect_err("d2t out of range");
+    assert!(refused.to_string().contains("d2t[0]"), "{refused}");
+    drafter.upload_vocab_map(&map.d2t, &map.t2d).expect("map");
+    drafter.stage(&batch).expect("stage");
+}
+test_device!(missing_teacher_inputs_are_refused);

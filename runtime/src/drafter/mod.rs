@@ -475,21 +475,25 @@ impl<B: Backend> Drafter<B> {
             ("loss_mask", tokens, batch.loss_mask.len()),
             ("seq_lens", batch.sequences, batch.seq_lens.len()),
         ];
-        let mut sizes = sizes.to_vec();
-        if let Some(hidden) = self.model.last_hidden_width() {
-            let last = batch
-                .last_hidden_states
-                .as_ref()
-                .ok_or(StepError::MissingLastHiddenStates { hidden })?;
-            if last.dtype() != batch.hs.dtype() {
-                return Err(StepError::LastHiddenDtype {
-                    expected: batch.hs.dtype().name(),
-                    got: last.dtype().name(),
-                });
+        // The teacher's input, for a family that reads it (checked without allocating: the step path is
+        // allocation-free).
+        let last = match self.model.last_hidden_width() {
+            Some(hidden) => {
+                let last = batch
+                    .last_hidden_states
+                    .as_ref()
+                    .ok_or(StepError::MissingLastHiddenStates { hidden })?;
+                if last.dtype() != batch.hs.dtype() {
+                    return Err(StepError::LastHiddenDtype {
+                        expected: batch.hs.dtype().name(),
+                        got: last.dtype().name(),
+                    });
+                }
+                Some(("last_hidden_states", tokens * hidden, last.len()))
             }
-            sizes.push(("last_hidden_states", tokens * hidden, last.len()));
-        }
-        for (buffer, expected, got) in sizes {
+            None => None,
+        };
+        for (buffer, expected, got) in sizes.into_iter().chain(last) {
             if expected != got {
                 return Err(StepError::BatchBuffer {
                     buffer,
