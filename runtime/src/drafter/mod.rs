@@ -352,7 +352,7 @@ impl<B: Backend> Drafter<B> {
     ///
     /// # Errors
     /// [`DrafterError::Frozen`] for another family or a map that does not fit; backend failures.
-    pub fn upload_vocab_map(&mut self, d2t: &[i64], t2d: &[u8]) -> Result<(), DrafterError> {
+    pub fn upload_vocab_map(&mut self, d2t: &[i64], t2d: &[bool]) -> Result<(), DrafterError> {
         let family = self.model.name();
         let Some(eagle3) = (self.model.as_mut() as &mut dyn Any).downcast_mut::<Eagle3<B>>() else {
             return Err(DrafterError::Frozen(format!(

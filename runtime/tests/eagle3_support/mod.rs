@@ -73,15 +73,15 @@ pub struct VocabMap {
     /// Offsets, `[draft_vocab]`.
     pub d2t: Vec<i64>,
     /// Membership, `[vocab]`.
-    pub t2d: Vec<u8>,
+    pub t2d: Vec<bool>,
 }
 
 impl VocabMap {
     /// The draft vocabulary of the target tokens `tokens` (sorted ascending, as SpecForge's map is).
     pub fn of(tokens: &[usize], vocab: usize) -> Self {
-        let mut t2d = vec![0u8; vocab];
+        let mut t2d = vec![false; vocab];
         for &t in tokens {
-            t2d[t] = 1;
+            t2d[t] = true;
         }
         Self {
             d2t: tokens
@@ -214,7 +214,7 @@ pub fn reference(d: &Dims, w: &Weights<'_>, vocab_map: &VocabMap, batch: &HsBatc
         let valid: Vec<bool> = (0..s_len)
             .map(|t| {
                 let full = linear(target_head, &teacher_hs[t], d.vocab);
-                batch.loss_mask[row(t)] != 0 && vocab_map.t2d[argmax(&full)] != 0
+                batch.loss_mask[row(t)] != 0 && vocab_map.t2d[argmax(&full)]
             })
             .collect();
         let teacher_logits: Vec<Vec<f64>> = teacher_hs

@@ -131,7 +131,8 @@ impl<B: Backend> Eagle3<B> {
     }
 
     /// Copies the draft vocabulary to the device: `d2t` (draft token `d` is target token `d + d2t[d]`,
-    /// SpecForge's offsets) and `t2d` (`[vocab]`, non-zero where the target token is in the draft vocabulary).
+    /// SpecForge's offsets) and `t2d` (`[vocab]`, whether the target token is in the draft vocabulary), as
+    /// SpecForge's `vocab_mapping` (and `draftpipe vocab`) write them.
     /// The teacher's rows of the target's `lm_head` are gathered from it when the next batch is staged (after
     /// the frozen tables, whichever is uploaded last).
     ///
@@ -141,7 +142,7 @@ impl<B: Backend> Eagle3<B> {
         &mut self,
         be: &mut B,
         d2t: &[i64],
-        t2d: &[u8],
+        t2d: &[bool],
     ) -> BackendResult<Result<(), FrozenError>> {
         let (v, vd) = (self.spec().vocab, self.spec().draft_vocab);
         for (name, expected, got) in [("d2t", vd, d2t.len()), ("t2d", v, t2d.len())] {
@@ -156,7 +157,7 @@ impl<B: Backend> Eagle3<B> {
         let mut ids = Vec::with_capacity(vd);
         for (draft, &offset) in d2t.iter().enumerate() {
             let target = draft as i64 + offset;
-            if target < 0 || target >= v as i64 || t2d[target as usize] == 0 {
+            if target < 0 || target >= v as i64 || !t2d[target as usize] {
                 return Ok(Err(FrozenError::D2tOutOfRange {
                     draft,
                     offset,
@@ -166,7 +167,8 @@ impl<B: Backend> Eagle3<B> {
             }
             ids.push(target as u32);
         }
-        be.upload(self.ws.frozen.t2d.all_mut(), t2d)?;
+        let t2d: Vec<u8> = t2d.iter().map(|&member| u8::from(member)).collect();
+        be.upload(self.ws.frozen.t2d.all_mut(), &t2d)?;
         be.upload(self.ws.frozen.draft_ids.all_mut(), &ids)?;
         self.vocab_uploaded = true;
         self.teacher_gathered = false;
