@@ -9,6 +9,7 @@
 
 pub mod dflash;
 pub mod family;
+pub mod layers;
 pub mod mlp;
 pub mod registry;
 pub mod serving;
