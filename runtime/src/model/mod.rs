@@ -10,6 +10,7 @@
 pub mod dflash;
 pub mod eagle3;
 pub mod family;
+pub mod layers;
 pub mod mlp;
 pub mod registry;
 pub mod serving;

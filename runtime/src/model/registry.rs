@@ -34,3 +34,60 @@ pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<
         ModelSpec::Eagle3(_) => eagle3::build(backend, plan),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use draftpipe_compiler::compile_file;
+
+    use super::spec;
+    use crate::model::serving::ExportOptions;
+
+    /// Every pipeline shipped, so a family's pipelines check its registry entry as soon as they exist: the
+    /// entry answers to the plan's family name, and a serving config holds its architecture and a value for
+    /// every structural key (a key it lacks would make every checkpoint's config "missing" it).
+    #[test]
+    fn every_shipped_pipeline_has_a_consistent_family_entry() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../pipelines");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).expect("pipelines/") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_none_or(|e| e != "pipe") {
+                continue;
+            }
+            let plan = compile_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let family = spec(&plan.model.spec);
+            assert_eq!(family.name(), plan.model.spec.kind(), "{}", path.display());
+            let Some(config) = family.serving_config(ExportOptions::default()) else {
+                assert!(family.structural_keys().is_empty(), "{}", path.display());
+                continue;
+            };
+            let architecture = family
+                .architecture()
+                .expect("a config names its architecture");
+            assert!(
+                config["architectures"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|n| n == architecture)),
+                "{}: architectures {} lack {architecture}",
+                path.display(),
+                config["architectures"]
+            );
+            for key in family.structural_keys() {
+                let value = key.split('.').try_fold(&config, |v, k| v.get(k));
+                assert!(
+                    value.is_some_and(|v| !v.is_null()),
+                    "{}: structural key {key} is not in the serving config",
+                    path.display()
+                );
+            }
+            checked += 1;
+        }
+        assert!(
+            checked > 0,
+            "no pipeline with a serving config in {}",
+            dir.display()
+        );
+    }
+}

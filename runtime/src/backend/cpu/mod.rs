@@ -9,13 +9,11 @@
 
 pub mod attention;
 pub(crate) mod gemm;
-mod head_loss;
 pub mod kernels;
 pub mod rope;
 mod threads;
 
 pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads, matmul};
-pub use head_loss::{HeadLoss, head_loss};
 pub use threads::HostThreads;
 
 use std::sync::Arc;

@@ -35,6 +35,10 @@ use crate::backend::{
 };
 use crate::batch::HsBatch;
 use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
+use crate::model::layers::{
+    MlpDims, NormSaved, SwigluSaved, SwigluWeights, linear_backward, rmsnorm_backward,
+    swiglu_mlp_backward, swiglu_mlp_forward,
+};
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
 
@@ -115,6 +119,11 @@ impl<B: Backend> Dflash<B> {
         let (ws, params) = (&mut self.ws, &self.state.params);
         let (input, plan) = (&ws.inputs[slot], &ws.plans[slot]);
         let (th, qh) = (t * h, q * h);
+        let mlp_dims = MlpDims {
+            rows: q,
+            hidden: h,
+            intermediate: i,
+        };
         // Context, once per sequence: c = hidden_norm(hs · fcᵀ).
         be.gemm_hs(
             ws.ctx_pre.at_mut(0, th),
@@ -252,26 +261,16 @@ impl<B: Backend> Dflash<B> {
                 ws.inv_rms2.at_mut(l * q, q),
                 eps,
             )?;
-            be.gemm(
-                ws.gate_up.at_mut(l * q * 2 * i, q * 2 * i),
-                Operand::new(ws.normed2.at(l * qh, qh), q, h),
-                Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h).t(),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.swiglu_forward(
-                ws.gate_up.at(l * q * 2 * i, q * 2 * i),
-                ws.act.at_mut(l * q * i, q * i),
-                i,
-            )?;
-            be.copy(next.at_mut(0, qh), ws.mid.at(l * qh, qh))?;
-            be.gemm(
+            swiglu_mlp_forward(
+                be,
+                mlp_dims,
+                (ws.normed2.at(l * qh, qh), ws.mid.at(l * qh, qh)),
+                SwigluWeights {
+                    gate_up: params.at(w.gate_up, 2 * i * h),
+                    down: params.at(w.down_proj, h * i),
+                },
+                ((&mut ws.gate_up, l * q * 2 * i), (&mut ws.act, l * q * i)),
                 next.at_mut(0, qh),
-                Operand::new(ws.act.at(l * q * i, q * i), q, i),
-                Operand::new(params.at(w.down_proj, h * i), h, i).t(),
-                1.0,
-                1.0,
                 p,
             )?;
         }
@@ -350,95 +349,69 @@ impl<B: Backend> Dflash<B> {
         let ctx_positions = plan.positions.at(0, t);
         let blk_positions = plan.positions.at(t, q);
         let layers = at.layers.len();
-        be.rmsnorm_backward_input(
-            ws.xs[layers].at(0, qh),
-            params.at(at.norm, h),
-            ws.final_inv_rms.at(0, q),
-            ws.dz.at(0, qh),
+        let mlp_dims = MlpDims {
+            rows: q,
+            hidden: h,
+            intermediate: i,
+        };
+        rmsnorm_backward(
+            be,
+            NormSaved {
+                x: ws.xs[layers].at(0, qh),
+                weight: params.at(at.norm, h),
+                inv_rms: ws.final_inv_rms.at(0, q),
+                dy: ws.dz.at(0, qh),
+            },
+            (grads.at_mut(at.norm, h), ws.norm_partials.all_mut()),
             ws.dx.at_mut(0, qh),
             false,
         )?;
-        be.rmsnorm_weight_grad(
-            ws.xs[layers].at(0, qh),
-            ws.final_inv_rms.at(0, q),
-            ws.dz.at(0, qh),
-            grads.at_mut(at.norm, h),
-            ws.norm_partials.all_mut(),
-        )?;
         for (l, w) in at.layers.iter().enumerate().rev() {
-            // MLP: x' = m + act · Wdᵀ.
-            let dx = Operand::new(ws.dx.at(0, qh), q, h);
-            be.gemm(
-                grads.at_mut(w.down_proj, h * i),
-                dx.t(),
-                Operand::new(ws.act.at(l * q * i, q * i), q, i),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
-                ws.dact.at_mut(0, q * i),
-                dx,
-                Operand::new(params.at(w.down_proj, h * i), h, i),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.swiglu_backward(
-                ws.gate_up.at(l * q * 2 * i, q * 2 * i),
-                ws.dact.at(0, q * i),
-                ws.dgate_up.at_mut(0, q * 2 * i),
-                i,
-            )?;
-            let dgu = Operand::new(ws.dgate_up.at(0, q * 2 * i), q, 2 * i);
-            be.gemm(
-                grads.at_mut(w.gate_up, 2 * i * h),
-                dgu.t(),
-                Operand::new(ws.normed2.at(l * qh, qh), q, h),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
+            // MLP: x' = m + swiglu(post_attention_layernorm(m)) · Wdᵀ.
+            swiglu_mlp_backward(
+                be,
+                mlp_dims,
+                ws.dx.at(0, qh),
+                SwigluSaved {
+                    normed: ws.normed2.at(l * qh, qh),
+                    gate_up: ws.gate_up.at(l * q * 2 * i, q * 2 * i),
+                    act: ws.act.at(l * q * i, q * i),
+                },
+                SwigluWeights {
+                    gate_up: params.at(w.gate_up, 2 * i * h),
+                    down: params.at(w.down_proj, h * i),
+                },
+                (&mut *grads, w.gate_up, w.down_proj),
+                (&mut ws.dact, &mut ws.dgate_up),
                 ws.dnormed.at_mut(0, qh),
-                dgu,
-                Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h),
-                1.0,
-                0.0,
                 p,
-            )?;
-            be.rmsnorm_weight_grad(
-                ws.mid.at(l * qh, qh),
-                ws.inv_rms2.at(l * q, q),
-                ws.dnormed.at(0, qh),
-                grads.at_mut(w.post_attention_layernorm, h),
-                ws.norm_partials.all_mut(),
             )?;
             // dx ← dm = dx' + the post-attention norm's input gradient.
-            be.rmsnorm_backward_input(
-                ws.mid.at(l * qh, qh),
-                params.at(w.post_attention_layernorm, h),
-                ws.inv_rms2.at(l * q, q),
-                ws.dnormed.at(0, qh),
+            rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.mid.at(l * qh, qh),
+                    weight: params.at(w.post_attention_layernorm, h),
+                    inv_rms: ws.inv_rms2.at(l * q, q),
+                    dy: ws.dnormed.at(0, qh),
+                },
+                (
+                    grads.at_mut(w.post_attention_layernorm, h),
+                    ws.norm_partials.all_mut(),
+                ),
                 ws.dx.at_mut(0, qh),
                 true,
             )?;
             // Attention output projection: m = x + attn · Woᵀ.
-            let dm = Operand::new(ws.dx.at(0, qh), q, h);
-            be.gemm(
-                grads.at_mut(w.o_proj, h * qd),
-                dm.t(),
-                Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
-                ws.dattn.at_mut(0, q * qd),
-                dm,
-                Operand::new(params.at(w.o_proj, h * qd), h, qd),
-                1.0,
-                0.0,
+            linear_backward(
+                be,
+                (
+                    Operand::new(ws.dx.at(0, qh), q, h),
+                    Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
+                    Operand::new(params.at(w.o_proj, h * qd), h, qd),
+                ),
+                (grads.at_mut(w.o_proj, h * qd), 0.0),
+                (ws.dattn.at_mut(0, q * qd), 0.0),
                 p,
             )?;
             be.attention_backward(
@@ -492,17 +465,17 @@ impl<B: Backend> Dflash<B> {
                 ws.dq_raw.at_mut(0, q * qd),
                 false,
             )?;
-            let dq_raw = Operand::new(ws.dq_raw.at(0, q * qd), q, qd);
-            be.gemm(
-                grads.at_mut(w.q_proj, qd * h),
-                dq_raw.t(),
-                normed,
-                1.0,
-                0.0,
+            linear_backward(
+                be,
+                (
+                    Operand::new(ws.dq_raw.at(0, q * qd), q, qd),
+                    normed,
+                    Operand::new(params.at(w.q_proj, qd * h), qd, h),
+                ),
+                (grads.at_mut(w.q_proj, qd * h), 0.0),
+                (ws.dnormed.at_mut(0, qh), 0.0),
                 p,
             )?;
-            let wq = Operand::new(params.at(w.q_proj, qd * h), qd, h);
-            be.gemm(ws.dnormed.at_mut(0, qh), dq_raw, wq, 1.0, 0.0, p)?;
             // Block keys (k_norm's gradient from these rows into scratch) and values.
             be.rope(
                 ws.dk_blk.at_mut(0, q * kd),
@@ -531,24 +504,15 @@ impl<B: Backend> Dflash<B> {
             let wv = Operand::new(params.at(w.v_proj, kd * h), kd, h);
             let dk_blk = Operand::new(ws.dk_blk_raw.at(0, q * kd), q, kd);
             let dv_blk = Operand::new(ws.dv_blk.at(0, q * kd), q, kd);
-            be.gemm(
-                grads.at_mut(w.k_proj, kd * h),
-                dk_blk.t(),
-                normed,
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(ws.dnormed.at_mut(0, qh), dk_blk, wk, 1.0, 1.0, p)?;
-            be.gemm(
-                grads.at_mut(w.v_proj, kd * h),
-                dv_blk.t(),
-                normed,
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(ws.dnormed.at_mut(0, qh), dv_blk, wv, 1.0, 1.0, p)?;
+            for (dy, weight, dweight) in [(dk_blk, wk, w.k_proj), (dv_blk, wv, w.v_proj)] {
+                linear_backward(
+                    be,
+                    (dy, normed, weight),
+                    (grads.at_mut(dweight, kd * h), 0.0),
+                    (ws.dnormed.at_mut(0, qh), 1.0),
+                    p,
+                )?;
+            }
             // Context keys and values: into k/v_proj's gradients and dc (accumulated over layers).
             be.rope(
                 ws.dk_ctx.at_mut(0, t * kd),
@@ -586,40 +550,44 @@ impl<B: Backend> Dflash<B> {
             let dk_ctx = Operand::new(ws.dk_ctx_raw.at(0, t * kd), t, kd);
             let dv_ctx = Operand::new(ws.dv_ctx.at(0, t * kd), t, kd);
             let first = if l + 1 == layers { 0.0 } else { 1.0 };
-            be.gemm(grads.at_mut(w.k_proj, kd * h), dk_ctx.t(), ctx, 1.0, 1.0, p)?;
-            be.gemm(ws.dctx.at_mut(0, th), dk_ctx, wk, 1.0, first, p)?;
-            be.gemm(grads.at_mut(w.v_proj, kd * h), dv_ctx.t(), ctx, 1.0, 1.0, p)?;
-            be.gemm(ws.dctx.at_mut(0, th), dv_ctx, wv, 1.0, 1.0, p)?;
+            for (dy, weight, dweight, dctx_beta) in
+                [(dk_ctx, wk, w.k_proj, first), (dv_ctx, wv, w.v_proj, 1.0)]
+            {
+                linear_backward(
+                    be,
+                    (dy, ctx, weight),
+                    (grads.at_mut(dweight, kd * h), 1.0),
+                    (ws.dctx.at_mut(0, th), dctx_beta),
+                    p,
+                )?;
+            }
             // Input norm: dx ← dm + its input gradient.
-            be.rmsnorm_weight_grad(
-                ws.xs[l].at(0, qh),
-                ws.inv_rms.at(l * q, q),
-                ws.dnormed.at(0, qh),
-                grads.at_mut(w.input_layernorm, h),
-                ws.norm_partials.all_mut(),
-            )?;
-            be.rmsnorm_backward_input(
-                ws.xs[l].at(0, qh),
-                params.at(w.input_layernorm, h),
-                ws.inv_rms.at(l * q, q),
-                ws.dnormed.at(0, qh),
+            rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.xs[l].at(0, qh),
+                    weight: params.at(w.input_layernorm, h),
+                    inv_rms: ws.inv_rms.at(l * q, q),
+                    dy: ws.dnormed.at(0, qh),
+                },
+                (
+                    grads.at_mut(w.input_layernorm, h),
+                    ws.norm_partials.all_mut(),
+                ),
                 ws.dx.at_mut(0, qh),
                 true,
             )?;
         }
         // Context: hidden_norm, then fc (the block embedding is frozen: dx stops here).
-        be.rmsnorm_weight_grad(
-            ws.ctx_pre.at(0, th),
-            ws.ctx_inv_rms.at(0, t),
-            ws.dctx.at(0, th),
-            grads.at_mut(at.hidden_norm, h),
-            ws.norm_partials.all_mut(),
-        )?;
-        be.rmsnorm_backward_input(
-            ws.ctx_pre.at(0, th),
-            params.at(at.hidden_norm, h),
-            ws.ctx_inv_rms.at(0, t),
-            ws.dctx.at(0, th),
+        rmsnorm_backward(
+            be,
+            NormSaved {
+                x: ws.ctx_pre.at(0, th),
+                weight: params.at(at.hidden_norm, h),
+                inv_rms: ws.ctx_inv_rms.at(0, t),
+                dy: ws.dctx.at(0, th),
+            },
+            (grads.at_mut(at.hidden_norm, h), ws.norm_partials.all_mut()),
             ws.dctx_pre.at_mut(0, th),
             false,
         )?;

@@ -5,8 +5,13 @@
 //! Step `k`'s keys and values are read by the queries of steps `k..K`; the attention backward of step `j` adds
 //! its queries' share into the stacked `dk`, `dv` of every step `≤ j`, so when step `k` is reached its keys'
 //! gradients are complete and its `k_proj`/`v_proj` backward runs then.
+//!
+//! The projections' backward is the shared `layers::linear_backward`; the SwiGLU block's is written here because
+//! the shared `layers::swiglu_mlp_backward` overwrites its weight gradients, and the unroll accumulates them
+//! over the TTT steps (the first step processed overwrites, the others add).
 
 use crate::backend::{Backend, BackendResult, HsOperand, Operand};
+use crate::model::layers;
 use crate::model::step::StepShape;
 
 use super::{Eagle3, UnrollAttention, UnrollSaved};
@@ -93,21 +98,15 @@ impl<B: Backend> Eagle3<B> {
                 true,
             )?;
             // Attention: m = h_k + a·Woᵀ.
-            let dm = Operand::new(ws.dmid.at(0, th), t, h);
-            be.gemm(
-                grads.at_mut(at.o_proj, h * qd),
-                dm.t(),
-                Operand::new(ws.attn.at(kt * qd, t * qd), t, qd),
-                1.0,
-                beta,
-                p,
-            )?;
-            be.gemm(
-                ws.dattn.at_mut(0, t * qd),
-                dm,
-                Operand::new(params.at(at.o_proj, h * qd), h, qd),
-                1.0,
-                0.0,
+            layers::linear_backward(
+                be,
+                (
+                    Operand::new(ws.dmid.at(0, th), t, h),
+                    Operand::new(ws.attn.at(kt * qd, t * qd), t, qd),
+                    Operand::new(params.at(at.o_proj, h * qd), h, qd),
+                ),
+                (grads.at_mut(at.o_proj, h * qd), beta),
+                (ws.dattn.at_mut(0, t * qd), 0.0),
                 p,
             )?;
             be.eagle3_attention_backward(
@@ -157,21 +156,15 @@ impl<B: Backend> Eagle3<B> {
             .into_iter()
             .enumerate()
             {
-                let dy = Operand::new(grad, t, width);
-                be.gemm(
-                    grads.at_mut(offset, width * 2 * h),
-                    dy.t(),
-                    cat,
-                    1.0,
-                    beta,
-                    p,
-                )?;
-                be.gemm(
-                    ws.dcat.at_mut(0, 2 * th),
-                    dy,
-                    Operand::new(params.at(offset, width * 2 * h), width, 2 * h),
-                    1.0,
-                    if n == 0 { 0.0 } else { 1.0 },
+                layers::linear_backward(
+                    be,
+                    (
+                        Operand::new(grad, t, width),
+                        cat,
+                        Operand::new(params.at(offset, width * 2 * h), width, 2 * h),
+                    ),
+                    (grads.at_mut(offset, width * 2 * h), beta),
+                    (ws.dcat.at_mut(0, 2 * th), if n == 0 { 0.0 } else { 1.0 }),
                     p,
                 )?;
             }

@@ -39,6 +39,7 @@ use draftpipe_compiler::plan::{AdamWSpec, Eagle3Spec, LossSpec, ModelPlan, Works
 use draftpipe_compiler::workspace::STEP_SCALARS;
 
 use crate::backend::{Backend, BackendError, BackendResult, HsOperand, HsSrc, Operand, Precision};
+use crate::model::layers::{self, MlpDims, SwigluWeights};
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer};
 
@@ -373,26 +374,20 @@ impl<B: Backend> Eagle3<B> {
                 ws.inv_rms2.at_mut(kt, t),
                 eps,
             )?;
-            be.gemm(
-                ws.gate_up.at_mut(kt * 2 * i, t * 2 * i),
-                Operand::new(ws.normed2.at(kth, th), t, h),
-                Operand::new(params.at(at.gate_up, 2 * i * h), 2 * i, h).t(),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.swiglu_forward(
-                ws.gate_up.at(kt * 2 * i, t * 2 * i),
-                ws.act.at_mut(kt * i, t * i),
-                i,
-            )?;
-            be.copy(ws.xs.at_mut(kth + th, th), ws.mid.at(kth, th))?;
-            be.gemm(
+            layers::swiglu_mlp_forward(
+                be,
+                MlpDims {
+                    rows: t,
+                    hidden: h,
+                    intermediate: i,
+                },
+                (ws.normed2.at(kth, th), ws.mid.at(kth, th)),
+                SwigluWeights {
+                    gate_up: params.at(at.gate_up, 2 * i * h),
+                    down: params.at(at.down_proj, h * i),
+                },
+                ((&mut ws.gate_up, kt * 2 * i), (&mut ws.act, kt * i)),
                 ws.xs.at_mut(kth + th, th),
-                Operand::new(ws.act.at(kt * i, t * i), t, i),
-                Operand::new(params.at(at.down_proj, h * i), h, i).t(),
-                1.0,
-                1.0,
                 p,
             )?;
         }
