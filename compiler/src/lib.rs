@@ -6,8 +6,10 @@
 //! ```
 //!
 //! [`parse`] turns text into a spanned [`ast`]; the checks turn the AST into a [`plan::Plan`], plain data with
-//! everything the runtime needs, or into [`Diagnostics`] that list every error of the file. [`cost`] holds the
-//! cost and memory model the plan's figures come from, and [`summary`] renders a plan for people.
+//! everything the runtime needs, or into [`Diagnostics`] that list every error of the file. Each drafter family
+//! is one module under [`family`] (spec, argument checks, cost, workspace, tensor table), registered once;
+//! [`cost`] puts the families' figures together into the plan's cost and memory, and [`summary`] renders a
+//! plan for people.
 //!
 //! # Examples
 //!
@@ -33,6 +35,7 @@ pub mod ast;
 mod check;
 pub mod cost;
 pub mod diagnostic;
+pub mod family;
 mod grammar;
 mod parse;
 pub mod plan;
