@@ -47,8 +47,8 @@ pub mod workspace;
 use std::path::{Path, PathBuf};
 
 pub use check::{
-    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, MAX_DEVICES,
-    MAX_PARAMETERS, adamw_defaults, closest, device_name,
+    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY,
+    DEFAULT_STEP_DECAY, MAX_DEVICES, MAX_PARAMETERS, adamw_defaults, closest, device_name,
 };
 pub use diagnostic::{Diagnostic, Diagnostics};
 pub use parse::parse;

@@ -130,6 +130,15 @@ impl fmt::Display for Summary<'_> {
             family.summary(&parameters, t.weights.as_ref())
         )?;
         let decay = family.loss_summary(&d.loss);
+        if m.spec.takes_vocab_map() {
+            match &d.vocab_map {
+                Some(path) => writeln!(f, "  draft vocabulary map (d2t, t2d) from `{path}`")?,
+                None => writeln!(
+                    f,
+                    "  draft vocabulary map (d2t, t2d) counted from the source's data before training"
+                )?,
+            }
+        }
         let o = &d.optimizer;
         let clip = o
             .clip_grad_norm

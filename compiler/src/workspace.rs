@@ -160,7 +160,10 @@ impl WorkspaceLayout {
         }
         let mut din = 0;
         for buffer in &mut self.buffers {
-            if buffer.name.starts_with("input") && buffer.name.ends_with(".hs") {
+            // `input{slot}.last_hs` (EAGLE-3's teacher input) arrives in the batch's dtype too.
+            if buffer.name.starts_with("input") && buffer.name.ends_with(".last_hs") {
+                buffer.dtype = dtype;
+            } else if buffer.name.starts_with("input") && buffer.name.ends_with(".hs") {
                 buffer.dtype = dtype;
                 din = buffer.elements / self.tokens.max(1);
             }

@@ -91,6 +91,23 @@ pub enum StepError {
     /// The batch has no tokens.
     #[error("batch has no tokens")]
     EmptyBatch,
+    /// The drafter reads the target's final-norm output (EAGLE-3's teacher) and the batch has none.
+    #[error(
+        "batch has no last_hidden_states; this drafter's teacher reads them ([tokens, {hidden}], the target's \
+         final-norm output)"
+    )]
+    MissingLastHiddenStates {
+        /// Their width per token.
+        hidden: usize,
+    },
+    /// The batch's `last_hidden_states` are in another precision than its hidden states.
+    #[error("batch last_hidden_states are {got}, its hidden states {expected}")]
+    LastHiddenDtype {
+        /// The hidden states' precision.
+        expected: &'static str,
+        /// The last hidden states' precision.
+        got: &'static str,
+    },
     /// The batch's hidden states are in a precision the input slots cannot hold without rounding.
     #[error("batch hidden states are {got}, the drafter's input slots hold {expected}")]
     HsDtype {
@@ -119,6 +136,9 @@ pub enum DrafterError {
     /// The plan's workspace does not fit in memory sizes.
     #[error("the workspace of this plan overflows the address space")]
     WorkspaceTooLarge,
+    /// The plan's family has no runtime step.
+    #[error("the runtime has no `{0}` step yet: plans of this family compile but cannot run")]
+    NoStep(&'static str),
     /// The target's frozen tensors do not fit the model (or the model has none).
     #[error("frozen target weights: {0}")]
     Frozen(String),
@@ -139,6 +159,7 @@ impl From<BuildError> for DrafterError {
             BuildError::Layout(e) => DrafterError::Layout(e),
             BuildError::Allocate(e) => DrafterError::Allocate(e),
             BuildError::WorkspaceTooLarge => DrafterError::WorkspaceTooLarge,
+            BuildError::NoStep { family } => DrafterError::NoStep(family),
         }
     }
 }
@@ -454,6 +475,20 @@ impl<B: Backend> Drafter<B> {
             ("loss_mask", tokens, batch.loss_mask.len()),
             ("seq_lens", batch.sequences, batch.seq_lens.len()),
         ];
+        let mut sizes = sizes.to_vec();
+        if let Some(hidden) = self.model.last_hidden_width() {
+            let last = batch
+                .last_hidden_states
+                .as_ref()
+                .ok_or(StepError::MissingLastHiddenStates { hidden })?;
+            if last.dtype() != batch.hs.dtype() {
+                return Err(StepError::LastHiddenDtype {
+                    expected: batch.hs.dtype().name(),
+                    got: last.dtype().name(),
+                });
+            }
+            sizes.push(("last_hidden_states", tokens * hidden, last.len()));
+        }
         for (buffer, expected, got) in sizes {
             if expected != got {
                 return Err(StepError::BatchBuffer {

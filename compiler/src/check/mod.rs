@@ -29,7 +29,8 @@ use crate::span::Span;
 
 pub use devices::{MAX_DEVICES, device_name};
 pub use stages::{
-    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, adamw_defaults,
+    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY,
+    DEFAULT_STEP_DECAY, adamw_defaults,
 };
 
 type Errs = Vec<Diagnostic>;
@@ -273,6 +274,25 @@ fn check_model_against_target(
             .help(format!(
                 "tap {wanted} layers (a low, a middle and a high one, e.g. `tap_layers = [2, 18, 33]` of a 36-layer target)"
             )),
+        );
+    }
+    let stream = matches!(target.source, Some(SourceSpec::Stream { .. }));
+    if family.takes_vocab_map && stream && drafter.vocab_map.is_none() {
+        errs.push(
+            Diagnostic::error(
+                kind.span,
+                format!(
+                    "{} `{}` drafter fed by a `stream` source needs `vocab_map`",
+                    family.article, family.name
+                ),
+            )
+            .label("no draft vocabulary given")
+            .related(target_section.header, "the target's source is a stream")
+            .help(
+                "a stream's tokens arrive while the run trains, so the draft vocabulary cannot be counted \
+                 before it: record the data to files, run `draftpipe vocab PIPE --out FILE` over a pipeline \
+                 reading them, and add `vocab_map = \"FILE\"` to this drafter",
+            ),
         );
     }
     let synthetic = matches!(target.source, Some(SourceSpec::Synthetic { .. }));

@@ -21,6 +21,8 @@ type Errs = Vec<Diagnostic>;
 pub const DEFAULT_CHUNK_TOKENS: usize = 1024;
 /// Default per-head loss decay: every head weighs the same.
 pub const DEFAULT_HEAD_DECAY: f32 = 1.0;
+/// Default weight decay per unroll step of the `eagle3` loss: SpecForge's `0.8^k`.
+pub const DEFAULT_STEP_DECAY: f32 = 0.8;
 /// Default status-line period.
 pub const DEFAULT_EVERY_MS: u64 = 1000;
 /// Default `min_ready` watermark: consumers start as soon as one item is queued.
@@ -574,6 +576,8 @@ pub(crate) struct DrafterParts {
     /// placement, and `tf32` is refused on the CPU.
     pub precision: Option<(Option<Precision>, Span)>,
     pub steps: Option<Option<u64>>,
+    /// `vocab_map`, when written (`Some(None)`: written but invalid), and where.
+    pub vocab_map: Option<(Option<String>, Span)>,
 }
 
 /// The family names the grammar accepts, in registry order.
@@ -602,6 +606,9 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         None => Some(LossSpec {
             head_decay: DEFAULT_HEAD_DECAY,
             position_decay: None,
+            step_decay: model_kind
+                .filter(|m| m.family.weighting.0 == "step_decay")
+                .map(|_| DEFAULT_STEP_DECAY),
             chunk_tokens: DEFAULT_CHUNK_TOKENS,
         }),
         Some(v) => values::call(
@@ -652,6 +659,13 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         );
         (choice, v.span)
     });
+    let vocab_map = f.optional("vocab_map").map(|v| {
+        let path = values::nonempty_string(errs, "vocab_map", v).map(str::to_owned);
+        (
+            path.filter(|_| takes_vocab_map(errs, v, model_kind)),
+            v.span,
+        )
+    });
     let steps = match f.optional("steps") {
         None => Some(None),
         Some(v) => values::count(errs, "steps", v, 1).map(|n| Some(n as u64)),
@@ -668,6 +682,7 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         launch_span,
         precision,
         steps,
+        vocab_map,
     }
 }
 
@@ -853,8 +868,40 @@ pub(crate) fn drafter_stage(
         launch: parts.launch?,
         precision,
         steps: parts.steps?,
+        vocab_map: match parts.vocab_map {
+            Some((path, _)) => Some(path?),
+            None => None,
+        },
     };
     Some((stage, parts.model?))
+}
+
+/// `vocab_map` is read only by a family with its own draft vocabulary; records an error for the others.
+fn takes_vocab_map(errs: &mut Errs, value: &Value, model: Option<ModelKind>) -> bool {
+    let Some(model) = model.filter(|m| !m.family.takes_vocab_map) else {
+        return true;
+    };
+    let takers: Vec<String> = REGISTRY
+        .iter()
+        .filter(|family| family.takes_vocab_map)
+        .map(|family| format!("`{}`", family.name))
+        .collect();
+    let (this, article) = (model.family.name, model.family.article);
+    errs.push(
+        Diagnostic::error(
+            value.span,
+            format!(
+                "`vocab_map` applies to {} drafters; this drafter is `{this}`",
+                takers.join(" and ")
+            ),
+        )
+        .label(format!("not {article} `{this}` setting"))
+        .related(model.span, format!("model is `{this}`"))
+        .help(format!(
+            "remove `vocab_map` (a `{this}` drafter predicts over the target's whole vocabulary)"
+        )),
+    );
+    false
 }
 
 /// Refuses a loss key that weighs another family's predictions: each family owns one ([`Registered::weighting`]).
@@ -910,6 +957,19 @@ fn loss(errs: &mut Errs, call: &Call, model: Option<ModelKind>) -> Option<LossSp
         )
         .map(|x| Some(x as f32)),
     };
+    // The family that weighs its unroll's steps gets SpecForge's 0.8 when the file says nothing.
+    let step_decay = match f.optional("step_decay") {
+        None => Some(
+            model
+                .filter(|m| m.family.weighting.0 == "step_decay")
+                .map(|_| DEFAULT_STEP_DECAY),
+        ),
+        Some(v) if !loss_key_for(errs, ("step_decay", v), model) => None,
+        Some(v) => values::real_where(errs, "step_decay", v, ("must lie in (0, 1]", "0.8"), |x| {
+            x > 0.0 && x <= 1.0
+        })
+        .map(|x| Some(x as f32)),
+    };
     let chunk_tokens = match f.optional("chunk_tokens") {
         None => Some(DEFAULT_CHUNK_TOKENS),
         Some(v) => values::count_in(errs, "chunk_tokens", v, 1, MAX_DIM),
@@ -918,6 +978,7 @@ fn loss(errs: &mut Errs, call: &Call, model: Option<ModelKind>) -> Option<LossSp
     Some(LossSpec {
         head_decay: head_decay? as f32,
         position_decay: position_decay?,
+        step_decay: step_decay?,
         chunk_tokens: chunk_tokens?,
     })
 }

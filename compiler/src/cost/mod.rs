@@ -221,6 +221,7 @@ mod tests {
         let loss = LossSpec {
             head_decay: 1.0,
             position_decay: None,
+            step_decay: None,
             chunk_tokens: 1,
         };
         let layout =

@@ -77,6 +77,8 @@ pub(crate) trait ModelArgs: Sized + 'static {
     const READS_TARGET_WEIGHTS: bool;
     /// How many tapped layers the family reads, when it fixes the number.
     const TAPS: Option<usize> = None;
+    /// Whether the drafter section may give a draft vocabulary map (`vocab_map = "FILE.safetensors"`).
+    const TAKES_VOCAB_MAP: bool = false;
     /// The spec the arguments and the target make.
     type Spec;
 

@@ -19,6 +19,7 @@ use crate::workspace::{BackendKind, WorkspaceLayout};
 
 mod attention;
 pub mod dflash;
+pub mod eagle3;
 mod interface;
 pub mod mlp;
 
@@ -32,6 +33,8 @@ pub enum ModelSpec {
     Mlp(mlp::MlpSpec),
     /// `model = dflash(...)`.
     Dflash(dflash::DflashSpec),
+    /// `model = eagle3(...)`.
+    Eagle3(eagle3::Eagle3Spec),
 }
 
 impl From<mlp::MlpSpec> for ModelSpec {
@@ -46,10 +49,17 @@ impl From<dflash::DflashSpec> for ModelSpec {
     }
 }
 
+impl From<eagle3::Eagle3Spec> for ModelSpec {
+    fn from(spec: eagle3::Eagle3Spec) -> Self {
+        ModelSpec::Eagle3(spec)
+    }
+}
+
 /// The families the grammar accepts, in the order the checker lists them.
-pub(crate) static REGISTRY: [Registered; 2] = [
+pub(crate) static REGISTRY: [Registered; 3] = [
     Registered::of::<mlp::MlpArgs>(),
     Registered::of::<dflash::DflashArgs>(),
+    Registered::of::<eagle3::Eagle3Args>(),
 ];
 
 impl ModelSpec {
@@ -58,6 +68,7 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp(spec) => spec,
             ModelSpec::Dflash(spec) => spec,
+            ModelSpec::Eagle3(spec) => spec,
         }
     }
 
@@ -82,6 +93,14 @@ impl ModelSpec {
         }
     }
 
+    /// The `eagle3` dimensions, when this is an `eagle3`.
+    pub fn as_eagle3(&self) -> Option<&eagle3::Eagle3Spec> {
+        match self {
+            ModelSpec::Eagle3(spec) => Some(spec),
+            _ => None,
+        }
+    }
+
     /// The closed-form count of trained parameters.
     pub fn parameter_count(&self) -> usize {
         self.family().parameter_count()
@@ -90,6 +109,12 @@ impl ModelSpec {
     /// The flat layout of the trained parameters, in buffer order.
     pub fn layout(&self) -> Vec<TensorView> {
         self.family().layout()
+    }
+
+    /// Whether the drafter reads a draft vocabulary map (the drafter's `vocab_map`, or one computed from the
+    /// source's data before training).
+    pub fn takes_vocab_map(&self) -> bool {
+        registered(self.kind()).is_some_and(|family| family.takes_vocab_map)
     }
 
     /// Whether the drafter reads the target's frozen embedding and `lm_head` (the target's `weights`).
@@ -124,6 +149,8 @@ pub(crate) struct Registered {
     pub reads_target_weights: bool,
     /// How many tapped layers it reads, when it fixes the number.
     pub taps: Option<usize>,
+    /// Whether it takes a draft vocabulary map (`vocab_map`).
+    pub takes_vocab_map: bool,
     /// Checks `model = NAME(...)`'s arguments.
     pub check: fn(&mut Errs, &Call) -> Option<Box<dyn CheckedModel>>,
 }
@@ -139,6 +166,7 @@ impl Registered {
             weighting: A::WEIGHTING,
             reads_target_weights: A::READS_TARGET_WEIGHTS,
             taps: A::TAPS,
+            takes_vocab_map: A::TAKES_VOCAB_MAP,
             check: check_boxed::<A>,
         }
     }

@@ -12,6 +12,7 @@ pub mod derived;
 pub mod stages;
 
 pub use crate::family::dflash::{DFLASH_RMS_NORM_EPS, DflashSpec};
+pub use crate::family::eagle3::{EAGLE3_DEFAULT_TTT, EAGLE3_RMS_NORM_EPS, EAGLE3_TAPS, Eagle3Spec};
 pub use crate::family::mlp::MlpSpec;
 pub use crate::family::{Family, ModelSpec};
 pub use crate::workspace::{BackendKind, WorkspaceLayout};

@@ -240,6 +240,11 @@ pub struct DrafterStage {
     pub precision: Precision,
     /// Optional step limit.
     pub steps: Option<u64>,
+    /// The draft vocabulary map an `eagle3` drafter reads (`vocab_map`): a safetensors file of `d2t` (i64) and
+    /// `t2d` (bool or u8), as `draftpipe vocab` writes it. `None`: the run computes it from the source's data
+    /// before training (synthetic and file sources; the checker refuses a stream source without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_map: Option<String>,
 }
 
 /// Gradient synchronisation between drafter workers.
@@ -291,7 +296,7 @@ impl Precision {
     }
 }
 
-/// Multi-head (`mlp`) or multi-position (`dflash`) cross-entropy loss.
+/// Multi-head (`mlp`), multi-position (`dflash`) or multi-step (`eagle3`) cross-entropy loss.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LossSpec {
     /// `mlp`: head `j` is weighted `head_decay^j` (1 on `dflash`, where the checker refuses the key).
@@ -300,6 +305,10 @@ pub struct LossSpec {
     /// `None`: every slot weighs the same. Always `None` on `mlp`, where the checker refuses the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub position_decay: Option<f32>,
+    /// `eagle3`: TTT step `k` is weighted `step_decay^k` (SpecForge's `0.8^k`), no renormalisation; `None` on the
+    /// other families.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_decay: Option<f32>,
     /// Tokens per chunk of the fused vocabulary loss.
     pub chunk_tokens: usize,
 }

@@ -13,7 +13,7 @@ use draftpipe_compiler::plan::{BackendKind, WorkspaceLayout};
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
     BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
-    Operand, Precision, Src, StepPart, StepResults, gemm_shape,
+    Operand, Precision, Src, StepPart, StepResults, gemm_shape, missing_last_hidden_states,
 };
 use crate::allreduce::AllReduce;
 use crate::batch::HsSlice;
@@ -253,6 +253,25 @@ impl CpuBackend {
     }
 }
 
+/// Copies hidden states `src` into the front of `dst`: as they are in their own precision, widened exactly into
+/// an f32 slot (a layout made for f32); never rounded.
+fn stage_hs(dst: &mut HsBuf<CpuBackend>, src: HsSlice<'_>) -> BackendResult {
+    let n = src.len();
+    match (dst, src) {
+        (HsBuf::F32(dst), src) => src.widen_into(slice_mut(dst.at_mut(0, n))),
+        (HsBuf::Bf16(dst), HsSlice::Bf16(src)) => slice_mut(dst.at_mut(0, n)).copy_from_slice(src),
+        (HsBuf::F16(dst), HsSlice::F16(src)) => slice_mut(dst.at_mut(0, n)).copy_from_slice(src),
+        (dst, src) => {
+            return Err(BackendError::Unsupported(format!(
+                "{} hidden states into a {} input slot (it would round them)",
+                src.dtype().name(),
+                dst.dtype().name()
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Backend for CpuBackend {
     type Raw<T: Element> = Vec<T>;
 
@@ -289,23 +308,12 @@ impl Backend for CpuBackend {
         batch: HostBatch<'_>,
         input: &mut InputSlot<Self>,
     ) -> BackendResult {
-        let n = batch.hs.len();
-        match (&mut input.hs, batch.hs) {
-            // A narrower batch into an f32 slot (a layout made for f32) widens exactly.
-            (HsBuf::F32(dst), src) => src.widen_into(slice_mut(dst.at_mut(0, n))),
-            (HsBuf::Bf16(dst), HsSlice::Bf16(src)) => {
-                slice_mut(dst.at_mut(0, n)).copy_from_slice(src)
-            }
-            (HsBuf::F16(dst), HsSlice::F16(src)) => {
-                slice_mut(dst.at_mut(0, n)).copy_from_slice(src)
-            }
-            (dst, src) => {
-                return Err(BackendError::Unsupported(format!(
-                    "{} hidden states into a {} input slot (it would round them)",
-                    src.dtype().name(),
-                    dst.dtype().name()
-                )));
-            }
+        stage_hs(&mut input.hs, batch.hs)?;
+        match (&mut input.last_hidden_states, batch.last_hidden_states) {
+            (Some(dst), Some(src)) => stage_hs(dst, src)?,
+            (Some(_), None) => return Err(missing_last_hidden_states()),
+            // A family that does not read them leaves them on the host.
+            (None, _) => {}
         }
         slice_mut(input.input_ids.at_mut(0, batch.input_ids.len()))
             .copy_from_slice(batch.input_ids);

@@ -50,7 +50,7 @@ use super::cuda_dflash as dflash;
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
     BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
-    Operand, Precision, Src, StepPart, StepResults, gemm_shape,
+    Operand, Precision, Src, StepPart, StepResults, gemm_shape, missing_last_hidden_states,
 };
 use crate::batch::HsDtype;
 use crate::cuda::{
@@ -170,8 +170,11 @@ impl CudaBackend {
         let (tokens, sequences) = (layout.tokens, layout.sequences);
         let din = layout.elements("input0.hs").unwrap_or(0) / tokens.max(1);
         let slot_hs = hs_dtype(layout, "input0.hs").unwrap_or(HsDtype::F32);
+        let last_hidden = layout
+            .elements("input0.last_hs")
+            .map(|len| len / tokens.max(1));
         let pinned = (0..layout.input_slots)
-            .map(|_| PinnedInput::new(&ctx, slot_hs, (tokens, din, sequences)))
+            .map(|_| PinnedInput::new(&ctx, slot_hs, (tokens, din, sequences), last_hidden))
             .collect::<Result<Vec<_>, _>>()?;
         let half_operand = match (
             hs_dtype(layout, "gemm_hs_operand"),
@@ -331,6 +334,15 @@ impl Drop for CudaBackend {
     }
 }
 
+/// The device address of the first `n` hidden states of `slot`, in their precision.
+fn slot_hs_pointer(slot: &mut HsBuf<CudaBackend>, n: usize) -> SlotHs {
+    match slot {
+        HsBuf::F32(b) => SlotHs::F32(ptr_mut(b.at_mut(0, n))),
+        HsBuf::Bf16(b) => SlotHs::Bf16(ptr_mut(b.at_mut(0, n))),
+        HsBuf::F16(b) => SlotHs::F16(ptr_mut(b.at_mut(0, n))),
+    }
+}
+
 impl Backend for CudaBackend {
     type Raw<T: Element> = DeviceBuffer<T>;
 
@@ -407,12 +419,15 @@ impl Backend for CudaBackend {
             .map_err(CudaError::from)?;
         let tokens = batch.input_ids.len();
         let n = batch.hs.len();
+        let last_hidden_states = match (&mut input.last_hidden_states, batch.last_hidden_states) {
+            (Some(slot), Some(last)) => Some(slot_hs_pointer(slot, last.len())),
+            (Some(_), None) => return Err(missing_last_hidden_states()),
+            // A family that does not read them leaves them on the host.
+            (None, _) => None,
+        };
         let slot_pointers = SlotPointers {
-            hs: match &mut input.hs {
-                HsBuf::F32(b) => SlotHs::F32(ptr_mut(b.at_mut(0, n))),
-                HsBuf::Bf16(b) => SlotHs::Bf16(ptr_mut(b.at_mut(0, n))),
-                HsBuf::F16(b) => SlotHs::F16(ptr_mut(b.at_mut(0, n))),
-            },
+            hs: slot_hs_pointer(&mut input.hs, n),
+            last_hidden_states,
             input_ids: ptr_mut(input.input_ids.at_mut(0, tokens)),
             seq_lens: ptr_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())),
             loss_mask: ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())),

@@ -43,6 +43,12 @@ pub enum BuildError {
     /// The workspace's sizes overflow.
     #[error("the workspace of this plan overflows the address space")]
     WorkspaceTooLarge,
+    /// The plan names a family whose step the runtime does not have yet.
+    #[error("the runtime has no `{family}` step yet: plans of this family compile but cannot run")]
+    NoStep {
+        /// The family's `.pipe` name.
+        family: &'static str,
+    },
 }
 
 impl<B: Backend> Model<B> {
@@ -91,6 +97,7 @@ impl<B: Backend> Model<B> {
                 )?;
                 Ok((Model::Dflash(Box::new(dflash)), layout))
             }
+            ModelSpec::Eagle3(_) => Err(BuildError::NoStep { family: "eagle3" }),
         }
     }
 
@@ -179,6 +186,13 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => m.ws.inputs[0].hs.dtype(),
             Model::Dflash(m) => m.ws.inputs[0].hs.dtype(),
+        }
+    }
+
+    /// Width of one token's `last_hidden_states` (the target's final-norm output), when the family reads them.
+    pub fn last_hidden_width(&self) -> Option<usize> {
+        match self {
+            Model::Mlp(_) | Model::Dflash(_) => None,
         }
     }
 

@@ -29,7 +29,7 @@ impl WorkspaceLayout {
     ///     head_dim: 4, intermediate: 12, block: 3, anchors: 2, mask_token: 15, rope_theta: 1e4,
     ///     rms_norm_eps: 1e-6,
     /// };
-    /// let loss = LossSpec { head_decay: 1.0, position_decay: Some(7.0), chunk_tokens: 4 };
+    /// let loss = LossSpec { head_decay: 1.0, position_decay: Some(7.0), step_decay: None, chunk_tokens: 4 };
     /// let bytes = |len: usize| {
     ///     let bucket = BucketPlan { padded_len: len, sequences: 2, tokens: 2 * len, step_flops: 0, step_bytes: 0 };
     ///     WorkspaceLayout::dflash(&spec, &[bucket], &loss, BackendKind::Cpu, Precision::F32).unwrap().bytes().unwrap()

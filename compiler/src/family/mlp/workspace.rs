@@ -22,7 +22,7 @@ impl WorkspaceLayout {
     ///
     /// let spec = MlpSpec { din: 8, hidden: 4, blocks: 1, intermediate: 6, heads: 2, vocab: 10 };
     /// let bucket = BucketPlan { padded_len: 4, sequences: 2, tokens: 8, step_flops: 0, step_bytes: 0 };
-    /// let loss = LossSpec { head_decay: 0.8, position_decay: None, chunk_tokens: 3 };
+    /// let loss = LossSpec { head_decay: 0.8, position_decay: None, step_decay: None, chunk_tokens: 3 };
     /// let cpu = WorkspaceLayout::mlp(&spec, &[bucket.clone()], &loss, BackendKind::Cpu, Precision::F32).unwrap();
     /// let cuda = WorkspaceLayout::mlp(&spec, &[bucket], &loss, BackendKind::Cuda, Precision::F32).unwrap();
     /// assert_eq!(cpu.elements("logits"), Some(3 * 10));

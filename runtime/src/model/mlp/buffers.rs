@@ -214,7 +214,7 @@ impl<B: Backend> MlpWorkspace<B> {
 }
 
 /// Allocates input slot `slot` of `layout` (every model's batch buffers; the hidden states in the layout's
-/// dtype of `input{slot}.hs`).
+/// dtype of `input{slot}.hs`, and `input{slot}.last_hs` when the layout has it, in its dtype).
 ///
 /// # Errors
 /// When the layout lacks a buffer or the backend cannot allocate.
@@ -233,17 +233,28 @@ pub fn input_slot<B: Backend>(
             .ok_or_else(|| MissingBuffer(name.to_owned()))?;
         Ok(backend.alloc(len)?)
     }
-    let hs = format!("input{slot}.hs");
-    let dtype = layout
-        .buffers
-        .iter()
-        .find(|b| b.name == hs)
-        .map(|b| b.dtype);
+    fn take_hs<B: Backend>(
+        backend: &mut B,
+        layout: &WorkspaceLayout,
+        name: &str,
+    ) -> Result<HsBuf<B>, AllocateError> {
+        let dtype = layout
+            .buffers
+            .iter()
+            .find(|b| b.name == name)
+            .map(|b| b.dtype);
+        Ok(match dtype {
+            Some(Dtype::Bf16) => HsBuf::Bf16(take(backend, layout, name)?),
+            Some(Dtype::F16) => HsBuf::F16(take(backend, layout, name)?),
+            _ => HsBuf::F32(take(backend, layout, name)?),
+        })
+    }
+    let last = format!("input{slot}.last_hs");
     Ok(InputSlot {
-        hs: match dtype {
-            Some(Dtype::Bf16) => HsBuf::Bf16(take(backend, layout, &hs)?),
-            Some(Dtype::F16) => HsBuf::F16(take(backend, layout, &hs)?),
-            _ => HsBuf::F32(take(backend, layout, &hs)?),
+        hs: take_hs(backend, layout, &format!("input{slot}.hs"))?,
+        last_hidden_states: match layout.elements(&last) {
+            Some(_) => Some(take_hs(backend, layout, &last)?),
+            None => None,
         },
         input_ids: take(backend, layout, &format!("input{slot}.input_ids"))?,
         seq_lens: take(backend, layout, &format!("input{slot}.seq_lens"))?,
