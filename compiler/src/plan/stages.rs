@@ -299,14 +299,14 @@ impl Precision {
 /// Multi-head (`mlp`), multi-position (`dflash`) or multi-step (`eagle3`) cross-entropy loss.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LossSpec {
-    /// `mlp`: head `j` is weighted `head_decay^j` (1 on `dflash`, where the checker refuses the key).
+    /// `mlp`: head `j` is weighted `head_decay^j` (1 on the other families, where the checker refuses the key).
     pub head_decay: f32,
     /// `dflash`: block slot `k ≥ 1` is weighted `exp(−(k−1)/position_decay)` (SpecForge's `loss_decay_gamma`);
-    /// `None`: every slot weighs the same. Always `None` on `mlp`, where the checker refuses the key.
+    /// `None`: every slot weighs the same. Always `None` on the other families, where the checker refuses the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub position_decay: Option<f32>,
-    /// `eagle3`: TTT step `k` is weighted `step_decay^k` (SpecForge's `0.8^k`), no renormalisation; `None` on the
-    /// other families.
+    /// `eagle3`: TTT step `k` is weighted `step_decay^k` (SpecForge's `0.8^k`, the checker's default), no
+    /// renormalisation; `None` on the other families, where the checker refuses the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_decay: Option<f32>,
     /// Tokens per chunk of the fused vocabulary loss.
