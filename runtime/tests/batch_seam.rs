@@ -11,7 +11,7 @@ use draftpipe_compiler::plan::{
 };
 use draftpipe_runtime::backend::{Backend, BackendError, HostBatch, HsBuf};
 use draftpipe_runtime::batch::HsBatch;
-use draftpipe_runtime::model::mlp::input_slot;
+use draftpipe_runtime::model::step::input_slot;
 
 const SPEC: Eagle3Spec = Eagle3Spec {
     hidden: 8,

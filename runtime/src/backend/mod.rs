@@ -18,7 +18,6 @@
 pub mod attention;
 pub mod cpu;
 pub mod cuda;
-mod cuda_dflash;
 
 use std::marker::PhantomData;
 
@@ -31,7 +30,7 @@ pub use draftpipe_gpu_kernels::adamw::{
 };
 
 use crate::batch::{HsBatch, HsData, HsDtype, HsSlice};
-use crate::cuda::CudaError;
+use cuda::error::CudaError;
 
 /// What a device buffer can hold.
 pub trait Element:
@@ -818,4 +817,7 @@ pub trait Backend: Sized + Send {
     /// Averages `grads` over the data-parallel replicas, when the backend has a group (CPU: the host
     /// all-reduce; CUDA: NCCL, enqueued between the captured parts, never inside a graph).
     fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult;
+
+    // EAGLE-3's kernels (`model::eagle3::kernels`).
+    crate::model::eagle3::kernels::eagle3_backend_methods!(declare);
 }

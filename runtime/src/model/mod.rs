@@ -3,11 +3,14 @@
 //!
 //! ```text
 //!  Plan (model, buckets, loss, precision) ──▶ model::mlp::Mlp<B>       ──calls──▶ B: CpuBackend │ CudaBackend
-//!                                        └──▶ model::dflash::Dflash<B> ──┘
+//!                                        ├──▶ model::dflash::Dflash<B> ──┤
+//!                                        └──▶ model::eagle3::Eagle3<B> ──┘
 //! ```
 
 pub mod dflash;
+pub mod eagle3;
 pub mod mlp;
+pub mod step;
 pub mod update;
 
 use draftpipe_compiler::plan::{
@@ -16,9 +19,10 @@ use draftpipe_compiler::plan::{
 
 use crate::backend::{Backend, BackendResult, Buf, InputSlot};
 use crate::batch::HsDtype;
-use crate::cpu::PhaseTimes;
 use dflash::{Dflash, DflashOffsets};
-use mlp::{AllocateError, LayoutError, Mlp, MlpOffsets, StepShape};
+use eagle3::{Eagle3, Eagle3Offsets};
+use mlp::{Mlp, MlpOffsets};
+use step::{AllocateError, LayoutError, PhaseTimes, StepShape};
 use update::FlatBuffers;
 
 /// Either model family, so the drafter and the worker loop are written once for both. An enum rather than a
@@ -29,6 +33,8 @@ pub enum Model<B: Backend> {
     Mlp(Box<Mlp<B>>),
     /// `model = dflash(...)`.
     Dflash(Box<Dflash<B>>),
+    /// `model = eagle3(...)`.
+    Eagle3(Box<Eagle3<B>>),
 }
 
 /// Why a model could not be built.
@@ -43,12 +49,6 @@ pub enum BuildError {
     /// The workspace's sizes overflow.
     #[error("the workspace of this plan overflows the address space")]
     WorkspaceTooLarge,
-    /// The plan names a family whose step the runtime does not have yet.
-    #[error("the runtime has no `{family}` step yet: plans of this family compile but cannot run")]
-    NoStep {
-        /// The family's `.pipe` name.
-        family: &'static str,
-    },
 }
 
 impl<B: Backend> Model<B> {
@@ -97,7 +97,22 @@ impl<B: Backend> Model<B> {
                 )?;
                 Ok((Model::Dflash(Box::new(dflash)), layout))
             }
-            ModelSpec::Eagle3(_) => Err(BuildError::NoStep { family: "eagle3" }),
+            ModelSpec::Eagle3(_) => {
+                let offsets = Eagle3Offsets::new(model)?;
+                let layout =
+                    WorkspaceLayout::eagle3(offsets.spec(), buckets, &loss, kind, precision)
+                        .and_then(|layout| layout.with_hs_dtype(kind, hs_dtype))
+                        .ok_or(BuildError::WorkspaceTooLarge)?;
+                let eagle3 = Eagle3::new(
+                    backend,
+                    (model, offsets),
+                    loss,
+                    optimizer,
+                    precision,
+                    &layout,
+                )?;
+                Ok((Model::Eagle3(Box::new(eagle3)), layout))
+            }
         }
     }
 
@@ -111,6 +126,7 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => m.forward_backward(be, shape, slot),
             Model::Dflash(m) => m.forward_backward(be, shape, slot),
+            Model::Eagle3(m) => m.forward_backward(be, shape, slot),
         }
     }
 
@@ -119,6 +135,7 @@ impl<B: Backend> Model<B> {
         let optimizer = match self {
             Model::Mlp(m) => &mut m.optimizer,
             Model::Dflash(m) => &mut m.optimizer,
+            Model::Eagle3(m) => &mut m.optimizer,
         };
         optimizer.set_schedule_total(total_steps);
     }
@@ -128,6 +145,7 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => m.forward_loss(be, shape, slot),
             Model::Dflash(m) => m.forward_loss(be, shape, slot),
+            Model::Eagle3(m) => m.forward_loss(be, shape, slot),
         }
     }
 
@@ -136,6 +154,7 @@ impl<B: Backend> Model<B> {
         let (optimizer, state, ws) = match self {
             Model::Mlp(m) => m.update_parts(),
             Model::Dflash(m) => m.update_parts(),
+            Model::Eagle3(m) => m.update_parts(),
         };
         optimizer.update(be, state, ws)
     }
@@ -145,6 +164,7 @@ impl<B: Backend> Model<B> {
         let optimizer = match self {
             Model::Mlp(m) => &m.optimizer,
             Model::Dflash(m) => &m.optimizer,
+            Model::Eagle3(m) => &m.optimizer,
         };
         optimizer.adamw_state_for(steps)
     }
@@ -154,6 +174,7 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => &m.state,
             Model::Dflash(m) => &m.state,
+            Model::Eagle3(m) => &m.state,
         }
     }
 
@@ -162,6 +183,7 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => (&mut m.state, &mut m.ws.adamw_state),
             Model::Dflash(m) => (&mut m.state, &mut m.ws.adamw_state),
+            Model::Eagle3(m) => (&mut m.state, &mut m.ws.adamw_state),
         }
     }
 
@@ -170,6 +192,7 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => &m.ws.step_scalars,
             Model::Dflash(m) => &m.ws.step_scalars,
+            Model::Eagle3(m) => &m.ws.step_scalars,
         }
     }
 
@@ -178,6 +201,7 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => &mut m.ws.inputs[slot],
             Model::Dflash(m) => &mut m.ws.inputs[slot],
+            Model::Eagle3(m) => &mut m.ws.inputs[slot],
         }
     }
 
@@ -186,6 +210,7 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => m.ws.inputs[0].hs.dtype(),
             Model::Dflash(m) => m.ws.inputs[0].hs.dtype(),
+            Model::Eagle3(m) => m.ws.inputs[0].hs.dtype(),
         }
     }
 
@@ -193,6 +218,7 @@ impl<B: Backend> Model<B> {
     pub fn last_hidden_width(&self) -> Option<usize> {
         match self {
             Model::Mlp(_) | Model::Dflash(_) => None,
+            Model::Eagle3(m) => Some(m.spec().hidden),
         }
     }
 
@@ -201,6 +227,15 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => (m.spec().din, m.spec().vocab),
             Model::Dflash(m) => (m.spec().taps * m.spec().hidden, m.spec().vocab),
+            Model::Eagle3(m) => (m.spec().taps * m.spec().hidden, m.spec().vocab),
+        }
+    }
+
+    /// TTT steps of an `eagle3` (its step scalars carry per-step metrics), `None` for the other families.
+    pub fn ttt_steps(&self) -> Option<usize> {
+        match self {
+            Model::Eagle3(m) => Some(m.spec().ttt),
+            Model::Mlp(_) | Model::Dflash(_) => None,
         }
     }
 
@@ -208,7 +243,7 @@ impl<B: Backend> Model<B> {
     pub fn as_mlp(&self) -> Option<&Mlp<B>> {
         match self {
             Model::Mlp(m) => Some(m),
-            Model::Dflash(_) => None,
+            Model::Dflash(_) | Model::Eagle3(_) => None,
         }
     }
 
@@ -216,7 +251,7 @@ impl<B: Backend> Model<B> {
     pub fn as_mlp_mut(&mut self) -> Option<&mut Mlp<B>> {
         match self {
             Model::Mlp(m) => Some(m),
-            Model::Dflash(_) => None,
+            Model::Dflash(_) | Model::Eagle3(_) => None,
         }
     }
 
@@ -224,7 +259,15 @@ impl<B: Backend> Model<B> {
     pub fn as_dflash_mut(&mut self) -> Option<&mut Dflash<B>> {
         match self {
             Model::Dflash(m) => Some(m),
-            Model::Mlp(_) => None,
+            Model::Mlp(_) | Model::Eagle3(_) => None,
+        }
+    }
+
+    /// The `eagle3`, to write, when this is one.
+    pub fn as_eagle3_mut(&mut self) -> Option<&mut Eagle3<B>> {
+        match self {
+            Model::Eagle3(m) => Some(m),
+            Model::Mlp(_) | Model::Dflash(_) => None,
         }
     }
 }

@@ -28,7 +28,41 @@
 //! value the tensor cores would have used at `bf16` precision anyway, for bf16 hidden states. At f32 or TF32
 //! the layout keeps f32 slots and the host widens while staging (cuBLAS has no 16-bit × f32 product).
 //!
+//! What the backend is made of lives beside it, all through `cudarc`: device discovery ([`discover_devices`],
+//! never panics without a driver), the kernels' PTX (built from `gpu-kernels` by `build.rs`, loaded as one
+//! [`KernelModule`]) and their generated [`Launcher`], the DFlash launches (`dflash.rs`), cuBLAS ([`Gemm`]),
+//! NCCL ([`GradientAllReduce`]), the captured graphs and the pinned staging of an input slot.
+//!
+//! ```text
+//!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel) ──▶ Launcher
+//!  device discovery ──▶ CudaContext ──▶ CudaBackend (the drafter on it: `crate::drafter::cuda`)
+//! ```
+//!
+//! Everything loads at run time (`cudarc` with `dynamic-loading`, CUDA 13.0 library names): a binary built
+//! here runs on a machine without CUDA and answers with [`CudaError::NoDriver`] instead of failing to start.
+//! See `docs/gpu.md` for the PTX build, the checks and the GPU machine script.
+//!
 //! None of this has run on a GPU yet (the session that wrote it had none); `scripts/gpu-check.sh` runs it.
+
+mod allreduce;
+mod blas;
+mod device;
+mod dflash;
+pub(super) mod error;
+mod graphs;
+mod launch;
+mod module;
+mod nccl;
+mod staging;
+
+pub use allreduce::{GradientAllReduce, GroupAbort};
+pub use blas::{Gemm, HalfType, Op};
+pub use device::{CudaDeviceInfo, discover_devices, open_device};
+pub use error::CudaError;
+use graphs::{PartGraphs, PartRun, ended_capture};
+pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
+pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
+use staging::{PinnedInput, SlotHs, SlotPointers};
 
 use std::sync::Arc;
 
@@ -46,17 +80,12 @@ use draftpipe_compiler::workspace::{
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
 
-use super::cuda_dflash as dflash;
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
     BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
     Operand, Precision, Src, StepPart, StepResults, gemm_shape, missing_last_hidden_states,
 };
 use crate::batch::HsDtype;
-use crate::cuda::{
-    CudaError, DevicePtr, Gemm, GradientAllReduce, HalfType, KernelModule, Launcher, Op,
-    PartGraphs, PartRun, PinnedInput, SlotHs, SlotPointers, ended_capture, open_device,
-};
 
 /// A device allocation and its address (taken once: event tracking is off, so the address is all we need).
 pub struct DeviceBuffer<T> {
@@ -65,14 +94,14 @@ pub struct DeviceBuffer<T> {
 }
 
 /// The typed device pointer of a read view: its first element and its length.
-pub(super) fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(crate) fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: a view lies inside its buffer's allocation (checked when the view was made).
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
 }
 
 /// The typed device pointer of a write view.
-pub(super) fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(crate) fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: as for `ptr`.
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
@@ -144,6 +173,11 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
+    /// The kernel launcher on the compute stream (a family's own kernels launch through it).
+    pub(crate) fn launcher(&self) -> &Launcher {
+        &self.kernels
+    }
+
     /// Device `ordinal` with streams, kernels, cuBLAS (with the layout's `cublas_workspace`) and the pinned
     /// staging of `layout`'s input slots; graphs per step part when `launch` is [`LaunchMode::Graph`].
     ///
@@ -1006,4 +1040,6 @@ impl Backend for CudaBackend {
         }
         Ok(())
     }
+
+    crate::model::eagle3::kernels::eagle3_backend_methods!(delegate);
 }

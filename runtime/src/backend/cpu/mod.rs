@@ -1,10 +1,22 @@
-//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` (`crate::cpu::gemm`), every
-//! kernel to its host launcher (`crate::cpu::kernels`, AVX2 + FMA when the CPU has both). Everything runs at
-//! once on the calling thread, so a step's results are ready when the step returns.
+//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` ([`gemm`]), every kernel to
+//! its host launcher ([`kernels`], AVX2 + FMA when the CPU has both), attention and RoPE to their host bodies
+//! ([`attention`], [`rope`]). Everything runs at once on the calling thread (or the drafter's
+//! [`HostThreads`]), so a step's results are ready when the step returns.
 //!
 //! Reduced precisions are emulated: both operands of a product are rounded (bf16: round to nearest even, 8-bit
 //! mantissa; TF32: 10-bit) into two scratch buffers first, then multiplied in f32, which is what tensor cores
 //! compute up to the order of the f32 accumulation. So the backend-generic tests cover the GPU's numerics here.
+
+pub mod attention;
+pub(crate) mod gemm;
+mod head_loss;
+pub mod kernels;
+pub mod rope;
+mod threads;
+
+pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads, matmul};
+pub use head_loss::{HeadLoss, head_loss};
+pub use threads::HostThreads;
 
 use std::sync::Arc;
 
@@ -17,10 +29,9 @@ use super::{
 };
 use crate::allreduce::AllReduce;
 use crate::batch::HsSlice;
-use crate::cpu::attention::{self, AttentionGradSlices, AttentionSlices, HostKernels};
-use crate::cpu::gemm::{Mat, Strided, gemm, gemm_strided};
-use crate::cpu::kernels;
+use attention::{AttentionGradSlices, AttentionSlices, HostKernels};
 use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS};
+use gemm::{Mat, Strided, gemm, gemm_strided};
 
 /// The host as a backend. See the module docs.
 pub struct CpuBackend {
@@ -37,7 +48,7 @@ pub struct CpuBackend {
     allocated: u64,
 }
 
-fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
+pub(crate) fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
     let (raw, start, len) = view.parts();
     &raw[start..start + len]
 }
@@ -53,7 +64,7 @@ fn slices<'a>(inputs: AttentionInputs<'a, CpuBackend>) -> AttentionSlices<'a> {
     }
 }
 
-fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
+pub(crate) fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
     let (raw, start, len) = view.parts();
     &mut raw[start..start + len]
 }
@@ -660,7 +671,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         inverse: bool,
     ) -> BackendResult {
-        crate::cpu::rope::rope(
+        rope::rope(
             slice_mut(x),
             slice(positions),
             theta,
@@ -749,6 +760,8 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+
+    crate::model::eagle3::kernels::eagle3_backend_methods!(delegate);
 }
 
 #[cfg(test)]

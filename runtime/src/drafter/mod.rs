@@ -16,6 +16,9 @@
 //! and its outcome comes back at once. The gradient average runs between the two captured parts, never inside
 //! a graph (NCCL's graph rules; see `docs/gpu.md`).
 
+pub mod cpu;
+pub mod cuda;
+
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -23,8 +26,7 @@ use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Preci
 
 use crate::backend::{Backend, BackendError, HostBatch, StepPart};
 use crate::batch::{HsBatch, HsDtype};
-use crate::cpu::PhaseTimes;
-use crate::model::mlp::{AllocateError, LayoutError, StepShape};
+use crate::model::step::{AllocateError, LayoutError, PhaseTimes, StepShape};
 use crate::model::{BuildError, Model};
 use crate::params::FlatState;
 
@@ -136,9 +138,6 @@ pub enum DrafterError {
     /// The plan's workspace does not fit in memory sizes.
     #[error("the workspace of this plan overflows the address space")]
     WorkspaceTooLarge,
-    /// The plan's family has no runtime step.
-    #[error("the runtime has no `{0}` step yet: plans of this family compile but cannot run")]
-    NoStep(&'static str),
     /// The target's frozen tensors do not fit the model (or the model has none).
     #[error("frozen target weights: {0}")]
     Frozen(String),
@@ -159,7 +158,6 @@ impl From<BuildError> for DrafterError {
             BuildError::Layout(e) => DrafterError::Layout(e),
             BuildError::Allocate(e) => DrafterError::Allocate(e),
             BuildError::WorkspaceTooLarge => DrafterError::WorkspaceTooLarge,
-            BuildError::NoStep { family } => DrafterError::NoStep(family),
         }
     }
 }
@@ -182,6 +180,32 @@ impl BlockMetrics {
             .zip(labelled)
             .skip(1)
             .map(|(&c, &n)| if n == 0 { 0.0 } else { c / n as f32 })
+            .collect();
+        let accepted: f32 = slot_accuracy
+            .iter()
+            .scan(1.0f32, |chain, &acc| {
+                *chain *= acc;
+                Some(*chain)
+            })
+            .sum();
+        Self {
+            slot_accuracy,
+            tau: 1.0 + accepted,
+        }
+    }
+}
+
+impl BlockMetrics {
+    /// An `eagle3` step's metrics from its step scalars' extra part `[loss_k …, correct_k …, supervised_k …]`
+    /// of `steps` TTT steps: accuracy_k = correct_k / supervised_k (0 without a supervised row) and the same
+    /// simulated acceptance length, TTT step `k` standing for draft position `k + 1`.
+    pub fn from_ttt_steps(extra: &[f32], steps: usize) -> Self {
+        let correct = &extra[steps..2 * steps];
+        let supervised = &extra[2 * steps..3 * steps];
+        let slot_accuracy: Vec<f32> = correct
+            .iter()
+            .zip(supervised)
+            .map(|(&c, &n)| if n == 0.0 { 0.0 } else { c / n })
             .collect();
         let accepted: f32 = slot_accuracy
             .iter()
@@ -362,6 +386,26 @@ impl<B: Backend> Drafter<B> {
         }
         model.upload_frozen(&mut self.backend, embed, lm_head)?;
         Ok(())
+    }
+
+    /// Copies the target's frozen tables into an `eagle3` model: `embed`, `lm_head` (`[vocab, hidden]`), the
+    /// draft vocabulary's `d2t` offsets and `t2d` mask (see [`crate::model::eagle3::Eagle3::upload_frozen`]).
+    ///
+    /// # Errors
+    /// [`DrafterError::Frozen`] for another family or tables that do not fit; backend failures.
+    pub fn upload_eagle3_frozen(
+        &mut self,
+        (embed, lm_head): (&[f32], &[f32]),
+        (d2t, t2d): (&[i64], &[u8]),
+    ) -> Result<(), DrafterError> {
+        let Some(model) = self.model.as_eagle3_mut() else {
+            return Err(DrafterError::Frozen(
+                "only an eagle3 drafter reads a draft vocabulary".into(),
+            ));
+        };
+        model
+            .upload_frozen(&mut self.backend, (embed, lm_head), (d2t, t2d))?
+            .map_err(|e| DrafterError::Frozen(e.to_string()))
     }
 
     /// The backend.
@@ -641,7 +685,12 @@ impl<B: Backend> Drafter<B> {
         Ok(Evaluation {
             loss: results.scalars[2],
             tokens,
-            blocks: labelled.map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
+            blocks: match labelled {
+                Some(labelled) => Some(BlockMetrics::new(&results.extra, &labelled)),
+                None => model
+                    .ttt_steps()
+                    .map(|steps| BlockMetrics::from_ttt_steps(&results.extra, steps)),
+            },
             slot_counts,
         })
     }
@@ -663,9 +712,13 @@ impl<B: Backend> Drafter<B> {
             device_ms: results.device_ms,
             phases: step.phases,
             host_us: step.host_us,
-            blocks: step
-                .labelled
-                .map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
+            blocks: match step.labelled {
+                Some(labelled) => Some(BlockMetrics::new(&results.extra, &labelled)),
+                None => self
+                    .model
+                    .ttt_steps()
+                    .map(|steps| BlockMetrics::from_ttt_steps(&results.extra, steps)),
+            },
         })
     }
 
