@@ -3,11 +3,13 @@
 
 use proptest::prelude::*;
 
-const VALID: [&str; 4] = [
+const VALID: [&str; 6] = [
     include_str!("../../pipelines/quickstart.pipe"),
     include_str!("../../pipelines/dflash-5x3.pipe"),
     include_str!("../../pipelines/dflash-quickstart.pipe"),
     include_str!("../../pipelines/mlp-5x3.pipe"),
+    include_str!("../../pipelines/eagle3-qwen3-8b.pipe"),
+    include_str!("../../pipelines/eagle3-quickstart.pipe"),
 ];
 
 /// Compiles and, on failure, renders every diagnostic: the two things a user ever does with a file.
@@ -158,7 +160,10 @@ fn huge_dimensions_are_rejected_without_overflow() {
     let dflash = VALID[1]
         .replace("hidden       = 4096", "hidden       = 4294967296")
         .replace("intermediate = 12288", "intermediate = 4294967296");
-    for source in [mlp, dflash] {
+    let eagle3 = VALID[4]
+        .replace("hidden       = 4096", "hidden       = 4294967296")
+        .replace("intermediate = 12288", "intermediate = 4294967296");
+    for source in [mlp, dflash, eagle3] {
         let diagnostics = draftpipe_compiler::compile_source("huge.pipe", &source).unwrap_err();
         assert!(
             diagnostics.to_string().contains("too large"),
