@@ -58,6 +58,14 @@ fn training_lowers_the_loss_and_json_lines_are_sound() {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("runs/tiny/summary.json")).unwrap())
             .unwrap();
+    let count = |field: &str| summary[field].as_u64().unwrap();
+    // Synthetic sequences are shorter than their buckets: the real tokens are fewer than the slots.
+    assert!(
+        0 < count("loss_tokens")
+            && count("loss_tokens") <= count("real_tokens")
+            && count("real_tokens") < count("token_slots"),
+        "{summary}"
+    );
     let curve = summary["loss_curve"].as_array().unwrap();
     let first = curve.first().unwrap()["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();

@@ -22,7 +22,9 @@ fn histogram(capacity: usize, bins: &[(usize, u64)]) -> Vec<u64> {
 fn drafter(seconds: &[(DrafterPhase, f64)]) -> DrafterSummary {
     DrafterSummary {
         steps: STEPS,
-        tokens: STEPS * 1024,
+        token_slots: STEPS * 1024,
+        real_tokens: STEPS * 900,
+        loss_tokens: STEPS * 600,
         skipped: 0,
         phases: DrafterPhase::ALL
             .iter()
@@ -67,12 +69,15 @@ fn summary(depths: Vec<u64>, producer_blocked_s: f64, drafters: Vec<DrafterSumma
         format: SUMMARY_FORMAT,
         plan: "diagnosis-test".into(),
         steps: STEPS,
-        tokens: STEPS * 1024 * drafters.len() as u64,
+        token_slots: STEPS * 1024 * drafters.len() as u64,
+        real_tokens: STEPS * 900 * drafters.len() as u64,
+        loss_tokens: STEPS * 600 * drafters.len() as u64,
         wall_s: WALL_S,
         skipped_nonfinite: 0,
         final_loss: Some(2.5),
         final_tau: None,
         final_slot_accuracy: Vec::new(),
+        final_steps: 10,
         producers: vec![producer(producer_blocked_s), producer(producer_blocked_s)],
         drafters,
         queue: QueueSummary {
@@ -279,7 +284,8 @@ fn the_report_reads_as_text_and_as_json() {
     ));
     let text = diagnosis.to_string();
     for expected in [
-        "run \"diagnosis-test\": 1000 steps, 2048000 tokens in 10.0 s (204800 tok/s), final loss 2.5000",
+        "run \"diagnosis-test\": 1000 steps, 1800000 real tokens (88% of 2048000 token slots; 1200000 with loss, \
+         59%) in 10.0 s (180000 real tok/s, 204800 slots/s), final loss 2.5000 (mean of the last 10 steps)",
         "bottleneck: the drafters (consumers)",
         "drafters: 10.00 ms/step, busy 99.5%, compute 99.0%",
         "  forward       50.0     5.000",

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use draftpipe_runtime::telemetry::{
     Diagnosis, DrafterPhase, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, StatusLine,
-    Telemetry,
+    StepTokens, Telemetry,
 };
 
 const PERIOD: Duration = Duration::from_secs(1);
@@ -95,7 +95,7 @@ fn replay(
                         recorder.begin_step(256);
                     }
                 }
-                Call::Done => recorder.step_done(2048, 3.0),
+                Call::Done => recorder.step_done(StepTokens::unpadded(2048), 3.0),
             }
         }
         let line = reporter.report_at(at(report_s), &queue(16)).unwrap();
@@ -135,14 +135,18 @@ fn three_second_steps_read_busy_on_every_one_second_line() {
     // rate, whatever number of completions its window happens to hold.
     let truth = 2.0 * 2048.0 / 3.0;
     for line in lines.iter().filter(|l| l.elapsed_s >= 4.0) {
+        let rate = line.real_tokens_per_s.unwrap();
         assert!(
-            (line.tokens_per_s - truth).abs() / truth < 0.02,
-            "{} vs {truth}: {line}",
-            line.tokens_per_s
+            (rate - truth).abs() / truth < 0.02,
+            "{rate} vs {truth}: {line}"
         );
-        assert!(line.to_string().contains("tok/s (10s)"), "{line}");
+        assert!(line.to_string().contains("real tok/s (10s)"), "{line}");
     }
-    assert!(lines[1].to_string().contains("- tok/s"), "{}", lines[1]);
+    assert!(
+        lines[1].to_string().contains("- real tok/s"),
+        "{}",
+        lines[1]
+    );
 }
 
 #[test]
@@ -173,7 +177,7 @@ fn the_real_clock_and_threads_agree() {
             recorder.begin_step(128);
             thread::sleep(Duration::from_millis(450));
             recorder.lap(DrafterPhase::Forward, &mut since);
-            recorder.step_done(1024, 2.0);
+            recorder.step_done(StepTokens::unpadded(1024), 2.0);
         }
     });
     let config = ReporterConfig::new("real-clock", Duration::from_millis(150), 16, 4);
@@ -208,7 +212,7 @@ fn a_short_run_diagnoses_its_steady_state_not_its_start_and_end() {
         recorder.record(DrafterPhase::DataWait, at(t), at(t + 0.002));
         recorder.begin_step(bucket);
         recorder.record(DrafterPhase::Forward, at(t + 0.002), at(t + step));
-        recorder.step_done(2048, 3.0);
+        recorder.step_done(StepTokens::unpadded(2048), 3.0);
         if first {
             warmup_s += step;
         }
@@ -256,7 +260,7 @@ fn a_gpu_drafter_shows_busy_and_gpu_apart_and_says_which_is_low() {
         recorder.begin_step(512);
         recorder.record(DrafterPhase::Copy, at(t + 0.0001), at(t + 0.004));
         recorder.record(DrafterPhase::DeviceStep, at(t + 0.004), at(t + 0.01));
-        recorder.step_done(4096, 2.0);
+        recorder.step_done(StepTokens::unpadded(4096), 2.0);
         t += 0.01;
         if i % 100 == 99 {
             lines.push(reporter.report_at(at(t), &queue(16)).unwrap());

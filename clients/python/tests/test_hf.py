@@ -94,8 +94,12 @@ def test_mixed_lengths_fill_the_queue_items(tmp_path, start_run):
                               capture_output=True, text=True, timeout=300)
     assert producer.returncode == 0, producer.stderr
     assert run.wait() == 0, run.stderr()
-    slots = run.summary()["tokens"]
+    summary = run.summary()
+    slots = summary["token_slots"]
     real = sum(lengths)
+    # The run counts the real tokens it trained on beside the slots: every prompt's tokens, exactly.
+    assert summary["real_tokens"] == real, summary
+    assert 0 < summary["loss_tokens"] <= real
     bucket_bound = sum(bucket_of(n, buckets) for n in lengths)
     print(f"fill: {real} real tokens in {slots} slots = {real / slots:.3f} (rows' buckets: {real / bucket_bound:.3f})")
     # Only the last item of each bucket may be part-filled (measured: 13056 of 14112 slots are the rows' buckets,

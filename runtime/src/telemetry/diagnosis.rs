@@ -223,8 +223,9 @@ pub struct WarmupEvidence {
     pub steady_s: f64,
     /// Seconds from a drafter's last span to the end of the run (joins, final save, summary).
     pub shutdown_s: f64,
-    /// Tokens per second of the steady state, all drafters (the rate a longer run tends to; the run's own
-    /// figure divides by the whole wall time).
+    /// Real tokens per second of the steady state, all drafters (the rate a longer run tends to; the run's own
+    /// figure divides by the whole wall time). Token slots per second for summaries of older builds, which
+    /// did not count real tokens.
     pub steady_tokens_per_s: f64,
 }
 
@@ -254,7 +255,12 @@ impl WarmupEvidence {
                 .filter_map(|d| {
                     let wall = d.timeline.as_ref()?.steady_wall_s();
                     let steps = (d.steps + d.skipped).max(1) as f64;
-                    (wall > 0.0).then(|| d.tokens as f64 * d.steady_steps() as f64 / steps / wall)
+                    let tokens = if d.real_tokens > 0 {
+                        d.real_tokens
+                    } else {
+                        d.token_slots
+                    };
+                    (wall > 0.0).then(|| tokens as f64 * d.steady_steps() as f64 / steps / wall)
                 })
                 .sum(),
         })
@@ -286,18 +292,24 @@ pub struct Diagnosis {
     pub advice: String,
     /// Steps, tokens, wall time and throughput, for the report's first line.
     pub steps: u64,
-    /// Tokens trained on.
-    pub tokens: u64,
+    /// Token slots trained on, padding included.
+    pub token_slots: u64,
+    /// Real tokens trained on (0 for summaries of older builds).
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set (0 for summaries of older builds).
+    pub loss_tokens: u64,
     /// Wall seconds.
     pub wall_s: f64,
-    /// The latest finite loss.
+    /// The mean finite loss of the last `final_steps` steps.
     pub final_loss: Option<f64>,
-    /// `dflash`: the latest τ and per-slot accuracy.
+    /// `dflash`: the mean τ of the same steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub final_tau: Option<f64>,
-    /// `dflash`: the latest step's accuracy of block slots `1..`.
+    /// `dflash`: the mean accuracy of block slots `1..` over the same steps.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub final_slot_accuracy: Vec<f32>,
+    /// Steps per drafter the final figures average.
+    pub final_steps: u64,
 }
 
 impl Diagnosis {
@@ -475,11 +487,14 @@ impl Diagnosis {
             findings,
             advice,
             steps: summary.steps,
-            tokens: summary.tokens,
+            token_slots: summary.token_slots,
+            real_tokens: summary.real_tokens,
+            loss_tokens: summary.loss_tokens,
             wall_s: summary.wall_s,
             final_loss: summary.final_loss,
             final_tau: summary.final_tau,
             final_slot_accuracy: summary.final_slot_accuracy.clone(),
+            final_steps: summary.final_steps,
         }
     }
 }
@@ -556,18 +571,44 @@ fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakd
 
 impl fmt::Display for Diagnosis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rate = if self.wall_s > 0.0 {
-            self.tokens as f64 / self.wall_s
-        } else {
-            0.0
+        let rate = |count: u64| {
+            if self.wall_s > 0.0 {
+                count as f64 / self.wall_s
+            } else {
+                0.0
+            }
         };
-        write!(
-            f,
-            "run \"{}\": {} steps, {} tokens in {:.1} s ({:.0} tok/s)",
-            self.plan, self.steps, self.tokens, self.wall_s, rate
-        )?;
+        write!(f, "run \"{}\": {} steps, ", self.plan, self.steps)?;
+        if self.real_tokens > 0 || self.token_slots == 0 {
+            let share = |count: u64| 100.0 * count as f64 / self.token_slots.max(1) as f64;
+            write!(
+                f,
+                "{} real tokens ({:.0}% of {} token slots; {} with loss, {:.0}%) in {:.1} s ({:.0} real tok/s, \
+                 {:.0} slots/s)",
+                self.real_tokens,
+                share(self.real_tokens),
+                self.token_slots,
+                self.loss_tokens,
+                share(self.loss_tokens),
+                self.wall_s,
+                rate(self.real_tokens),
+                rate(self.token_slots)
+            )?;
+        } else {
+            write!(
+                f,
+                "{} token slots (the build that wrote this summary did not count real tokens) in {:.1} s ({:.0} slots/s)",
+                self.token_slots,
+                self.wall_s,
+                rate(self.token_slots)
+            )?;
+        }
+        let over = match self.final_steps {
+            0 | 1 => "last step".to_string(),
+            n => format!("last {n} steps"),
+        };
         if let Some(loss) = self.final_loss {
-            write!(f, ", final loss {loss:.4}")?;
+            write!(f, ", final loss {loss:.4} (mean of the {over})")?;
         }
         if let Some(tau) = self.final_tau {
             let slots: Vec<String> = self
@@ -575,7 +616,11 @@ impl fmt::Display for Diagnosis {
                 .iter()
                 .map(|acc| format!("{acc:.2}"))
                 .collect();
-            write!(f, ", τ {tau:.3} (slot accuracy {})", slots.join(" "))?;
+            write!(
+                f,
+                ", τ {tau:.3} (slot accuracy {}; same steps)",
+                slots.join(" ")
+            )?;
         }
         writeln!(f)?;
         writeln!(
@@ -587,7 +632,7 @@ impl fmt::Display for Diagnosis {
         if let Some(w) = &self.warmup {
             writeln!(
                 f,
-                "steady state {:.1} s per drafter at {:.0} tok/s, measured apart from start-up {:.2} s, warm-up \
+                "steady state {:.1} s per drafter at {:.0} real tok/s, measured apart from start-up {:.2} s, warm-up \
                  {:.0} step(s) {:.2} s (first step per bucket: workspace, graph capture, first fill) and shut-down \
                  {:.2} s",
                 w.steady_s,

@@ -60,8 +60,15 @@ fn phase_totals<P: Copy>(all: &[P], count: impl Fn(P) -> PhaseCount) -> Vec<Phas
 pub struct DrafterSummary {
     /// Applied steps.
     pub steps: u64,
-    /// Tokens trained on.
-    pub tokens: u64,
+    /// Token slots trained on, padding included.
+    #[serde(alias = "tokens")]
+    pub token_slots: u64,
+    /// Real tokens trained on (0 in summaries of older builds).
+    #[serde(default)]
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set (0 in summaries of older builds).
+    #[serde(default)]
+    pub loss_tokens: u64,
     /// Steps skipped for non-finite values.
     pub skipped: u64,
     /// Time per phase, one entry per [`DrafterPhase`].
@@ -156,7 +163,9 @@ impl DrafterSummary {
         let seconds = |d: std::time::Duration| d.as_secs_f64();
         Self {
             steps: counts.steps,
-            tokens: counts.tokens,
+            token_slots: counts.token_slots,
+            real_tokens: counts.real_tokens,
+            loss_tokens: counts.loss_tokens,
             skipped: counts.skipped,
             phases: phase_totals(&DrafterPhase::ALL, |phase| counts.phase(phase)),
             timeline: counts.first_span_start.map(|first| DrafterTimeline {
@@ -343,20 +352,31 @@ pub struct RunSummary {
     pub plan: String,
     /// Global steps completed.
     pub steps: u64,
-    /// Tokens trained on over all drafters.
-    pub tokens: u64,
+    /// Token slots trained on over all drafters, padding included (what the steps cost).
+    #[serde(alias = "tokens")]
+    pub token_slots: u64,
+    /// Real tokens trained on over all drafters (what `eval` counts; 0 in summaries of older builds).
+    #[serde(default)]
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set (0 in summaries of older builds).
+    #[serde(default)]
+    pub loss_tokens: u64,
     /// Wall time of the run in seconds.
     pub wall_s: f64,
     /// Steps skipped for a non-finite loss or gradient.
     pub skipped_nonfinite: u64,
-    /// The latest finite loss.
+    /// The mean finite loss of the last `final_steps` steps of every drafter.
     pub final_loss: Option<f64>,
-    /// `dflash`: the latest τ (simulated acceptance length, bonus token counted).
+    /// `dflash`: the mean τ (simulated acceptance length, bonus token counted) of the same steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_tau: Option<f64>,
-    /// `dflash`: the latest step's accuracy of block slots `1..`.
+    /// `dflash`: the mean accuracy of block slots `1..` over the same steps.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub final_slot_accuracy: Vec<f32>,
+    /// Steps per drafter the final figures average (at most [`FINAL_STEPS`](super::FINAL_STEPS); 1 in
+    /// summaries of older builds, which kept the last step's figures).
+    #[serde(default = "one_step")]
+    pub final_steps: u64,
     /// Per drafter totals.
     pub drafters: Vec<DrafterSummary>,
     /// Per producer totals.
@@ -370,6 +390,19 @@ pub struct RunSummary {
     /// How the run ended (set by the pipeline after the telemetry's totals; absent from older summaries).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ending: Option<super::ending::RunEnding>,
+}
+
+fn one_step() -> u64 {
+    1
+}
+
+impl RunSummary {
+    /// Share (0–1) of the token slots that held a real token (`None` before a step, or for summaries of older
+    /// builds that did not count real tokens).
+    pub fn real_fill(&self) -> Option<f64> {
+        (self.token_slots > 0 && self.real_tokens > 0)
+            .then(|| self.real_tokens as f64 / self.token_slots as f64)
+    }
 }
 
 fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TelemetryError {
