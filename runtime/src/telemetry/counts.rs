@@ -98,6 +98,9 @@ pub struct DrafterCounts {
     pub open_busy: Duration,
     /// The part of a data wait still under way at the snapshot.
     pub open_wait: Duration,
+    /// The drafter's first data wait, once it has ended: waiting for the first producer, included in the
+    /// `data_wait` phase but in no step (`None` while it lasts).
+    pub first_data_wait: Option<Duration>,
     /// Per phase, the time of warm-up steps (the first step of each bucket), included in `phases`.
     pub warmup_phases: [Duration; DrafterPhase::COUNT],
     /// Warm-up steps taken.

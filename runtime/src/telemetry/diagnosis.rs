@@ -211,6 +211,8 @@ impl DrafterBreakdown {
 pub struct WarmupEvidence {
     /// Seconds from the start of the run to a drafter's first recorded span (threads, workspaces, devices).
     pub startup_s: f64,
+    /// Seconds each drafter waited for its first data (the first producer), apart from any step.
+    pub first_data_wait_s: f64,
     /// Warm-up steps per drafter (the first step of each bucket: workspace, graph capture, the first fill).
     pub warmup_steps: f64,
     /// Their wall seconds per drafter.
@@ -241,6 +243,7 @@ impl WarmupEvidence {
         };
         Some(Self {
             startup_s: mean(&|t| t.first_span_s),
+            first_data_wait_s: mean(&|t| t.first_data_wait_s),
             warmup_steps: mean(&|t| t.warmup_steps as f64),
             warmup_s: mean(&|t| t.warmup_wall_s),
             steady_s: mean(&|t| t.steady_wall_s()),
@@ -646,12 +649,13 @@ impl fmt::Display for Diagnosis {
         if let Some(w) = &self.warmup {
             writeln!(
                 f,
-                "steady state {:.1} s per drafter at {:.0} real tok/s, measured apart from start-up {:.2} s, warm-up \
-                 {:.0} step(s) {:.2} s (first step per bucket: workspace, graph capture, first fill) and shut-down \
-                 {:.2} s",
+                "steady state {:.1} s per drafter at {:.0} real tok/s, measured apart from start-up {:.2} s, waiting \
+                 for the first data {:.2} s, warm-up {:.0} step(s) {:.2} s (first step per bucket: workspace, graph \
+                 capture, first fill) and shut-down {:.2} s",
                 w.steady_s,
                 w.steady_tokens_per_s,
                 w.startup_s,
+                w.first_data_wait_s,
                 w.warmup_steps,
                 w.warmup_s,
                 w.shutdown_s

@@ -118,6 +118,9 @@ struct DrafterCounters {
     recent_loss_bits: [AtomicU64; FINAL_STEPS],
     recent_tau_bits: [AtomicU64; FINAL_STEPS],
     recent_slot_accuracy_bits: [[AtomicU32; MAX_SLOT_METRICS]; FINAL_STEPS],
+    /// The drafter's first data wait (ns + 1; 0 until it ends): waiting for the first producer, kept out of the
+    /// first step's window and of the warm-up.
+    first_wait_ns_plus_one: AtomicU64,
     warmup_phases: [AtomicU64; DrafterPhase::COUNT],
     warmup_steps: AtomicU64,
     warmup_wall_ns: AtomicU64,
@@ -444,6 +447,11 @@ impl Telemetry {
                         warmup_phases: std::array::from_fn(|p| {
                             Duration::from_nanos(c.warmup_phases[p].load(Ordering::Relaxed))
                         }),
+                        first_data_wait: c
+                            .first_wait_ns_plus_one
+                            .load(Ordering::Relaxed)
+                            .checked_sub(1)
+                            .map(Duration::from_nanos),
                         warmup_steps: c.warmup_steps.load(Ordering::Relaxed),
                         warmup_wall: Duration::from_nanos(c.warmup_wall_ns.load(Ordering::Relaxed)),
                         longest_step: Duration::from_nanos(
@@ -586,10 +594,20 @@ impl DrafterRecorder {
                 start,
                 end,
             );
-            let cell = &self.step_phases[index];
-            cell.set(cell.get() + duration_ns);
-            if self.step_began_ns.get().is_none() {
-                self.step_began_ns.set(Some(end_ns - duration_ns));
+            let first_span = self.step_began_ns.get().is_none();
+            if first_span && phase == DrafterPhase::DataWait {
+                // Waiting for the first producer (a stream not yet connected, a target loading): its own period,
+                // not the first step's, so neither the warm-up nor the longest step (the rate window) holds it.
+                slot.counters
+                    .first_wait_ns_plus_one
+                    .store(duration_ns + 1, Ordering::Relaxed);
+                self.step_began_ns.set(Some(end_ns));
+            } else {
+                let cell = &self.step_phases[index];
+                cell.set(cell.get() + duration_ns);
+                if first_span {
+                    self.step_began_ns.set(Some(end_ns - duration_ns));
+                }
             }
             self.last_end_ns.set(self.last_end_ns.get().max(end_ns));
             slot.set_open(IN_STEP, end_ns);

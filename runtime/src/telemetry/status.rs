@@ -102,6 +102,10 @@ pub struct StatusLine {
     pub tau: Option<f64>,
     /// Steps skipped so far for non-finite values.
     pub skipped: u64,
+    /// Seconds the drafters have waited for the first data, while nothing has arrived yet (the run is waiting
+    /// for its first producer, not stalled); `None` once a drafter has had data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_data_wait_s: Option<f64>,
     /// The source's own field (`producers=[3/5 connected]`), when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
@@ -208,6 +212,14 @@ impl StatusLine {
             loss,
             tau,
             skipped: current.skipped(),
+            first_data_wait_s: current
+                .drafters
+                .iter()
+                .all(|d| d.first_data_wait.is_none())
+                .then(|| current.drafters.iter().map(|d| d.open_wait).max())
+                .flatten()
+                .filter(|wait| !wait.is_zero())
+                .map(|wait| wait.as_secs_f64()),
             source: None,
         }
     }
@@ -286,6 +298,18 @@ impl fmt::Display for StatusLine {
         write!(f, "{:>8.1}s step {}", self.elapsed_s, self.step)?;
         if let Some(total) = self.total_steps {
             write!(f, "/{total}")?;
+        }
+        if let Some(wait) = self.first_data_wait_s {
+            // The drafters are ready and nothing has arrived: the wait is the producers', not a stall.
+            write!(
+                f,
+                " | waiting for the first data from the producers: {wait:.1}s | q_hs=[{}/{}]",
+                self.q_hs.depth, self.q_hs.capacity
+            )?;
+            if let Some(source) = &self.source {
+                write!(f, " | {source}")?;
+            }
+            return Ok(());
         }
         // Before the first step completes there is no rate to show, only steps under way.
         let rate = |rate: Option<f64>| rate.map_or_else(|| "-".to_string(), compact);

@@ -89,6 +89,11 @@ pub struct DrafterTimeline {
     pub first_span_s: f64,
     /// Seconds from the start of the run to the end of its last recorded span (after it: shut-down).
     pub last_span_end_s: f64,
+    /// Seconds of the drafter's first data wait: waiting for the first producer (a stream's connection, a
+    /// target loading), in the `data_wait` phase but in no step (0 in summaries of older builds, whose
+    /// warm-up held it).
+    #[serde(default)]
+    pub first_data_wait_s: f64,
     /// Warm-up steps: the first step of each bucket (workspace, graph capture, the queue's first fill).
     pub warmup_steps: u64,
     /// Their wall time, their data wait included.
@@ -105,9 +110,10 @@ impl DrafterTimeline {
         seconds_in(&self.warmup_phases, phase)
     }
 
-    /// Wall seconds of the steady state: first span to last, less the warm-up steps.
+    /// Wall seconds of the steady state: first span to last, less the first data wait and the warm-up steps.
     pub fn steady_wall_s(&self) -> f64 {
-        (self.last_span_end_s - self.first_span_s - self.warmup_wall_s).max(0.0)
+        (self.last_span_end_s - self.first_span_s - self.first_data_wait_s - self.warmup_wall_s)
+            .max(0.0)
     }
 }
 
@@ -146,11 +152,15 @@ impl DrafterSummary {
 
     /// Seconds spent in `phase` during the steady state (all of them when the summary has no timeline).
     pub fn steady_seconds(&self, phase: DrafterPhase) -> f64 {
-        let warmup = self
-            .timeline
-            .as_ref()
-            .map_or(0.0, |t| t.warmup_seconds(phase));
-        (self.seconds(phase) - warmup).max(0.0)
+        let before_steady = self.timeline.as_ref().map_or(0.0, |t| {
+            let first_wait = if phase == DrafterPhase::DataWait {
+                t.first_data_wait_s
+            } else {
+                0.0
+            };
+            t.warmup_seconds(phase) + first_wait
+        });
+        (self.seconds(phase) - before_steady).max(0.0)
     }
 
     /// Steady-state steps (all of them when the summary has no timeline).
@@ -171,6 +181,7 @@ impl DrafterSummary {
             timeline: counts.first_span_start.map(|first| DrafterTimeline {
                 first_span_s: seconds(first),
                 last_span_end_s: seconds(counts.last_span_end),
+                first_data_wait_s: counts.first_data_wait.map_or(0.0, seconds),
                 warmup_steps: counts.warmup_steps,
                 warmup_wall_s: seconds(counts.warmup_wall),
                 warmup_phases: phase_totals(&DrafterPhase::ALL, |phase| PhaseCount {
