@@ -111,11 +111,15 @@ fn the_quickstart_run_lowers_its_loss() {
     let first = summary["loss_curve"][0]["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();
     // The untrained drafter starts near ln(4096) = 8.3. Measured twice (2026-11-30): 8.47 → 5.52 after 30 of the
-    // file's 300 steps, 65% of the first reported loss. Stated margins: at most 5.9 (0.4 above the measured
-    // value) and at most 70% of the first.
-    assert!(last <= 5.9, "quickstart final loss {last} (measured 5.52)");
+    // file's 300 steps as the last step's loss; the final loss is now the mean of the last 10 steps, while it
+    // still falls fast: 5.96 (2026-12-01), 70% of the first reported loss. Stated margins: at most 6.3 (0.35
+    // above the measured value) and at most 75% of the first.
     assert!(
-        last <= 0.7 * first,
+        last <= 6.3,
+        "quickstart final loss {last} (measured 5.96, the mean of the last 10 steps)"
+    );
+    assert!(
+        last <= 0.75 * first,
         "quickstart loss fell only from {first} to {last}"
     );
 }
