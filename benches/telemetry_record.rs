@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use draftpipe_runtime::telemetry::{DrafterPhase, Telemetry, TraceBuffer};
+use draftpipe_runtime::telemetry::{DrafterPhase, StepTokens, Telemetry, TraceBuffer};
 
 /// Timed iterations between two drains: a step pushes one span per phase (9), so 64 steps fill a seventh of the
 /// 4096-span ring.
@@ -68,7 +68,7 @@ fn recording(c: &mut Criterion) {
                     for phase in DrafterPhase::ALL {
                         drafter.lap(phase, &mut mark);
                     }
-                    drafter.step_done(2048, black_box(2.5));
+                    drafter.step_done(StepTokens::unpadded(2048), black_box(2.5));
                 })
             })
         });

@@ -39,5 +39,6 @@ assert run.wait(300) == 0
 summary = json.loads((work / "run" / "summary.json").read_text())
 real = sum(lengths)
 bound = sum(next(b for b in buckets if n <= b) for n in lengths)
-print(f"{flavour}: {real} real tokens / {summary['tokens']} slots = {real / summary['tokens']:.3f}"
+slots = summary["token_slots"] if "token_slots" in summary else summary["tokens"]
+print(f"{flavour}: {real} real tokens / {slots} slots = {real / slots:.3f}"
       f" over {summary['steps']} steps (rows' own buckets: {bound} slots, {real / bound:.3f})")

@@ -2,8 +2,8 @@
 # The Python producer library's tests (clients/python), against the real `draftpipe` binary: a venv under
 # target/ with numpy, pytest, torch and transformers from PyPI (torch from PyPI is the CUDA build, ~5.6 GB;
 # it is installed once per venv and reused), the package installed from the tree, then pytest; then the DFlash
-# parity check against PyTorch (scripts/dflash_parity.py) and the tiny acceptance walk
-# (scripts/acceptance-walk.sh --tiny) when torch is there.
+# parity check against PyTorch (scripts/dflash_parity.py), the tiny acceptance walk (scripts/acceptance-walk.sh
+# --tiny) and the first DFlash stream run (scripts/dflash-stream-example.sh) when torch is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,6 +50,10 @@ fi
 if "$venv/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; then
     "$venv/bin/python" scripts/dflash_parity.py || status=1
     PYTHON="$venv/bin/python" scripts/acceptance-walk.sh --tiny target/acceptance-walk-tiny || status=1
+    # The first DFlash stream run of docs/sources.md, as written: a random-weight target's own replies streamed
+    # into pipelines/dflash-stream.pipe; the loss must fall and tau rise (about 20 s of training).
+    PYTHON="$venv/bin/python" DRAFTPIPE_BIN="$DRAFTPIPE_BIN" scripts/dflash-stream-example.sh target/dflash-stream-example \
+        || status=1
     # The README's fill-ratio benchmark, at a small size (its figure is not checked here; the pytest fill test is).
     rm -rf target/fill-ratio
     PROMPTS=40 "$venv/bin/python" scripts/fill_ratio.py "$DRAFTPIPE_BIN" clients/python target/fill-ratio new || status=1

@@ -292,8 +292,29 @@ fn a_bf16_checkpoint_is_evaluated_and_its_text_report_names_every_slot() {
         report.contains("acceptance length") && report.contains("τ"),
         "{report}"
     );
-    // Not a terminal: no progress bar on standard error.
+    // Not a terminal: no progress bar on standard error, and no warning for the checkpoint's own plan.
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    // The same shapes under another pipeline's name: evaluated, with a warning naming both plans.
+    let other = dir.join("other.pipe");
+    let renamed = std::fs::read_to_string(&pipe)
+        .unwrap()
+        .replace("pipeline \"eval-test\"", "pipeline \"another-plan\"");
+    std::fs::write(&other, renamed).unwrap();
+    let out = succeed(&[
+        "eval",
+        arg(&ckpt),
+        "--pipeline",
+        arg(&other),
+        "--data",
+        arg(&dir.join("train.safetensors")),
+    ]);
+    let warning = text(&out.stderr);
+    assert!(
+        warning.starts_with("warning: ")
+            && warning.contains("was trained by pipeline \"eval-test\", not \"another-plan\""),
+        "{warning}"
+    );
+    assert!(text(&out.stdout).contains("4 batches"));
 }
 
 #[test]

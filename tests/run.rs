@@ -58,6 +58,14 @@ fn training_lowers_the_loss_and_json_lines_are_sound() {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("runs/tiny/summary.json")).unwrap())
             .unwrap();
+    let count = |field: &str| summary[field].as_u64().unwrap();
+    // Synthetic sequences are shorter than their buckets: the real tokens are fewer than the slots.
+    assert!(
+        0 < count("loss_tokens")
+            && count("loss_tokens") <= count("real_tokens")
+            && count("real_tokens") < count("token_slots"),
+        "{summary}"
+    );
     let curve = summary["loss_curve"].as_array().unwrap();
     let first = curve.first().unwrap()["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();
@@ -103,11 +111,15 @@ fn the_quickstart_run_lowers_its_loss() {
     let first = summary["loss_curve"][0]["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();
     // The untrained drafter starts near ln(4096) = 8.3. Measured twice (2026-11-30): 8.47 → 5.52 after 30 of the
-    // file's 300 steps, 65% of the first reported loss. Stated margins: at most 5.9 (0.4 above the measured
-    // value) and at most 70% of the first.
-    assert!(last <= 5.9, "quickstart final loss {last} (measured 5.52)");
+    // file's 300 steps as the last step's loss; the final loss is now the mean of the last 10 steps, while it
+    // still falls fast: 5.96 (2026-12-01), 70% of the first reported loss. Stated margins: at most 6.3 (0.35
+    // above the measured value) and at most 75% of the first.
     assert!(
-        last <= 0.7 * first,
+        last <= 6.3,
+        "quickstart final loss {last} (measured 5.96, the mean of the last 10 steps)"
+    );
+    assert!(
+        last <= 0.75 * first,
         "quickstart loss fell only from {first} to {last}"
     );
 }

@@ -214,3 +214,22 @@ fn the_seeds_question_a_deeper_queue_does_not_help_drafter_bound_pipelines() {
     faster.buckets[0].step_std_s *= 0.8;
     assert!(rate(&faster) / baseline > 1.2);
 }
+
+#[test]
+fn producers_that_deliver_in_bursts_are_named_bursty_as_the_diagnosis_names_them() {
+    // One producer averaging 10 items/s with a spread four times its mean (long silences, then items in quick
+    // succession) against a drafter as fast on average, through a queue of 4: the queue fills and the producer
+    // blocks, then it drains and the drafter waits.
+    let mut bursty = model(4, 1, 1, 0.1, 1, 0.08);
+    bursty.produce_std_s = 0.4;
+    let p = bursty.predict(3600.0, 3);
+    assert!(
+        p.outcome.producer_blocked >= 0.1 && p.outcome.drafter_wait >= 0.1,
+        "{p}"
+    );
+    assert_eq!(p.bottleneck, Bottleneck::Bursty, "{p}");
+    assert!(p.to_string().contains("bursts"), "{p}");
+    // The same mean rate delivered evenly: the producer sets the pace, nobody blocks.
+    let even = model(4, 1, 1, 0.1, 1, 0.08).predict(3600.0, 3);
+    assert_eq!(even.bottleneck, Bottleneck::Producers, "{even}");
+}

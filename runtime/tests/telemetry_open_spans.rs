@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use draftpipe_runtime::telemetry::{
     Diagnosis, DrafterPhase, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, StatusLine,
-    Telemetry,
+    StepTokens, Telemetry,
 };
 
 const PERIOD: Duration = Duration::from_secs(1);
@@ -95,7 +95,7 @@ fn replay(
                         recorder.begin_step(256);
                     }
                 }
-                Call::Done => recorder.step_done(2048, 3.0),
+                Call::Done => recorder.step_done(StepTokens::unpadded(2048), 3.0),
             }
         }
         let line = reporter.report_at(at(report_s), &queue(16)).unwrap();
@@ -135,29 +135,106 @@ fn three_second_steps_read_busy_on_every_one_second_line() {
     // rate, whatever number of completions its window happens to hold.
     let truth = 2.0 * 2048.0 / 3.0;
     for line in lines.iter().filter(|l| l.elapsed_s >= 4.0) {
+        let rate = line.real_tokens_per_s.unwrap();
         assert!(
-            (line.tokens_per_s - truth).abs() / truth < 0.02,
-            "{} vs {truth}: {line}",
-            line.tokens_per_s
+            (rate - truth).abs() / truth < 0.02,
+            "{rate} vs {truth}: {line}"
         );
-        assert!(line.to_string().contains("tok/s (10s)"), "{line}");
+        assert!(line.to_string().contains("real tok/s (10s)"), "{line}");
     }
-    assert!(lines[1].to_string().contains("- tok/s"), "{}", lines[1]);
+    assert!(
+        lines[1].to_string().contains("- real tok/s"),
+        "{}",
+        lines[1]
+    );
 }
 
 #[test]
 fn drafters_idle_on_an_empty_queue_read_waiting_on_every_line() {
+    // One step each, then an empty queue: a stall of the drafters, on every line.
     let telemetry = Arc::new(Telemetry::new(1, 2, false));
     let recorders: Vec<_> = (0..2).map(|i| telemetry.drafter(i).unwrap()).collect();
-    let calls = vec![(0, 0.0, Call::Wait, 0.0), (1, 0.0, Call::Wait, 0.0)];
+    let mut calls = Vec::new();
+    for worker in 0..2 {
+        calls.extend(
+            steps(0.0, 0.5, 0.5)
+                .into_iter()
+                .map(|(when, call, end)| (worker, when, call, end)),
+        );
+        calls.push((worker, 0.5, Call::Wait, 0.5));
+    }
     let (lines, _) = replay(&telemetry, &recorders, calls, 12.0);
-    for line in &lines {
+    for line in &lines[1..] {
+        assert_eq!(line.first_data_wait_s, None, "{line}");
         for drafter in &line.drafters {
             assert!(drafter.data_wait_pct >= 95.0, "{line}");
             assert!(drafter.busy_pct <= 5.0, "{line}");
         }
         assert!(line.to_string().contains("wait=[100,100]%"), "{line}");
     }
+}
+
+#[test]
+fn waiting_for_the_first_producer_is_its_own_line_and_no_step_s_time() {
+    // Issue 20: 50 s of waiting for the first producer were filed as the first step's warm-up, and the rate's
+    // window (twice the longest step) read `tok/s (104s)`. The drafters wait 20 s for their first item, then
+    // take 1 s steps.
+    let telemetry = Arc::new(Telemetry::new(1, 2, false));
+    let recorders: Vec<_> = (0..2).map(|i| telemetry.drafter(i).unwrap()).collect();
+    let mut calls = Vec::new();
+    for worker in 0..2 {
+        calls.push((worker, 0.0, Call::Wait, 0.0));
+        calls.push((worker, 20.0, Call::Span(DrafterPhase::DataWait, 0.0), 20.0));
+        calls.extend(
+            steps(20.0, 1.0, 40.0)
+                .into_iter()
+                .map(|(when, call, end)| (worker, when, call, end)),
+        );
+    }
+    let (lines, reporter) = replay(&telemetry, &recorders, calls, 40.0);
+    for line in &lines[..19] {
+        let wait = line.first_data_wait_s.expect("waiting for the first data");
+        assert!((wait - line.elapsed_s).abs() < 1e-6, "{line}");
+        let text = line.to_string();
+        assert!(
+            text.contains("waiting for the first data from the producers"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("wait=["),
+            "not a stall of the drafters: {text}"
+        );
+    }
+    for line in &lines[21..] {
+        assert_eq!(line.first_data_wait_s, None, "{line}");
+        assert!(
+            line.to_string().contains("real tok/s (10s)"),
+            "the window is the plain 10 s: {line}"
+        );
+    }
+    let summary = reporter
+        .finish_at(telemetry.epoch() + secs(40.0), &queue(16))
+        .unwrap();
+    let timeline = summary.drafters[0].timeline.as_ref().unwrap();
+    assert!(
+        (timeline.first_data_wait_s - 20.0).abs() < 1e-6,
+        "{timeline:?}"
+    );
+    assert!(
+        (timeline.warmup_wall_s - 1.0).abs() < 1e-6,
+        "the first step alone: {timeline:?}"
+    );
+    assert!((timeline.longest_step_s - 1.0).abs() < 1e-6, "{timeline:?}");
+    let diagnosis = Diagnosis::from_summary(&summary);
+    let text = diagnosis.to_string();
+    assert!(
+        text.contains("waiting for the first data 20.00 s"),
+        "{text}"
+    );
+    assert!(
+        diagnosis.queue.drafter_wait_pct < 5.0,
+        "the first wait is no steady-state wait: {text}"
+    );
 }
 
 #[test]
@@ -173,7 +250,7 @@ fn the_real_clock_and_threads_agree() {
             recorder.begin_step(128);
             thread::sleep(Duration::from_millis(450));
             recorder.lap(DrafterPhase::Forward, &mut since);
-            recorder.step_done(1024, 2.0);
+            recorder.step_done(StepTokens::unpadded(1024), 2.0);
         }
     });
     let config = ReporterConfig::new("real-clock", Duration::from_millis(150), 16, 4);
@@ -204,13 +281,15 @@ fn a_short_run_diagnoses_its_steady_state_not_its_start_and_end() {
     ] {
         let first = t < 6.0;
         let step = if first { 1.5 } else { 0.5 };
+        // The very first data wait is waiting for the first producer, no step's time.
+        let first_wait = if t == 2.0 { 0.002 } else { 0.0 };
         recorder.waiting(at(t));
         recorder.record(DrafterPhase::DataWait, at(t), at(t + 0.002));
         recorder.begin_step(bucket);
         recorder.record(DrafterPhase::Forward, at(t + 0.002), at(t + step));
-        recorder.step_done(2048, 3.0);
+        recorder.step_done(StepTokens::unpadded(2048), 3.0);
         if first {
-            warmup_s += step;
+            warmup_s += step - first_wait;
         }
         t += step;
     }
@@ -256,7 +335,7 @@ fn a_gpu_drafter_shows_busy_and_gpu_apart_and_says_which_is_low() {
         recorder.begin_step(512);
         recorder.record(DrafterPhase::Copy, at(t + 0.0001), at(t + 0.004));
         recorder.record(DrafterPhase::DeviceStep, at(t + 0.004), at(t + 0.01));
-        recorder.step_done(4096, 2.0);
+        recorder.step_done(StepTokens::unpadded(4096), 2.0);
         t += 0.01;
         if i % 100 == 99 {
             lines.push(reporter.report_at(at(t), &queue(16)).unwrap());

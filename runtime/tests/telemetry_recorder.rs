@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use draftpipe_runtime::telemetry::{DrafterPhase, ProducerPhase, Telemetry, TelemetryError};
+use draftpipe_runtime::telemetry::{
+    DrafterPhase, ProducerPhase, StepTokens, Telemetry, TelemetryError,
+};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 
 #[test]
@@ -135,14 +137,14 @@ fn steps_tokens_and_loss_mean_skip_non_finite_values() {
     let telemetry = Arc::new(Telemetry::new(0, 2, false));
     let a = telemetry.drafter(0).unwrap();
     let b = telemetry.drafter(1).unwrap();
-    a.step_done(100, 2.0);
-    a.step_done(100, 4.0);
-    a.step_done(100, f64::NAN);
+    a.step_done(StepTokens::unpadded(100), 2.0);
+    a.step_done(StepTokens::unpadded(100), 4.0);
+    a.step_done(StepTokens::unpadded(100), f64::NAN);
     a.step_skipped();
-    b.step_done(50, 1.5);
+    b.step_done(StepTokens::unpadded(50), 1.5);
     let snapshot = telemetry.snapshot();
     let d0 = &snapshot.drafters[0];
-    assert_eq!((d0.steps, d0.tokens, d0.skipped), (3, 300, 1));
+    assert_eq!((d0.steps, d0.token_slots, d0.skipped), (3, 300, 1));
     assert_eq!(
         (d0.loss_sum, d0.loss_count, d0.last_loss),
         (6.0, 2, Some(4.0))
@@ -152,7 +154,7 @@ fn steps_tokens_and_loss_mean_skip_non_finite_values() {
         1,
         "the global step is the slowest drafter's"
     );
-    assert_eq!(snapshot.tokens(), 350);
+    assert_eq!(snapshot.token_slots(), 350);
     assert_eq!(snapshot.skipped(), 1);
     assert_eq!(snapshot.drafters[1].last_loss, Some(1.5));
 }
@@ -170,7 +172,7 @@ fn concurrent_recording_loses_nothing() {
                 for n in 0..SPANS {
                     let phase = DrafterPhase::ALL[(n as usize + i) % DrafterPhase::COUNT];
                     recorder.record(phase, base, base + Duration::from_nanos(n + 1));
-                    recorder.step_done(1, 0.5);
+                    recorder.step_done(StepTokens::unpadded(1), 0.5);
                 }
             })
         })
@@ -197,5 +199,36 @@ fn concurrent_recording_loses_nothing() {
     assert!(
         snapshot.spans_dropped > 0,
         "rings of 4096 overflow with 20k undrained spans and count it"
+    );
+}
+
+#[test]
+fn a_step_counts_its_slots_its_real_tokens_and_those_with_a_loss() {
+    use draftpipe_runtime::batch::HsBatch;
+    // Two sequences of 3 and 1 tokens padded to 4; the mask is set on 2 of the first and the padding of the
+    // second (which must not count: padding is no token).
+    let mut batch = HsBatch::zeroed(4, 2, 8);
+    batch.seq_lens = vec![3, 1];
+    batch.loss_mask = vec![1, 0, 1, 0, 0, 1, 1, 1];
+    assert_eq!(
+        StepTokens::of(&batch),
+        StepTokens {
+            slots: 8,
+            real: 4,
+            with_loss: 2
+        }
+    );
+    let telemetry = Arc::new(Telemetry::new(0, 1, false));
+    let drafter = telemetry.drafter(0).unwrap();
+    drafter.step_done(StepTokens::of(&batch), 1.0);
+    drafter.step_done(StepTokens::of(&batch), 1.0);
+    let snapshot = telemetry.snapshot();
+    assert_eq!(
+        (
+            snapshot.token_slots(),
+            snapshot.real_tokens(),
+            snapshot.loss_tokens()
+        ),
+        (16, 8, 4)
     );
 }

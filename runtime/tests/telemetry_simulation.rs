@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use draftpipe_runtime::telemetry::{
     Bottleneck, Diagnosis, DrafterPhase, ProducerPhase, QueueSnapshot, Reporter, ReporterConfig,
-    RunSummary, Telemetry, load_summary,
+    RunSummary, StepTokens, Telemetry, load_summary,
 };
 
 const CAPACITY: usize = 8;
@@ -115,7 +115,7 @@ fn simulate(name: &str, shape: Shape) -> RunSummary {
                     thread::sleep(shape.compute * share / 10);
                     recorder.lap(phase, &mut mark);
                 }
-                recorder.step_done(100, 1.0 / (step + 1) as f64);
+                recorder.step_done(StepTokens::unpadded(100), 1.0 / (step + 1) as f64);
                 thread::sleep(shape.unrecorded);
             }
             channel.close();
@@ -141,7 +141,7 @@ fn simulate(name: &str, shape: Shape) -> RunSummary {
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(loaded, summary);
     assert_eq!((summary.steps, summary.drafters[0].steps), (steps, steps));
-    assert_eq!(summary.tokens, 100 * steps);
+    assert_eq!(summary.token_slots, 100 * steps);
     loaded
 }
 

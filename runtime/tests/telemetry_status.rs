@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use draftpipe_runtime::telemetry::{
     DrafterCounts, DrafterPhase, OutputMode, PhaseCount, QueueSnapshot, Reporter, ReporterConfig,
-    RunSummary, StatusLine, Telemetry, TelemetryError, TelemetrySnapshot, load_summary,
+    RunSummary, StatusLine, StepTokens, Telemetry, TelemetryError, TelemetrySnapshot, load_summary,
 };
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -28,9 +28,12 @@ fn drafter(
     tokens: u64,
     losses: &[f64],
 ) -> DrafterCounts {
+    // 90% of the slots hold a real token, half of them a loss.
     let mut counts = DrafterCounts {
         steps,
-        tokens,
+        token_slots: tokens,
+        real_tokens: tokens * 9 / 10,
+        loss_tokens: tokens / 2,
         ..Default::default()
     };
     counts.phases[DrafterPhase::DataWait.index()] = PhaseCount {
@@ -77,13 +80,15 @@ fn a_status_line_measures_the_interval_not_the_whole_run() {
     };
     let line = StatusLine::between(&previous, &current, &queue(18, vec![3, 10, 5]), Some(100));
     assert_eq!(line.step, 14);
-    assert_eq!(line.tokens, 11_600);
-    assert!(
-        (line.tokens_per_s - 3600.0 / 2.0).abs() < 1e-9,
-        "{}",
-        line.tokens_per_s
+    assert_eq!(
+        (line.token_slots, line.real_tokens, line.loss_tokens),
+        (11_600, 10_440, 5_800)
     );
-    assert!((line.tokens_per_s_overall - 1160.0).abs() < 1e-9);
+    let near = |rate: Option<f64>, expected: f64| (rate.unwrap() - expected).abs() < 1e-9;
+    assert!(near(line.token_slots_per_s, 3600.0 / 2.0), "{line:?}");
+    assert!(near(line.real_tokens_per_s, 3240.0 / 2.0), "{line:?}");
+    assert!(near(line.loss_tokens_per_s, 1800.0 / 2.0), "{line:?}");
+    assert!(near(line.real_tokens_per_s_overall, 1044.0), "{line:?}");
     assert!(
         (line.drafters[0].busy_pct - 75.0).abs() < 1e-9,
         "{:?}",
@@ -98,7 +103,8 @@ fn a_status_line_measures_the_interval_not_the_whole_run() {
     let text = line.to_string();
     for expected in [
         "step 14/100",
-        "1.8k tok/s",
+        "1.6k real tok/s",
+        "of 1.8k slots/s: 90% real, 50% with loss",
         "q_hs=[18/20]",
         "q_hsb=[3,10,5]",
         "busy=[75,100]%",
@@ -119,7 +125,37 @@ fn an_interval_without_losses_shows_the_latest_one() {
     };
     let line = StatusLine::between(&snapshot, &snapshot, &queue(0, vec![0]), None);
     assert_eq!(line.loss, Some(2.5));
-    assert_eq!(line.tokens_per_s, 0.0);
+    assert_eq!(line.real_tokens_per_s, Some(0.0));
+}
+
+#[test]
+fn before_the_first_step_the_rates_are_null_not_zero() {
+    let start = TelemetrySnapshot {
+        elapsed: Duration::from_secs(1),
+        drafters: vec![drafter(1000, 0, 0, 0, &[])],
+        ..Default::default()
+    };
+    let later = TelemetrySnapshot {
+        elapsed: Duration::from_secs(2),
+        drafters: vec![drafter(2000, 0, 0, 0, &[])],
+        ..Default::default()
+    };
+    let line = StatusLine::between(&start, &later, &queue(0, vec![0]), None)
+        .with_rate_window(&start, &later);
+    let json: serde_json::Value = serde_json::to_value(&line).unwrap();
+    for field in [
+        "real_tokens_per_s",
+        "token_slots_per_s",
+        "loss_tokens_per_s",
+        "real_tokens_per_s_overall",
+    ] {
+        assert!(json[field].is_null(), "{field} in {json}");
+    }
+    let text = line.to_string();
+    assert!(
+        text.contains("| - real tok/s (1s) (avg -) of - slots/s: - real, - with loss |"),
+        "{text}"
+    );
 }
 
 fn run_reporter(mode: OutputMode, dir: Option<PathBuf>, reports: usize) -> RunSummary {
@@ -138,7 +174,7 @@ fn run_reporter(mode: OutputMode, dir: Option<PathBuf>, reports: usize) -> RunSu
                 start,
                 start + Duration::from_micros(10),
             );
-            recorder.step_done(64, 10.0 / (step + 1) as f64);
+            recorder.step_done(StepTokens::unpadded(64), 10.0 / (step + 1) as f64);
         }
         let depth = step % 21;
         reporter.sample(&queue(depth, vec![depth / 2, depth - depth / 2]));
@@ -159,7 +195,7 @@ fn output_of(mode: OutputMode, reports: usize) -> String {
     {
         let mut reporter = Reporter::new(config, Arc::clone(&telemetry), &mut out).unwrap();
         for step in 0..reports {
-            recorder.step_done(64, 1.0 + step as f64);
+            recorder.step_done(StepTokens::unpadded(64), 1.0 + step as f64);
             reporter.report(&queue(step % 21, vec![step % 21])).unwrap();
         }
         reporter.finish(&queue(0, vec![0])).unwrap();
@@ -211,13 +247,23 @@ fn the_run_directory_holds_status_lines_and_a_summary_that_reads_back() {
     let loaded = load_summary(&dir).unwrap();
     assert_eq!(loaded, summary);
     assert_eq!(loaded.plan, "status-test");
-    assert_eq!((loaded.steps, loaded.tokens), (40, 2 * 40 * 64));
+    assert_eq!(
+        (loaded.steps, loaded.token_slots, loaded.real_tokens),
+        (40, 2 * 40 * 64, 2 * 40 * 64)
+    );
     assert_eq!(loaded.drafters.len(), 2);
     assert_eq!(
         loaded.drafters[1].seconds(DrafterPhase::Forward),
         40.0 * 10e-6
     );
-    assert_eq!(loaded.final_loss, Some(10.0 / 40.0));
+    // The last ten steps of both drafters, not the last step alone (10/40).
+    let last_ten: f64 = (31..=40).map(|n| 10.0 / f64::from(n)).sum::<f64>() / 10.0;
+    assert_eq!(loaded.final_steps, 10);
+    assert!(
+        (loaded.final_loss.unwrap() - last_ten).abs() < 1e-12,
+        "{:?}",
+        loaded.final_loss
+    );
     assert_eq!(
         loaded.loss_curve.len(),
         40,

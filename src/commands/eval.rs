@@ -13,6 +13,7 @@ use draftpipe_runtime::eval::{
     load_eval_weights, open_eval_data,
 };
 use draftpipe_runtime::telemetry::{BAR_WIDTH, progress_bar};
+use draftpipe_runtime::tensor_file::TensorFile;
 
 use super::{CommandResult, compile_failure, say};
 use crate::cli::EvalArgs;
@@ -27,6 +28,15 @@ pub fn run(args: &EvalArgs) -> CommandResult {
             plan.name
         )
     })?;
+    if let Some(trained_by) = trained_by_another_plan(&args.checkpoint, &plan.name) {
+        draftpipe_runtime::log_line!(
+            "warning: {} was trained by pipeline \"{trained_by}\", not \"{}\" ({}): its shapes fit, but the \
+             target, the taps or the mask token the figures below assume may not be the ones it learned",
+            args.checkpoint.display(),
+            plan.name,
+            args.pipeline.display()
+        );
+    }
     let frozen = frozen_tables(&plan).context("cannot load the target's embedding and lm_head")?;
     let read_data = || format!("cannot read the evaluation data `{}`", args.data);
     let plan = eval_plan(&plan, &args.data).with_context(read_data)?;
@@ -47,6 +57,20 @@ pub fn run(args: &EvalArgs) -> CommandResult {
         say(text_report(args, &totals, started.elapsed().as_secs_f64()))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The pipeline name a checkpoint's weights file records (`--save` writes it in the `plan` metadata) when it is
+/// not `plan`. A weights file without the name (another trainer's) or unreadable here says nothing: loading it
+/// reports its own errors.
+fn trained_by_another_plan(checkpoint: &std::path::Path, plan: &str) -> Option<String> {
+    let weights = if checkpoint.is_dir() {
+        checkpoint.join("model.safetensors")
+    } else {
+        checkpoint.to_path_buf()
+    };
+    let file = TensorFile::open(&weights).ok()?;
+    let trained_by = file.string_metadata()?.get("plan")?;
+    (trained_by != plan).then(|| trained_by.clone())
 }
 
 /// The bar redrawn in place on standard error (standard output keeps only the report).

@@ -65,6 +65,10 @@ def _arguments(argv):
                         help="first replace each `messages` record's assistant turns by the target's greedy reply "
                              "of up to N tokens (draftpipe_client.chat)")
     parser.add_argument("--epochs", type=int, default=1, help="send the data this many times (default 1)")
+    parser.add_argument("--mask-token", default=chat.MASK_TOKEN,
+                        help=f"DFlash's mask token, added to the tokenizer when it has none (default {chat.MASK_TOKEN})")
+    parser.add_argument("--save-tokenizer", metavar="DIR",
+                        help="save the tokenizer, mask token included, into DIR (for serving and export-check)")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.max_length < 1 or args.epochs < 1 or args.regenerate < 0:
         parser.error("--batch-size, --max-length and --epochs must be at least 1, --regenerate at least 0")
@@ -264,6 +268,25 @@ def _write(args, target, tokenized):
     print(f"wrote {files} files ({len(sequences)} sequences) to {out}", file=sys.stderr)
 
 
+def _mask_token(args, tokenizer, vocab):
+    """Finds DFlash's mask token in the tokenizer, adding it as a special token when the tokenizer has none and
+    the target's vocabulary of ``vocab`` rows has a free row for it, and prints its id for the pipeline's
+    ``mask_token``. Returns the id, or ``None`` when there is no room (an ``mlp`` drafter needs no mask token)."""
+    token = args.mask_token
+    if token in tokenizer.get_vocab():
+        how = "in the tokenizer"
+    elif len(tokenizer) < vocab:
+        tokenizer.add_tokens([token], special_tokens=True)
+        how = "added to the tokenizer, which had none (--save-tokenizer DIR keeps it for serving)"
+    else:
+        print(f"note: the tokenizer has no {token} and all {vocab} rows of the target's vocabulary are tokens; a "
+              f"DFlash drafter needs --mask-token naming one of them", file=sys.stderr)
+        return None
+    mask_id = tokenizer.convert_tokens_to_ids(token)
+    print(f"mask token {token} = {mask_id} ({how}): `mask_token = {mask_id}` in a DFlash pipeline", file=sys.stderr)
+    return mask_id
+
+
 def main(argv=None):
     """Runs the producer; returns the exit status (one line on standard error for every refusal)."""
     args = _arguments(argv)
@@ -279,6 +302,9 @@ def main(argv=None):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         target = _Target(args, tokenizer)
+        _mask_token(args, tokenizer, args.vocab or target.config.vocab_size)
+        if args.save_tokenizer:
+            tokenizer.save_pretrained(args.save_tokenizer)
         try:  # chat records: the template's ids, loss only on the assistant's tokens
             records = [chat.prepare(r, tokenizer, target.model, args.regenerate, args.max_length, where)
                        for where, r in records] * args.epochs

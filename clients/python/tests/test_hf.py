@@ -17,7 +17,8 @@ tokenizers = pytest.importorskip("tokenizers")
 WORDS = [f"w{i}" for i in range(60)]
 
 
-def tiny_model(directory):
+def tiny_model(directory, spare_rows=0):
+    """A random Llama target with a word-level tokenizer; its embedding has ``spare_rows`` rows past the tokens."""
     vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -25,11 +26,11 @@ def tiny_model(directory):
                                                 pad_token="[PAD]", eos_token="[EOS]")
     fast.save_pretrained(directory)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
+    config = transformers.LlamaConfig(vocab_size=len(vocab) + spare_rows, hidden_size=16, intermediate_size=32,
                                       num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
                                       max_position_embeddings=128, pad_token_id=0, eos_token_id=2)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return len(vocab)
+    return len(vocab) + spare_rows
 
 
 def test_a_transformers_target_feeds_a_drafter(tmp_path, start_run):
@@ -94,8 +95,12 @@ def test_mixed_lengths_fill_the_queue_items(tmp_path, start_run):
                               capture_output=True, text=True, timeout=300)
     assert producer.returncode == 0, producer.stderr
     assert run.wait() == 0, run.stderr()
-    slots = run.summary()["tokens"]
+    summary = run.summary()
+    slots = summary["token_slots"]
     real = sum(lengths)
+    # The run counts the real tokens it trained on beside the slots: every prompt's tokens, exactly.
+    assert summary["real_tokens"] == real, summary
+    assert 0 < summary["loss_tokens"] <= real
     bucket_bound = sum(bucket_of(n, buckets) for n in lengths)
     print(f"fill: {real} real tokens in {slots} slots = {real / slots:.3f} (rows' buckets: {real / bucket_bound:.3f})")
     # Only the last item of each bucket may be part-filled (measured: 13056 of 14112 slots are the rows' buckets,
@@ -161,3 +166,37 @@ def test_hf_refusals_are_one_line(tmp_path):
     described = subprocess.run([sys.executable, "-m", "draftpipe_client.hf", "--help"], capture_output=True,
                                text=True, timeout=60)
     assert "Hugging Face" in described.stdout and "--dtype {bf16,f16,f32}" in described.stdout
+
+
+def test_hf_adds_the_mask_token_when_the_tokenizer_has_none_and_prints_its_id(tmp_path):
+    # A tokenizer without `<|mask|>` over an embedding with spare rows (as Qwen3's 151936 rows over 151669 tokens).
+    vocab = tiny_model(tmp_path / "model", spare_rows=5)
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"text": "w1 w2 w3"}) + "\n")
+    hf = subprocess.run([sys.executable, "-m", "draftpipe_client.hf", "--model", str(tmp_path / "model"), "--data",
+                         str(tmp_path / "prompts.jsonl"), "--tap-layers", "1", "3", "--model-dtype", "float32",
+                         "--write", str(tmp_path / "out"), "--save-tokenizer", str(tmp_path / "tokenizer")],
+                        capture_output=True, text=True, timeout=300)
+    assert hf.returncode == 0, hf.stderr
+    mask_id = len(WORDS) + 3
+    assert mask_id < vocab
+    assert f"mask token <|mask|> = {mask_id} (added to the tokenizer" in hf.stderr, hf.stderr
+    assert f"`mask_token = {mask_id}`" in hf.stderr
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert saved.convert_tokens_to_ids("<|mask|>") == mask_id
+    # A mask token the tokenizer has is found, not added.
+    again = subprocess.run([sys.executable, "-m", "draftpipe_client.hf", "--model", str(tmp_path / "model"),
+                            "--data", str(tmp_path / "prompts.jsonl"), "--tap-layers", "1", "--model-dtype",
+                            "float32", "--write", str(tmp_path / "out2"), "--mask-token", "w5"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "mask token w5 = 8 (in the tokenizer)" in again.stderr, again.stderr
+
+
+def test_hf_says_when_no_row_is_free_for_a_mask_token(tmp_path):
+    tiny_model(tmp_path / "model")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"text": "w1 w2 w3"}) + "\n")
+    hf = subprocess.run([sys.executable, "-m", "draftpipe_client.hf", "--model", str(tmp_path / "model"), "--data",
+                         str(tmp_path / "prompts.jsonl"), "--tap-layers", "1", "--model-dtype", "float32",
+                         "--write", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert hf.returncode == 0, hf.stderr
+    assert "note: the tokenizer has no <|mask|>" in hf.stderr and "--mask-token" in hf.stderr, hf.stderr

@@ -20,6 +20,7 @@
 //! marks the data positions staged so far as the ones the step's update contains: the one checkpoint rule.
 //! Without `sync = allreduce` the workers are independent and skip the round.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -31,7 +32,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{ExportOptions, TrainingState, save_checkpoint_as};
 use crate::drafter::{Drafter, DrafterError, StepOutcome};
 use crate::params::FlatState;
-use crate::telemetry::{DrafterPhase, DrafterRecorder};
+use crate::telemetry::{DrafterPhase, DrafterRecorder, StepTokens};
 
 use super::error::RunError;
 use super::options::{RunOptions, StopReason};
@@ -137,6 +138,9 @@ struct Worker<'a, B: Backend> {
     since: Instant,
     /// End of the latest span recorded on this worker's timeline (see [`Self::record`]).
     recorded_until: Instant,
+    /// The token counts of the batches staged and stepped whose outcomes have not arrived, oldest first: on
+    /// CUDA an outcome arrives a step late, and outcomes arrive in step order.
+    pending_tokens: VecDeque<StepTokens>,
 }
 
 impl<'a, B: Backend> Worker<'a, B> {
@@ -149,6 +153,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             nonfinite_in_row: 0,
             since: Instant::now(),
             recorded_until: Instant::now(),
+            pending_tokens: VecDeque::with_capacity(2),
             context,
             drafter,
         }
@@ -245,6 +250,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                     let staged = self.drafter.stage(&batch);
                     if staged.is_ok() {
                         self.context.shared.consume(batch.source_position);
+                        self.pending_tokens.push_back(StepTokens::of(&batch));
                     }
                     if let Err(error) = self.context.shared.pool.give_back(batch) {
                         self.context.shared.fail(RunError::Source(error));
@@ -331,6 +337,12 @@ impl<'a, B: Backend> Worker<'a, B> {
             let began = seen.checked_sub(device_time).unwrap_or(self.recorded_until);
             self.record(DrafterPhase::DeviceStep, began, seen);
         }
+        // Every outcome is of a batch staged here, in order; were that ever broken, the step's slots still count
+        // and no real token is claimed.
+        let tokens = self.pending_tokens.pop_front().unwrap_or(StepTokens {
+            slots: outcome.tokens,
+            ..StepTokens::default()
+        });
         let recorder = &self.context.recorder;
         if outcome.skipped() {
             recorder.step_skipped();
@@ -345,7 +357,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             if let Some(blocks) = &outcome.blocks {
                 recorder.block_metrics(f64::from(blocks.tau), &blocks.slot_accuracy);
             }
-            recorder.step_done(outcome.tokens, f64::from(outcome.loss));
+            recorder.step_done(tokens, f64::from(outcome.loss));
             self.nonfinite_in_row = 0;
         }
     }

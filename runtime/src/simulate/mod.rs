@@ -20,7 +20,7 @@ mod whatif;
 
 use draftpipe_compiler::plan::{Device, Plan, PullPolicy, SyncMode};
 
-use crate::telemetry::{Bottleneck, DrafterPhase, RunSummary};
+use crate::telemetry::{Bottleneck, DrafterPhase, RunSummary, Waits};
 
 pub use engine::Outcome;
 pub use report::{Comparison, Prediction};
@@ -434,13 +434,11 @@ impl Model {
         let watermark = self.min_ready.max(1);
         let near_full = outcome.share_where(|d| d >= near_full_from);
         let below = outcome.share_where(|d| d < watermark);
-        let bottleneck = Bottleneck::judge(
-            u64::MAX,
-            near_full,
-            below,
-            outcome.producer_blocked,
-            outcome.drafter_wait,
-        );
+        let bottleneck = Bottleneck::judge(Waits {
+            producer_blocked: outcome.producer_blocked,
+            drafter_wait: outcome.drafter_wait,
+            below_watermark: Some(below),
+        });
         Prediction {
             model: self.clone(),
             outcome,

@@ -56,6 +56,10 @@ impl Prediction {
                 "the producers set the pace: drafters wait for data. Add producers or make the source faster; a \
                  larger queue or a faster drafter step will not help."
             }
+            Bottleneck::Bursty => {
+                "the producers deliver in bursts: the queue fills and they block, then it drains and the drafters \
+                 wait. A larger queue absorbs the bursts; past them the producers' mean rate sets the pace."
+            }
             Bottleneck::Balanced => {
                 "neither side dominates: both keep pace and the queue absorbs the jitter. Throughput needs both \
                  sides faster."
@@ -222,6 +226,7 @@ impl fmt::Display for Comparison {
                         match p.bottleneck {
                             Bottleneck::Consumers => "drafters",
                             Bottleneck::Producers => "producers",
+                            Bottleneck::Bursty => "bursty",
                             Bottleneck::Balanced => "balanced",
                         }
                         .to_string()

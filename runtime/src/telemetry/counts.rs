@@ -5,6 +5,50 @@
 use std::time::Duration;
 
 use super::phase::{DrafterPhase, ProducerPhase};
+use crate::batch::HsBatch;
+
+/// What one step trained on, counted three ways: the batch's token slots (`sequences × padded_len`, padding
+/// included: what a step costs), its real tokens (positions within the sequences' lengths: what `eval` counts)
+/// and the real tokens whose loss mask is set (the positions a loss is computed at).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTokens {
+    /// Token slots, padding included.
+    pub slots: u64,
+    /// Real tokens.
+    pub real: u64,
+    /// Real tokens with the loss mask set.
+    pub with_loss: u64,
+}
+
+impl StepTokens {
+    /// The counts of `batch`.
+    pub fn of(batch: &HsBatch) -> Self {
+        let (mut real, mut with_loss) = (0u64, 0u64);
+        for (sequence, &len) in batch.seq_lens.iter().enumerate() {
+            let start = sequence * batch.padded_len;
+            let len = (len as usize).min(batch.padded_len);
+            real += len as u64;
+            with_loss += batch.loss_mask[start..start + len]
+                .iter()
+                .filter(|&&m| m != 0)
+                .count() as u64;
+        }
+        Self {
+            slots: batch.tokens() as u64,
+            real,
+            with_loss,
+        }
+    }
+
+    /// `n` slots, every one a real token with a loss (a batch without padding).
+    pub fn unpadded(n: u64) -> Self {
+        Self {
+            slots: n,
+            real: n,
+            with_loss: n,
+        }
+    }
+}
 
 /// Total time and number of spans of one phase.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -22,8 +66,12 @@ pub struct DrafterCounts {
     pub phases: [PhaseCount; DrafterPhase::COUNT],
     /// Applied steps.
     pub steps: u64,
-    /// Tokens trained on.
-    pub tokens: u64,
+    /// Token slots trained on, padding included.
+    pub token_slots: u64,
+    /// Real tokens trained on.
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set.
+    pub loss_tokens: u64,
     /// Steps skipped for a non-finite loss or gradient.
     pub skipped: u64,
     /// Sum of the finite losses passed to `step_done`.
@@ -40,10 +88,19 @@ pub struct DrafterCounts {
     pub last_tau: Option<f64>,
     /// The latest step's accuracy of block slots `1..` (`dflash`; empty otherwise).
     pub last_slot_accuracy: Vec<f32>,
+    /// The finite losses of the last steps (up to [`FINAL_STEPS`](super::FINAL_STEPS), in no particular order).
+    pub recent_losses: Vec<f64>,
+    /// `dflash`: the τ of the last steps (up to [`FINAL_STEPS`](super::FINAL_STEPS)).
+    pub recent_taus: Vec<f64>,
+    /// `dflash`: per block slot `1..`, the accuracy averaged over the steps of `recent_taus`.
+    pub recent_slot_accuracy: Vec<f32>,
     /// The part of a step still under way at the snapshot (inside the step, not yet recorded).
     pub open_busy: Duration,
     /// The part of a data wait still under way at the snapshot.
     pub open_wait: Duration,
+    /// The drafter's first data wait, once it has ended: waiting for the first producer, included in the
+    /// `data_wait` phase but in no step (`None` while it lasts).
+    pub first_data_wait: Option<Duration>,
     /// Per phase, the time of warm-up steps (the first step of each bucket), included in `phases`.
     pub warmup_phases: [Duration; DrafterPhase::COUNT],
     /// Warm-up steps taken.
@@ -141,9 +198,19 @@ impl TelemetrySnapshot {
         self.drafters.iter().map(|d| d.steps).min().unwrap_or(0)
     }
 
-    /// Tokens trained on over all drafters.
-    pub fn tokens(&self) -> u64 {
-        self.drafters.iter().map(|d| d.tokens).sum()
+    /// Token slots trained on over all drafters, padding included.
+    pub fn token_slots(&self) -> u64 {
+        self.drafters.iter().map(|d| d.token_slots).sum()
+    }
+
+    /// Real tokens trained on over all drafters.
+    pub fn real_tokens(&self) -> u64 {
+        self.drafters.iter().map(|d| d.real_tokens).sum()
+    }
+
+    /// Real tokens with a loss over all drafters.
+    pub fn loss_tokens(&self) -> u64 {
+        self.drafters.iter().map(|d| d.loss_tokens).sum()
     }
 
     /// Skipped non-finite steps over all drafters.

@@ -1,10 +1,13 @@
-//! The diagnosis: from a [`RunSummary`], which side limits throughput (by queueing logic) and where the
+//! The diagnosis: from a [`RunSummary`], which side limits throughput (by who waits on whom) and where the
 //! drafters' time went (from their phase totals).
 //!
-//! Queueing logic: a bounded queue between producers and consumers sits at capacity when producers are
-//! faster (they block on full, so consumers set the pace) and sits empty/below the watermark when consumers
-//! are faster (they wait for data, so producers set the pace). The depth histogram sampled over the run says
-//! which of the two held most of the time; the blocked and waiting times confirm it.
+//! Who waits on whom: a bounded queue between producers and drafters makes the faster side wait for the
+//! slower one. Producers blocked on a full queue wait on the drafters; drafters waiting for data while the queue
+//! ran low wait on the producers. The side the other one waits on is the limit; when neither waits both keep
+//! pace; when both wait in turn, the data arrives in bursts the queue cannot absorb (it fills, the producers
+//! block, it drains, the drafters wait). The depth histogram only tells a drafter's wait for data from one at the
+//! hand-off beside a full queue (a host-side gap, not the producers' doing). `draftpipe simulate` judges its
+//! predictions by the same [`Bottleneck::judge`].
 
 use std::fmt;
 
@@ -13,27 +16,17 @@ use serde::Serialize;
 use super::phase::{DrafterPhase, ProducerPhase};
 use super::summary::{DrafterSummary, RunSummary};
 
-/// Share of depth samples at `capacity − 1` or more for the queue to count as pinned full. Below about 0.5 a
-/// queue that is merely high on average (bursty producers, drafters catching up) would count as pinned;
-/// 0.7 demands the queue be full most of the time, the signature of consumers that cannot keep up.
-pub const PINNED_FULL_FRACTION: f64 = 0.7;
+/// Share of a side's time spent waiting on the other side that counts as waiting: 10% is an idle time worth
+/// acting on and well above the jitter of a side that keeps pace (a few percent at step boundaries).
+pub const WAIT_SIGNIFICANT: f64 = 0.10;
 
-/// Share of depth samples below the watermark for the queue to count as starved. Symmetric to
-/// [`PINNED_FULL_FRACTION`].
-pub const STARVED_FRACTION: f64 = 0.7;
+/// Share of depth samples below the watermark for drafters' waits to be waits on the producers: beside a queue
+/// that held data in more than 90% of the samples, a drafter's wait is the hand-off, not missing data.
+pub const RAN_LOW_FRACTION: f64 = 0.10;
 
-/// Share of the drafters' wall time spent waiting for data that confirms a starved queue actually stalls
-/// them. A queue can sit low while drafters barely wait (items are popped as soon as they arrive and the
-/// drafters' step is about as long as the producers'); 10% is an idle time worth acting on.
-pub const DATA_WAIT_SIGNIFICANT: f64 = 0.10;
-
-/// With fewer depth samples than this (a very short run) the histogram says little, and the verdict falls back
-/// to blocked/wait times alone.
+/// With fewer depth samples than this (a very short run) the histogram says little, and the drafters' waits
+/// count as waits on the producers whatever the depth.
 pub const MIN_DEPTH_SAMPLES: u64 = 20;
-
-/// Share of their time producers (or drafters) must spend blocked (or waiting) for the fallback verdict.
-/// Half of the time is a clear majority that cannot come from jitter.
-pub const FALLBACK_BLOCKED_FRACTION: f64 = 0.5;
 
 /// Drafter busy fraction under which the drafters are not saturated. The target is ≥ 99% with a fast source;
 /// 90% leaves room for step-boundary bookkeeping while catching gaps that cost real throughput.
@@ -51,39 +44,41 @@ pub const OVERHEAD_SIGNIFICANT: f64 = 0.15;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Bottleneck {
-    /// The drafters (consumers) are slower: the queue is pinned at capacity and producers block.
+    /// The drafters (consumers) are slower: producers block on a full queue, drafters do not wait.
     Consumers,
-    /// The producers are slower: the queue sits under the watermark and drafters wait for data.
+    /// The producers are slower: drafters wait for data, producers do not block.
     Producers,
-    /// Neither side dominates.
+    /// Both wait in turn: the producers deliver in bursts larger than the queue absorbs.
+    Bursty,
+    /// Neither side waits: both keep pace.
     Balanced,
 }
 
+/// What the verdict is judged from: each side's waiting on the other, and how often the queue ran low.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Waits {
+    /// Share (0–1) of the producers' time blocked on a full queue.
+    pub producer_blocked: f64,
+    /// Share (0–1) of the drafters' time waiting for data.
+    pub drafter_wait: f64,
+    /// Share (0–1) of the depth samples below the watermark; `None` with too few samples to tell.
+    pub below_watermark: Option<f64>,
+}
+
 impl Bottleneck {
-    /// The verdict from the queue's depth shares and the two sides' blocked shares (fractions, 0–1): the rule
-    /// the diagnosis of a run applies, and the one `draftpipe simulate` applies to a prediction. With fewer than
-    /// [`MIN_DEPTH_SAMPLES`] depth samples the blocked shares alone decide.
-    pub fn judge(
-        samples: u64,
-        near_full: f64,
-        below_watermark: f64,
-        producer_blocked: f64,
-        drafter_wait: f64,
-    ) -> Self {
-        if samples < MIN_DEPTH_SAMPLES {
-            if producer_blocked >= FALLBACK_BLOCKED_FRACTION {
-                Self::Consumers
-            } else if drafter_wait >= FALLBACK_BLOCKED_FRACTION {
-                Self::Producers
-            } else {
-                Self::Balanced
-            }
-        } else if near_full >= PINNED_FULL_FRACTION {
-            Self::Consumers
-        } else if below_watermark >= STARVED_FRACTION && drafter_wait >= DATA_WAIT_SIGNIFICANT {
-            Self::Producers
-        } else {
-            Self::Balanced
+    /// The verdict by who waits on whom (module docs): the rule the diagnosis of a run applies, and the one
+    /// `draftpipe simulate` applies to a prediction.
+    pub fn judge(waits: Waits) -> Self {
+        let producers_wait = waits.producer_blocked >= WAIT_SIGNIFICANT;
+        let drafters_wait = waits.drafter_wait >= WAIT_SIGNIFICANT
+            && waits
+                .below_watermark
+                .is_none_or(|below| below >= RAN_LOW_FRACTION);
+        match (producers_wait, drafters_wait) {
+            (true, true) => Self::Bursty,
+            (true, false) => Self::Consumers,
+            (false, true) => Self::Producers,
+            (false, false) => Self::Balanced,
         }
     }
 
@@ -92,6 +87,7 @@ impl Bottleneck {
         match self {
             Self::Consumers => "the drafters (consumers)",
             Self::Producers => "the producers (target)",
+            Self::Bursty => "the producers' bursts (both sides wait in turn)",
             Self::Balanced => "neither side (balanced)",
         }
     }
@@ -215,6 +211,8 @@ impl DrafterBreakdown {
 pub struct WarmupEvidence {
     /// Seconds from the start of the run to a drafter's first recorded span (threads, workspaces, devices).
     pub startup_s: f64,
+    /// Seconds each drafter waited for its first data (the first producer), apart from any step.
+    pub first_data_wait_s: f64,
     /// Warm-up steps per drafter (the first step of each bucket: workspace, graph capture, the first fill).
     pub warmup_steps: f64,
     /// Their wall seconds per drafter.
@@ -223,8 +221,9 @@ pub struct WarmupEvidence {
     pub steady_s: f64,
     /// Seconds from a drafter's last span to the end of the run (joins, final save, summary).
     pub shutdown_s: f64,
-    /// Tokens per second of the steady state, all drafters (the rate a longer run tends to; the run's own
-    /// figure divides by the whole wall time).
+    /// Real tokens per second of the steady state, all drafters (the rate a longer run tends to; the run's own
+    /// figure divides by the whole wall time). Token slots per second for summaries of older builds, which
+    /// did not count real tokens.
     pub steady_tokens_per_s: f64,
 }
 
@@ -244,6 +243,7 @@ impl WarmupEvidence {
         };
         Some(Self {
             startup_s: mean(&|t| t.first_span_s),
+            first_data_wait_s: mean(&|t| t.first_data_wait_s),
             warmup_steps: mean(&|t| t.warmup_steps as f64),
             warmup_s: mean(&|t| t.warmup_wall_s),
             steady_s: mean(&|t| t.steady_wall_s()),
@@ -254,7 +254,12 @@ impl WarmupEvidence {
                 .filter_map(|d| {
                     let wall = d.timeline.as_ref()?.steady_wall_s();
                     let steps = (d.steps + d.skipped).max(1) as f64;
-                    (wall > 0.0).then(|| d.tokens as f64 * d.steady_steps() as f64 / steps / wall)
+                    let tokens = if d.real_tokens > 0 {
+                        d.real_tokens
+                    } else {
+                        d.token_slots
+                    };
+                    (wall > 0.0).then(|| tokens as f64 * d.steady_steps() as f64 / steps / wall)
                 })
                 .sum(),
         })
@@ -286,18 +291,24 @@ pub struct Diagnosis {
     pub advice: String,
     /// Steps, tokens, wall time and throughput, for the report's first line.
     pub steps: u64,
-    /// Tokens trained on.
-    pub tokens: u64,
+    /// Token slots trained on, padding included.
+    pub token_slots: u64,
+    /// Real tokens trained on (0 for summaries of older builds).
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set (0 for summaries of older builds).
+    pub loss_tokens: u64,
     /// Wall seconds.
     pub wall_s: f64,
-    /// The latest finite loss.
+    /// The mean finite loss of the last `final_steps` steps.
     pub final_loss: Option<f64>,
-    /// `dflash`: the latest τ and per-slot accuracy.
+    /// `dflash`: the mean τ of the same steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub final_tau: Option<f64>,
-    /// `dflash`: the latest step's accuracy of block slots `1..`.
+    /// `dflash`: the mean accuracy of block slots `1..` over the same steps.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub final_slot_accuracy: Vec<f32>,
+    /// Steps per drafter the final figures average.
+    pub final_steps: u64,
 }
 
 impl Diagnosis {
@@ -380,8 +391,7 @@ impl Diagnosis {
             seen_full: q.seen_full,
             seen_below_watermark: q.seen_below_watermark,
         };
-        let (bottleneck, reason) =
-            verdict(&queue, near_full, below, producer_blocked, drafter_wait);
+        let (bottleneck, reason) = verdict(&queue, producer_blocked, drafter_wait);
 
         let all: Vec<&DrafterSummary> = summary.drafters.iter().collect();
         let drafters = DrafterBreakdown::of(&all, summary.wall_s);
@@ -393,7 +403,7 @@ impl Diagnosis {
 
         let mut findings = Vec::new();
         let idle = drafters.share(DrafterPhase::DataWait).percent + drafters.untracked_pct;
-        let host_side_gaps = bottleneck != Bottleneck::Producers
+        let host_side_gaps = !matches!(bottleneck, Bottleneck::Producers | Bottleneck::Bursty)
             && drafters.steps > 0
             && drafters.busy_pct < 100.0 * HOST_GAP_BUSY_BELOW
             && idle >= 100.0 * HOST_GAP_IDLE_ABOVE;
@@ -475,48 +485,64 @@ impl Diagnosis {
             findings,
             advice,
             steps: summary.steps,
-            tokens: summary.tokens,
+            token_slots: summary.token_slots,
+            real_tokens: summary.real_tokens,
+            loss_tokens: summary.loss_tokens,
             wall_s: summary.wall_s,
             final_loss: summary.final_loss,
             final_tau: summary.final_tau,
             final_slot_accuracy: summary.final_slot_accuracy.clone(),
+            final_steps: summary.final_steps,
         }
     }
 }
 
-fn verdict(
-    q: &QueueEvidence,
-    near_full: f64,
-    below: f64,
-    producer_blocked: f64,
-    drafter_wait: f64,
-) -> (Bottleneck, String) {
-    let blocked = format!(
-        "producers blocked on full {:.1}% of their time, drafters waiting for data {:.1}% (pushes found the \
-         queue full {} times, pops found it below the watermark {} times)",
+fn verdict(q: &QueueEvidence, producer_blocked: f64, drafter_wait: f64) -> (Bottleneck, String) {
+    let enough_samples = q.samples >= MIN_DEPTH_SAMPLES;
+    let bottleneck = Bottleneck::judge(Waits {
+        producer_blocked,
+        drafter_wait,
+        below_watermark: enough_samples.then_some(q.below_watermark_pct / 100.0),
+    });
+    let waits = format!(
+        "producers blocked on a full queue {:.1}% of their time, drafters waiting for data {:.1}% (pushes found \
+         the queue full {} times, pops found it below the watermark {} times)",
         q.producer_blocked_pct, q.drafter_wait_pct, q.seen_full, q.seen_below_watermark
     );
-    let bottleneck = Bottleneck::judge(q.samples, near_full, below, producer_blocked, drafter_wait);
-    if q.samples < MIN_DEPTH_SAMPLES {
-        return (
-            bottleneck,
-            format!(
-                "only {} depth samples, judged by blocked times: {blocked}",
-                q.samples
-            ),
-        );
-    }
-    let depth = format!(
-        "queue at ≥{} of {} in {:.0}% of {} samples, below the watermark {} in {:.0}% (mean depth {:.1})",
-        q.capacity.saturating_sub(1).max(1),
-        q.capacity,
-        q.near_full_pct,
-        q.samples,
-        q.min_ready,
-        q.below_watermark_pct,
-        q.mean_depth
-    );
-    (bottleneck, format!("{depth}; {blocked}"))
+    let depth = if enough_samples {
+        format!(
+            "queue at ≥{} of {} in {:.0}% of {} samples, below the watermark {} in {:.0}% (mean depth {:.1})",
+            q.capacity.saturating_sub(1).max(1),
+            q.capacity,
+            q.near_full_pct,
+            q.samples,
+            q.min_ready,
+            q.below_watermark_pct,
+            q.mean_depth
+        )
+    } else {
+        format!("only {} depth samples, the waits alone decide", q.samples)
+    };
+    let significant = 100.0 * WAIT_SIGNIFICANT;
+    let why = match bottleneck {
+        Bottleneck::Consumers => {
+            format!("the producers wait on the drafters (≥{significant:.0}%), not the reverse")
+        }
+        Bottleneck::Producers => {
+            format!("the drafters wait on the producers (≥{significant:.0}%), not the reverse")
+        }
+        Bottleneck::Bursty => format!(
+            "both sides wait ≥{significant:.0}% in turn: the queue fills and the producers block, then it drains \
+             and the drafters wait"
+        ),
+        Bottleneck::Balanced if drafter_wait >= WAIT_SIGNIFICANT => format!(
+            "neither waits on the other: the drafters' waits came with a queue that held data (below the \
+             watermark in under {:.0}% of samples), so they are the hand-off, not the producers",
+            100.0 * RAN_LOW_FRACTION
+        ),
+        Bottleneck::Balanced => format!("neither side waits ≥{significant:.0}% on the other"),
+    };
+    (bottleneck, format!("{why}: {waits}; {depth}"))
 }
 
 fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakdown) -> String {
@@ -542,6 +568,12 @@ fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakd
             "close the host-side gaps first (the queue hand-off and work between phases), then the step itself: \
              {top}."
         ),
+        (Bottleneck::Bursty, _) => format!(
+            "the producers deliver in bursts: a larger queue (capacity, and `min_ready` no higher than needed) \
+             absorbs them, and a producer that sends evenly (smaller messages, more often) needs none. Past the \
+             bursts, the producers' mean rate sets the pace: drafters idle {:.1}% waiting for data.",
+            drafters.share(DrafterPhase::DataWait).percent
+        ),
         (Bottleneck::Producers, _) => format!(
             "add producers (target GPUs) or make the source faster: drafters idle {:.1}% waiting for data. A \
              faster drafter step will not help.",
@@ -556,18 +588,44 @@ fn advice(bottleneck: Bottleneck, host_side_gaps: bool, drafters: &DrafterBreakd
 
 impl fmt::Display for Diagnosis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rate = if self.wall_s > 0.0 {
-            self.tokens as f64 / self.wall_s
-        } else {
-            0.0
+        let rate = |count: u64| {
+            if self.wall_s > 0.0 {
+                count as f64 / self.wall_s
+            } else {
+                0.0
+            }
         };
-        write!(
-            f,
-            "run \"{}\": {} steps, {} tokens in {:.1} s ({:.0} tok/s)",
-            self.plan, self.steps, self.tokens, self.wall_s, rate
-        )?;
+        write!(f, "run \"{}\": {} steps, ", self.plan, self.steps)?;
+        if self.real_tokens > 0 || self.token_slots == 0 {
+            let share = |count: u64| 100.0 * count as f64 / self.token_slots.max(1) as f64;
+            write!(
+                f,
+                "{} real tokens ({:.0}% of {} token slots; {} with loss, {:.0}%) in {:.1} s ({:.0} real tok/s, \
+                 {:.0} slots/s)",
+                self.real_tokens,
+                share(self.real_tokens),
+                self.token_slots,
+                self.loss_tokens,
+                share(self.loss_tokens),
+                self.wall_s,
+                rate(self.real_tokens),
+                rate(self.token_slots)
+            )?;
+        } else {
+            write!(
+                f,
+                "{} token slots (the build that wrote this summary did not count real tokens) in {:.1} s ({:.0} slots/s)",
+                self.token_slots,
+                self.wall_s,
+                rate(self.token_slots)
+            )?;
+        }
+        let over = match self.final_steps {
+            0 | 1 => "last step".to_string(),
+            n => format!("last {n} steps"),
+        };
         if let Some(loss) = self.final_loss {
-            write!(f, ", final loss {loss:.4}")?;
+            write!(f, ", final loss {loss:.4} (mean of the {over})")?;
         }
         if let Some(tau) = self.final_tau {
             let slots: Vec<String> = self
@@ -575,7 +633,11 @@ impl fmt::Display for Diagnosis {
                 .iter()
                 .map(|acc| format!("{acc:.2}"))
                 .collect();
-            write!(f, ", τ {tau:.3} (slot accuracy {})", slots.join(" "))?;
+            write!(
+                f,
+                ", τ {tau:.3} (slot accuracy {}; same steps)",
+                slots.join(" ")
+            )?;
         }
         writeln!(f)?;
         writeln!(
@@ -587,12 +649,13 @@ impl fmt::Display for Diagnosis {
         if let Some(w) = &self.warmup {
             writeln!(
                 f,
-                "steady state {:.1} s per drafter at {:.0} tok/s, measured apart from start-up {:.2} s, warm-up \
-                 {:.0} step(s) {:.2} s (first step per bucket: workspace, graph capture, first fill) and shut-down \
-                 {:.2} s",
+                "steady state {:.1} s per drafter at {:.0} real tok/s, measured apart from start-up {:.2} s, waiting \
+                 for the first data {:.2} s, warm-up {:.0} step(s) {:.2} s (first step per bucket: workspace, graph \
+                 capture, first fill) and shut-down {:.2} s",
                 w.steady_s,
                 w.steady_tokens_per_s,
                 w.startup_s,
+                w.first_data_wait_s,
                 w.warmup_steps,
                 w.warmup_s,
                 w.shutdown_s

@@ -28,15 +28,17 @@ mod validate;
 
 use std::path::PathBuf;
 
-pub use counts::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, TelemetrySnapshot};
+pub use counts::{
+    BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, StepTokens, TelemetrySnapshot,
+};
 pub use diagnosis::{
-    Bottleneck, DATA_WAIT_SIGNIFICANT, Diagnosis, DrafterBreakdown, FALLBACK_BLOCKED_FRACTION,
-    HOST_GAP_BUSY_BELOW, HOST_GAP_IDLE_ABOVE, MIN_DEPTH_SAMPLES, OVERHEAD_SIGNIFICANT,
-    PINNED_FULL_FRACTION, PhaseShare, QueueEvidence, STARVED_FRACTION, WarmupEvidence,
+    Bottleneck, Diagnosis, DrafterBreakdown, HOST_GAP_BUSY_BELOW, HOST_GAP_IDLE_ABOVE,
+    MIN_DEPTH_SAMPLES, OVERHEAD_SIGNIFICANT, PhaseShare, QueueEvidence, RAN_LOW_FRACTION,
+    WAIT_SIGNIFICANT, Waits, WarmupEvidence,
 };
 pub use ending::{EndReason, RunEnding};
 pub use phase::{DrafterPhase, ProducerPhase};
-pub use recorder::{DrafterRecorder, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
+pub use recorder::{DrafterRecorder, FINAL_STEPS, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
 pub use reporter::{BAR_WIDTH, OutputMode, Reporter, ReporterConfig};
 pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine, progress_bar};
 pub use summary::{

@@ -31,7 +31,9 @@ use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
 
 use super::TelemetryError;
-use super::counts::{BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, TelemetrySnapshot};
+use super::counts::{
+    BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, StepTokens, TelemetrySnapshot,
+};
 use super::phase::{DrafterPhase, ProducerPhase};
 
 /// One recorded span: a phase of one worker, relative to the telemetry epoch.
@@ -68,6 +70,11 @@ pub const MAX_BUCKET_STATS: usize = 16;
 /// Block slots whose latest accuracy a drafter's counters keep (`dflash`; later slots are left out).
 pub const MAX_SLOT_METRICS: usize = 32;
 
+/// Steps whose loss, τ and slot accuracy the summary's final figures average: the last step alone is often a
+/// part-filled item (the data's end, a stream's last message) whose loss says little; ten steps smooth that
+/// while still describing the model as it ends.
+pub const FINAL_STEPS: usize = 10;
+
 /// Running sums of one bucket's steady-state step times (seconds, stored as `f64` bits; one writer).
 #[derive(Default)]
 struct BucketCounter {
@@ -93,7 +100,9 @@ impl BucketCounter {
 struct DrafterCounters {
     phases: [PhaseCounter; DrafterPhase::COUNT],
     steps: AtomicU64,
-    tokens: AtomicU64,
+    token_slots: AtomicU64,
+    real_tokens: AtomicU64,
+    loss_tokens: AtomicU64,
     skipped: AtomicU64,
     loss_sum_bits: AtomicU64,
     loss_count: AtomicU64,
@@ -104,6 +113,14 @@ struct DrafterCounters {
     last_tau_bits: AtomicU64,
     slot_accuracy_bits: [AtomicU32; MAX_SLOT_METRICS],
     slot_metrics: AtomicU32,
+    /// The last [`FINAL_STEPS`] finite losses and τ (f64 bits) and slot accuracies (f32 bits), each a ring
+    /// indexed by its count modulo [`FINAL_STEPS`].
+    recent_loss_bits: [AtomicU64; FINAL_STEPS],
+    recent_tau_bits: [AtomicU64; FINAL_STEPS],
+    recent_slot_accuracy_bits: [[AtomicU32; MAX_SLOT_METRICS]; FINAL_STEPS],
+    /// The drafter's first data wait (ns + 1; 0 until it ends): waiting for the first producer, kept out of the
+    /// first step's window and of the warm-up.
+    first_wait_ns_plus_one: AtomicU64,
     warmup_phases: [AtomicU64; DrafterPhase::COUNT],
     warmup_steps: AtomicU64,
     warmup_wall_ns: AtomicU64,
@@ -257,14 +274,14 @@ impl<C: Default> Slot<C> {
 /// ```
 /// use std::sync::Arc;
 /// use std::time::Instant;
-/// use draftpipe_runtime::telemetry::{DrafterPhase, Telemetry};
+/// use draftpipe_runtime::telemetry::{DrafterPhase, StepTokens, Telemetry};
 ///
 /// let telemetry = Arc::new(Telemetry::new(1, 2, false));
 /// let drafter = telemetry.drafter(1).unwrap();
 /// let start = Instant::now();
 /// // ... the forward pass ...
 /// drafter.record(DrafterPhase::Forward, start, Instant::now());
-/// drafter.step_done(2048, 3.5);
+/// drafter.step_done(StepTokens::unpadded(2048), 3.5);
 /// let snapshot = telemetry.snapshot();
 /// assert_eq!(snapshot.drafters[1].steps, 1);
 /// assert_eq!(snapshot.drafters[1].phase(DrafterPhase::Forward).count, 1);
@@ -385,10 +402,17 @@ impl Telemetry {
                     let c = &slot.counters;
                     let last = f64::from_bits(c.last_loss_bits.load(Ordering::Relaxed));
                     let span = slot.first_and_last();
+                    let slot_metrics = c.slot_metrics.load(Ordering::Relaxed) as usize;
+                    let recent_losses =
+                        (c.loss_count.load(Ordering::Relaxed) as usize).min(FINAL_STEPS);
+                    let recent_taus =
+                        (c.tau_count.load(Ordering::Relaxed) as usize).min(FINAL_STEPS);
                     let counts = DrafterCounts {
                         phases: std::array::from_fn(|p| c.phases[p].read()),
                         steps: c.steps.load(Ordering::Relaxed),
-                        tokens: c.tokens.load(Ordering::Relaxed),
+                        token_slots: c.token_slots.load(Ordering::Relaxed),
+                        real_tokens: c.real_tokens.load(Ordering::Relaxed),
+                        loss_tokens: c.loss_tokens.load(Ordering::Relaxed),
                         skipped: c.skipped.load(Ordering::Relaxed),
                         loss_sum: f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)),
                         loss_count: c.loss_count.load(Ordering::Relaxed),
@@ -397,16 +421,37 @@ impl Telemetry {
                         tau_count: c.tau_count.load(Ordering::Relaxed),
                         last_tau: (c.tau_count.load(Ordering::Relaxed) > 0)
                             .then(|| f64::from_bits(c.last_tau_bits.load(Ordering::Relaxed))),
-                        last_slot_accuracy: c.slot_accuracy_bits
-                            [..c.slot_metrics.load(Ordering::Relaxed) as usize]
+                        last_slot_accuracy: c.slot_accuracy_bits[..slot_metrics]
                             .iter()
                             .map(|bits| f32::from_bits(bits.load(Ordering::Relaxed)))
+                            .collect(),
+                        recent_losses: c.recent_loss_bits[..recent_losses]
+                            .iter()
+                            .map(|bits| f64::from_bits(bits.load(Ordering::Relaxed)))
+                            .collect(),
+                        recent_taus: c.recent_tau_bits[..recent_taus]
+                            .iter()
+                            .map(|bits| f64::from_bits(bits.load(Ordering::Relaxed)))
+                            .collect(),
+                        recent_slot_accuracy: (0..slot_metrics)
+                            .map(|s| {
+                                let sum: f32 = c.recent_slot_accuracy_bits[..recent_taus]
+                                    .iter()
+                                    .map(|step| f32::from_bits(step[s].load(Ordering::Relaxed)))
+                                    .sum();
+                                sum / recent_taus.max(1) as f32
+                            })
                             .collect(),
                         open_busy: Duration::ZERO,
                         open_wait: Duration::ZERO,
                         warmup_phases: std::array::from_fn(|p| {
                             Duration::from_nanos(c.warmup_phases[p].load(Ordering::Relaxed))
                         }),
+                        first_data_wait: c
+                            .first_wait_ns_plus_one
+                            .load(Ordering::Relaxed)
+                            .checked_sub(1)
+                            .map(Duration::from_nanos),
                         warmup_steps: c.warmup_steps.load(Ordering::Relaxed),
                         warmup_wall: Duration::from_nanos(c.warmup_wall_ns.load(Ordering::Relaxed)),
                         longest_step: Duration::from_nanos(
@@ -549,10 +594,20 @@ impl DrafterRecorder {
                 start,
                 end,
             );
-            let cell = &self.step_phases[index];
-            cell.set(cell.get() + duration_ns);
-            if self.step_began_ns.get().is_none() {
-                self.step_began_ns.set(Some(end_ns - duration_ns));
+            let first_span = self.step_began_ns.get().is_none();
+            if first_span && phase == DrafterPhase::DataWait {
+                // Waiting for the first producer (a stream not yet connected, a target loading): its own period,
+                // not the first step's, so neither the warm-up nor the longest step (the rate window) holds it.
+                slot.counters
+                    .first_wait_ns_plus_one
+                    .store(duration_ns + 1, Ordering::Relaxed);
+                self.step_began_ns.set(Some(end_ns));
+            } else {
+                let cell = &self.step_phases[index];
+                cell.set(cell.get() + duration_ns);
+                if first_span {
+                    self.step_began_ns.set(Some(end_ns - duration_ns));
+                }
             }
             self.last_end_ns.set(self.last_end_ns.get().max(end_ns));
             slot.set_open(IN_STEP, end_ns);
@@ -603,19 +658,23 @@ impl DrafterRecorder {
         self.bucket.set(Some(entry));
     }
 
-    /// Counts one applied step of `tokens` tokens with its loss. A non-finite loss is left out of the loss mean
+    /// Counts one applied step of `tokens` with its loss. A non-finite loss is left out of the loss mean
     /// (the step still counts); steps skipped for non-finite values go through [`Self::step_skipped`].
-    pub fn step_done(&self, tokens: u64, loss: f64) {
+    pub fn step_done(&self, tokens: StepTokens, loss: f64) {
         let slot = self.slot();
         slot.write(|| {
             let c = &slot.counters;
-            c.tokens.fetch_add(tokens, Ordering::Relaxed);
+            c.token_slots.fetch_add(tokens.slots, Ordering::Relaxed);
+            c.real_tokens.fetch_add(tokens.real, Ordering::Relaxed);
+            c.loss_tokens.fetch_add(tokens.with_loss, Ordering::Relaxed);
             if loss.is_finite() {
                 // Single writer (the claim), so load-add-store cannot lose an update.
                 let sum = f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)) + loss;
                 c.loss_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
                 c.last_loss_bits.store(loss.to_bits(), Ordering::Relaxed);
-                c.loss_count.fetch_add(1, Ordering::Relaxed);
+                let count = c.loss_count.fetch_add(1, Ordering::Relaxed);
+                c.recent_loss_bits[count as usize % FINAL_STEPS]
+                    .store(loss.to_bits(), Ordering::Relaxed);
             }
             c.steps.fetch_add(1, Ordering::Relaxed);
             self.end_step();
@@ -628,13 +687,18 @@ impl DrafterRecorder {
         let slot = self.slot();
         slot.write(|| {
             let c = &slot.counters;
+            let kept = slot_accuracy.len().min(MAX_SLOT_METRICS);
             if tau.is_finite() {
                 let sum = f64::from_bits(c.tau_sum_bits.load(Ordering::Relaxed)) + tau;
                 c.tau_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
                 c.last_tau_bits.store(tau.to_bits(), Ordering::Relaxed);
-                c.tau_count.fetch_add(1, Ordering::Relaxed);
+                let count = c.tau_count.fetch_add(1, Ordering::Relaxed) as usize;
+                c.recent_tau_bits[count % FINAL_STEPS].store(tau.to_bits(), Ordering::Relaxed);
+                let recent = &c.recent_slot_accuracy_bits[count % FINAL_STEPS];
+                for (bits, acc) in recent.iter().zip(&slot_accuracy[..kept]) {
+                    bits.store(acc.to_bits(), Ordering::Relaxed);
+                }
             }
-            let kept = slot_accuracy.len().min(MAX_SLOT_METRICS);
             for (bits, acc) in c.slot_accuracy_bits.iter().zip(&slot_accuracy[..kept]) {
                 bits.store(acc.to_bits(), Ordering::Relaxed);
             }

@@ -264,7 +264,7 @@ impl<W: Write> Reporter<W> {
                 .with_rate_window(window_start, &current);
         line.source = self.config.source_status.as_ref().map(|probe| probe.read());
         // The label names the window asked for; the first lines of a run cover what there is so far.
-        line.tokens_per_s_window_s = window.as_secs_f64();
+        line.rate_window_s = window.as_secs_f64();
         self.rate_history.push_back(current.clone());
         if let Some(trace) = &mut self.trace {
             trace.push_status(&line);
@@ -363,17 +363,32 @@ impl<W: Write> Reporter<W> {
             format: SUMMARY_FORMAT,
             plan: self.config.plan_name.clone(),
             steps: line.step,
-            tokens: line.tokens,
+            token_slots: line.token_slots,
+            real_tokens: line.real_tokens,
+            loss_tokens: line.loss_tokens,
             wall_s: snapshot.elapsed.as_secs_f64(),
             skipped_nonfinite: snapshot.skipped(),
-            final_loss: snapshot.drafters.iter().find_map(|d| d.last_loss),
-            final_tau: snapshot.drafters.iter().find_map(|d| d.last_tau),
-            final_slot_accuracy: snapshot
+            final_loss: mean(
+                snapshot
+                    .drafters
+                    .iter()
+                    .flat_map(|d| &d.recent_losses)
+                    .copied(),
+            ),
+            final_tau: mean(
+                snapshot
+                    .drafters
+                    .iter()
+                    .flat_map(|d| &d.recent_taus)
+                    .copied(),
+            ),
+            final_slot_accuracy: final_slot_accuracy(snapshot),
+            final_steps: snapshot
                 .drafters
                 .iter()
-                .map(|d| d.last_slot_accuracy.clone())
-                .find(|acc| !acc.is_empty())
-                .unwrap_or_default(),
+                .map(|d| d.recent_losses.len().max(d.recent_taus.len()) as u64)
+                .max()
+                .unwrap_or(0),
             drafters: snapshot
                 .drafters
                 .iter()
@@ -397,4 +412,24 @@ impl<W: Write> Reporter<W> {
         }
         Ok(summary)
     }
+}
+
+/// The mean of `values` (`None` when there are none).
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, count) = values.fold((0.0, 0u32), |(sum, n), v| (sum + v, n + 1));
+    (count > 0).then(|| sum / f64::from(count))
+}
+
+/// Per block slot, the mean of the drafters' recent slot accuracies (`dflash`; empty for `mlp`).
+fn final_slot_accuracy(snapshot: &TelemetrySnapshot) -> Vec<f32> {
+    let measured: Vec<&Vec<f32>> = snapshot
+        .drafters
+        .iter()
+        .map(|d| &d.recent_slot_accuracy)
+        .filter(|acc| !acc.is_empty())
+        .collect();
+    let slots = measured.iter().map(|acc| acc.len()).min().unwrap_or(0);
+    (0..slots)
+        .map(|s| measured.iter().map(|acc| acc[s]).sum::<f32>() / measured.len() as f32)
+        .collect()
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::counts::TelemetrySnapshot;
+use super::counts::{DrafterCounts, TelemetrySnapshot};
 use super::phase::DrafterPhase;
 
 /// The queue's statistics as telemetry reads them (the lead maps the queue's own stats type to this, which
@@ -66,16 +66,28 @@ pub struct StatusLine {
     pub step: u64,
     /// Steps the run will take, when known.
     pub total_steps: Option<u64>,
-    /// Tokens trained on so far, over all drafters.
-    pub tokens: u64,
-    /// Tokens per second of the steps completed over the last `tokens_per_s_window_s` seconds (a window at least
-    /// as long as the slowest step, so a line never reads 0 while every drafter is inside a step).
-    pub tokens_per_s: f64,
-    /// The window of `tokens_per_s`, in seconds.
+    /// Token slots trained on so far over all drafters, padding included (`steps × sequences × padded_len`).
+    #[serde(alias = "tokens")]
+    pub token_slots: u64,
+    /// Real tokens trained on so far (positions within the sequences' lengths: what `eval` counts).
     #[serde(default)]
-    pub tokens_per_s_window_s: f64,
-    /// Tokens per second since the start.
-    pub tokens_per_s_overall: f64,
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set.
+    #[serde(default)]
+    pub loss_tokens: u64,
+    /// Real tokens per second of the steps completed over the last `rate_window_s` seconds (a window at least
+    /// as long as the slowest step, so a line never reads 0 while every drafter is inside a step); `None`
+    /// (JSON `null`) before the first step ends.
+    pub real_tokens_per_s: Option<f64>,
+    /// Token slots per second over the same window, padding included (`None` before the first step).
+    pub token_slots_per_s: Option<f64>,
+    /// Real tokens with a loss per second over the same window (`None` before the first step).
+    pub loss_tokens_per_s: Option<f64>,
+    /// The window of the rates, in seconds.
+    #[serde(default, alias = "tokens_per_s_window_s")]
+    pub rate_window_s: f64,
+    /// Real tokens per second since the start (`None` before the first step).
+    pub real_tokens_per_s_overall: Option<f64>,
     /// Total queue depth and capacity.
     pub q_hs: QueueFill,
     /// Queue depth per bucket.
@@ -90,6 +102,10 @@ pub struct StatusLine {
     pub tau: Option<f64>,
     /// Steps skipped so far for non-finite values.
     pub skipped: u64,
+    /// Seconds the drafters have waited for the first data, while nothing has arrived yet (the run is waiting
+    /// for its first producer, not stalled); `None` once a drafter has had data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_data_wait_s: Option<f64>,
     /// The source's own field (`producers=[3/5 connected]`), when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
@@ -124,7 +140,10 @@ impl StatusLine {
         total_steps: Option<u64>,
     ) -> Self {
         let interval = current.elapsed.saturating_sub(previous.elapsed);
-        let tokens = current.tokens();
+        let started = current.token_slots() > 0;
+        let rate = |now: u64, before: u64, over: Duration| {
+            started.then(|| per_second(now.saturating_sub(before), over))
+        };
         let drafters = current
             .drafters
             .iter()
@@ -176,10 +195,14 @@ impl StatusLine {
             elapsed_s: current.elapsed.as_secs_f64(),
             step: current.step(),
             total_steps,
-            tokens,
-            tokens_per_s: per_second(tokens.saturating_sub(previous.tokens()), interval),
-            tokens_per_s_window_s: interval.as_secs_f64(),
-            tokens_per_s_overall: per_second(tokens, current.elapsed),
+            token_slots: current.token_slots(),
+            real_tokens: current.real_tokens(),
+            loss_tokens: current.loss_tokens(),
+            real_tokens_per_s: rate(current.real_tokens(), previous.real_tokens(), interval),
+            token_slots_per_s: rate(current.token_slots(), previous.token_slots(), interval),
+            loss_tokens_per_s: rate(current.loss_tokens(), previous.loss_tokens(), interval),
+            rate_window_s: interval.as_secs_f64(),
+            real_tokens_per_s_overall: rate(current.real_tokens(), 0, current.elapsed),
             q_hs: QueueFill {
                 depth: queue.depth,
                 capacity: queue.capacity,
@@ -189,11 +212,19 @@ impl StatusLine {
             loss,
             tau,
             skipped: current.skipped(),
+            first_data_wait_s: current
+                .drafters
+                .iter()
+                .all(|d| d.first_data_wait.is_none())
+                .then(|| current.drafters.iter().map(|d| d.open_wait).max())
+                .flatten()
+                .filter(|wait| !wait.is_zero())
+                .map(|wait| wait.as_secs_f64()),
             source: None,
         }
     }
 
-    /// Replaces the interval's token rate by the rate of the steps completed over a longer window, from
+    /// Replaces the interval's token rates by the rates of the steps completed over a longer window, from
     /// `window_start` (an earlier snapshot) to `current`.
     ///
     /// Each drafter's tokens are divided by the time between its step completions, not by the window, so steps
@@ -206,25 +237,28 @@ impl StatusLine {
         current: &TelemetrySnapshot,
     ) -> Self {
         let now = current.elapsed;
-        self.tokens_per_s = current
-            .drafters
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
+        let rate = |count: fn(&DrafterCounts) -> u64| {
+            let per_drafter = current.drafters.iter().enumerate().map(|(i, d)| {
                 let before = window_start.drafters.get(i).cloned().unwrap_or_default();
-                let tokens = d.tokens.saturating_sub(before.tokens);
                 // From the last completion before the window (or the start of work) to the last one in it.
-                let from = if before.tokens > 0 {
+                let from = if before.token_slots > 0 {
                     before.last_step_end
                 } else {
                     d.first_span_start.unwrap_or_default()
                 };
                 let completed = d.last_step_end.saturating_sub(from);
                 let stalled = now.saturating_sub(from).saturating_sub(d.longest_step);
-                per_second(tokens, completed.max(stalled))
-            })
-            .sum();
-        self.tokens_per_s_window_s = now.saturating_sub(window_start.elapsed).as_secs_f64();
+                per_second(
+                    count(d).saturating_sub(count(&before)),
+                    completed.max(stalled),
+                )
+            });
+            (current.token_slots() > 0).then(|| per_drafter.sum())
+        };
+        self.real_tokens_per_s = rate(|d| d.real_tokens);
+        self.token_slots_per_s = rate(|d| d.token_slots);
+        self.loss_tokens_per_s = rate(|d| d.loss_tokens);
+        self.rate_window_s = now.saturating_sub(window_start.elapsed).as_secs_f64();
         self
     }
 
@@ -265,17 +299,34 @@ impl fmt::Display for StatusLine {
         if let Some(total) = self.total_steps {
             write!(f, "/{total}")?;
         }
+        if let Some(wait) = self.first_data_wait_s {
+            // The drafters are ready and nothing has arrived: the wait is the producers', not a stall.
+            write!(
+                f,
+                " | waiting for the first data from the producers: {wait:.1}s | q_hs=[{}/{}]",
+                self.q_hs.depth, self.q_hs.capacity
+            )?;
+            if let Some(source) = &self.source {
+                write!(f, " | {source}")?;
+            }
+            return Ok(());
+        }
         // Before the first step completes there is no rate to show, only steps under way.
-        let rate = if self.tokens > 0 {
-            compact(self.tokens_per_s)
-        } else {
-            "-".to_string()
+        let rate = |rate: Option<f64>| rate.map_or_else(|| "-".to_string(), compact);
+        let share = |part: Option<f64>| match (part, self.token_slots_per_s) {
+            (Some(part), Some(slots)) if slots > 0.0 => format!("{:.0}%", 100.0 * part / slots),
+            _ => "-".to_string(),
         };
         write!(
             f,
-            " | {rate} tok/s ({:.0}s) (avg {}) | q_hs=[{}/{}] q_hsb=[{}] | busy=[{}]%",
-            self.tokens_per_s_window_s,
-            compact(self.tokens_per_s_overall),
+            " | {} real tok/s ({:.0}s) (avg {}) of {} slots/s: {} real, {} with loss | q_hs=[{}/{}] q_hsb=[{}] \
+             | busy=[{}]%",
+            rate(self.real_tokens_per_s),
+            self.rate_window_s,
+            rate(self.real_tokens_per_s_overall),
+            rate(self.token_slots_per_s),
+            share(self.real_tokens_per_s),
+            share(self.loss_tokens_per_s),
             self.q_hs.depth,
             self.q_hs.capacity,
             join(&self.q_hsb, |d| d.to_string()),

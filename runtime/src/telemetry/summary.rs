@@ -60,8 +60,15 @@ fn phase_totals<P: Copy>(all: &[P], count: impl Fn(P) -> PhaseCount) -> Vec<Phas
 pub struct DrafterSummary {
     /// Applied steps.
     pub steps: u64,
-    /// Tokens trained on.
-    pub tokens: u64,
+    /// Token slots trained on, padding included.
+    #[serde(alias = "tokens")]
+    pub token_slots: u64,
+    /// Real tokens trained on (0 in summaries of older builds).
+    #[serde(default)]
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set (0 in summaries of older builds).
+    #[serde(default)]
+    pub loss_tokens: u64,
     /// Steps skipped for non-finite values.
     pub skipped: u64,
     /// Time per phase, one entry per [`DrafterPhase`].
@@ -82,6 +89,11 @@ pub struct DrafterTimeline {
     pub first_span_s: f64,
     /// Seconds from the start of the run to the end of its last recorded span (after it: shut-down).
     pub last_span_end_s: f64,
+    /// Seconds of the drafter's first data wait: waiting for the first producer (a stream's connection, a
+    /// target loading), in the `data_wait` phase but in no step (0 in summaries of older builds, whose
+    /// warm-up held it).
+    #[serde(default)]
+    pub first_data_wait_s: f64,
     /// Warm-up steps: the first step of each bucket (workspace, graph capture, the queue's first fill).
     pub warmup_steps: u64,
     /// Their wall time, their data wait included.
@@ -98,9 +110,10 @@ impl DrafterTimeline {
         seconds_in(&self.warmup_phases, phase)
     }
 
-    /// Wall seconds of the steady state: first span to last, less the warm-up steps.
+    /// Wall seconds of the steady state: first span to last, less the first data wait and the warm-up steps.
     pub fn steady_wall_s(&self) -> f64 {
-        (self.last_span_end_s - self.first_span_s - self.warmup_wall_s).max(0.0)
+        (self.last_span_end_s - self.first_span_s - self.first_data_wait_s - self.warmup_wall_s)
+            .max(0.0)
     }
 }
 
@@ -139,11 +152,15 @@ impl DrafterSummary {
 
     /// Seconds spent in `phase` during the steady state (all of them when the summary has no timeline).
     pub fn steady_seconds(&self, phase: DrafterPhase) -> f64 {
-        let warmup = self
-            .timeline
-            .as_ref()
-            .map_or(0.0, |t| t.warmup_seconds(phase));
-        (self.seconds(phase) - warmup).max(0.0)
+        let before_steady = self.timeline.as_ref().map_or(0.0, |t| {
+            let first_wait = if phase == DrafterPhase::DataWait {
+                t.first_data_wait_s
+            } else {
+                0.0
+            };
+            t.warmup_seconds(phase) + first_wait
+        });
+        (self.seconds(phase) - before_steady).max(0.0)
     }
 
     /// Steady-state steps (all of them when the summary has no timeline).
@@ -156,12 +173,15 @@ impl DrafterSummary {
         let seconds = |d: std::time::Duration| d.as_secs_f64();
         Self {
             steps: counts.steps,
-            tokens: counts.tokens,
+            token_slots: counts.token_slots,
+            real_tokens: counts.real_tokens,
+            loss_tokens: counts.loss_tokens,
             skipped: counts.skipped,
             phases: phase_totals(&DrafterPhase::ALL, |phase| counts.phase(phase)),
             timeline: counts.first_span_start.map(|first| DrafterTimeline {
                 first_span_s: seconds(first),
                 last_span_end_s: seconds(counts.last_span_end),
+                first_data_wait_s: counts.first_data_wait.map_or(0.0, seconds),
                 warmup_steps: counts.warmup_steps,
                 warmup_wall_s: seconds(counts.warmup_wall),
                 warmup_phases: phase_totals(&DrafterPhase::ALL, |phase| PhaseCount {
@@ -343,20 +363,31 @@ pub struct RunSummary {
     pub plan: String,
     /// Global steps completed.
     pub steps: u64,
-    /// Tokens trained on over all drafters.
-    pub tokens: u64,
+    /// Token slots trained on over all drafters, padding included (what the steps cost).
+    #[serde(alias = "tokens")]
+    pub token_slots: u64,
+    /// Real tokens trained on over all drafters (what `eval` counts; 0 in summaries of older builds).
+    #[serde(default)]
+    pub real_tokens: u64,
+    /// Real tokens with the loss mask set (0 in summaries of older builds).
+    #[serde(default)]
+    pub loss_tokens: u64,
     /// Wall time of the run in seconds.
     pub wall_s: f64,
     /// Steps skipped for a non-finite loss or gradient.
     pub skipped_nonfinite: u64,
-    /// The latest finite loss.
+    /// The mean finite loss of the last `final_steps` steps of every drafter.
     pub final_loss: Option<f64>,
-    /// `dflash`: the latest τ (simulated acceptance length, bonus token counted).
+    /// `dflash`: the mean τ (simulated acceptance length, bonus token counted) of the same steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_tau: Option<f64>,
-    /// `dflash`: the latest step's accuracy of block slots `1..`.
+    /// `dflash`: the mean accuracy of block slots `1..` over the same steps.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub final_slot_accuracy: Vec<f32>,
+    /// Steps per drafter the final figures average (at most [`FINAL_STEPS`](super::FINAL_STEPS); 1 in
+    /// summaries of older builds, which kept the last step's figures).
+    #[serde(default = "one_step")]
+    pub final_steps: u64,
     /// Per drafter totals.
     pub drafters: Vec<DrafterSummary>,
     /// Per producer totals.
@@ -370,6 +401,19 @@ pub struct RunSummary {
     /// How the run ended (set by the pipeline after the telemetry's totals; absent from older summaries).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ending: Option<super::ending::RunEnding>,
+}
+
+fn one_step() -> u64 {
+    1
+}
+
+impl RunSummary {
+    /// Share (0–1) of the token slots that held a real token (`None` before a step, or for summaries of older
+    /// builds that did not count real tokens).
+    pub fn real_fill(&self) -> Option<f64> {
+        (self.token_slots > 0 && self.real_tokens > 0)
+            .then(|| self.real_tokens as f64 / self.token_slots as f64)
+    }
 }
 
 fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TelemetryError {

@@ -39,7 +39,9 @@ pub struct TraceBuffer {
 #[derive(Debug, Clone)]
 struct StatusCounters {
     ts_us: f64,
-    tokens_per_s: f64,
+    /// Real tokens and token slots per second (`None` before the first step).
+    real_tokens_per_s: Option<f64>,
+    token_slots_per_s: Option<f64>,
     window_s: f64,
     drafters: Vec<DrafterStatus>,
 }
@@ -66,8 +68,9 @@ impl TraceBuffer {
         }
         self.status.push_back(StatusCounters {
             ts_us: line.elapsed_s * 1e6,
-            tokens_per_s: line.tokens_per_s,
-            window_s: line.tokens_per_s_window_s,
+            real_tokens_per_s: line.real_tokens_per_s,
+            token_slots_per_s: line.token_slots_per_s,
+            window_s: line.rate_window_s,
             drafters: line.drafters.clone(),
         });
     }
@@ -207,17 +210,22 @@ impl TraceBuffer {
             }
         }
         for status in &self.status {
-            let rate = Counter {
-                name: "tokens/s".into(),
-                ph: "C",
-                pid: DRAFTER_PID,
-                ts: status.ts_us,
-                args: serde_json::json!({
-                    "tok/s": status.tokens_per_s,
-                    "window_s": status.window_s,
-                }),
-            };
-            event(out, &rate)?;
+            // No rate before the first step: the counter starts with it rather than at a false 0.
+            if let (Some(real), Some(slots)) = (status.real_tokens_per_s, status.token_slots_per_s)
+            {
+                let rate = Counter {
+                    name: "tokens/s".into(),
+                    ph: "C",
+                    pid: DRAFTER_PID,
+                    ts: status.ts_us,
+                    args: serde_json::json!({
+                        "real tok/s": real,
+                        "slots/s": slots,
+                        "window_s": status.window_s,
+                    }),
+                };
+                event(out, &rate)?;
+            }
             for (i, drafter) in status.drafters.iter().enumerate() {
                 let mut args = serde_json::json!({
                     "busy": drafter.busy_pct,
