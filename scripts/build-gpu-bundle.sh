@@ -17,7 +17,7 @@ executables() { grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//
 {
     cargo test -p draftpipe-runtime --no-run --message-format=json \
         --test cuda_kernels --test cuda_drafter --test cuda_discovery --test kernels_dflash \
-        --test kernels_attention --test backend_step --test backend_hs16 2>/dev/null
+        --test kernels_attention --test backend_step --test backend_hs16 --test eagle3_step 2>/dev/null
     cargo bench -p draftpipe-runtime --no-run --message-format=json --bench cuda_step \
         --bench cuda_vocab_loss 2>/dev/null
     cargo build --release --message-format=json --bin draftpipe 2>/dev/null

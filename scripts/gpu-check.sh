@@ -95,15 +95,17 @@ run 300 "$here/cuda_step" --bench
 run 90 "$here/draftpipe" run "$here/gpu-smoke.pipe"
 run 45 "$here/cuda_vocab_loss" --bench
 run 30 "$here/cuda_discovery" --test-threads=1 --nocapture
-run 90 "$here/cuda_kernels" --test-threads=1 --nocapture
+run 90 "$here/cuda_kernels" --test-threads=1 --nocapture --include-ignored
 # The DFlash kernels against their f64 references on the GPU (the ::cuda halves of the test_device! tests).
-run 60 "$here/kernels_dflash" cuda --test-threads=1
-run 90 "$here/kernels_attention" cuda --test-threads=1
-run 90 "$here/cuda_drafter" --test-threads=1 --nocapture
+run 60 "$here/kernels_dflash" cuda --test-threads=1 --include-ignored
+run 90 "$here/kernels_attention" cuda --test-threads=1 --include-ignored
+run 90 "$here/cuda_drafter" --test-threads=1 --nocapture --include-ignored
 # The backend-generic mlp step on CUDA against the CPU (gradients, 20-step updates, allocations equal to the
 # compiled layout), and bf16/f16 hidden states kept 16-bit through the input slots and the first GEMMs.
-run 120 "$here/backend_step" cuda --test-threads=1 --nocapture
-run 90 "$here/backend_hs16" cuda --test-threads=1 --nocapture
+run 120 "$here/backend_step" cuda --test-threads=1 --nocapture --include-ignored
+run 90 "$here/backend_hs16" cuda --test-threads=1 --nocapture --include-ignored
+# The EAGLE-3 step on CUDA against the f64 reference (loss, every gradient, learning, allocations).
+run 120 "$here/eagle3_step" cuda --test-threads=1 --nocapture --include-ignored
 
 if [ "${#skipped[@]}" -gt 0 ]; then
     echo "gpu-check: not run before the deadline: ${skipped[*]}"

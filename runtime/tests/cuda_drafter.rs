@@ -63,6 +63,7 @@ fn batches(seed: u64, count: usize) -> Vec<HsBatch> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn graph_launches_equal_eager_launches() {
     if backends::cuda_or_skip("graph_launches_equal_eager_launches").is_none() {
         return;
@@ -99,6 +100,7 @@ fn graph_launches_equal_eager_launches() {
 /// Replicas on every device, fed the same batches, average identical gradients: each must follow the single
 /// drafter's losses (with one device this checks that the eager NCCL call between the graphs is the identity).
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn all_reduced_replicas_follow_the_single_drafter() {
     let test = "all_reduced_replicas_follow_the_single_drafter";
     if backends::cuda_or_skip(test).is_none() {

@@ -24,6 +24,7 @@ fn launcher(test: &str) -> Option<Launcher> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn rmsnorm_forward_and_backward_match_host() {
     let Some(k) = launcher("rmsnorm_forward_and_backward_match_host") else {
         return;
@@ -79,6 +80,7 @@ fn rmsnorm_forward_and_backward_match_host() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn swiglu_and_head_residual_match_host() {
     let Some(k) = launcher("swiglu_and_head_residual_match_host") else {
         return;
@@ -140,6 +142,7 @@ fn swiglu_and_head_residual_match_host() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn labels_scales_and_fused_loss_match_host() {
     let Some(k) = launcher("labels_scales_and_fused_loss_match_host") else {
         return;
@@ -231,6 +234,7 @@ fn labels_scales_and_fused_loss_match_host() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn grad_norm_and_adamw_match_host() {
     let Some(k) = launcher("grad_norm_and_adamw_match_host") else {
         return;
@@ -303,6 +307,7 @@ fn grad_norm_and_adamw_match_host() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn sum_partials_and_finish_sum_match_host() {
     let Some(k) = launcher("sum_partials_and_finish_sum_match_host") else {
         return;
@@ -323,6 +328,7 @@ fn sum_partials_and_finish_sum_match_host() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn a_short_buffer_is_an_error_not_a_launch() {
     let Some(k) = launcher("a_short_buffer_is_an_error_not_a_launch") else {
         return;
@@ -378,6 +384,7 @@ const TRANSPOSES: [(Op, Op); 4] = [
 ];
 
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn row_major_gemm_matches_f64_for_every_transpose() {
     let Some(k) = launcher("row_major_gemm_matches_f64_for_every_transpose") else {
         return;
@@ -420,6 +427,7 @@ fn row_major_gemm_matches_f64_for_every_transpose() {
 /// product with 16-bit hidden states runs) against f64 for every transpose. The inputs are exactly
 /// representable in the 16-bit type, so only the f32 accumulation differs from the reference.
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn row_major_16_matches_f64_for_every_transpose() {
     let Some(k) = launcher("row_major_16_matches_f64_for_every_transpose") else {
         return;
@@ -481,6 +489,7 @@ fn row_major_16_matches_f64_for_every_transpose() {
 /// `half` crate): random bit patterns (every exponent, NaNs and infinities among them) and the edge cases, both
 /// formats, the output poisoned.
 #[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn round_to_half_matches_host_bit_for_bit() {
     let Some(k) = launcher("round_to_half_matches_host_bit_for_bit") else {
         return;

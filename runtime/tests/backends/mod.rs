@@ -151,7 +151,9 @@ pub fn cuda_or_skip(test: &str) -> Option<Cuda> {
     None
 }
 
-/// One test per backend from a generic body `fn NAME<D: TestDevice>(device: &D)`.
+/// One test per backend from a generic body `fn NAME<D: TestDevice>(device: &D)`: `NAME::cpu` always runs,
+/// `NAME::cuda` is ignored unless asked for (`--include-ignored`), so a machine without a GPU reports it as
+/// ignored rather than as a pass it never ran.
 #[macro_export]
 macro_rules! test_device {
     ($name:ident) => {
@@ -162,6 +164,7 @@ macro_rules! test_device {
             }
 
             #[test]
+            #[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
             fn cuda() {
                 if let Some(device) =
                     $crate::backends::cuda_or_skip(concat!(stringify!($name), "::cuda"))
