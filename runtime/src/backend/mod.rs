@@ -18,6 +18,7 @@
 pub mod attention;
 pub mod cpu;
 pub mod cuda;
+pub mod eagle3;
 
 use std::marker::PhantomData;
 
@@ -818,6 +819,6 @@ pub trait Backend: Sized + Send + 'static {
     /// all-reduce; CUDA: NCCL, enqueued between the captured parts, never inside a graph).
     fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult;
 
-    // EAGLE-3's kernels (`model::eagle3::kernels`).
-    crate::model::eagle3::kernels::eagle3_backend_methods!(declare);
+    // EAGLE-3's kernels (`backend::eagle3`).
+    crate::backend::eagle3::eagle3_backend_methods!(declare);
 }

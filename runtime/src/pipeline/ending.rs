@@ -2,8 +2,8 @@
 //! weights valid), and the record of how the run ended that goes into the summary and the diagnosis.
 
 use std::path::PathBuf;
+use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
-use std::sync::{Mutex, PoisonError};
 
 use draftpipe_compiler::plan::Plan;
 
@@ -14,26 +14,8 @@ use crate::telemetry::{EndReason, RunEnding, RunSummary, write_summary};
 
 use super::error::RunError;
 use super::options::{RunOptions, StopReason};
+use super::save::save;
 use super::shared::Shared;
-use super::worker::save;
-
-/// What the end of the run needs to know from its start, and what the final save did.
-#[derive(Debug)]
-pub(super) struct EndState {
-    /// AdamW's step count when the run started: unchanged at the end means no step was applied.
-    first_optimizer_step: u64,
-    /// Step and directory of a last good state saved after an error.
-    saved_after_error: Mutex<Option<(u64, PathBuf)>>,
-}
-
-impl EndState {
-    pub(super) fn new(first_optimizer_step: u64) -> Self {
-        Self {
-            first_optimizer_step,
-            saved_after_error: Mutex::new(None),
-        }
-    }
-}
 
 /// The error text with its causes, on one line.
 fn describe(error: &(dyn std::error::Error + 'static)) -> String {
@@ -105,7 +87,7 @@ pub(super) fn save_at_end(
         [&state.params, &state.exp_avg, &state.exp_avg_sq],
         &training,
         &stopped_by,
-        super::worker::export_options(plan, options),
+        super::save::export_options(plan, options),
     );
     if saved.is_ok() {
         *shared

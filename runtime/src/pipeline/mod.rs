@@ -21,6 +21,7 @@ mod host_memory;
 mod options;
 mod outputs;
 mod producer;
+mod save;
 mod shared;
 mod spawn;
 mod worker;

@@ -6,6 +6,7 @@
 //!  drafters  ──consume(position) at staging──▶ consumed ──round completes──▶ trained ──▶ checkpoint positions
 //! ```
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -14,7 +15,6 @@ use crate::checkpoint::ProducerRecord;
 use crate::queue::HsQueue;
 use crate::source::{BatchPool, StreamStatus};
 
-use super::ending::EndState;
 use super::error::RunError;
 
 /// Runs `on_panic` if the thread unwinds through it: a panicking worker must still release the threads that
@@ -133,6 +133,24 @@ impl Shared {
     pub(super) fn producer_finished(&self) {
         if self.live_producers.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.queue.close();
+        }
+    }
+}
+
+/// What the end of the run needs to know from its start, and what the final save did.
+#[derive(Debug)]
+pub(super) struct EndState {
+    /// AdamW's step count when the run started: unchanged at the end means no step was applied.
+    pub(super) first_optimizer_step: u64,
+    /// Step and directory of a last good state saved after an error.
+    pub(super) saved_after_error: Mutex<Option<(u64, PathBuf)>>,
+}
+
+impl EndState {
+    pub(super) fn new(first_optimizer_step: u64) -> Self {
+        Self {
+            first_optimizer_step,
+            saved_after_error: Mutex::new(None),
         }
     }
 }

@@ -27,9 +27,9 @@ use std::time::{Duration, Instant};
 
 use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
+use super::save::save;
 use crate::allreduce::AllReduce;
 use crate::backend::Backend;
-use crate::checkpoint::{ExportOptions, TrainingState, save_checkpoint_as};
 use crate::drafter::{Drafter, DrafterError, StepOutcome};
 use crate::params::FlatState;
 use crate::telemetry::{DrafterPhase, DrafterRecorder, StepTokens};
@@ -399,44 +399,6 @@ impl<'a, B: Backend> Worker<'a, B> {
             positions,
         );
         Ok(())
-    }
-}
-
-/// What a save of `plan` writes beside the buffers: the `--save-dtype` and the target's depth.
-pub(super) fn export_options(plan: &Plan, options: &RunOptions) -> ExportOptions {
-    ExportOptions {
-        dtype: options.save_dtype,
-        target_layers: plan.target.layers,
-    }
-}
-
-/// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions of the
-/// batches its weights contain.
-pub(super) fn save(
-    plan: &Plan,
-    options: &RunOptions,
-    shared: &Shared,
-    state: &FlatState,
-    step: u64,
-    data_positions: Vec<u64>,
-) {
-    let Some(dir) = &options.save_dir else { return };
-    let training = TrainingState {
-        step,
-        optimizer_step: state.step,
-        plan_name: plan.name.clone(),
-        rng_state: vec![options.init_seed],
-        data_positions,
-        stream_producers: shared.stream_producers(),
-    };
-    if let Err(error) = save_checkpoint_as(
-        dir,
-        &plan.model,
-        [&state.params, &state.exp_avg, &state.exp_avg_sq],
-        &training,
-        export_options(plan, options),
-    ) {
-        shared.fail(RunError::Checkpoint(error));
     }
 }
 

@@ -8,6 +8,7 @@
 //! compute up to the order of the f32 accumulation. So the backend-generic tests cover the GPU's numerics here.
 
 pub mod attention;
+mod eagle3;
 pub(crate) mod gemm;
 pub mod kernels;
 pub mod rope;
@@ -759,7 +760,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    crate::model::eagle3::kernels::eagle3_backend_methods!(delegate);
+    crate::backend::eagle3::eagle3_backend_methods!(delegate);
 }
 
 #[cfg(test)]

@@ -48,6 +48,7 @@ mod allreduce;
 mod blas;
 mod device;
 mod dflash;
+mod eagle3;
 pub(super) mod error;
 mod graphs;
 mod launch;
@@ -1041,5 +1042,5 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    crate::model::eagle3::kernels::eagle3_backend_methods!(delegate);
+    crate::backend::eagle3::eagle3_backend_methods!(delegate);
 }

@@ -30,7 +30,6 @@
 mod backward;
 mod buffers;
 mod family;
-pub mod kernels;
 mod offsets;
 
 use std::time::Instant;
@@ -43,9 +42,9 @@ use crate::model::layers::{self, MlpDims, SwigluWeights};
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer};
 
+pub use crate::backend::eagle3::{UnrollAttention, UnrollSaved};
 pub use buffers::{Eagle3Frozen, Eagle3Workspace};
 pub use family::{build, ttt_metrics};
-pub use kernels::{UnrollAttention, UnrollSaved};
 pub use offsets::Eagle3Offsets;
 
 /// SpecForge's TTT step weight when the plan gives none (`0.8^k`).

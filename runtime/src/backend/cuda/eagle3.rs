@@ -1,14 +1,13 @@
-//! [`Eagle3Launch`] on the host: size checks, then the table's host launchers (`backend/cpu/kernels.rs`) over
-//! the kernel bodies.
+//! [`Eagle3Launch`] on CUDA: size checks, then the table's launchers on the compute stream (the PTX entry
+//! points).
 
 use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
 
-use super::{Eagle3Launch, UnrollAttention, UnrollSaved, check_concat};
-use crate::backend::cpu::kernels::launch as host;
-use crate::backend::cpu::{CpuBackend, slice, slice_mut};
+use super::{CudaBackend, ptr, ptr_mut};
+use crate::backend::eagle3::{Eagle3Launch, UnrollAttention, UnrollSaved, check_concat};
 use crate::backend::{BackendResult, Dst, HsSrc, Src};
 
-impl Eagle3Launch for CpuBackend {
+impl Eagle3Launch for CudaBackend {
     fn eagle3_attention_forward(
         &mut self,
         q: Src<'_, Self, f32>,
@@ -19,12 +18,12 @@ impl Eagle3Launch for CpuBackend {
         s: UnrollAttention,
     ) -> BackendResult {
         s.check(q.len(), k_all.len(), v_all.len(), out.len(), lse.len());
-        host::eagle3_attention_forward(
-            slice(q),
-            slice(k_all),
-            slice(v_all),
-            slice_mut(out),
-            slice_mut(lse),
+        self.launcher().eagle3_attention_forward(
+            ptr(q),
+            ptr(k_all),
+            ptr(v_all),
+            ptr_mut(out),
+            ptr_mut(lse),
             s.rows,
             s.padded_len,
             s.step,
@@ -32,7 +31,7 @@ impl Eagle3Launch for CpuBackend {
             s.kv_heads,
             s.head_dim,
             s.scale,
-        );
+        )?;
         Ok(())
     }
 
@@ -60,15 +59,20 @@ impl Eagle3Launch for CpuBackend {
                 && dv_all.len() >= s.keys(),
             "eagle3 attention backward: sizes"
         );
-        let delta = slice_mut(delta);
-        host::attention_delta(
-            slice(out),
-            slice(dout),
-            &mut *delta,
-            s.head_dim,
-            s.rows * s.heads,
-        );
-        let args = (
+        let kernels = self.launcher();
+        let delta = ptr_mut(delta);
+        kernels.attention_delta(ptr(out), ptr(dout), delta, s.head_dim, s.rows * s.heads)?;
+        // SAFETY (both casts): the same allocation, read by the next kernels on the same stream after the
+        // delta kernel wrote it.
+        let delta_read = unsafe { delta.cast::<f32>() };
+        kernels.eagle3_attention_backward_q(
+            ptr(q),
+            ptr(k_all),
+            ptr(v_all),
+            ptr(dout),
+            ptr(lse),
+            delta_read,
+            ptr_mut(dq),
             s.rows,
             s.padded_len,
             s.step,
@@ -76,40 +80,24 @@ impl Eagle3Launch for CpuBackend {
             s.kv_heads,
             s.head_dim,
             s.scale,
-        );
-        host::eagle3_attention_backward_q(
-            slice(q),
-            slice(k_all),
-            slice(v_all),
-            slice(dout),
-            slice(lse),
-            &*delta,
-            slice_mut(dq),
-            args.0,
-            args.1,
-            args.2,
-            args.3,
-            args.4,
-            args.5,
-            args.6,
-        );
-        host::eagle3_attention_backward_kv(
-            slice(q),
-            slice(dout),
-            slice(lse),
-            &*delta,
-            slice(k_all),
-            slice(v_all),
-            slice_mut(dk_all),
-            slice_mut(dv_all),
-            args.0,
-            args.1,
-            args.2,
-            args.3,
-            args.4,
-            args.5,
-            args.6,
-        );
+        )?;
+        kernels.eagle3_attention_backward_kv(
+            ptr(q),
+            ptr(dout),
+            ptr(lse),
+            unsafe { delta.cast::<f32>() },
+            ptr(k_all),
+            ptr(v_all),
+            ptr_mut(dk_all),
+            ptr_mut(dv_all),
+            s.rows,
+            s.padded_len,
+            s.step,
+            s.heads,
+            s.kv_heads,
+            s.head_dim,
+            s.scale,
+        )?;
         Ok(())
     }
 
@@ -132,16 +120,16 @@ impl Eagle3Launch for CpuBackend {
                 && correct.len() == rows,
             "soft_label_loss: sizes"
         );
-        host::soft_label_loss_row(
-            slice(teacher),
-            slice(weights),
-            slice_mut(draft),
-            slice_mut(row_loss),
-            slice_mut(correct),
+        self.launcher().soft_label_loss_row(
+            ptr(teacher),
+            ptr(weights),
+            ptr_mut(draft),
+            ptr_mut(row_loss),
+            ptr_mut(correct),
             scale,
             vocab,
             rows,
-        );
+        )?;
         Ok(())
     }
 
@@ -157,14 +145,14 @@ impl Eagle3Launch for CpuBackend {
             vocab > 0 && logits.len() == rows * vocab && loss_mask.len() == rows,
             "argmax_in_draft: sizes"
         );
-        host::argmax_in_draft_row(
-            slice(logits),
-            slice(t2d),
-            slice(loss_mask),
-            slice_mut(valid),
+        self.launcher().argmax_in_draft_row(
+            ptr(logits),
+            ptr(t2d),
+            ptr(loss_mask),
+            ptr_mut(valid),
             vocab,
             rows,
-        );
+        )?;
         Ok(())
     }
 
@@ -181,27 +169,29 @@ impl Eagle3Launch for CpuBackend {
             src.len() == n && width > 0 && padded_len > 0 && n.is_multiple_of(width * padded_len),
             "shift_rows: sizes"
         );
-        let dst = slice_mut(dst);
+        let kernels = self.launcher();
+        let dst = ptr_mut(dst);
+        // SAFETY (casts): bf16 and f16 are 16-bit values the kernel reads as their bits.
         match src {
-            HsSrc::F32(src) => host::shift_rows(slice(src), dst, width, padded_len, shift, n),
-            HsSrc::Bf16(src) => host::shift_rows_half(
-                bytemuck_u16(slice(src)),
+            HsSrc::F32(src) => kernels.shift_rows(ptr(src), dst, width, padded_len, shift, n)?,
+            HsSrc::Bf16(src) => kernels.shift_rows_half(
+                unsafe { ptr(src).cast::<u16>() },
                 dst,
                 width,
                 padded_len,
                 shift,
                 FORMAT_BF16,
                 n,
-            ),
-            HsSrc::F16(src) => host::shift_rows_half(
-                bytemuck_u16(slice(src)),
+            )?,
+            HsSrc::F16(src) => kernels.shift_rows_half(
+                unsafe { ptr(src).cast::<u16>() },
                 dst,
                 width,
                 padded_len,
                 shift,
                 FORMAT_F16,
                 n,
-            ),
+            )?,
         }
         Ok(())
     }
@@ -218,7 +208,8 @@ impl Eagle3Launch for CpuBackend {
             src.len() == rows && padded_len > 0 && rows.is_multiple_of(padded_len),
             "shift_ids: sizes"
         );
-        host::shift_ids(slice(src), slice_mut(dst), padded_len, shift, rows);
+        self.launcher()
+            .shift_ids(ptr(src), ptr_mut(dst), padded_len, shift, rows)?;
         Ok(())
     }
 
@@ -230,7 +221,8 @@ impl Eagle3Launch for CpuBackend {
     ) -> BackendResult {
         let rows = positions.len();
         assert!(padded_len > 0, "step_positions: padded_len");
-        host::step_positions(slice_mut(positions), padded_len, offset, rows);
+        self.launcher()
+            .step_positions(ptr_mut(positions), padded_len, offset, rows)?;
         Ok(())
     }
 
@@ -244,7 +236,8 @@ impl Eagle3Launch for CpuBackend {
     ) -> BackendResult {
         check_concat(a.len(), b.len(), out.len(), wa, wb);
         let n = out.len();
-        host::concat_columns(slice(a), slice(b), slice_mut(out), wa, wb, n);
+        self.launcher()
+            .concat_columns(ptr(a), ptr(b), ptr_mut(out), wa, wb, n)?;
         Ok(())
     }
 
@@ -258,7 +251,8 @@ impl Eagle3Launch for CpuBackend {
     ) -> BackendResult {
         check_concat(a.len(), b.len(), x.len(), wa, wb);
         let n = x.len();
-        host::split_columns(slice(x), slice_mut(a), slice_mut(b), wa, wb, n);
+        self.launcher()
+            .split_columns(ptr(x), ptr_mut(a), ptr_mut(b), wa, wb, n)?;
         Ok(())
     }
 
@@ -273,15 +267,13 @@ impl Eagle3Launch for CpuBackend {
             padded_len > 0 && rows.is_multiple_of(padded_len),
             "step_mask_counts: sizes"
         );
-        host::step_mask_counts(slice(loss_mask), slice_mut(counts), rows, padded_len, steps);
+        self.launcher().step_mask_counts(
+            ptr(loss_mask),
+            ptr_mut(counts),
+            rows,
+            padded_len,
+            steps,
+        )?;
         Ok(())
     }
-}
-
-/// The bits of 16-bit floats, as the kernels read them.
-fn bytemuck_u16<T: Copy>(values: &[T]) -> &[u16] {
-    assert_eq!(size_of::<T>(), 2, "16-bit values");
-    // SAFETY: `T` is a 2-byte plain float type (`bf16` or `f16`, `repr(transparent)` over `u16`); the slice's
-    // length and alignment carry over.
-    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u16>(), values.len()) }
 }

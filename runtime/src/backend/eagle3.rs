@@ -1,5 +1,6 @@
 //! EAGLE-3's kernels as backend operations: [`Eagle3Launch`], implemented once per backend over the launchers the
-//! kernel table generates (`gpu-kernels/src/eagle3.rs` holds the bodies), so the step in [`super`] is written once.
+//! kernel table generates (`gpu-kernels/src/eagle3.rs` holds the bodies), so the step in `model::eagle3` is written once. It sits with the backends (the CPU and CUDA halves in
+//! `cpu/eagle3.rs` and `cuda/eagle3.rs`), as DFlash's attention does, so no backend imports a model family.
 //!
 //! ```text
 //!  model::eagle3 step ──▶ Backend (eagle3_backend_methods!) ──▶ Eagle3Launch ──┬─▶ CpuBackend:  kernels::launch::NAME (host loops over the bodies)
@@ -8,9 +9,6 @@
 //!
 //! The attention backward is the one composite: `attention_delta` (shared with DFlash), the query gradient, then
 //! the key/value gradients added into the stacked ones.
-
-mod cpu;
-mod cuda;
 
 use crate::backend::{Backend, BackendResult, Dst, HsSrc, Src};
 
@@ -36,12 +34,12 @@ pub struct UnrollAttention {
 
 impl UnrollAttention {
     /// Elements of the stacked keys (or values) the step reads.
-    fn keys(&self) -> usize {
+    pub(super) fn keys(&self) -> usize {
         (self.step + 1) * self.rows * self.kv_heads * self.head_dim
     }
 
     #[track_caller]
-    fn check(&self, q: usize, k_all: usize, v_all: usize, out: usize, lse: usize) {
+    pub(super) fn check(&self, q: usize, k_all: usize, v_all: usize, out: usize, lse: usize) {
         assert!(
             self.padded_len > 0
                 && self.rows.is_multiple_of(self.padded_len)
@@ -182,7 +180,7 @@ pub trait Eagle3Launch: Backend {
 /// [`Eagle3Launch`] implementation (one line per backend instead of one method per kernel per backend).
 macro_rules! eagle3_backend_methods {
     (declare) => {
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn eagle3_attention_forward(
             &mut self,
             q: $crate::backend::Src<'_, Self, f32>,
@@ -190,13 +188,13 @@ macro_rules! eagle3_backend_methods {
             v_all: $crate::backend::Src<'_, Self, f32>,
             out: $crate::backend::Dst<'_, Self, f32>,
             lse: $crate::backend::Dst<'_, Self, f32>,
-            shape: $crate::model::eagle3::kernels::UnrollAttention,
+            shape: $crate::backend::eagle3::UnrollAttention,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn eagle3_attention_backward(
             &mut self,
-            saved: $crate::model::eagle3::kernels::UnrollSaved<'_, Self>,
+            saved: $crate::backend::eagle3::UnrollSaved<'_, Self>,
             dout: $crate::backend::Src<'_, Self, f32>,
             delta: $crate::backend::Dst<'_, Self, f32>,
             grads: (
@@ -204,10 +202,10 @@ macro_rules! eagle3_backend_methods {
                 $crate::backend::Dst<'_, Self, f32>,
                 $crate::backend::Dst<'_, Self, f32>,
             ),
-            shape: $crate::model::eagle3::kernels::UnrollAttention,
+            shape: $crate::backend::eagle3::UnrollAttention,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         #[allow(clippy::too_many_arguments)]
         fn soft_label_loss(
             &mut self,
@@ -220,7 +218,7 @@ macro_rules! eagle3_backend_methods {
             vocab: usize,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn argmax_in_draft(
             &mut self,
             logits: $crate::backend::Src<'_, Self, f32>,
@@ -229,7 +227,7 @@ macro_rules! eagle3_backend_methods {
             valid: $crate::backend::Dst<'_, Self, f32>,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn shift_rows(
             &mut self,
             src: $crate::backend::HsSrc<'_, Self>,
@@ -239,7 +237,7 @@ macro_rules! eagle3_backend_methods {
             shift: usize,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn shift_ids(
             &mut self,
             src: $crate::backend::Src<'_, Self, u32>,
@@ -248,7 +246,7 @@ macro_rules! eagle3_backend_methods {
             shift: usize,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn step_positions(
             &mut self,
             positions: $crate::backend::Dst<'_, Self, u32>,
@@ -256,7 +254,7 @@ macro_rules! eagle3_backend_methods {
             offset: usize,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn concat_columns(
             &mut self,
             a: $crate::backend::Src<'_, Self, f32>,
@@ -266,7 +264,7 @@ macro_rules! eagle3_backend_methods {
             wb: usize,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn split_columns(
             &mut self,
             x: $crate::backend::Src<'_, Self, f32>,
@@ -276,7 +274,7 @@ macro_rules! eagle3_backend_methods {
             wb: usize,
         ) -> $crate::backend::BackendResult;
 
-        /// See [`Eagle3Launch`](crate::model::eagle3::kernels::Eagle3Launch).
+        /// See [`Eagle3Launch`](crate::backend::eagle3::Eagle3Launch).
         fn step_mask_counts(
             &mut self,
             loss_mask: $crate::backend::Src<'_, Self, u8>,
@@ -292,16 +290,16 @@ macro_rules! eagle3_backend_methods {
             v_all: $crate::backend::Src<'_, Self, f32>,
             out: $crate::backend::Dst<'_, Self, f32>,
             lse: $crate::backend::Dst<'_, Self, f32>,
-            shape: $crate::model::eagle3::kernels::UnrollAttention,
+            shape: $crate::backend::eagle3::UnrollAttention,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::eagle3_attention_forward(
+            $crate::backend::eagle3::Eagle3Launch::eagle3_attention_forward(
                 self, q, k_all, v_all, out, lse, shape,
             )
         }
 
         fn eagle3_attention_backward(
             &mut self,
-            saved: $crate::model::eagle3::kernels::UnrollSaved<'_, Self>,
+            saved: $crate::backend::eagle3::UnrollSaved<'_, Self>,
             dout: $crate::backend::Src<'_, Self, f32>,
             delta: $crate::backend::Dst<'_, Self, f32>,
             grads: (
@@ -309,9 +307,9 @@ macro_rules! eagle3_backend_methods {
                 $crate::backend::Dst<'_, Self, f32>,
                 $crate::backend::Dst<'_, Self, f32>,
             ),
-            shape: $crate::model::eagle3::kernels::UnrollAttention,
+            shape: $crate::backend::eagle3::UnrollAttention,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::eagle3_attention_backward(
+            $crate::backend::eagle3::Eagle3Launch::eagle3_attention_backward(
                 self, saved, dout, delta, grads, shape,
             )
         }
@@ -327,7 +325,7 @@ macro_rules! eagle3_backend_methods {
             scale: f32,
             vocab: usize,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::soft_label_loss(
+            $crate::backend::eagle3::Eagle3Launch::soft_label_loss(
                 self, draft, teacher, weights, row_loss, correct, scale, vocab,
             )
         }
@@ -339,7 +337,7 @@ macro_rules! eagle3_backend_methods {
             loss_mask: $crate::backend::Src<'_, Self, u8>,
             valid: $crate::backend::Dst<'_, Self, f32>,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::argmax_in_draft(
+            $crate::backend::eagle3::Eagle3Launch::argmax_in_draft(
                 self, logits, t2d, loss_mask, valid,
             )
         }
@@ -352,7 +350,7 @@ macro_rules! eagle3_backend_methods {
             padded_len: usize,
             shift: usize,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::shift_rows(
+            $crate::backend::eagle3::Eagle3Launch::shift_rows(
                 self, src, dst, width, padded_len, shift,
             )
         }
@@ -364,9 +362,7 @@ macro_rules! eagle3_backend_methods {
             padded_len: usize,
             shift: usize,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::shift_ids(
-                self, src, dst, padded_len, shift,
-            )
+            $crate::backend::eagle3::Eagle3Launch::shift_ids(self, src, dst, padded_len, shift)
         }
 
         fn step_positions(
@@ -375,7 +371,7 @@ macro_rules! eagle3_backend_methods {
             padded_len: usize,
             offset: usize,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::step_positions(
+            $crate::backend::eagle3::Eagle3Launch::step_positions(
                 self, positions, padded_len, offset,
             )
         }
@@ -388,7 +384,7 @@ macro_rules! eagle3_backend_methods {
             wa: usize,
             wb: usize,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::concat_columns(self, a, b, out, wa, wb)
+            $crate::backend::eagle3::Eagle3Launch::concat_columns(self, a, b, out, wa, wb)
         }
 
         fn split_columns(
@@ -399,7 +395,7 @@ macro_rules! eagle3_backend_methods {
             wa: usize,
             wb: usize,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::split_columns(self, x, a, b, wa, wb)
+            $crate::backend::eagle3::Eagle3Launch::split_columns(self, x, a, b, wa, wb)
         }
 
         fn step_mask_counts(
@@ -408,7 +404,7 @@ macro_rules! eagle3_backend_methods {
             counts: $crate::backend::Dst<'_, Self, f32>,
             padded_len: usize,
         ) -> $crate::backend::BackendResult {
-            $crate::model::eagle3::kernels::Eagle3Launch::step_mask_counts(
+            $crate::backend::eagle3::Eagle3Launch::step_mask_counts(
                 self, loss_mask, counts, padded_len,
             )
         }
@@ -417,7 +413,7 @@ macro_rules! eagle3_backend_methods {
 pub(crate) use eagle3_backend_methods;
 
 #[track_caller]
-fn check_concat(a: usize, b: usize, out: usize, wa: usize, wb: usize) -> usize {
+pub(super) fn check_concat(a: usize, b: usize, out: usize, wa: usize, wb: usize) -> usize {
     let width = wa + wb;
     assert!(
         width > 0 && out.is_multiple_of(width),

@@ -1,0 +1,49 @@
+//! The worker's save: what a save of the plan writes and where (worker 0's replica with the data positions its
+//! weights contain). Used by the worker loop at `--save-every` and by the run's ending, so it sits below both.
+
+use draftpipe_compiler::plan::Plan;
+
+use crate::checkpoint::{ExportOptions, TrainingState, save_checkpoint_as};
+use crate::params::FlatState;
+
+use super::error::RunError;
+use super::options::RunOptions;
+use super::shared::Shared;
+
+/// What a save of `plan` writes beside the buffers: the `--save-dtype` and the target's depth.
+pub(super) fn export_options(plan: &Plan, options: &RunOptions) -> ExportOptions {
+    ExportOptions {
+        dtype: options.save_dtype,
+        target_layers: plan.target.layers,
+    }
+}
+
+/// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions of the
+/// batches its weights contain.
+pub(super) fn save(
+    plan: &Plan,
+    options: &RunOptions,
+    shared: &Shared,
+    state: &FlatState,
+    step: u64,
+    data_positions: Vec<u64>,
+) {
+    let Some(dir) = &options.save_dir else { return };
+    let training = TrainingState {
+        step,
+        optimizer_step: state.step,
+        plan_name: plan.name.clone(),
+        rng_state: vec![options.init_seed],
+        data_positions,
+        stream_producers: shared.stream_producers(),
+    };
+    if let Err(error) = save_checkpoint_as(
+        dir,
+        &plan.model,
+        [&state.params, &state.exp_avg, &state.exp_avg_sq],
+        &training,
+        export_options(plan, options),
+    ) {
+        shared.fail(RunError::Checkpoint(error));
+    }
+}
