@@ -7,6 +7,7 @@
 //! ```
 
 pub mod dflash;
+pub mod eagle3;
 pub mod mlp;
 pub mod update;
 
