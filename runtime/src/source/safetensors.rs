@@ -204,6 +204,51 @@ impl SafetensorsDataset {
     pub fn sequences(&self) -> usize {
         self.members.len()
     }
+
+    /// Calls `visit(ids, mask)` for every sequence of the first `batches` planned batches (all when `None`), in
+    /// the unshuffled order of one epoch, reading only `input_ids` and `loss_mask` (no hidden state): what a
+    /// draft vocabulary counts (`model::eagle3::vocab`).
+    ///
+    /// # Errors
+    /// A file that cannot be read or changed since it was checked, or `visit`'s error.
+    pub fn visit_token_rows(
+        &self,
+        batches: Option<usize>,
+        mut visit: impl FnMut(&Path, &[i64], &[u8]) -> Result<(), SourceError>,
+    ) -> Result<(), SourceError> {
+        let mut open: Option<(u32, TensorFile)> = None;
+        let (mut ids, mut mask, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+        let planned = &self.batches[..batches.unwrap_or(usize::MAX).min(self.batches.len())];
+        for member in planned.iter().flat_map(|b| b.members.clone()) {
+            let seq = self.members[member];
+            let data_file = &self.files[seq.file as usize];
+            if open.as_ref().is_none_or(|(index, _)| *index != seq.file) {
+                open = Some((seq.file, TensorFile::open(&data_file.path)?));
+            }
+            let file = &mut open.as_mut().expect("opened above").1;
+            let (first, len) = (seq.row as usize * data_file.seq, seq.len as usize);
+            let changed = |tensor: &str| -> SourceError {
+                let problem = TensorProblem::BadHeader("file changed since it was checked".into());
+                TensorFileError::tensor(&data_file.path, tensor, problem).into()
+            };
+            ids.resize(len, 0);
+            let dtype = file.read_tensor_elements(INPUT_IDS, first..first + len, &mut bytes)?;
+            if !decode_ids(dtype, &bytes, &mut ids) {
+                return Err(changed(INPUT_IDS));
+            }
+            mask.resize(len, 1);
+            if data_file.has_mask {
+                let dtype = file.read_tensor_elements(LOSS_MASK, first..first + len, &mut bytes)?;
+                if !decode_mask(dtype, &bytes, &mut mask) {
+                    return Err(changed(LOSS_MASK));
+                }
+            } else {
+                mask.fill(1);
+            }
+            visit(&data_file.path, &ids, &mask)?;
+        }
+        Ok(())
+    }
 }
 
 pub(crate) fn too_long(

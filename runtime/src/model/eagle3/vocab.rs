@@ -3,6 +3,7 @@
 //! rule, read from and written to a safetensors file, and exported unchanged.
 //!
 //! ```text
+//!  plan's source (files: ids and masks only │ synthetic: its first batches) ──count_source_tokens──┐
 //!  source batches (input_ids, loss_mask) ──TokenCounts::add_sequence──▶ counts ──VocabMap::from_counts──▶ VocabMap
 //!  `draftpipe vocab` ──VocabMap::write──▶ vocab.safetensors ──VocabMap::read──▶ the run (teacher, export)
 //! ```
@@ -26,12 +27,21 @@ use std::path::{Path, PathBuf};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
+use draftpipe_compiler::plan::{Plan, SourceSpec};
+
+use crate::source::{
+    BucketShapes, HsSource, SafetensorsDataset, SourceError, SyntheticSource, SyntheticTarget,
+};
 use crate::tensor_file::{TensorFile, TensorFileError, TensorProblem, TensorRead, decode_ids};
 
 /// Name of the draft → target offset tensor (int64, `[draft_vocab]`), as SpecForge, SGLang and vLLM name it.
 pub const D2T: &str = "d2t";
 /// Name of the target → in-draft-vocabulary tensor (bool, `[vocab]`).
 pub const T2D: &str = "t2d";
+
+/// Synthetic batches a draft vocabulary is counted over when no count is given: the synthetic stream never ends,
+/// and its chain's token frequencies settle long before this many batches.
+pub const SYNTHETIC_COUNT_BATCHES: u64 = 1000;
 
 /// Token counts of the training data, in the order SpecForge's `Counter` would hold them.
 #[derive(Debug, Clone)]
@@ -138,6 +148,15 @@ pub enum VocabMapError {
         /// The target vocabulary.
         target: usize,
     },
+    /// The source could not be opened or read.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// A stream's data arrives while the run trains, so nothing can be counted before it.
+    #[error(
+        "a stream source cannot be counted before training: record its data to files and run `draftpipe vocab` \
+         over a pipeline reading them, then give the map with `vocab_map = \"FILE\"`"
+    )]
+    StreamSource,
     /// `t2d` and `d2t` describe different vocabularies.
     #[error(
         "{}: tensors `t2d` and `d2t` disagree: {detail} (the ids `t2d` selects, ascending, must equal \
@@ -388,6 +407,84 @@ fn rank1(
         }
     };
     Err(TensorFileError::tensor(file.path(), name, problem))
+}
+
+/// Counts the loss-masked tokens of `plan`'s source: for files, every sequence of one epoch in file order (the
+/// first `batches` planned batches when given), reading ids and masks only; for a synthetic target, its first
+/// `batches` batches ([`SYNTHETIC_COUNT_BATCHES`] when `None`), the ones a run trains on first. Returns the counts
+/// and the batches counted.
+///
+/// # Errors
+/// [`VocabMapError::StreamSource`] for a stream; the source's errors (files named) otherwise.
+pub fn count_source_tokens(
+    plan: &Plan,
+    batches: Option<u64>,
+) -> Result<(TokenCounts, u64), VocabMapError> {
+    let vocab = plan.target.vocab;
+    let mut counts = TokenCounts::new(vocab);
+    let shapes = BucketShapes::from_plan(plan);
+    match &plan.target.source {
+        SourceSpec::Stream { .. } => Err(VocabMapError::StreamSource),
+        SourceSpec::Safetensors { pattern, .. } => {
+            let dataset = SafetensorsDataset::open(pattern, &plan.target, &shapes)?;
+            let limit = batches.map(|b| usize::try_from(b).unwrap_or(usize::MAX));
+            dataset.visit_token_rows(limit, |path, ids, mask| {
+                counts.add_sequence(ids, mask).map_err(|e| {
+                    let problem = TensorProblem::OutOfRange {
+                        value: e.id,
+                        at: format!("[{}] of a sequence", e.position),
+                        allowed: format!("token ids must lie in 0..{vocab}"),
+                    };
+                    TensorFileError::tensor(path, crate::source::safetensors::INPUT_IDS, problem)
+                        .into()
+                })
+            })?;
+            let counted = limit.map_or(dataset.batches(), |l| l.min(dataset.batches()));
+            Ok((counts, counted as u64))
+        }
+        SourceSpec::Synthetic {
+            seed,
+            min_len,
+            max_len,
+        } => {
+            let target = SyntheticTarget::new(
+                *seed,
+                vocab,
+                plan.target.hidden,
+                plan.target.tap_layers.len(),
+            )?;
+            let mut source = SyntheticSource::new(
+                std::sync::Arc::new(target),
+                &shapes,
+                *min_len..*max_len,
+                0,
+                1,
+            )?;
+            let batches = batches.unwrap_or(SYNTHETIC_COUNT_BATCHES);
+            let mut batch = shapes.buffer();
+            let mut ids = Vec::new();
+            for _ in 0..batches {
+                let bucket = source
+                    .next_bucket()?
+                    .expect("a synthetic stream never ends");
+                shapes.shape_for(&mut batch, bucket);
+                source.fill_next(&mut batch)?;
+                for s in 0..batch.sequences {
+                    let rows = s * batch.padded_len..(s + 1) * batch.padded_len;
+                    ids.clear();
+                    ids.extend(
+                        batch.input_ids[rows.clone()]
+                            .iter()
+                            .map(|&id| i64::from(id)),
+                    );
+                    counts
+                        .add_sequence(&ids, &batch.loss_mask[rows])
+                        .expect("synthetic ids lie in the vocabulary");
+                }
+            }
+            Ok((counts, batches))
+        }
+    }
 }
 
 /// How much of the counted mass the draft vocabulary covers (SpecForge prints it as the "top N token frequency
