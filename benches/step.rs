@@ -151,6 +151,7 @@ fn settings() -> (ModelPlan, BucketPlan, AdamWSpec, LossSpec) {
     let loss = LossSpec {
         head_decay: 0.8,
         position_decay: None,
+        step_decay: None,
         chunk_tokens: CHUNK,
     };
     (ModelPlan::new(SPEC), bucket, optimizer, loss)

@@ -33,6 +33,7 @@ pub mod ast;
 mod check;
 pub mod cost;
 pub mod diagnostic;
+mod eagle3;
 mod parse;
 pub mod plan;
 pub mod span;

@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::eagle3::{EAGLE3_DEFAULT_TTT, EAGLE3_TAPS, Eagle3Spec};
 pub use crate::workspace::{BackendKind, WorkspaceLayout};
 
 /// One compiled pipeline.
@@ -322,7 +323,7 @@ impl Precision {
     }
 }
 
-/// Multi-head (`mlp`) or multi-position (`dflash`) cross-entropy loss.
+/// Multi-head (`mlp`), multi-position (`dflash`) or multi-step (`eagle3`) cross-entropy loss.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LossSpec {
     /// `mlp`: head `j` is weighted `head_decay^j` (1 on `dflash`, where the checker refuses the key).
@@ -331,6 +332,10 @@ pub struct LossSpec {
     /// `None`: every slot weighs the same. Always `None` on `mlp`, where the checker refuses the key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub position_decay: Option<f32>,
+    /// `eagle3`: TTT step `k` is weighted `step_decay^k` (SpecForge's `0.8^k`), no renormalisation; `None` on the
+    /// other families.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_decay: Option<f32>,
     /// Tokens per chunk of the fused vocabulary loss.
     pub chunk_tokens: usize,
 }
@@ -478,6 +483,8 @@ pub enum ModelSpec {
     Mlp(MlpSpec),
     /// `model = dflash(...)`.
     Dflash(DflashSpec),
+    /// `model = eagle3(...)`.
+    Eagle3(Eagle3Spec),
 }
 
 impl From<MlpSpec> for ModelSpec {
@@ -492,12 +499,19 @@ impl From<DflashSpec> for ModelSpec {
     }
 }
 
+impl From<Eagle3Spec> for ModelSpec {
+    fn from(spec: Eagle3Spec) -> Self {
+        ModelSpec::Eagle3(spec)
+    }
+}
+
 impl ModelSpec {
-    /// The `.pipe` name of the family: `mlp` or `dflash`.
+    /// The `.pipe` name of the family: `mlp`, `dflash` or `eagle3`.
     pub fn kind(&self) -> &'static str {
         match self {
             ModelSpec::Mlp(_) => "mlp",
             ModelSpec::Dflash(_) => "dflash",
+            ModelSpec::Eagle3(_) => "eagle3",
         }
     }
 
@@ -505,7 +519,7 @@ impl ModelSpec {
     pub fn as_mlp(&self) -> Option<&MlpSpec> {
         match self {
             ModelSpec::Mlp(spec) => Some(spec),
-            ModelSpec::Dflash(_) => None,
+            ModelSpec::Dflash(_) | ModelSpec::Eagle3(_) => None,
         }
     }
 
@@ -513,7 +527,15 @@ impl ModelSpec {
     pub fn as_dflash(&self) -> Option<&DflashSpec> {
         match self {
             ModelSpec::Dflash(spec) => Some(spec),
-            ModelSpec::Mlp(_) => None,
+            ModelSpec::Mlp(_) | ModelSpec::Eagle3(_) => None,
+        }
+    }
+
+    /// The `eagle3` dimensions, when this is an `eagle3`.
+    pub fn as_eagle3(&self) -> Option<&Eagle3Spec> {
+        match self {
+            ModelSpec::Eagle3(spec) => Some(spec),
+            ModelSpec::Mlp(_) | ModelSpec::Dflash(_) => None,
         }
     }
 
@@ -522,6 +544,7 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp(spec) => spec.parameter_count(),
             ModelSpec::Dflash(spec) => spec.parameter_count(),
+            ModelSpec::Eagle3(spec) => spec.parameter_count(),
         }
     }
 
@@ -530,6 +553,7 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp(spec) => spec.layout(),
             ModelSpec::Dflash(spec) => spec.layout(),
+            ModelSpec::Eagle3(spec) => spec.layout(),
         }
     }
 }
@@ -608,7 +632,7 @@ impl MlpSpec {
 }
 
 /// Lays `shapes` out back to back from offset 0.
-fn pack(shapes: Vec<(String, Vec<usize>)>) -> Vec<TensorView> {
+pub(crate) fn pack(shapes: Vec<(String, Vec<usize>)>) -> Vec<TensorView> {
     let mut offset = 0;
     shapes
         .into_iter()

@@ -61,7 +61,7 @@ pub const HS_TILE_ROWS: usize = 256;
 
 /// [`WorkspaceLayout::hs_operand_elements`]: on CUDA at `bf16` precision, the larger of the `fc` weight
 /// (`fc_weight` elements) and its upstream gradient (`upstream` elements); 0 elsewhere.
-fn hs_operand_elements(
+pub(crate) fn hs_operand_elements(
     backend: BackendKind,
     precision: Precision,
     fc_weight: usize,
@@ -154,7 +154,7 @@ impl WorkspaceLayout {
     ///
     /// let spec = MlpSpec { din: 8, hidden: 4, blocks: 1, intermediate: 6, heads: 2, vocab: 10 };
     /// let bucket = BucketPlan { padded_len: 4, sequences: 2, tokens: 8, step_flops: 0, step_bytes: 0 };
-    /// let loss = LossSpec { head_decay: 0.8, position_decay: None, chunk_tokens: 3 };
+    /// let loss = LossSpec { head_decay: 0.8, position_decay: None, step_decay: None, chunk_tokens: 3 };
     /// let cpu = WorkspaceLayout::mlp(&spec, &[bucket.clone()], &loss, BackendKind::Cpu, Precision::F32).unwrap();
     /// let cuda = WorkspaceLayout::mlp(&spec, &[bucket], &loss, BackendKind::Cuda, Precision::F32).unwrap();
     /// assert_eq!(cpu.elements("logits"), Some(3 * 10));
@@ -293,7 +293,7 @@ impl WorkspaceLayout {
     ///     head_dim: 4, intermediate: 12, block: 3, anchors: 2, mask_token: 15, rope_theta: 1e4,
     ///     rms_norm_eps: 1e-6,
     /// };
-    /// let loss = LossSpec { head_decay: 1.0, position_decay: Some(7.0), chunk_tokens: 4 };
+    /// let loss = LossSpec { head_decay: 1.0, position_decay: Some(7.0), step_decay: None, chunk_tokens: 4 };
     /// let bytes = |len: usize| {
     ///     let bucket = BucketPlan { padded_len: len, sequences: 2, tokens: 2 * len, step_flops: 0, step_bytes: 0 };
     ///     WorkspaceLayout::dflash(&spec, &[bucket], &loss, BackendKind::Cpu, Precision::F32).unwrap().bytes().unwrap()
@@ -480,6 +480,7 @@ impl WorkspaceLayout {
         match spec {
             ModelSpec::Mlp(spec) => Self::mlp(spec, buckets, loss, backend, precision),
             ModelSpec::Dflash(spec) => Self::dflash(spec, buckets, loss, backend, precision),
+            ModelSpec::Eagle3(spec) => Self::eagle3(spec, buckets, loss, backend, precision),
         }
     }
 
@@ -501,7 +502,10 @@ impl WorkspaceLayout {
         }
         let mut din = 0;
         for buffer in &mut self.buffers {
-            if buffer.name.starts_with("input") && buffer.name.ends_with(".hs") {
+            // `input{slot}.last_hs` (EAGLE-3's teacher input) arrives in the batch's dtype too.
+            if buffer.name.starts_with("input") && buffer.name.ends_with(".last_hs") {
+                buffer.dtype = dtype;
+            } else if buffer.name.starts_with("input") && buffer.name.ends_with(".hs") {
                 buffer.dtype = dtype;
                 din = buffer.elements / self.tokens.max(1);
             }

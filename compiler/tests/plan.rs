@@ -199,6 +199,7 @@ fn defaults_are_documented_values() {
         LossSpec {
             head_decay: 0.8,
             position_decay: None,
+            step_decay: None,
             chunk_tokens: 1024
         }
     );
@@ -233,6 +234,7 @@ fn defaults_are_documented_values() {
         LossSpec {
             head_decay: 1.0,
             position_decay: None,
+            step_decay: None,
             chunk_tokens: 1024
         }
     );

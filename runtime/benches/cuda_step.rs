@@ -232,6 +232,7 @@ fn mlp_step(launch: LaunchMode, precision: Precision, hs: HsDtype, rows: &mut Ve
     let loss = LossSpec {
         head_decay: 0.8,
         position_decay: None,
+        step_decay: None,
         chunk_tokens: 4096,
     };
     let adamw = AdamWSpec {

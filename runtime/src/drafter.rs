@@ -119,6 +119,9 @@ pub enum DrafterError {
     /// The plan's workspace does not fit in memory sizes.
     #[error("the workspace of this plan overflows the address space")]
     WorkspaceTooLarge,
+    /// The plan's family has no runtime step.
+    #[error("the runtime has no `{0}` step yet: plans of this family compile but cannot run")]
+    NoStep(&'static str),
     /// The target's frozen tensors do not fit the model (or the model has none).
     #[error("frozen target weights: {0}")]
     Frozen(String),
@@ -139,6 +142,7 @@ impl From<BuildError> for DrafterError {
             BuildError::Layout(e) => DrafterError::Layout(e),
             BuildError::Allocate(e) => DrafterError::Allocate(e),
             BuildError::WorkspaceTooLarge => DrafterError::WorkspaceTooLarge,
+            BuildError::NoStep { family } => DrafterError::NoStep(family),
         }
     }
 }

@@ -24,6 +24,7 @@ fn no_driver_is_an_error_not_a_panic() {
     let loss = LossSpec {
         head_decay: 0.8,
         position_decay: None,
+        step_decay: None,
         chunk_tokens: 4,
     };
     let adamw = AdamWSpec {

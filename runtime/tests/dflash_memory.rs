@@ -35,6 +35,7 @@ fn settings() -> (LossSpec, AdamWSpec, Precision) {
         LossSpec {
             head_decay: 1.0,
             position_decay: Some(7.0),
+            step_decay: None,
             chunk_tokens: 256,
         },
         AdamWSpec {

@@ -70,6 +70,7 @@ fn loss(position_decay: f32, chunk_tokens: usize) -> LossSpec {
     LossSpec {
         head_decay: 1.0,
         position_decay: Some(position_decay),
+        step_decay: None,
         chunk_tokens,
     }
 }

@@ -58,6 +58,7 @@ fn setup(optimizer: AdamWSpec) -> (CpuDrafter, FlatState, ReferenceAdamW) {
     let loss = draftpipe_compiler::plan::LossSpec {
         head_decay: 0.8,
         position_decay: None,
+        step_decay: None,
         chunk_tokens: 8,
     };
     let drafter = CpuDrafter::new(&model, loss, optimizer, &[]);

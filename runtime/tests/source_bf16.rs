@@ -314,6 +314,7 @@ fn losses(slots: HsDtype, data: &[HsBatch], precision: Precision) -> Vec<f32> {
     let loss = LossSpec {
         head_decay: 0.8,
         position_decay: None,
+        step_decay: None,
         chunk_tokens: 16,
     };
     let adamw = AdamWSpec {

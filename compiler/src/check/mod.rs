@@ -319,6 +319,7 @@ fn parameter_count_wide(spec: &ModelSpec) -> u128 {
     let spec = match spec {
         ModelSpec::Mlp(spec) => spec,
         ModelSpec::Dflash(spec) => return dflash_parameter_count_wide(spec),
+        ModelSpec::Eagle3(spec) => return spec.parameter_count_wide(),
     };
     let w = |x: usize| x as u128;
     let (din, h, blocks, i, heads, v) = (

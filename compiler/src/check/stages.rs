@@ -620,6 +620,7 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         None => Some(LossSpec {
             head_decay: DEFAULT_HEAD_DECAY,
             position_decay: None,
+            step_decay: None,
             chunk_tokens: DEFAULT_CHUNK_TOKENS,
         }),
         Some(v) => values::call(
@@ -1036,6 +1037,7 @@ fn loss(errs: &mut Errs, call: &Call, model: Option<ModelKind>) -> Option<LossSp
     Some(LossSpec {
         head_decay: head_decay? as f32,
         position_decay: position_decay?,
+        step_decay: None,
         chunk_tokens: chunk_tokens?,
     })
 }

@@ -123,6 +123,19 @@ pub fn bucket_plans(
                         loss,
                     )?,
                 ),
+                ModelSpec::Eagle3(spec) => (
+                    spec.step_flops(padded_len, sequences)?,
+                    spec.step_bytes(
+                        &BucketPlan {
+                            padded_len,
+                            sequences,
+                            tokens,
+                            step_flops: 0,
+                            step_bytes: 0,
+                        },
+                        loss,
+                    )?,
+                ),
             };
             Some(BucketPlan {
                 padded_len,
@@ -172,6 +185,7 @@ pub fn device_memory(
     let frozen = match spec {
         ModelSpec::Mlp(_) => 0,
         ModelSpec::Dflash(spec) => dflash::frozen_bytes(spec)?,
+        ModelSpec::Eagle3(spec) => spec.frozen_bytes()?,
     };
     let mut devices: Vec<Device> = drafters.workers.clone();
     devices.sort_unstable();
@@ -293,6 +307,7 @@ mod tests {
         let loss = LossSpec {
             head_decay: 1.0,
             position_decay: None,
+            step_decay: None,
             chunk_tokens: 1,
         };
         let layout =

@@ -632,6 +632,7 @@ pub(crate) mod tests {
         let loss = LossSpec {
             head_decay: 0.8,
             position_decay: None,
+            step_decay: None,
             chunk_tokens: 50,
         };
         let optimizer = AdamWSpec {

@@ -81,7 +81,7 @@ pub struct OptimizerReport {
 /// let spec = MlpSpec { din: 8, hidden: 8, blocks: 1, intermediate: 16, heads: 2, vocab: 32 };
 /// let model = ModelPlan::new(spec);
 /// let bucket = BucketPlan { padded_len: 4, sequences: 2, tokens: 8, step_flops: 0, step_bytes: 0 };
-/// let loss = LossSpec { head_decay: 0.8, position_decay: None, chunk_tokens: 4 };
+/// let loss = LossSpec { head_decay: 0.8, position_decay: None, step_decay: None, chunk_tokens: 4 };
 /// let adamw = AdamWSpec { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip_grad_norm: Some(1.0), schedule: LrSchedule::CONSTANT };
 /// let mut drafter = CpuDrafter::new(&model, loss, adamw, &[bucket]);
 /// let mut state = FlatState::init(&model, 0);

@@ -44,6 +44,12 @@ pub enum BuildError {
     /// The workspace's sizes overflow.
     #[error("the workspace of this plan overflows the address space")]
     WorkspaceTooLarge,
+    /// The plan names a family whose step the runtime does not have yet.
+    #[error("the runtime has no `{family}` step yet: plans of this family compile but cannot run")]
+    NoStep {
+        /// The family's `.pipe` name.
+        family: &'static str,
+    },
 }
 
 impl<B: Backend> Model<B> {
@@ -92,6 +98,7 @@ impl<B: Backend> Model<B> {
                 )?;
                 Ok((Model::Dflash(Box::new(dflash)), layout))
             }
+            ModelSpec::Eagle3(_) => Err(BuildError::NoStep { family: "eagle3" }),
         }
     }
 

@@ -116,7 +116,7 @@ struct Start {
 fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> {
     let mut state = FlatState::init(&plan.model, options.init_seed);
     let frozen = match plan.model.spec {
-        ModelSpec::Dflash(_) => Some(TargetWeights::load(&plan.target)?),
+        ModelSpec::Dflash(_) | ModelSpec::Eagle3(_) => Some(TargetWeights::load(&plan.target)?),
         ModelSpec::Mlp(_) => None,
     };
     if let Some(dir) = &options.resume {

@@ -41,6 +41,7 @@ pub fn loss(head_decay: f32, chunk_tokens: usize) -> LossSpec {
     LossSpec {
         head_decay,
         position_decay: None,
+        step_decay: None,
         chunk_tokens,
     }
 }

@@ -60,6 +60,7 @@ pub fn plan(
             loss: LossSpec {
                 head_decay: 0.8,
                 position_decay: None,
+                step_decay: None,
                 chunk_tokens: 64,
             },
             optimizer: AdamWSpec {
