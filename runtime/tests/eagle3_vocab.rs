@@ -6,8 +6,10 @@ mod source_support;
 
 use std::collections::HashMap;
 
+use draftpipe_compiler::plan::{Eagle3Spec, ModelPlan, Plan, SourceSpec};
 use draftpipe_runtime::model::eagle3::vocab::{
-    CountError, TokenCounts, VocabMap, VocabMapError, coverage,
+    CountError, SYNTHETIC_COUNT_BATCHES, TokenCounts, VocabMap, VocabMapError, count_source_tokens,
+    coverage, resolve_vocab_map,
 };
 use draftpipe_runtime::tensor_file::TensorProblem;
 use proptest::prelude::*;
@@ -176,8 +178,8 @@ fn specforge_transcribed(draft: usize, sequences: &[(Vec<i64>, Vec<u8>)]) -> Vec
     }
     if counter.len() < draft {
         for token in 0..draft as i64 {
-            if !index.contains_key(&token) {
-                index.insert(token, counter.len());
+            if let std::collections::hash_map::Entry::Vacant(entry) = index.entry(token) {
+                entry.insert(counter.len());
                 counter.push((token, 0));
                 if counter.len() >= draft {
                     break;
@@ -186,13 +188,16 @@ fn specforge_transcribed(draft: usize, sequences: &[(Vec<i64>, Vec<u8>)]) -> Vec
         }
     }
     let mut top = counter.clone();
-    top.sort_by(|a, b| b.1.cmp(&a.1));
+    top.sort_by_key(|&(_, count)| std::cmp::Reverse(count));
     let mut used: Vec<i64> = top[..draft].iter().map(|(id, _)| *id).collect();
     used.sort();
     (0..used.len()).map(|i| used[i] - i as i64).collect()
 }
 
-fn sequences_strategy() -> impl Strategy<Value = (usize, usize, Vec<(Vec<i64>, Vec<u8>)>)> {
+/// `(vocab, draft_vocab, sequences of (ids, mask))`.
+type Case = (usize, usize, Vec<(Vec<i64>, Vec<u8>)>);
+
+fn sequences_strategy() -> impl Strategy<Value = Case> {
     (8usize..40).prop_flat_map(|vocab| {
         (1..=vocab, any::<bool>()).prop_flat_map(move |(draft, low_only)| {
             // Ids from a narrow range make ties and padding likely; `low_only` keeps padding order-free.
@@ -272,7 +277,7 @@ fn broken_files_are_refused_naming_the_file_and_tensor() {
     let t2d = ("t2d", Dtype::BOOL, vec![6], vec![0., 1., 0., 1., 0., 0.]);
     let d2t = ("d2t", Dtype::I64, vec![2], vec![1., 2.]);
 
-    let (_, text) = read_error("missing", &[t2d.clone()]);
+    let (_, text) = read_error("missing", std::slice::from_ref(&t2d));
     assert!(text.contains("`d2t`") && text.contains("missing"), "{text}");
 
     let (_, text) = read_error(
@@ -337,4 +342,152 @@ fn broken_files_are_refused_naming_the_file_and_tensor() {
         ],
     );
     assert_eq!(VocabMap::read(&path, Some((2, 6))).unwrap().d2t, [1, 2]);
+}
+
+/// An `eagle3` plan over `source` with a target of `vocab` tokens, hidden 4, three taps, buckets 8 and 16 of
+/// 32 tokens a batch, and a draft vocabulary of `draft_vocab`.
+fn eagle3_plan(source: SourceSpec, vocab: usize, draft_vocab: usize) -> Plan {
+    let mut plan = source_support::plan(source, vocab, 4, 3, &[8, 16], 32, 1);
+    plan.model = ModelPlan::new(Eagle3Spec {
+        hidden: 4,
+        taps: 3,
+        tap_layers: vec![1, 2, 3],
+        vocab,
+        draft_vocab,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 2,
+        intermediate: 8,
+        ttt: 2,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-6,
+    });
+    plan
+}
+
+fn files_source(pattern: &std::path::Path) -> SourceSpec {
+    SourceSpec::Safetensors {
+        pattern: pattern.display().to_string(),
+        epochs: 3,
+        shuffle_seed: Some(7),
+    }
+}
+
+/// A data file of `rows` sequences of 6 tokens: ids and mask as given, hidden states 0.5.
+fn data_file(path: &std::path::Path, ids: &[f64], mask: &[f64]) {
+    let rows = ids.len() / 6;
+    write_file(
+        path,
+        &[
+            (
+                "hidden_states",
+                Dtype::F32,
+                vec![rows, 6, 12],
+                vec![0.5; rows * 72],
+            ),
+            ("input_ids", Dtype::I64, vec![rows, 6], ids.to_vec()),
+            ("loss_mask", Dtype::U8, vec![rows, 6], mask.to_vec()),
+        ],
+    );
+}
+
+#[test]
+fn a_files_source_is_counted_once_over_its_masked_tokens() {
+    let dir = temp_dir("eagle3-vocab-files");
+    // Two files, three sequences; the masked-out 9s and the all-zero row never count, epochs and shuffle don't
+    // repeat anything.
+    #[rustfmt::skip]
+    data_file(&dir.join("a.safetensors"),
+        &[1., 2., 2., 9., 9., 0., /**/ 3., 3., 3., 3., 3., 3.],
+        &[1., 1., 1., 0., 0., 0., /**/ 0., 0., 0., 0., 0., 0.]);
+    data_file(
+        &dir.join("b.safetensors"),
+        &[5., 2., 1., 1., 9., 4.],
+        &[1., 1., 1., 1., 0., 1.],
+    );
+    let plan = eagle3_plan(files_source(&dir.join("*.safetensors")), 10, 3);
+    let (counts, batches) = count_source_tokens(&plan, None).unwrap();
+    let by_id: Vec<u64> = (0..10).map(|id| counts.count(id)).collect();
+    assert_eq!(by_id, [0, 3, 3, 0, 1, 1, 0, 0, 0, 0]);
+    assert_eq!(
+        batches, 1,
+        "two sequences of ≤ 8 tokens make one batch of bucket 8 (4 sequences)"
+    );
+    let map = resolve_vocab_map(&plan, None).unwrap();
+    // 1 and 2 (3 each), then the tie 4 / 5: the second sequence adds 1, 2, 4, 5 ascending, so 4 was inserted
+    // first and wins.
+    assert_eq!(used(&map), [1, 2, 4]);
+
+    // `--batches` limits what is counted; a given map is read and checked against the plan's sizes.
+    let (_, batches) = count_source_tokens(&plan, Some(5)).unwrap();
+    assert_eq!(batches, 1);
+    let path = dir.join("vocab.safetensors");
+    map.write(&path).unwrap();
+    assert_eq!(resolve_vocab_map(&plan, Some(&path)).unwrap(), map);
+    let other = eagle3_plan(files_source(&dir.join("*.safetensors")), 10, 4);
+    let err = resolve_vocab_map(&other, Some(&path))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("vocab.safetensors") && err.contains("`d2t`") && err.contains("[4]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_synthetic_source_is_counted_over_its_first_batches() {
+    let source = SourceSpec::Synthetic {
+        seed: 3,
+        min_len: 4,
+        max_len: 16,
+    };
+    let plan = eagle3_plan(source, 50, 20);
+    let (counts, batches) = count_source_tokens(&plan, Some(40)).unwrap();
+    assert_eq!(batches, 40);
+    let (again, _) = count_source_tokens(&plan, Some(40)).unwrap();
+    assert_eq!(
+        used(&VocabMap::from_counts(&counts, 20).unwrap()),
+        used(&VocabMap::from_counts(&again, 20).unwrap())
+    );
+    // Every token of a synthetic sequence is a label: 40 batches of 2 or 4 sequences of 4..16 tokens.
+    assert!(
+        counts.total() >= 40 * 2 * 4 && counts.total() < 40 * 4 * 16,
+        "{}",
+        counts.total()
+    );
+    let (default, batches) = count_source_tokens(&plan, None).unwrap();
+    assert_eq!(batches, SYNTHETIC_COUNT_BATCHES);
+    assert!(default.total() > counts.total());
+    // The whole vocabulary needs no counting.
+    assert_eq!(
+        resolve_vocab_map(&eagle3_plan(plan.target.source.clone(), 50, 50), None).unwrap(),
+        VocabMap::identity(50)
+    );
+}
+
+#[test]
+fn a_stream_and_other_families_are_refused() {
+    let stream = SourceSpec::Stream {
+        listen: "127.0.0.1:0".into(),
+        token_env: None,
+        max_message_bytes: 1 << 20,
+        read_timeout_ms: 1000,
+    };
+    let err = resolve_vocab_map(&eagle3_plan(stream, 10, 4), None).unwrap_err();
+    assert!(matches!(err, VocabMapError::StreamSource), "{err}");
+    assert!(err.to_string().contains("vocab_map"));
+    let mlp = source_support::plan(
+        files_source(std::path::Path::new("none")),
+        10,
+        4,
+        3,
+        &[8],
+        32,
+        1,
+    );
+    let err = resolve_vocab_map(&mlp, None).unwrap_err();
+    assert!(
+        matches!(err, VocabMapError::NotEagle3 { family: "mlp" }),
+        "{err}"
+    );
 }

@@ -157,6 +157,12 @@ pub enum VocabMapError {
          over a pipeline reading them, then give the map with `vocab_map = \"FILE\"`"
     )]
     StreamSource,
+    /// The plan's drafter has no draft vocabulary.
+    #[error("the drafter is `{family}`; a draft vocabulary belongs to an `eagle3` drafter")]
+    NotEagle3 {
+        /// The plan's family.
+        family: &'static str,
+    },
     /// `t2d` and `d2t` describe different vocabularies.
     #[error(
         "{}: tensors `t2d` and `d2t` disagree: {detail} (the ids `t2d` selects, ascending, must equal \
@@ -407,6 +413,29 @@ fn rank1(
         }
     };
     Err(TensorFileError::tensor(file.path(), name, problem))
+}
+
+/// The draft vocabulary a run of `plan` trains with: the file `given` (the drafter's `vocab_map`) checked against
+/// the plan's `draft_vocab` and `vocab`; without one, the identity when the draft vocabulary is the whole target
+/// vocabulary (SpecForge installs no map then; its rule would give the identity too), else SpecForge's rule over
+/// the counts of the plan's source ([`count_source_tokens`], refused for a stream).
+///
+/// # Errors
+/// [`VocabMapError`]: not an `eagle3` plan, an unreadable or mismatched file, a source that cannot be counted.
+pub fn resolve_vocab_map(plan: &Plan, given: Option<&Path>) -> Result<VocabMap, VocabMapError> {
+    let Some(spec) = plan.model.spec.as_eagle3() else {
+        return Err(VocabMapError::NotEagle3 {
+            family: plan.model.spec.kind(),
+        });
+    };
+    match given {
+        Some(path) => VocabMap::read(path, Some((spec.draft_vocab, spec.vocab))),
+        None if spec.draft_vocab == spec.vocab => Ok(VocabMap::identity(spec.vocab)),
+        None => {
+            let (counts, _) = count_source_tokens(plan, None)?;
+            VocabMap::from_counts(&counts, spec.draft_vocab)
+        }
+    }
 }
 
 /// Counts the loss-masked tokens of `plan`'s source: for files, every sequence of one epoch in file order (the
