@@ -31,8 +31,8 @@ pub enum Command {
     Eval(EvalArgs),
     /// Predict a plan's throughput and bottleneck with a discrete-event model, and what `--set` what-ifs change.
     Simulate(SimulateArgs),
-    /// Check that SGLang and vLLM would load a `dflash` export, by their DFlash loaders' rules (exit 1 when an
-    /// engine would not load it).
+    /// Check that SGLang and vLLM would load a `dflash` or `eagle3` export, by their loaders' rules (exit 1 when
+    /// an engine would not load it).
     ExportCheck(ExportCheckArgs),
     /// Count the loss-masked tokens of an `eagle3` pipeline's source and write its draft vocabulary (`d2t`,
     /// `t2d`, SpecForge's rule) for the pipeline's `vocab_map`.

@@ -1,4 +1,5 @@
-//! The `eagle3` drafter family (SpecForge's offline EAGLE-3): its draft vocabulary maps here; the training
-//! step and the export join this folder.
+//! The `eagle3` drafter family (SpecForge's offline EAGLE-3): its draft vocabulary maps and its export here; the
+//! training step joins this folder.
 
+pub mod export;
 pub mod vocab;
