@@ -18,7 +18,7 @@ use criterion::{
     BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime,
 };
 use draftpipe_compiler::plan::MlpSpec;
-use draftpipe_runtime::cpu::{HeadLoss, head_loss, kernels};
+use draftpipe_runtime::backend::cpu::{HeadLoss, head_loss, kernels};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -223,7 +223,7 @@ fn dflash_ranges(
 
 fn bench_attention(c: &mut Criterion) {
     use draftpipe_runtime::backend::AttentionShape;
-    use draftpipe_runtime::cpu::attention::{
+    use draftpipe_runtime::backend::cpu::attention::{
         AttentionGradSlices, AttentionSlices, HostKernels, attention_backward, attention_forward,
     };
     let (sequences, len, anchors, block) = (4, 256, 32, 4);

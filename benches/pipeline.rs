@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use draftpipe_compiler::compile_source;
 use draftpipe_compiler::plan::Plan;
+use draftpipe_runtime::backend::cpu::HostThreads;
 use draftpipe_runtime::batch::HsBatch;
-use draftpipe_runtime::cpu::{CpuDrafter, HostThreads};
+use draftpipe_runtime::drafter::cpu::CpuDrafter;
 use draftpipe_runtime::params::FlatState;
 use draftpipe_runtime::pipeline::{RunOptions, run};
 use draftpipe_runtime::source::{BatchPool, Producer, open_sources};

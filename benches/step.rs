@@ -23,9 +23,10 @@ use draftpipe_compiler::plan::{
     Precision, WorkspaceLayout,
 };
 use draftpipe_runtime::backend::cpu::CpuBackend;
+use draftpipe_runtime::backend::cpu::{HostThreads, matmul};
 use draftpipe_runtime::batch::{HsBatch, HsData};
-use draftpipe_runtime::cpu::{CpuDrafter, HostThreads, matmul};
 use draftpipe_runtime::drafter::Drafter;
+use draftpipe_runtime::drafter::cpu::CpuDrafter;
 use draftpipe_runtime::params::FlatState;
 
 const SPEC: MlpSpec = MlpSpec {

@@ -471,7 +471,7 @@ fn ctrl_c_finishes_the_step_saves_and_exits_130() {
 fn a_gpu_drafter_without_a_usable_gpu_is_a_clear_error() {
     // Ordinals 5..8 do not all exist on a machine with fewer than 8 GPUs (the GPU machine has one), so this
     // runs, and must fail, wherever it runs; only an 8-GPU machine would start training instead.
-    if let Ok(devices) = draftpipe_runtime::cuda::discover_devices()
+    if let Ok(devices) = draftpipe_runtime::backend::cuda::discover_devices()
         && devices.len() >= 8
     {
         eprintln!("skipped: this machine has gpu 5..7, so the GPU drafter would start training");
@@ -510,9 +510,9 @@ fn a_gpu_drafter_without_a_usable_gpu_is_a_clear_error() {
 /// reports. Skips only without a CUDA driver, and not at all under `DRAFTPIPE_REQUIRE_GPU=1`.
 #[test]
 fn a_gpu_pipeline_trains_end_to_end() {
-    match draftpipe_runtime::cuda::discover_devices() {
+    match draftpipe_runtime::backend::cuda::discover_devices() {
         Ok(devices) if !devices.is_empty() => {}
-        Err(draftpipe_runtime::cuda::CudaError::NoDriver) | Ok(_) => {
+        Err(draftpipe_runtime::backend::cuda::CudaError::NoDriver) | Ok(_) => {
             assert!(
                 std::env::var("DRAFTPIPE_REQUIRE_GPU").as_deref() != Ok("1"),
                 "DRAFTPIPE_REQUIRE_GPU=1 but no CUDA device"

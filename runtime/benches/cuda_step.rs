@@ -31,10 +31,11 @@ use draftpipe_compiler::plan::{
     AdamWSpec, BucketPlan, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
-use draftpipe_runtime::batch::{HsBatch, HsDtype};
-use draftpipe_runtime::cuda::{
-    CudaDrafter, DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
+use draftpipe_runtime::backend::cuda::{
+    DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
 };
+use draftpipe_runtime::batch::{HsBatch, HsDtype};
+use draftpipe_runtime::drafter::cuda::CudaDrafter;
 use draftpipe_runtime::params::FlatState;
 
 const REPS: usize = 15;

@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, result as driver};
-use draftpipe_runtime::cuda::{DevicePtr, KernelModule, Launcher, discover_devices, open_device};
+use draftpipe_runtime::backend::cuda::{
+    DevicePtr, KernelModule, Launcher, discover_devices, open_device,
+};
 
 const REPS: usize = 15;
 const ROWS: usize = 4096;

@@ -256,6 +256,10 @@ pub struct HsBatch {
     pub din: usize,
     /// Hidden states, row-major `[sequences × padded_len, din]`; padding rows are zero.
     pub hs: HsData,
+    /// The target's final-norm output (what its `lm_head` reads), row-major `[sequences × padded_len, hidden]`
+    /// in the same dtype as `hs`, padding rows zero: EAGLE-3's teacher. `None` when the plan's drafter does not
+    /// read it (mlp, dflash).
+    pub last_hidden_states: Option<HsData>,
     /// Token ids, `[sequences × padded_len]`; padding positions hold 0.
     pub input_ids: Vec<u32>,
     /// Real length of each sequence (`≤ padded_len`); positions past it are padding.
@@ -280,11 +284,24 @@ impl HsBatch {
             sequences,
             din,
             hs: HsData::zeroed(dtype, tokens * din),
+            last_hidden_states: None,
             input_ids: vec![0; tokens],
             seq_lens: vec![0; sequences],
             loss_mask: vec![0; tokens],
             source_position: 0,
         }
+    }
+
+    /// The batch with a zeroed `last_hidden_states` of `hidden` per token, in the dtype of `hs`.
+    pub fn with_last_hidden_states(mut self, hidden: usize) -> Self {
+        self.last_hidden_states = Some(HsData::zeroed(self.hs.dtype(), self.tokens() * hidden));
+        self
+    }
+
+    /// Width of one token's `last_hidden_states`, when the batch has them.
+    pub fn last_hidden(&self) -> Option<usize> {
+        let last = self.last_hidden_states.as_ref()?;
+        Some(last.len() / self.tokens().max(1))
     }
 
     /// Tokens in the padded batch.
@@ -294,7 +311,12 @@ impl HsBatch {
 
     /// Bytes this batch's buffers hold room for (their capacities, not their lengths).
     pub fn allocated_bytes(&self) -> u64 {
+        let last = self
+            .last_hidden_states
+            .as_ref()
+            .map_or(0, |last| last.capacity() * last.dtype().bytes());
         let bytes = self.hs.capacity() * self.hs.dtype().bytes()
+            + last
             + self.input_ids.capacity() * size_of::<u32>()
             + self.seq_lens.capacity() * size_of::<u32>()
             + self.loss_mask.capacity();

@@ -10,8 +10,6 @@ pub mod allreduce;
 pub mod backend;
 pub mod batch;
 pub mod checkpoint;
-pub mod cpu;
-pub mod cuda;
 pub mod drafter;
 pub mod eval;
 pub mod export_check;

@@ -11,7 +11,7 @@ mod cpu_step_support;
 
 use cpu_step_support::*;
 use draftpipe_compiler::plan::MlpSpec;
-use draftpipe_runtime::cpu::CpuDrafter;
+use draftpipe_runtime::drafter::cpu::CpuDrafter;
 use draftpipe_runtime::params::FlatState;
 use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;

@@ -5,10 +5,9 @@ use draftpipe_compiler::plan::{
     AdamWSpec, BucketPlan, HsDtype, LaunchMode, LossSpec, LrSchedule, MlpSpec, ModelPlan, Precision,
 };
 use draftpipe_runtime::backend::BackendError;
-use draftpipe_runtime::cuda::{
-    CudaDrafter, CudaError, EMBEDDED_PTX, discover_devices, embedded_ptx,
-};
+use draftpipe_runtime::backend::cuda::{CudaError, EMBEDDED_PTX, discover_devices, embedded_ptx};
 use draftpipe_runtime::drafter::DrafterError;
+use draftpipe_runtime::drafter::cuda::CudaDrafter;
 
 #[test]
 fn no_driver_is_an_error_not_a_panic() {
@@ -103,7 +102,7 @@ fn embedded_ptx_accessor_reports_the_build_reason() {
 fn drafters_can_move_to_their_own_threads() {
     fn assert_send<T: Send>() {}
     assert_send::<CudaDrafter>();
-    assert_send::<draftpipe_runtime::cuda::GradientAllReduce>();
+    assert_send::<draftpipe_runtime::backend::cuda::GradientAllReduce>();
 }
 
 /// With a device: opens cuBLAS (a handle) and NCCL, then prints the CUDA library files this process mapped, so
@@ -111,7 +110,7 @@ fn drafters_can_move_to_their_own_threads() {
 /// `DRAFTPIPE_REQUIRE_GPU=1`, where a missing driver, device, cuBLAS or NCCL fails.
 #[test]
 fn gpu_libraries_load_and_are_named() {
-    use draftpipe_runtime::cuda::{Gemm, GradientAllReduce, open_device};
+    use draftpipe_runtime::backend::cuda::{Gemm, GradientAllReduce, open_device};
 
     let require = std::env::var("DRAFTPIPE_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let devices = match discover_devices() {

@@ -9,8 +9,9 @@ mod cpu_step_support;
 
 use cpu_step_support::{adamw, bucket, loss, model, random_batch};
 use draftpipe_compiler::plan::{LaunchMode, MlpSpec, Precision};
+use draftpipe_runtime::backend::cuda::{GradientAllReduce, discover_devices};
 use draftpipe_runtime::batch::{HsBatch, HsDtype};
-use draftpipe_runtime::cuda::{CudaDrafter, GradientAllReduce, discover_devices};
+use draftpipe_runtime::drafter::cuda::CudaDrafter;
 use draftpipe_runtime::params::FlatState;
 use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;

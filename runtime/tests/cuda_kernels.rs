@@ -13,8 +13,8 @@ mod common;
 use common::{assert_close, download, gpu_or_skip, poisoned, rng, uniform, upload};
 use draftpipe_gpu_kernels::adamw;
 use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
-use draftpipe_runtime::cpu::kernels::launch;
-use draftpipe_runtime::cuda::{Gemm, HalfType, KernelModule, Launcher, Op};
+use draftpipe_runtime::backend::cpu::kernels::launch;
+use draftpipe_runtime::backend::cuda::{Gemm, HalfType, KernelModule, Launcher, Op};
 use rand::RngExt;
 
 fn launcher(test: &str) -> Option<Launcher> {

@@ -408,7 +408,7 @@ test_device!(a_resume_draws_the_same_anchors);
 #[test]
 fn a_step_split_over_the_drafters_threads_equals_one_on_a_single_thread() {
     use backends::Cpu;
-    use draftpipe_runtime::cpu::HostThreads;
+    use draftpipe_runtime::backend::cpu::HostThreads;
 
     let spec = DflashSpec {
         hidden: 32,

@@ -6,7 +6,7 @@
 //! within `1e-6` of the largest moment.
 
 use draftpipe_compiler::plan::{AdamWSpec, LrSchedule, MlpSpec, ModelPlan};
-use draftpipe_runtime::cpu::CpuDrafter;
+use draftpipe_runtime::drafter::cpu::CpuDrafter;
 use draftpipe_runtime::params::FlatState;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};

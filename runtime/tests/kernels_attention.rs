@@ -486,7 +486,7 @@ fn backward_trials(mut backward: impl FnMut(&Case, &Plan, &[f32]) -> [Vec<f32>; 
 /// GPU runs, pass the same checks on the host through their generated launchers.
 mod kernel_table_bodies {
     use super::*;
-    use draftpipe_runtime::cpu::attention::{
+    use draftpipe_runtime::backend::cpu::attention::{
         AttentionGradSlices, AttentionSlices, HostKernels, attention_backward, attention_forward,
     };
 

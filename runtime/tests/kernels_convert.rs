@@ -6,7 +6,7 @@
 //! the output poisoned before each run.
 
 use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16, round_to_half};
-use draftpipe_runtime::cpu::kernels::launch;
+use draftpipe_runtime::backend::cpu::kernels::launch;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 

@@ -9,7 +9,7 @@
 //! one index per thread bitwise.
 
 use draftpipe_gpu_kernels::{activation, adamw, norm};
-use draftpipe_runtime::cpu::kernels;
+use draftpipe_runtime::backend::cpu::kernels;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
@@ -457,7 +457,7 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers() {
 fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
     use draftpipe_gpu_kernels::attention::{self, KEY_TILE, QUERY_TILE};
     use draftpipe_gpu_kernels::{embedding, loss};
-    use draftpipe_runtime::cpu::kernels::launch;
+    use draftpipe_runtime::backend::cpu::kernels::launch;
     use warp_on_threads::{Shared, launch as on_warps};
 
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(80);

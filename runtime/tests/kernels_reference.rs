@@ -5,7 +5,7 @@
 //! larger term (the two terms can cancel), weight gradient 1e-5, SwiGLU and head residual 2e-6 (forward and backward), fused loss row losses and gradients
 //! 2e-6, sums and norms 1e-6.
 
-use draftpipe_runtime::cpu::kernels;
+use draftpipe_runtime::backend::cpu::kernels;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 

@@ -16,7 +16,7 @@ use std::process::Command;
 
 use draftpipe_gpu_kernels::flash::{key_major_smem_bytes, query_major_smem_bytes};
 use draftpipe_gpu_kernels::table::FLASH_KERNELS;
-use draftpipe_runtime::cuda::{EMBEDDED_PTX, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS};
+use draftpipe_runtime::backend::cuda::{EMBEDDED_PTX, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS};
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")

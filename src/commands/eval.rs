@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
-use draftpipe_runtime::cpu::HostThreads;
+use draftpipe_runtime::backend::cpu::HostThreads;
 use draftpipe_runtime::eval::{
     EvalProgress, EvalTotals, eval_plan, evaluate_dataset, forward_only_model, frozen_tables,
     load_eval_weights, open_eval_data,

@@ -18,7 +18,6 @@
 pub mod attention;
 pub mod cpu;
 pub mod cuda;
-mod cuda_dflash;
 
 use std::marker::PhantomData;
 
@@ -30,8 +29,8 @@ pub use draftpipe_gpu_kernels::adamw::{
     SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR, Schedule,
 };
 
-use crate::batch::{HsBatch, HsDtype, HsSlice};
-use crate::cuda::CudaError;
+use crate::batch::{HsBatch, HsData, HsDtype, HsSlice};
+use cuda::error::CudaError;
 
 /// What a device buffer can hold.
 pub trait Element:
@@ -63,6 +62,15 @@ pub enum BackendError {
     /// f32 precision, whose layout holds them in f32).
     #[error("not supported by this backend: {0}")]
     Unsupported(String),
+}
+
+/// The error of staging a batch without `last_hidden_states` into a slot whose family reads them (the drafter's
+/// batch checks refuse such a batch first; this keeps a slot from training on the previous batch's teacher).
+pub(crate) fn missing_last_hidden_states() -> BackendError {
+    BackendError::Unsupported(
+        "a batch without last_hidden_states into an input slot that reads them (eagle3's teacher)"
+            .to_owned(),
+    )
 }
 
 /// Result of a backend operation.
@@ -372,6 +380,8 @@ pub struct StepResults {
 pub struct HostBatch<'a> {
     /// Hidden states, in the batch's precision.
     pub hs: HsSlice<'a>,
+    /// The target's final-norm output `[tokens, hidden]` in the precision of `hs`, when the batch has it.
+    pub last_hidden_states: Option<HsSlice<'a>>,
     /// Token ids.
     pub input_ids: &'a [u32],
     /// Sequence lengths.
@@ -384,6 +394,7 @@ impl<'a> From<&'a HsBatch> for HostBatch<'a> {
     fn from(batch: &'a HsBatch) -> Self {
         Self {
             hs: batch.hs.as_slice(),
+            last_hidden_states: batch.last_hidden_states.as_ref().map(HsData::as_slice),
             input_ids: &batch.input_ids,
             seq_lens: &batch.seq_lens,
             loss_mask: &batch.loss_mask,
@@ -395,6 +406,9 @@ impl<'a> From<&'a HsBatch> for HostBatch<'a> {
 pub struct InputSlot<B: Backend> {
     /// Hidden states `[tokens, din]`, in the layout's precision for them.
     pub hs: HsBuf<B>,
+    /// The target's final-norm output `[tokens, hidden]` (`input{slot}.last_hs`), in the precision of `hs`;
+    /// `None` when the layout has none (the family does not read it).
+    pub last_hidden_states: Option<HsBuf<B>>,
     /// Token ids `[tokens]`.
     pub input_ids: Buf<B, u32>,
     /// Sequence lengths `[sequences]`.

@@ -9,6 +9,7 @@
 pub mod dflash;
 pub mod eagle3;
 pub mod mlp;
+pub mod step;
 pub mod update;
 
 use draftpipe_compiler::plan::{
@@ -17,9 +18,9 @@ use draftpipe_compiler::plan::{
 
 use crate::backend::{Backend, BackendResult, Buf, InputSlot};
 use crate::batch::HsDtype;
-use crate::cpu::PhaseTimes;
 use dflash::{Dflash, DflashOffsets};
-use mlp::{AllocateError, LayoutError, Mlp, MlpOffsets, StepShape};
+use mlp::{Mlp, MlpOffsets};
+use step::{AllocateError, LayoutError, PhaseTimes, StepShape};
 use update::FlatBuffers;
 
 /// Either model family, so the drafter and the worker loop are written once for both. An enum rather than a
@@ -187,6 +188,13 @@ impl<B: Backend> Model<B> {
         match self {
             Model::Mlp(m) => m.ws.inputs[0].hs.dtype(),
             Model::Dflash(m) => m.ws.inputs[0].hs.dtype(),
+        }
+    }
+
+    /// Width of one token's `last_hidden_states` (the target's final-norm output), when the family reads them.
+    pub fn last_hidden_width(&self) -> Option<usize> {
+        match self {
+            Model::Mlp(_) | Model::Dflash(_) => None,
         }
     }
 

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use draftpipe_compiler::plan::Device;
 
 use super::host_memory::HostMemoryError;
+use crate::backend::cuda::CudaError;
 use crate::checkpoint::CheckpointError;
-use crate::cuda::CudaError;
 use crate::drafter::DrafterError;
 use crate::queue::QueueConfigError;
 use crate::source::SourceError;

@@ -39,10 +39,10 @@ use draftpipe_compiler::plan::{Device, ModelSpec, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::HostThreads;
+use crate::backend::cuda::GradientAllReduce;
 use crate::batch::HsBatch;
 use crate::checkpoint::{ProducerRecord, load_checkpoint, load_initial_weights};
-use crate::cpu::HostThreads;
-use crate::cuda::GradientAllReduce;
 use crate::drafter::DrafterError;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};

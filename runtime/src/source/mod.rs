@@ -153,6 +153,7 @@ impl BucketShapes {
             sequences: 0,
             din: self.din,
             hs: HsData::with_capacity(self.hs_dtype, tokens * self.din),
+            last_hidden_states: None,
             input_ids: Vec::with_capacity(tokens),
             seq_lens: Vec::with_capacity(max_sequences),
             loss_mask: Vec::with_capacity(tokens),

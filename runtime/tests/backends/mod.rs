@@ -10,9 +10,10 @@ use draftpipe_compiler::plan::{
 };
 use draftpipe_runtime::backend::Backend;
 use draftpipe_runtime::backend::cpu::CpuBackend;
+use draftpipe_runtime::backend::cuda::{CudaBackend, CudaError, discover_devices};
 use draftpipe_runtime::batch::HsBatch;
-use draftpipe_runtime::cuda::{CudaBackend, CudaDrafter, CudaError, discover_devices};
 use draftpipe_runtime::drafter::Drafter;
+use draftpipe_runtime::drafter::cuda::CudaDrafter;
 use draftpipe_runtime::params::FlatState;
 
 /// A backend under test.

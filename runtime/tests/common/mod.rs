@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr as _, DeviceRepr, ValidAsZeroBits,
 };
-use draftpipe_runtime::cuda::{CudaError, DevicePtr, discover_devices, open_device};
+use draftpipe_runtime::backend::cuda::{CudaError, DevicePtr, discover_devices, open_device};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 

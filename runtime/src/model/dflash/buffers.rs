@@ -4,8 +4,8 @@
 
 use draftpipe_compiler::plan::WorkspaceLayout;
 
-use crate::backend::{Backend, Buf, Element, InputSlot};
-use crate::model::mlp::{AllocateError, MissingBuffer, input_slot};
+use crate::backend::{Backend, Buf, InputSlot};
+use crate::model::step::{AllocateError, input_slot, take_buffer as take};
 
 /// One input slot's block plan on the device (see [`super::blocks::BlockPlan`]).
 pub struct PlanSlot<B: Backend> {
@@ -109,16 +109,6 @@ impl<B: Backend> DflashWorkspace<B> {
         layout: &WorkspaceLayout,
         frozen: usize,
     ) -> Result<Self, AllocateError> {
-        fn take<B: Backend, T: Element>(
-            be: &mut B,
-            layout: &WorkspaceLayout,
-            name: &str,
-        ) -> Result<Buf<B, T>, AllocateError> {
-            let len = layout
-                .elements(name)
-                .ok_or_else(|| MissingBuffer(name.to_owned()))?;
-            Ok(be.alloc(len)?)
-        }
         let mut xs = Vec::new();
         while layout.elements(&format!("xs.{}", xs.len())).is_some() {
             xs.push(take(be, layout, &format!("xs.{}", xs.len()))?);

@@ -34,8 +34,7 @@ use crate::backend::{
     HsOperand, Operand, Precision,
 };
 use crate::batch::HsBatch;
-use crate::cpu::PhaseTimes;
-use crate::model::mlp::{AllocateError, StepShape};
+use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
 
 pub use blocks::{BlockGeometry, BlockPlan, PlanInput};

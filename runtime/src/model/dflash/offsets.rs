@@ -4,7 +4,7 @@
 
 use draftpipe_compiler::plan::{DflashSpec, ModelPlan, TensorView};
 
-use crate::model::mlp::LayoutError;
+use crate::model::step::LayoutError;
 
 /// Element offsets of one decoder layer's tensors.
 #[derive(Debug, Clone, Copy)]

@@ -3,9 +3,8 @@
 
 use draftpipe_compiler::plan::{MlpSpec, ModelPlan, TensorView, WorkspaceLayout};
 
-use draftpipe_compiler::workspace::Dtype;
-
-use crate::backend::{Backend, Buf, Element, HsBuf, InputSlot};
+use crate::backend::{Backend, Buf, InputSlot};
+use crate::model::step::{AllocateError, LayoutError, input_slot, take_buffer as take};
 
 /// Element offsets of one SwiGLU block's tensors in the flat buffers.
 #[derive(Debug, Clone, Copy)]
@@ -26,28 +25,6 @@ pub struct MlpOffsets {
     pub(super) norm: usize,
     pub(super) heads: Vec<usize>,
     pub(super) lm_head: usize,
-}
-
-/// The model plan cannot be trained by this step.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LayoutError {
-    /// A tensor is missing, has another shape, or `up` does not follow `gate`.
-    #[error("model layout: tensor {0} missing or mis-shaped")]
-    Tensor(String),
-    /// A dimension is zero.
-    #[error("model layout: a dimension is zero")]
-    EmptyDimension,
-    /// The plan's model family is not the one this step trains.
-    #[error("model `{0}` cannot be trained by this build yet (only `mlp` can)")]
-    Unsupported(&'static str),
-    /// The parameter count differs from the layout's.
-    #[error("model has {got} parameters, its layout {expected}")]
-    Parameters {
-        /// From the layout.
-        expected: usize,
-        /// From the plan.
-        got: usize,
-    },
 }
 
 impl MlpOffsets {
@@ -155,25 +132,10 @@ pub struct MlpWorkspace<B: Backend> {
     pub inputs: Vec<InputSlot<B>>,
 }
 
-/// The workspace layout lacks a buffer the step uses.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("workspace layout has no buffer `{0}`")]
-pub struct MissingBuffer(pub String);
-
 impl<B: Backend> MlpWorkspace<B> {
     /// Allocates every buffer `layout` lists for this backend's step (the layout's backend-specific entries,
     /// cuBLAS's workspace or the CPU's rounding buffers, are the backend's own).
     pub fn allocate(backend: &mut B, layout: &WorkspaceLayout) -> Result<Self, AllocateError> {
-        fn take<B: Backend, T: Element>(
-            backend: &mut B,
-            layout: &WorkspaceLayout,
-            name: &str,
-        ) -> Result<Buf<B, T>, AllocateError> {
-            let len = layout
-                .elements(name)
-                .ok_or_else(|| MissingBuffer(name.to_owned()))?;
-            Ok(backend.alloc(len)?)
-        }
         let mut xs = Vec::new();
         while layout.elements(&format!("xs.{}", xs.len())).is_some() {
             xs.push(take(backend, layout, &format!("xs.{}", xs.len()))?);
@@ -211,53 +173,4 @@ impl<B: Backend> MlpWorkspace<B> {
             inputs,
         })
     }
-}
-
-/// Allocates input slot `slot` of `layout` (every model's batch buffers; the hidden states in the layout's
-/// dtype of `input{slot}.hs`).
-///
-/// # Errors
-/// When the layout lacks a buffer or the backend cannot allocate.
-pub fn input_slot<B: Backend>(
-    backend: &mut B,
-    layout: &WorkspaceLayout,
-    slot: usize,
-) -> Result<InputSlot<B>, AllocateError> {
-    fn take<B: Backend, T: Element>(
-        backend: &mut B,
-        layout: &WorkspaceLayout,
-        name: &str,
-    ) -> Result<Buf<B, T>, AllocateError> {
-        let len = layout
-            .elements(name)
-            .ok_or_else(|| MissingBuffer(name.to_owned()))?;
-        Ok(backend.alloc(len)?)
-    }
-    let hs = format!("input{slot}.hs");
-    let dtype = layout
-        .buffers
-        .iter()
-        .find(|b| b.name == hs)
-        .map(|b| b.dtype);
-    Ok(InputSlot {
-        hs: match dtype {
-            Some(Dtype::Bf16) => HsBuf::Bf16(take(backend, layout, &hs)?),
-            Some(Dtype::F16) => HsBuf::F16(take(backend, layout, &hs)?),
-            _ => HsBuf::F32(take(backend, layout, &hs)?),
-        },
-        input_ids: take(backend, layout, &format!("input{slot}.input_ids"))?,
-        seq_lens: take(backend, layout, &format!("input{slot}.seq_lens"))?,
-        loss_mask: take(backend, layout, &format!("input{slot}.loss_mask"))?,
-    })
-}
-
-/// Why a model's buffers could not be allocated.
-#[derive(Debug, thiserror::Error)]
-pub enum AllocateError {
-    /// The layout lacks a buffer.
-    #[error(transparent)]
-    Missing(#[from] MissingBuffer),
-    /// The backend failed.
-    #[error(transparent)]
-    Backend(#[from] crate::backend::BackendError),
 }

@@ -17,34 +17,16 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{Backend, BackendResult, HsOperand, Operand, Precision};
-use crate::cpu::PhaseTimes;
+use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{Optimizer, UpdateBuffers, UpdateParts};
 
 mod buffers;
 
 pub use crate::model::update::FlatBuffers;
-pub use buffers::{
-    AllocateError, LayoutError, MissingBuffer, MlpOffsets, MlpWorkspace, input_slot,
-};
+pub use buffers::{MlpOffsets, MlpWorkspace};
 
 /// RMSNorm epsilon of the model (inside the square root: `x / sqrt(mean(x²) + eps)`).
 pub const RMS_EPS: f32 = 1e-6;
-
-/// Tokens and sequences of one step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepShape {
-    /// Padded length of every sequence.
-    pub padded_len: usize,
-    /// Sequences.
-    pub sequences: usize,
-}
-
-impl StepShape {
-    /// Tokens of the step.
-    pub fn tokens(&self) -> usize {
-        self.padded_len * self.sequences
-    }
-}
 
 /// The `mlp` drafter on one backend: its settings, state buffers and workspace.
 pub struct Mlp<B: Backend> {

@@ -1,44 +1,16 @@
-//! CUDA through `cudarc`: device discovery, the drafter kernels' PTX (built from `gpu-kernels` by `build.rs`),
-//! their launchers, cuBLAS and NCCL — what [`CudaBackend`] (in `crate::backend::cuda`) is made of.
-//!
-//! ```text
-//!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel) ──▶ Launcher
-//!  device discovery (never panics without a driver) ──▶ CudaContext ──▶ CudaBackend ──▶ CudaDrafter
-//! ```
-//!
-//! Everything loads at run time (`cudarc` with `dynamic-loading`, CUDA 13.0 library names): a binary built
-//! here runs on a machine without CUDA and answers with [`CudaError::NoDriver`] instead of failing to start.
-//! See `docs/gpu.md` for the PTX build, the checks and the GPU machine script.
-
-mod allreduce;
-mod blas;
-mod device;
-mod error;
-mod graphs;
-mod launch;
-mod module;
-mod nccl;
-mod staging;
-
-pub use crate::backend::cuda::CudaBackend;
-pub use allreduce::{GradientAllReduce, GroupAbort};
-pub use blas::{Gemm, HalfType, Op};
-pub use device::{CudaDeviceInfo, discover_devices, open_device};
-pub use error::CudaError;
-pub(crate) use graphs::{PartGraphs, PartRun, ended_capture};
-pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
-pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
-pub(crate) use staging::{PinnedInput, SlotHs, SlotPointers};
+//! The drafter on one CUDA device: [`Drafter::on_device`] opens the device's [`CudaBackend`] with the
+//! workspace the plan's model family lays out, and builds the backend-generic [`Drafter`] on it.
 
 use draftpipe_compiler::plan::{
     AdamWSpec, BackendKind, BucketPlan, HsDtype, LaunchMode, LossSpec, ModelPlan, Precision,
     WorkspaceLayout,
 };
 
+use super::{Drafter, DrafterError};
 use crate::backend::BackendError;
-use crate::drafter::{Drafter, DrafterError};
+use crate::backend::cuda::{CudaBackend, GradientAllReduce};
 
-/// The `mlp` drafter on one CUDA device: the backend-generic [`Drafter`] on a [`CudaBackend`].
+/// A drafter on one CUDA device: the backend-generic [`Drafter`] on a [`CudaBackend`].
 pub type CudaDrafter = Drafter<CudaBackend>;
 
 impl Drafter<CudaBackend> {

@@ -40,7 +40,7 @@ impl HostThreads {
     ///
     /// # Examples
     /// ```
-    /// assert!(draftpipe_runtime::cpu::HostThreads::drafter_threads() >= 1);
+    /// assert!(draftpipe_runtime::backend::cpu::HostThreads::drafter_threads() >= 1);
     /// ```
     pub fn drafter_threads() -> usize {
         std::env::var(GEMM_THREADS_VAR)
@@ -62,7 +62,7 @@ impl HostThreads {
     ///
     /// # Examples
     /// ```
-    /// use draftpipe_runtime::cpu::{HostThreads, kernels};
+    /// use draftpipe_runtime::backend::cpu::{HostThreads, kernels};
     ///
     /// let threads = HostThreads::new("doc", 2).unwrap();
     /// let inter = 64;

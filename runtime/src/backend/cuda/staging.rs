@@ -42,6 +42,8 @@ pub(crate) enum SlotHs {
 pub(crate) struct SlotPointers {
     /// Hidden states.
     pub hs: SlotHs,
+    /// The target's final-norm output, when the slot has it and the batch carries it.
+    pub last_hidden_states: Option<SlotHs>,
     /// Token ids.
     pub input_ids: DevicePtr<u32>,
     /// Sequence lengths.
@@ -53,27 +55,40 @@ pub(crate) struct SlotPointers {
 /// Pinned host staging for one input slot.
 pub(crate) struct PinnedInput {
     hs: PinnedHs,
+    /// Staging of `last_hidden_states`, in the precision of `hs`, when the slot has them.
+    last_hidden_states: Option<PinnedHs>,
     input_ids: PinnedHostSlice<u32>,
     seq_lens: PinnedHostSlice<u32>,
     loss_mask: PinnedHostSlice<u8>,
 }
 
 impl PinnedInput {
-    /// Staging for a slot of `tokens` tokens of `din` hidden states held in `hs`, and `sequences` sequences.
+    /// Staging for a slot of `tokens` tokens of `din` hidden states held in `hs`, and `sequences` sequences;
+    /// with `last_hidden` (the width of `last_hidden_states`) when the slot holds those too.
     pub(crate) fn new(
         ctx: &Arc<CudaContext>,
         hs: HsDtype,
         (tokens, din, sequences): (usize, usize, usize),
+        last_hidden: Option<usize>,
     ) -> Result<Self, CudaError> {
-        let len = tokens * din;
         // SAFETY: the pinned buffers are plain numbers, written by the host before each upload.
-        unsafe {
-            Ok(Self {
-                hs: match hs {
+        let pinned_hs = |len: usize| -> Result<PinnedHs, CudaError> {
+            unsafe {
+                Ok(match hs {
                     HsDtype::F32 => PinnedHs::F32(ctx.alloc_pinned(len)?),
                     HsDtype::Bf16 => PinnedHs::Bf16(ctx.alloc_pinned(len)?),
                     HsDtype::F16 => PinnedHs::F16(ctx.alloc_pinned(len)?),
-                },
+                })
+            }
+        };
+        let last_hidden_states = last_hidden
+            .map(|hidden| pinned_hs(tokens * hidden))
+            .transpose()?;
+        // SAFETY: as above.
+        unsafe {
+            Ok(Self {
+                hs: pinned_hs(tokens * din)?,
+                last_hidden_states,
                 input_ids: ctx.alloc_pinned(tokens)?,
                 seq_lens: ctx.alloc_pinned(sequences)?,
                 loss_mask: ctx.alloc_pinned(tokens)?,
@@ -99,35 +114,17 @@ impl PinnedInput {
     ) -> BackendResult {
         // SAFETY (each call): the caller's contract.
         unsafe {
-            match (&mut self.hs, slot.hs, batch.hs) {
-                (PinnedHs::Bf16(staging), SlotHs::Bf16(dst), HsSlice::Bf16(src)) => {
-                    copy_async("hs", staging, src, dst, stream)?
+            stage_hs("hs", &mut self.hs, slot.hs, batch.hs, stream)?;
+            match (
+                &mut self.last_hidden_states,
+                slot.last_hidden_states,
+                batch.last_hidden_states,
+            ) {
+                (Some(staging), Some(dst), Some(src)) => {
+                    stage_hs("last_hidden_states", staging, dst, src, stream)?
                 }
-                (PinnedHs::F16(staging), SlotHs::F16(dst), HsSlice::F16(src)) => {
-                    copy_async("hs", staging, src, dst, stream)?
-                }
-                (PinnedHs::F32(staging), SlotHs::F32(dst), src) => {
-                    let n = src.len();
-                    check_len("hs", dst.len(), n)?;
-                    src.widen_into(&mut staging.as_mut_slice().map_err(CudaError::from)?[..n]);
-                    enqueue_htod(
-                        &staging.as_slice().map_err(CudaError::from)?[..n],
-                        dst,
-                        stream,
-                    )?;
-                }
-                (staging, _, src) => {
-                    let slot = match staging {
-                        PinnedHs::F32(_) => HsDtype::F32,
-                        PinnedHs::Bf16(_) => HsDtype::Bf16,
-                        PinnedHs::F16(_) => HsDtype::F16,
-                    };
-                    return Err(BackendError::Unsupported(format!(
-                        "{} hidden states into a {} input slot (it would round them)",
-                        src.dtype().name(),
-                        slot.name()
-                    )));
-                }
+                (_, None, _) => {}
+                _ => return Err(crate::backend::missing_last_hidden_states()),
             }
             copy_async(
                 "input_ids",
@@ -153,6 +150,54 @@ impl PinnedInput {
         }
         Ok(())
     }
+}
+
+/// Writes hidden states `src` into `staging` (as they are, or widened exactly into an f32 slot) and enqueues
+/// their copy into `dst`. Fails with [`BackendError::Unsupported`] when the copy would round them.
+///
+/// # Safety
+/// As [`PinnedInput::enqueue`], for `dst`.
+unsafe fn stage_hs(
+    what: &'static str,
+    staging: &mut PinnedHs,
+    dst: SlotHs,
+    src: HsSlice<'_>,
+    stream: CUstream,
+) -> BackendResult {
+    // SAFETY (each call): the caller's contract.
+    unsafe {
+        match (staging, dst, src) {
+            (PinnedHs::Bf16(staging), SlotHs::Bf16(dst), HsSlice::Bf16(src)) => {
+                copy_async(what, staging, src, dst, stream)?
+            }
+            (PinnedHs::F16(staging), SlotHs::F16(dst), HsSlice::F16(src)) => {
+                copy_async(what, staging, src, dst, stream)?
+            }
+            (PinnedHs::F32(staging), SlotHs::F32(dst), src) => {
+                let n = src.len();
+                check_len(what, dst.len(), n)?;
+                src.widen_into(&mut staging.as_mut_slice().map_err(CudaError::from)?[..n]);
+                enqueue_htod(
+                    &staging.as_slice().map_err(CudaError::from)?[..n],
+                    dst,
+                    stream,
+                )?;
+            }
+            (staging, _, src) => {
+                let slot = match staging {
+                    PinnedHs::F32(_) => HsDtype::F32,
+                    PinnedHs::Bf16(_) => HsDtype::Bf16,
+                    PinnedHs::F16(_) => HsDtype::F16,
+                };
+                return Err(BackendError::Unsupported(format!(
+                    "{} {what} into a {} input slot (it would round them)",
+                    src.dtype().name(),
+                    slot.name()
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_len(what: &'static str, slot: usize, batch: usize) -> Result<(), CudaError> {

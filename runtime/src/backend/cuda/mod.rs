@@ -28,7 +28,41 @@
 //! value the tensor cores would have used at `bf16` precision anyway, for bf16 hidden states. At f32 or TF32
 //! the layout keeps f32 slots and the host widens while staging (cuBLAS has no 16-bit × f32 product).
 //!
+//! What the backend is made of lives beside it, all through `cudarc`: device discovery ([`discover_devices`],
+//! never panics without a driver), the kernels' PTX (built from `gpu-kernels` by `build.rs`, loaded as one
+//! [`KernelModule`]) and their generated [`Launcher`], the DFlash launches (`dflash.rs`), cuBLAS ([`Gemm`]),
+//! NCCL ([`GradientAllReduce`]), the captured graphs and the pinned staging of an input slot.
+//!
+//! ```text
+//!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel) ──▶ Launcher
+//!  device discovery ──▶ CudaContext ──▶ CudaBackend (the drafter on it: `crate::drafter::cuda`)
+//! ```
+//!
+//! Everything loads at run time (`cudarc` with `dynamic-loading`, CUDA 13.0 library names): a binary built
+//! here runs on a machine without CUDA and answers with [`CudaError::NoDriver`] instead of failing to start.
+//! See `docs/gpu.md` for the PTX build, the checks and the GPU machine script.
+//!
 //! None of this has run on a GPU yet (the session that wrote it had none); `scripts/gpu-check.sh` runs it.
+
+mod allreduce;
+mod blas;
+mod device;
+mod dflash;
+pub(super) mod error;
+mod graphs;
+mod launch;
+mod module;
+mod nccl;
+mod staging;
+
+pub use allreduce::{GradientAllReduce, GroupAbort};
+pub use blas::{Gemm, HalfType, Op};
+pub use device::{CudaDeviceInfo, discover_devices, open_device};
+pub use error::CudaError;
+use graphs::{PartGraphs, PartRun, ended_capture};
+pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
+pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
+use staging::{PinnedInput, SlotHs, SlotPointers};
 
 use std::sync::Arc;
 
@@ -46,17 +80,12 @@ use draftpipe_compiler::workspace::{
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
 
-use super::cuda_dflash as dflash;
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
     BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
-    Operand, Precision, Src, StepPart, StepResults, gemm_shape,
+    Operand, Precision, Src, StepPart, StepResults, gemm_shape, missing_last_hidden_states,
 };
 use crate::batch::HsDtype;
-use crate::cuda::{
-    CudaError, DevicePtr, Gemm, GradientAllReduce, HalfType, KernelModule, Launcher, Op,
-    PartGraphs, PartRun, PinnedInput, SlotHs, SlotPointers, ended_capture, open_device,
-};
 
 /// A device allocation and its address (taken once: event tracking is off, so the address is all we need).
 pub struct DeviceBuffer<T> {
@@ -65,14 +94,14 @@ pub struct DeviceBuffer<T> {
 }
 
 /// The typed device pointer of a read view: its first element and its length.
-pub(super) fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
+fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: a view lies inside its buffer's allocation (checked when the view was made).
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
 }
 
 /// The typed device pointer of a write view.
-pub(super) fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
+fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: as for `ptr`.
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
@@ -170,8 +199,11 @@ impl CudaBackend {
         let (tokens, sequences) = (layout.tokens, layout.sequences);
         let din = layout.elements("input0.hs").unwrap_or(0) / tokens.max(1);
         let slot_hs = hs_dtype(layout, "input0.hs").unwrap_or(HsDtype::F32);
+        let last_hidden = layout
+            .elements("input0.last_hs")
+            .map(|len| len / tokens.max(1));
         let pinned = (0..layout.input_slots)
-            .map(|_| PinnedInput::new(&ctx, slot_hs, (tokens, din, sequences)))
+            .map(|_| PinnedInput::new(&ctx, slot_hs, (tokens, din, sequences), last_hidden))
             .collect::<Result<Vec<_>, _>>()?;
         let half_operand = match (
             hs_dtype(layout, "gemm_hs_operand"),
@@ -331,6 +363,15 @@ impl Drop for CudaBackend {
     }
 }
 
+/// The device address of the first `n` hidden states of `slot`, in their precision.
+fn slot_hs_pointer(slot: &mut HsBuf<CudaBackend>, n: usize) -> SlotHs {
+    match slot {
+        HsBuf::F32(b) => SlotHs::F32(ptr_mut(b.at_mut(0, n))),
+        HsBuf::Bf16(b) => SlotHs::Bf16(ptr_mut(b.at_mut(0, n))),
+        HsBuf::F16(b) => SlotHs::F16(ptr_mut(b.at_mut(0, n))),
+    }
+}
+
 impl Backend for CudaBackend {
     type Raw<T: Element> = DeviceBuffer<T>;
 
@@ -407,12 +448,15 @@ impl Backend for CudaBackend {
             .map_err(CudaError::from)?;
         let tokens = batch.input_ids.len();
         let n = batch.hs.len();
+        let last_hidden_states = match (&mut input.last_hidden_states, batch.last_hidden_states) {
+            (Some(slot), Some(last)) => Some(slot_hs_pointer(slot, last.len())),
+            (Some(_), None) => return Err(missing_last_hidden_states()),
+            // A family that does not read them leaves them on the host.
+            (None, _) => None,
+        };
         let slot_pointers = SlotPointers {
-            hs: match &mut input.hs {
-                HsBuf::F32(b) => SlotHs::F32(ptr_mut(b.at_mut(0, n))),
-                HsBuf::Bf16(b) => SlotHs::Bf16(ptr_mut(b.at_mut(0, n))),
-                HsBuf::F16(b) => SlotHs::F16(ptr_mut(b.at_mut(0, n))),
-            },
+            hs: slot_hs_pointer(&mut input.hs, n),
+            last_hidden_states,
             input_ids: ptr_mut(input.input_ids.at_mut(0, tokens)),
             seq_lens: ptr_mut(input.seq_lens.at_mut(0, batch.seq_lens.len())),
             loss_mask: ptr_mut(input.loss_mask.at_mut(0, batch.loss_mask.len())),

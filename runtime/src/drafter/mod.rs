@@ -16,6 +16,9 @@
 //! and its outcome comes back at once. The gradient average runs between the two captured parts, never inside
 //! a graph (NCCL's graph rules; see `docs/gpu.md`).
 
+pub mod cpu;
+pub mod cuda;
+
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -23,8 +26,7 @@ use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Preci
 
 use crate::backend::{Backend, BackendError, HostBatch, StepPart};
 use crate::batch::{HsBatch, HsDtype};
-use crate::cpu::PhaseTimes;
-use crate::model::mlp::{AllocateError, LayoutError, StepShape};
+use crate::model::step::{AllocateError, LayoutError, PhaseTimes, StepShape};
 use crate::model::{BuildError, Model};
 use crate::params::FlatState;
 
@@ -91,6 +93,23 @@ pub enum StepError {
     /// The batch has no tokens.
     #[error("batch has no tokens")]
     EmptyBatch,
+    /// The drafter reads the target's final-norm output (EAGLE-3's teacher) and the batch has none.
+    #[error(
+        "batch has no last_hidden_states; this drafter's teacher reads them ([tokens, {hidden}], the target's \
+         final-norm output)"
+    )]
+    MissingLastHiddenStates {
+        /// Their width per token.
+        hidden: usize,
+    },
+    /// The batch's `last_hidden_states` are in another precision than its hidden states.
+    #[error("batch last_hidden_states are {got}, its hidden states {expected}")]
+    LastHiddenDtype {
+        /// The hidden states' precision.
+        expected: &'static str,
+        /// The last hidden states' precision.
+        got: &'static str,
+    },
     /// The batch's hidden states are in a precision the input slots cannot hold without rounding.
     #[error("batch hidden states are {got}, the drafter's input slots hold {expected}")]
     HsDtype {
@@ -458,6 +477,20 @@ impl<B: Backend> Drafter<B> {
             ("loss_mask", tokens, batch.loss_mask.len()),
             ("seq_lens", batch.sequences, batch.seq_lens.len()),
         ];
+        let mut sizes = sizes.to_vec();
+        if let Some(hidden) = self.model.last_hidden_width() {
+            let last = batch
+                .last_hidden_states
+                .as_ref()
+                .ok_or(StepError::MissingLastHiddenStates { hidden })?;
+            if last.dtype() != batch.hs.dtype() {
+                return Err(StepError::LastHiddenDtype {
+                    expected: batch.hs.dtype().name(),
+                    got: last.dtype().name(),
+                });
+            }
+            sizes.push(("last_hidden_states", tokens * hidden, last.len()));
+        }
         for (buffer, expected, got) in sizes {
             if expected != got {
                 return Err(StepError::BatchBuffer {

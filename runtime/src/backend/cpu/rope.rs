@@ -137,7 +137,7 @@ mod tests {
     fn rope_equals_the_kernel_tables_body_bit_for_bit() {
         let seed = rand::rng().random::<u64>();
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-        let threads = crate::cpu::HostThreads::new("test", 2).expect("threads");
+        let threads = crate::backend::cpu::HostThreads::new("test", 2).expect("threads");
         for trial in 0..8 {
             let (rows, heads) = (rng.random_range(1..300), rng.random_range(1..5));
             let head_dim = 2 * rng.random_range(1..=64);
@@ -148,7 +148,7 @@ mod tests {
                 .map(|_| rng.random_range(-2.0f32..2.0))
                 .collect();
             let mut table = x.clone();
-            crate::cpu::kernels::launch::rope(
+            crate::backend::cpu::kernels::launch::rope(
                 &positions,
                 &mut table,
                 rows,

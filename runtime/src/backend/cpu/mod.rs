@@ -1,10 +1,22 @@
-//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` (`crate::cpu::gemm`), every
-//! kernel to its host launcher (`crate::cpu::kernels`, AVX2 + FMA when the CPU has both). Everything runs at
-//! once on the calling thread, so a step's results are ready when the step returns.
+//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` ([`gemm`]), every kernel to
+//! its host launcher ([`kernels`], AVX2 + FMA when the CPU has both), attention and RoPE to their host bodies
+//! ([`attention`], [`rope`]). Everything runs at once on the calling thread (or the drafter's
+//! [`HostThreads`]), so a step's results are ready when the step returns.
 //!
 //! Reduced precisions are emulated: both operands of a product are rounded (bf16: round to nearest even, 8-bit
 //! mantissa; TF32: 10-bit) into two scratch buffers first, then multiplied in f32, which is what tensor cores
 //! compute up to the order of the f32 accumulation. So the backend-generic tests cover the GPU's numerics here.
+
+pub mod attention;
+pub(crate) mod gemm;
+mod head_loss;
+pub mod kernels;
+pub mod rope;
+mod threads;
+
+pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads, matmul};
+pub use head_loss::{HeadLoss, head_loss};
+pub use threads::HostThreads;
 
 use std::sync::Arc;
 
@@ -13,14 +25,13 @@ use draftpipe_compiler::plan::{BackendKind, WorkspaceLayout};
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
     BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
-    Operand, Precision, Src, StepPart, StepResults, gemm_shape,
+    Operand, Precision, Src, StepPart, StepResults, gemm_shape, missing_last_hidden_states,
 };
 use crate::allreduce::AllReduce;
 use crate::batch::HsSlice;
-use crate::cpu::attention::{self, AttentionGradSlices, AttentionSlices, HostKernels};
-use crate::cpu::gemm::{Mat, Strided, gemm, gemm_strided};
-use crate::cpu::kernels;
+use attention::{AttentionGradSlices, AttentionSlices, HostKernels};
 use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS};
+use gemm::{Mat, Strided, gemm, gemm_strided};
 
 /// The host as a backend. See the module docs.
 pub struct CpuBackend {
@@ -253,6 +264,25 @@ impl CpuBackend {
     }
 }
 
+/// Copies hidden states `src` into the front of `dst`: as they are in their own precision, widened exactly into
+/// an f32 slot (a layout made for f32); never rounded.
+fn stage_hs(dst: &mut HsBuf<CpuBackend>, src: HsSlice<'_>) -> BackendResult {
+    let n = src.len();
+    match (dst, src) {
+        (HsBuf::F32(dst), src) => src.widen_into(slice_mut(dst.at_mut(0, n))),
+        (HsBuf::Bf16(dst), HsSlice::Bf16(src)) => slice_mut(dst.at_mut(0, n)).copy_from_slice(src),
+        (HsBuf::F16(dst), HsSlice::F16(src)) => slice_mut(dst.at_mut(0, n)).copy_from_slice(src),
+        (dst, src) => {
+            return Err(BackendError::Unsupported(format!(
+                "{} hidden states into a {} input slot (it would round them)",
+                src.dtype().name(),
+                dst.dtype().name()
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Backend for CpuBackend {
     type Raw<T: Element> = Vec<T>;
 
@@ -289,23 +319,12 @@ impl Backend for CpuBackend {
         batch: HostBatch<'_>,
         input: &mut InputSlot<Self>,
     ) -> BackendResult {
-        let n = batch.hs.len();
-        match (&mut input.hs, batch.hs) {
-            // A narrower batch into an f32 slot (a layout made for f32) widens exactly.
-            (HsBuf::F32(dst), src) => src.widen_into(slice_mut(dst.at_mut(0, n))),
-            (HsBuf::Bf16(dst), HsSlice::Bf16(src)) => {
-                slice_mut(dst.at_mut(0, n)).copy_from_slice(src)
-            }
-            (HsBuf::F16(dst), HsSlice::F16(src)) => {
-                slice_mut(dst.at_mut(0, n)).copy_from_slice(src)
-            }
-            (dst, src) => {
-                return Err(BackendError::Unsupported(format!(
-                    "{} hidden states into a {} input slot (it would round them)",
-                    src.dtype().name(),
-                    dst.dtype().name()
-                )));
-            }
+        stage_hs(&mut input.hs, batch.hs)?;
+        match (&mut input.last_hidden_states, batch.last_hidden_states) {
+            (Some(dst), Some(src)) => stage_hs(dst, src)?,
+            (Some(_), None) => return Err(missing_last_hidden_states()),
+            // A family that does not read them leaves them on the host.
+            (None, _) => {}
         }
         slice_mut(input.input_ids.at_mut(0, batch.input_ids.len()))
             .copy_from_slice(batch.input_ids);
@@ -652,7 +671,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         inverse: bool,
     ) -> BackendResult {
-        crate::cpu::rope::rope(
+        rope::rope(
             slice_mut(x),
             slice(positions),
             theta,

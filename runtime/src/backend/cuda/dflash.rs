@@ -1,16 +1,15 @@
 //! The CUDA backend's launches of the DFlash kernels (embedding gather, RoPE, the weighted loss, attention),
-//! kept beside `cuda.rs` so that file stays one idea: the trait methods there call these. Each checks the
+//! kept beside the backend (`mod.rs`) so that file stays one idea: the trait methods there call these. Each checks the
 //! views' sizes (a mismatch is a bug in the model: it panics, as the CPU backend does) and enqueues on the
 //! compute stream through the generated [`Launcher`]; nothing syncs, so the calls can be captured in a graph.
 //! The ranges inside the block plan are device data and are not checked here; the kernels clamp them to their
 //! key sets, and the CPU backend checks them (the same plan runs through both in the tests).
 
-use super::attention::{AttentionSizes, check_backward_lens};
-use super::cuda::{CudaBackend, ptr, ptr_mut};
-use super::{
+use super::{CudaBackend, Launcher, ptr, ptr_mut};
+use crate::backend::attention::{AttentionSizes, check_backward_lens};
+use crate::backend::{
     AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, BackendResult, Dst, Src,
 };
-use crate::cuda::Launcher;
 
 pub(super) fn embedding_gather(
     kernels: &Launcher,

@@ -20,7 +20,7 @@
 use draftpipe_gpu_kernels::math::{exp, ln};
 
 use crate::backend::attention::AttentionShape;
-use crate::cpu::kernels::{SharedPtr, for_each_part};
+use crate::backend::cpu::kernels::{SharedPtr, for_each_part};
 
 /// Rows (queries or keys) per tile: the vector width of AVX2 in f32.
 pub const LANES: usize = 8;

@@ -7,45 +7,22 @@
 //!              forward │ fused loss │ backward                                         grad norm → clip → AdamW
 //! ```
 //!
-//! Matrix products go through `matrixmultiply` (`gemm.rs`); every other operation is a kernel body of
-//! `draftpipe-gpu-kernels`, the same source the CUDA backend compiles to PTX ([`kernels`]). The state's four
+//! Matrix products go through `matrixmultiply`; every other operation is a kernel body of
+//! `draftpipe-gpu-kernels`, the same source the CUDA backend compiles to PTX
+//! ([`kernels`](crate::backend::cpu::kernels)). The state's four
 //! vectors are swapped into the backend's buffers for the call and back out (no copy), so the step stays free of
 //! allocation in steady state.
-
-pub mod attention;
-pub(crate) mod gemm;
-mod head_loss;
-pub mod kernels;
-pub mod rope;
-mod threads;
-
-pub use crate::drafter::StepError;
-pub use crate::model::mlp::RMS_EPS;
-pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads, matmul};
-pub use head_loss::{HeadLoss, head_loss};
-pub use threads::HostThreads;
 
 use std::time::{Duration, Instant};
 
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision};
 
+use super::{Drafter, DrafterError, StepError};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, StepPart};
 use crate::batch::HsBatch;
-use crate::drafter::{Drafter, DrafterError};
-use crate::model::mlp::StepShape;
+use crate::model::step::{PhaseTimes, StepShape};
 use crate::params::FlatState;
-
-/// Wall-clock time of each phase of [`CpuDrafter::forward_backward`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PhaseTimes {
-    /// Forward pass up to the final norm.
-    pub forward: Duration,
-    /// Heads, fused vocabulary loss and the heads' backward, including their GEMMs and the `lm_head` gradient.
-    pub loss: Duration,
-    /// Backward from the final norm to the first layer.
-    pub backward: Duration,
-}
 
 /// What one forward/backward pass reports (the per-head label counts stay in the drafter:
 /// [`CpuDrafter::valid_labels`], so that a step returns nothing that allocates).
@@ -76,7 +53,7 @@ pub struct OptimizerReport {
 /// # Examples
 /// ```
 /// use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, LrSchedule, MlpSpec, ModelPlan};
-/// use draftpipe_runtime::{batch::HsBatch, cpu::CpuDrafter, params::FlatState};
+/// use draftpipe_runtime::{batch::HsBatch, drafter::cpu::CpuDrafter, params::FlatState};
 ///
 /// let spec = MlpSpec { din: 8, hidden: 8, blocks: 1, intermediate: 16, heads: 2, vocab: 32 };
 /// let model = ModelPlan::new(spec);
@@ -98,7 +75,7 @@ pub struct OptimizerReport {
 /// assert_eq!(drafter.valid_labels(), [6, 4]); // two sequences of 4: 3 labels each for head 0, 2 for head 1
 /// let report = drafter.optimizer_step(&mut state);
 /// assert!(!report.skipped && state.step == 1);
-/// # Ok::<(), draftpipe_runtime::cpu::StepError>(())
+/// # Ok::<(), draftpipe_runtime::drafter::StepError>(())
 /// ```
 pub struct CpuDrafter {
     /// `Err` when the model plan is not a canonical `mlp` layout: every step then answers
@@ -269,4 +246,121 @@ fn swap_state(drafter: &mut Drafter<CpuBackend>, state: &mut FlatState) -> Resul
     flat.exp_avg.swap_vec(&mut state.exp_avg);
     flat.exp_avg_sq.swap_vec(&mut state.exp_avg_sq);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The host launchers' AVX2 + FMA copies, their baseline copies and a threaded run train bit for bit alike
+    /// (a whole step, so every kernel the step launches is compared).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_baseline_and_threaded_launches_give_bit_identical_training_steps() {
+        use super::CpuDrafter;
+        use crate::backend::cpu::kernels::{BASELINE_ONLY, WIDE_LAUNCHES};
+        use crate::batch::HsBatch;
+        use crate::params::FlatState;
+        use draftpipe_compiler::plan::{
+            AdamWSpec, BucketPlan, LossSpec, LrSchedule, MlpSpec, ModelPlan,
+        };
+        use rand::rngs::Xoshiro256PlusPlus;
+        use rand::{RngExt, SeedableRng};
+
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            crate::log_line!(
+                "skipped: this CPU has no AVX2 + FMA, so only the baseline copies run"
+            );
+            return;
+        }
+        // Odd sizes, so every kernel runs its vector body and its remainder.
+        let spec = MlpSpec {
+            din: 37,
+            hidden: 44,
+            blocks: 2,
+            intermediate: 75,
+            heads: 3,
+            vocab: 301,
+        };
+        let model = ModelPlan::new(spec);
+        let (padded_len, sequences) = (29, 5);
+        let bucket = BucketPlan {
+            padded_len,
+            sequences,
+            tokens: padded_len * sequences,
+            step_flops: 0,
+            step_bytes: 0,
+        };
+        let loss = LossSpec {
+            head_decay: 0.8,
+            position_decay: None,
+            step_decay: None,
+            chunk_tokens: 50,
+        };
+        let optimizer = AdamWSpec {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            clip_grad_norm: Some(0.5),
+            schedule: LrSchedule::CONSTANT,
+        };
+        let seed = rand::rng().random::<u64>();
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let mut batch = HsBatch::zeroed(padded_len, sequences, spec.din);
+        for s in 0..sequences {
+            let len = rng.random_range(1..=padded_len);
+            batch.seq_lens[s] = len as u32;
+            for t in s * padded_len..s * padded_len + len {
+                batch.input_ids[t] = rng.random_range(0..spec.vocab as u32);
+                batch.loss_mask[t] = u8::from(rng.random_range(0..8) != 0);
+            }
+        }
+        batch
+            .hs
+            .as_f32_mut()
+            .expect("an f32 batch")
+            .iter_mut()
+            .for_each(|v| *v = rng.random_range(-2.0f32..2.0));
+
+        let train = |baseline: bool| {
+            BASELINE_ONLY.with(|only| only.set(baseline));
+            let mut drafter =
+                CpuDrafter::new(&model, loss, optimizer, std::slice::from_ref(&bucket));
+            let mut state = FlatState::init(&model, seed);
+            let mut trace = Vec::new();
+            for _ in 0..3 {
+                let out = drafter.forward_backward(&mut state, &batch).unwrap();
+                let report = drafter.optimizer_step(&mut state);
+                trace.push((out.loss.to_bits(), report.grad_norm.to_bits()));
+                trace.extend(state.grads.iter().map(|g| (g.to_bits(), 0)));
+            }
+            BASELINE_ONLY.with(|only| only.set(false));
+            let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (trace, bits(&state.params), bits(&state.exp_avg_sq))
+        };
+        let wide_before = WIDE_LAUNCHES.with(std::cell::Cell::get);
+        let wide = train(false);
+        let wide_launches = WIDE_LAUNCHES.with(std::cell::Cell::get) - wide_before;
+        let baseline = train(true);
+        assert!(
+            wide_launches > 0,
+            "the AVX2 + FMA copies never ran, so the comparison below would be vacuous"
+        );
+        assert_eq!(
+            WIDE_LAUNCHES.with(std::cell::Cell::get) - wide_before,
+            wide_launches,
+            "a baseline-only run took the AVX2 + FMA copies"
+        );
+        assert!(
+            wide == baseline,
+            "AVX2 and baseline steps differ (seed {seed})"
+        );
+        // The same steps with every launch and GEMM split over a drafter's threads.
+        let threads = crate::backend::cpu::HostThreads::new("test", 3).expect("threads");
+        let pooled = threads.run(|| train(false));
+        assert!(
+            wide == pooled,
+            "steps split over 3 threads differ from one thread's (seed {seed})"
+        );
+    }
 }

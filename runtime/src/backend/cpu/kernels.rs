@@ -32,7 +32,7 @@ pub const HOST_CHUNK: usize = 4096;
 #[cfg(target_arch = "x86_64")]
 fn simd_available() -> bool {
     #[cfg(test)]
-    if tests::BASELINE_ONLY.with(std::cell::Cell::get) {
+    if BASELINE_ONLY.with(std::cell::Cell::get) {
         return false;
     }
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
@@ -41,7 +41,9 @@ fn simd_available() -> bool {
 #[cfg(test)]
 thread_local! {
     /// Launches that took the AVX2 + FMA copies on this thread (the bit-identity test checks they ran).
-    static WIDE_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    pub(crate) static WIDE_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// Set by a test to make the launchers take their baseline copies on its thread.
+    pub(crate) static BASELINE_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Generates [`launch`]: one host launcher per kernel of the table. A launcher checks every slice against its
@@ -579,128 +581,5 @@ pub fn adamw_step_scalars(
         weight_decay,
         step_size: (lr as f64 / bc1) as f32,
         bias_correction2_sqrt: bc2.sqrt() as f32,
-    }
-}
-
-#[cfg(test)]
-pub(crate) mod tests {
-    use std::cell::Cell;
-
-    use super::WIDE_LAUNCHES;
-
-    thread_local! {
-        /// Set by a test to make the launchers take their baseline copies on its thread.
-        pub(crate) static BASELINE_ONLY: Cell<bool> = const { Cell::new(false) };
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx2_baseline_and_threaded_launches_give_bit_identical_training_steps() {
-        use crate::batch::HsBatch;
-        use crate::cpu::CpuDrafter;
-        use crate::params::FlatState;
-        use draftpipe_compiler::plan::{
-            AdamWSpec, BucketPlan, LossSpec, LrSchedule, MlpSpec, ModelPlan,
-        };
-        use rand::rngs::Xoshiro256PlusPlus;
-        use rand::{RngExt, SeedableRng};
-
-        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
-            crate::log_line!(
-                "skipped: this CPU has no AVX2 + FMA, so only the baseline copies run"
-            );
-            return;
-        }
-        // Odd sizes, so every kernel runs its vector body and its remainder.
-        let spec = MlpSpec {
-            din: 37,
-            hidden: 44,
-            blocks: 2,
-            intermediate: 75,
-            heads: 3,
-            vocab: 301,
-        };
-        let model = ModelPlan::new(spec);
-        let (padded_len, sequences) = (29, 5);
-        let bucket = BucketPlan {
-            padded_len,
-            sequences,
-            tokens: padded_len * sequences,
-            step_flops: 0,
-            step_bytes: 0,
-        };
-        let loss = LossSpec {
-            head_decay: 0.8,
-            position_decay: None,
-            step_decay: None,
-            chunk_tokens: 50,
-        };
-        let optimizer = AdamWSpec {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-            clip_grad_norm: Some(0.5),
-            schedule: LrSchedule::CONSTANT,
-        };
-        let seed = rand::rng().random::<u64>();
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-        let mut batch = HsBatch::zeroed(padded_len, sequences, spec.din);
-        for s in 0..sequences {
-            let len = rng.random_range(1..=padded_len);
-            batch.seq_lens[s] = len as u32;
-            for t in s * padded_len..s * padded_len + len {
-                batch.input_ids[t] = rng.random_range(0..spec.vocab as u32);
-                batch.loss_mask[t] = u8::from(rng.random_range(0..8) != 0);
-            }
-        }
-        batch
-            .hs
-            .as_f32_mut()
-            .expect("an f32 batch")
-            .iter_mut()
-            .for_each(|v| *v = rng.random_range(-2.0f32..2.0));
-
-        let train = |baseline: bool| {
-            BASELINE_ONLY.with(|only| only.set(baseline));
-            let mut drafter =
-                CpuDrafter::new(&model, loss, optimizer, std::slice::from_ref(&bucket));
-            let mut state = FlatState::init(&model, seed);
-            let mut trace = Vec::new();
-            for _ in 0..3 {
-                let out = drafter.forward_backward(&mut state, &batch).unwrap();
-                let report = drafter.optimizer_step(&mut state);
-                trace.push((out.loss.to_bits(), report.grad_norm.to_bits()));
-                trace.extend(state.grads.iter().map(|g| (g.to_bits(), 0)));
-            }
-            BASELINE_ONLY.with(|only| only.set(false));
-            let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            (trace, bits(&state.params), bits(&state.exp_avg_sq))
-        };
-        let wide_before = WIDE_LAUNCHES.with(std::cell::Cell::get);
-        let wide = train(false);
-        let wide_launches = WIDE_LAUNCHES.with(std::cell::Cell::get) - wide_before;
-        let baseline = train(true);
-        assert!(
-            wide_launches > 0,
-            "the AVX2 + FMA copies never ran, so the comparison below would be vacuous"
-        );
-        assert_eq!(
-            WIDE_LAUNCHES.with(std::cell::Cell::get) - wide_before,
-            wide_launches,
-            "a baseline-only run took the AVX2 + FMA copies"
-        );
-        assert!(
-            wide == baseline,
-            "AVX2 and baseline steps differ (seed {seed})"
-        );
-        // The same steps with every launch and GEMM split over a drafter's threads.
-        let threads = crate::cpu::HostThreads::new("test", 3).expect("threads");
-        let pooled = threads.run(|| train(false));
-        assert!(
-            wide == pooled,
-            "steps split over 3 threads differ from one thread's (seed {seed})"
-        );
     }
 }

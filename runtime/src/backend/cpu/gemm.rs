@@ -20,7 +20,7 @@ pub const GEMM_THREADS_VAR: &str = "MATMUL_NUM_THREADS";
 ///
 /// # Examples
 /// ```
-/// use draftpipe_runtime::cpu::gemm_threads;
+/// use draftpipe_runtime::backend::cpu::gemm_threads;
 ///
 /// assert_eq!(gemm_threads(2, 2), 1);
 /// assert_eq!(gemm_threads(16, 4), 4);
@@ -202,7 +202,7 @@ pub(crate) fn gemm_strided(
 /// ```
 /// let (a, b) = ([1.0, 2.0, 3.0, 4.0], [1.0, 0.0, 0.0, 1.0]);
 /// let mut c = [0.0; 4];
-/// draftpipe_runtime::cpu::matmul(&mut c, (&a, false), (&b, true), (2, 2, 2));
+/// draftpipe_runtime::backend::cpu::matmul(&mut c, (&a, false), (&b, true), (2, 2, 2));
 /// assert_eq!(c, [1.0, 2.0, 3.0, 4.0]);
 /// ```
 ///
