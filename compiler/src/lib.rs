@@ -6,8 +6,10 @@
 //! ```
 //!
 //! [`parse`] turns text into a spanned [`ast`]; the checks turn the AST into a [`plan::Plan`], plain data with
-//! everything the runtime needs, or into [`Diagnostics`] that list every error of the file. [`cost`] holds the
-//! cost and memory model the plan's figures come from, and [`summary`] renders a plan for people.
+//! everything the runtime needs, or into [`Diagnostics`] that list every error of the file. Each drafter family
+//! is one module under [`family`] (spec, argument checks, cost, workspace, tensor table), registered once;
+//! [`cost`] puts the families' figures together into the plan's cost and memory, and [`summary`] renders a
+//! plan for people.
 //!
 //! # Examples
 //!
@@ -33,7 +35,8 @@ pub mod ast;
 mod check;
 pub mod cost;
 pub mod diagnostic;
-mod eagle3;
+pub mod family;
+mod grammar;
 mod parse;
 pub mod plan;
 pub mod span;
@@ -44,8 +47,8 @@ pub mod workspace;
 use std::path::{Path, PathBuf};
 
 pub use check::{
-    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, MAX_DEVICES,
-    MAX_PARAMETERS, adamw_defaults, closest, device_name,
+    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY,
+    DEFAULT_STEP_DECAY, MAX_DEVICES, MAX_PARAMETERS, adamw_defaults, closest, device_name,
 };
 pub use diagnostic::{Diagnostic, Diagnostics};
 pub use parse::parse;

@@ -11,13 +11,9 @@ use pest::iterators::Pair;
 
 use crate::ast::*;
 use crate::diagnostic::{Diagnostic, Diagnostics};
+use crate::grammar::{PipeParser, Rule};
 use crate::span::Span;
 use crate::syntax;
-
-/// The pest parser generated from `grammar.pest`.
-#[derive(pest_derive::Parser)]
-#[grammar = "grammar.pest"]
-pub(crate) struct PipeParser;
 
 /// Values nest (lists of tuples of calls...); deeper than this is certainly a mistake, and refusing it keeps
 /// the recursive lowering's stack use bounded.

@@ -10,7 +10,7 @@ use pest::Parser as _;
 use pest::error::{Error, ErrorVariant, InputLocation};
 
 use crate::diagnostic::Diagnostic;
-use crate::parse::{PipeParser, Rule};
+use crate::grammar::{PipeParser, Rule};
 use crate::span::Span;
 
 /// Every syntax error found in `source`, given the error of the whole-file parse.

@@ -1,8 +1,9 @@
 //! Plan tests: the figures the runtime relies on (parameter count, flat layout, bucket shapes, memory per
 //! device, FLOPs), the documented defaults, and the checks that need a whole plan (memory limits).
 
+use draftpipe_compiler::compile_source;
+use draftpipe_compiler::family::mlp::cost;
 use draftpipe_compiler::plan::*;
-use draftpipe_compiler::{compile_source, cost};
 
 const QUICKSTART: &str = include_str!("../../pipelines/quickstart.pipe");
 /// The five-target, three-drafter topology with the mlp drafter at Qwen3-8B's target shapes.

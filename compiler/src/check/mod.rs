@@ -9,26 +9,28 @@
 //! recorded, so a file with errors yields all of them and no plan.
 
 mod devices;
-mod fields;
+pub(crate) mod fields;
 mod stages;
 mod suggest;
 pub use suggest::closest;
-mod values;
+pub(crate) mod values;
 
 use crate::ast::{
     PipelineDecl, PipelineFile, QueueSection, Section, StageSection, TelemetrySection,
 };
 use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
+use crate::family::{REGISTRY, TargetFacts};
 use crate::plan::{
-    DFLASH_RMS_NORM_EPS, DeclaredDevice, Device, DeviceMemory, DflashSpec, HostMemory, MlpSpec,
-    ModelPlan, ModelSpec, Plan, SourceSpec, StepPhase, SyncMode, TargetStage,
+    DeclaredDevice, Device, DeviceMemory, HostMemory, ModelPlan, Plan, SourceSpec, StepPhase,
+    SyncMode,
 };
 use crate::span::Span;
 
 pub use devices::{MAX_DEVICES, device_name};
 pub use stages::{
-    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY, adamw_defaults,
+    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY,
+    DEFAULT_STEP_DECAY, adamw_defaults,
 };
 
 type Errs = Vec<Diagnostic>;
@@ -138,14 +140,14 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         Some(name),
         Some(target),
         Some(queue),
-        Some((drafter, dims)),
+        Some((drafter, model)),
         Some(drafter_section),
         Some(telemetry),
     ) = stages
     else {
         return Err(errs);
     };
-    let spec = model_spec(&target, dims);
+    let spec = model.spec(&target);
     let too_large = |what: &str| {
         vec![
             Diagnostic::error(
@@ -158,7 +160,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
             )),
         ]
     };
-    if parameter_count_wide(&spec) > MAX_PARAMETERS {
+    if spec.family().parameter_count_wide() > MAX_PARAMETERS {
         return Err(too_large("parameter count"));
     }
     let buckets = cost::bucket_plans(&target, &queue, &spec, &drafter.loss)
@@ -230,40 +232,12 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     })
 }
 
-/// The model's dimensions: the drafter's, with input width and vocabulary (and for `dflash` the width) from the
-/// target.
-fn model_spec(target: &TargetStage, dims: stages::ModelDims) -> ModelSpec {
-    match dims {
-        stages::ModelDims::Mlp(dims) => ModelSpec::Mlp(MlpSpec {
-            din: target.hs_width(),
-            hidden: dims.hidden,
-            blocks: dims.blocks,
-            intermediate: dims.intermediate,
-            heads: dims.heads,
-            vocab: target.vocab,
-        }),
-        stages::ModelDims::Dflash(dims) => ModelSpec::Dflash(DflashSpec {
-            hidden: target.hidden,
-            taps: target.tap_layers.len(),
-            tap_layers: target.tap_layers.iter().map(|&l| l as usize).collect(),
-            vocab: target.vocab,
-            layers: dims.layers,
-            heads: dims.heads,
-            kv_heads: dims.kv_heads,
-            head_dim: dims.head_dim,
-            intermediate: dims.intermediate,
-            block: dims.block,
-            anchors: dims.anchors,
-            mask_token: dims.mask_token.0,
-            rope_theta: dims.rope_theta,
-            rms_norm_eps: DFLASH_RMS_NORM_EPS,
-        }),
-    }
-}
-
-/// Rules between the drafter's model and the target: the mask token is a token of the target's vocabulary; a
-/// `dflash` drafter reads the target's frozen embedding and `lm_head`, so a target that is not synthetic must
-/// say where they are, and an `mlp` (which trains its own head) must not be given any.
+/// Rules between the drafter's model and the target: the family's own ([`ModelArgs::check_against_target`],
+/// e.g. a token id inside the vocabulary), the number of taps a family fixes, and the target's frozen weights: a
+/// family that reads the target's embedding and `lm_head` needs a target that says where they are (or a
+/// synthetic one, which makes its own), and a family that trains its own head must not be given any.
+///
+/// [`ModelArgs::check_against_target`]: crate::family::ModelArgs::check_against_target
 fn check_model_against_target(
     target_section: &StageSection,
     target: &stages::TargetParts,
@@ -273,30 +247,63 @@ fn check_model_against_target(
     let Some(kind) = drafter.model_kind else {
         return;
     };
-    if let (Some(stages::ModelDims::Dflash(dims)), Some(vocab)) = (drafter.model, target.vocab) {
-        let (token, span) = dims.mask_token;
-        if token as usize >= vocab {
-            errs.push(
-                Diagnostic::error(
-                    span,
-                    format!(
-                        "`mask_token` {token} is outside the target's vocabulary of {vocab} tokens"
-                    ),
-                )
-                .label("not a token id")
-                .help(format!(
-                    "use the target's mask (or another unused) token id, below {vocab}"
-                )),
-            );
-        }
+    if let Some(model) = &drafter.model {
+        model.check_against_target(
+            &TargetFacts {
+                vocab: target.vocab,
+            },
+            errs,
+        );
+    }
+    let family = kind.family;
+    if let (Some(wanted), Some((taps, taps_span))) = (family.taps, &target.tap_layers_span)
+        && *taps != wanted
+    {
+        errs.push(
+            Diagnostic::error(
+                *taps_span,
+                format!(
+                    "{} `{}` drafter reads exactly {wanted} tapped layers; target `{}` taps {taps}",
+                    family.article,
+                    family.name,
+                    target_section.name.name
+                ),
+            )
+            .label(format!("{taps} layers, expected {wanted}"))
+            .related(kind.span, format!("model is `{}`", family.name))
+            .help(format!(
+                "tap {wanted} layers (a low, a middle and a high one, e.g. `tap_layers = [2, 18, 33]` of a 36-layer target)"
+            )),
+        );
+    }
+    let stream = matches!(target.source, Some(SourceSpec::Stream { .. }));
+    if family.takes_vocab_map && stream && drafter.vocab_map.is_none() {
+        errs.push(
+            Diagnostic::error(
+                kind.span,
+                format!(
+                    "{} `{}` drafter fed by a `stream` source needs `vocab_map`",
+                    family.article, family.name
+                ),
+            )
+            .label("no draft vocabulary given")
+            .related(target_section.header, "the target's source is a stream")
+            .help(
+                "a stream's tokens arrive while the run trains, so the draft vocabulary cannot be counted \
+                 before it: record the data to files, run `draftpipe vocab PIPE --out FILE` over a pipeline \
+                 reading them, and add `vocab_map = \"FILE\"` to this drafter",
+            ),
+        );
     }
     let synthetic = matches!(target.source, Some(SourceSpec::Synthetic { .. }));
-    match (kind.dflash, &target.weights) {
+    match (family.reads_target_weights, &target.weights) {
         (true, None) if target.source.is_some() && !synthetic => errs.push(
             Diagnostic::error(
                 kind.span,
                 format!(
-                    "a `dflash` drafter needs the target's frozen weights, and target `{}` has no `weights`",
+                    "{} `{}` drafter needs the target's frozen weights, and target `{}` has no `weights`",
+                    family.article,
+                    family.name,
                     target_section.name.name
                 ),
             )
@@ -304,41 +311,31 @@ fn check_model_against_target(
             .related(target_section.header, "no `weights` here")
             .help("add `weights = safetensors(path = \"DIR\")` to the target (a file, a directory of shards or a glob)"),
         ),
-        (false, Some((_, span))) => errs.push(
-            Diagnostic::error(*span, "`weights` are read by `dflash` drafters; this drafter is `mlp`")
-                .label("not used by an `mlp`")
-                .related(kind.span, "model is `mlp`")
-                .help("remove `weights` (the mlp trains its own lm_head)"),
-        ),
+        (false, Some((_, span))) => {
+            let readers: Vec<String> = REGISTRY
+                .iter()
+                .filter(|f| f.reads_target_weights)
+                .map(|f| format!("`{}`", f.name))
+                .collect();
+            errs.push(
+                Diagnostic::error(
+                    *span,
+                    format!(
+                        "`weights` are read by {} drafters; this drafter is `{}`",
+                        readers.join(" and "),
+                        family.name
+                    ),
+                )
+                .label(format!("not used by {} `{}`", family.article, family.name))
+                .related(kind.span, format!("model is `{}`", family.name))
+                .help(format!(
+                    "remove `weights` (the {} trains its own lm_head)",
+                    family.name
+                )),
+            )
+        }
         _ => {}
     }
-}
-
-/// The closed-form parameter count in `u128`, safe to evaluate before the dimensions are known to fit.
-fn parameter_count_wide(spec: &ModelSpec) -> u128 {
-    let spec = match spec {
-        ModelSpec::Mlp(spec) => spec,
-        ModelSpec::Dflash(spec) => return dflash_parameter_count_wide(spec),
-        ModelSpec::Eagle3(spec) => return spec.parameter_count_wide(),
-    };
-    let w = |x: usize| x as u128;
-    let (din, h, blocks, i, heads, v) = (
-        w(spec.din),
-        w(spec.hidden),
-        w(spec.blocks),
-        w(spec.intermediate),
-        w(spec.heads),
-        w(spec.vocab),
-    );
-    h * din + blocks * (h + 3 * i * h) + h + heads * h * h + v * h
-}
-
-fn dflash_parameter_count_wide(spec: &DflashSpec) -> u128 {
-    let w = |x: usize| x as u128;
-    let (h, hd) = (w(spec.hidden), w(spec.head_dim));
-    let (q, kv) = (w(spec.heads) * hd, w(spec.kv_heads) * hd);
-    let layer = 2 * h + q * h + 2 * kv * h + 2 * hd + h * q + 3 * w(spec.intermediate) * h;
-    h * w(spec.taps) * h + 2 * h + w(spec.layers) * layer
 }
 
 fn sort_sections<'a>(file: &'a PipelineFile, errs: &mut Errs) -> Sections<'a> {

@@ -7,6 +7,7 @@ use crate::ast::{Call, QueueSection, StageSection, TelemetrySection, Value, Valu
 use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_CAPACITY, MAX_DIM, MAX_REPEATS, out_of_range};
 use crate::diagnostic::Diagnostic;
+use crate::family::{CheckedModel, REGISTRY, Registered, registered};
 use crate::plan::{
     AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, HsDtype, LaunchMode, LossSpec,
     LrSchedule, Placement, Precision, PullPolicy, QueueSpec, ScheduleKind, SourceSpec, SyncMode,
@@ -20,6 +21,8 @@ type Errs = Vec<Diagnostic>;
 pub const DEFAULT_CHUNK_TOKENS: usize = 1024;
 /// Default per-head loss decay: every head weighs the same.
 pub const DEFAULT_HEAD_DECAY: f32 = 1.0;
+/// Default weight decay per unroll step of the `eagle3` loss: SpecForge's `0.8^k`.
+pub const DEFAULT_STEP_DECAY: f32 = 0.8;
 /// Default status-line period.
 pub const DEFAULT_EVERY_MS: u64 = 1000;
 /// Default `min_ready` watermark: consumers start as soon as one item is queued.
@@ -31,6 +34,8 @@ pub(crate) struct TargetParts {
     /// `layers` (the target's depth), when given: `Some(None)` when it had errors.
     pub layers: Option<Option<usize>>,
     pub tap_layers: Option<Vec<u32>>,
+    /// How many layers `tap_layers` names and where it is written, when it is valid.
+    pub tap_layers_span: Option<(usize, Span)>,
     pub vocab: Option<usize>,
     pub batch_tokens: Option<(usize, Span)>,
     pub source: Option<SourceSpec>,
@@ -54,9 +59,11 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
         .optional("layers")
         .map(|v| (values::count_in(errs, "layers", v, 1, MAX_DIM), v.span));
     let depth = layers.and_then(|(layers, span)| Some((layers?, span)));
-    let tap_layers = f
-        .required("tap_layers", "[1, 18, 35]")
-        .and_then(|v| tap_layers(errs, v, depth));
+    let tap_layers_value = f.required("tap_layers", "[1, 18, 35]");
+    let tap_layers = tap_layers_value.and_then(|v| tap_layers(errs, v, depth));
+    let tap_layers_span = tap_layers_value
+        .zip(tap_layers.as_ref())
+        .map(|(v, taps)| (taps.len(), v.span));
     let vocab = f
         .required("vocab", "151936")
         .and_then(|v| values::count_in(errs, "vocab", v, 2, MAX_DIM));
@@ -108,6 +115,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
         hidden,
         layers: layers.map(|(layers, _)| layers),
         tap_layers,
+        tap_layers_span,
         vocab,
         batch_tokens,
         source,
@@ -534,42 +542,11 @@ pub(crate) fn queue_spec(section: &QueueSection, parts: QueueParts) -> Option<Qu
     })
 }
 
-/// The `mlp(...)` dimensions a drafter section gives (input width and vocabulary come from the target).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct MlpDims {
-    pub hidden: usize,
-    pub blocks: usize,
-    pub intermediate: usize,
-    pub heads: usize,
-}
-
-/// The `dflash(...)` dimensions a drafter section gives (width, taps and vocabulary come from the target).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct DflashDims {
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub intermediate: usize,
-    pub block: usize,
-    pub anchors: usize,
-    /// The mask token and where it is written: it must lie inside the target's vocabulary.
-    pub mask_token: (u32, Span),
-    pub rope_theta: f32,
-}
-
-/// The model a drafter section gives.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum ModelDims {
-    Mlp(MlpDims),
-    Dflash(DflashDims),
-}
-
-/// The model family as written (`mlp`, `dflash`) and where, known even when its arguments have errors, so the
-/// rules that depend on the family (loss keys, target weights) still run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The model family as written and where, known even when its arguments have errors, so the rules that depend
+/// on the family (loss keys, target weights, taps) still run.
+#[derive(Clone, Copy)]
 pub(crate) struct ModelKind {
-    pub dflash: bool,
+    pub family: &'static Registered,
     pub span: Span,
 }
 
@@ -585,7 +562,7 @@ pub(crate) struct ScheduleParts {
 
 /// What the drafter section yields.
 pub(crate) struct DrafterParts {
-    pub model: Option<ModelDims>,
+    pub model: Option<Box<dyn CheckedModel>>,
     pub model_kind: Option<ModelKind>,
     pub loss: Option<LossSpec>,
     pub optimizer: Option<AdamWSpec>,
@@ -599,6 +576,13 @@ pub(crate) struct DrafterParts {
     /// placement, and `tf32` is refused on the CPU.
     pub precision: Option<(Option<Precision>, Span)>,
     pub steps: Option<Option<u64>>,
+    /// `vocab_map`, when written (`Some(None)`: written but invalid), and where.
+    pub vocab_map: Option<(Option<String>, Span)>,
+}
+
+/// The family names the grammar accepts, in registry order.
+fn family_names() -> Vec<&'static str> {
+    REGISTRY.iter().map(|family| family.name).collect()
 }
 
 pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterParts {
@@ -607,20 +591,24 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
     let example = "mlp(hidden = 1024, blocks = 2, intermediate = 2816, heads = 4)";
     let model_call = f
         .required("model", example)
-        .and_then(|v| values::call(errs, "model", v, &["mlp", "dflash"], example));
-    let model_kind = model_call.map(|c| ModelKind {
-        dflash: c.name.name == "dflash",
-        span: c.name.span,
+        .and_then(|v| values::call(errs, "model", v, &family_names(), example));
+    // `values::call` accepted only registered names.
+    let model_kind = model_call.and_then(|c| {
+        Some(ModelKind {
+            family: registered(&c.name.name)?,
+            span: c.name.span,
+        })
     });
-    let model = model_call.and_then(|c| match c.name.name.as_str() {
-        "dflash" => dflash(errs, c).map(ModelDims::Dflash),
-        _ => mlp(errs, c).map(ModelDims::Mlp),
-    });
+    let model = model_call
+        .zip(model_kind)
+        .and_then(|(c, kind)| (kind.family.check)(errs, c));
     let loss = match f.optional("loss") {
         None => Some(LossSpec {
             head_decay: DEFAULT_HEAD_DECAY,
             position_decay: None,
-            step_decay: None,
+            step_decay: model_kind
+                .filter(|m| m.family.weighting.0 == "step_decay")
+                .map(|_| DEFAULT_STEP_DECAY),
             chunk_tokens: DEFAULT_CHUNK_TOKENS,
         }),
         Some(v) => values::call(
@@ -671,6 +659,13 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         );
         (choice, v.span)
     });
+    let vocab_map = f.optional("vocab_map").map(|v| {
+        let path = values::nonempty_string(errs, "vocab_map", v).map(str::to_owned);
+        (
+            path.filter(|_| takes_vocab_map(errs, v, model_kind)),
+            v.span,
+        )
+    });
     let steps = match f.optional("steps") {
         None => Some(None),
         Some(v) => values::count(errs, "steps", v, 1).map(|n| Some(n as u64)),
@@ -687,6 +682,7 @@ pub(crate) fn check_drafter(section: &StageSection, errs: &mut Errs) -> DrafterP
         launch_span,
         precision,
         steps,
+        vocab_map,
     }
 }
 
@@ -855,7 +851,7 @@ pub(crate) fn drafter_stage(
     parts: DrafterParts,
     placement: Placement,
     schedule: LrSchedule,
-) -> Option<(DrafterStage, ModelDims)> {
+) -> Option<(DrafterStage, Box<dyn CheckedModel>)> {
     let precision = match parts.precision {
         None => Precision::default_for(*placement.workers.first()?),
         Some((precision, _)) => precision?,
@@ -872,133 +868,65 @@ pub(crate) fn drafter_stage(
         launch: parts.launch?,
         precision,
         steps: parts.steps?,
+        vocab_map: match parts.vocab_map {
+            Some((path, _)) => Some(path?),
+            None => None,
+        },
     };
     Some((stage, parts.model?))
 }
 
-fn mlp(errs: &mut Errs, call: &Call) -> Option<MlpDims> {
-    let mut f = Fields::new(&call.args, "`mlp(...)`".to_owned(), call.span, errs);
-    let mut dim = |key: &'static str, example: &str, max: u64, errs: &mut Errs| {
-        f.required(key, example)
-            .and_then(|v| values::count_in(errs, key, v, 1, max))
-    };
-    let hidden = dim("hidden", "1024", MAX_DIM, errs);
-    let blocks = dim("blocks", "2", MAX_REPEATS, errs);
-    let intermediate = dim("intermediate", "2816", MAX_DIM, errs);
-    let heads = dim("heads", "4", MAX_REPEATS, errs);
-    f.finish(errs);
-    Some(MlpDims {
-        hidden: hidden?,
-        blocks: blocks?,
-        intermediate: intermediate?,
-        heads: heads?,
-    })
-}
-
-/// Largest `layers` of a `dflash` drafter.
-const MAX_DFLASH_LAYERS: u64 = 256;
-/// Largest `head_dim`: the attention kernels keep a head in a warp's registers, four elements per lane
-/// (`draftpipe_gpu_kernels::plane::MAX_ROW`), and the backends reject longer heads.
-const MAX_HEAD_DIM: u64 = 128;
-/// Largest `block` (slots per block).
-const MAX_BLOCK: u64 = 1024;
-/// Largest `anchors` per sequence.
-const MAX_ANCHORS: u64 = 1 << 20;
-
-fn dflash(errs: &mut Errs, call: &Call) -> Option<DflashDims> {
-    let mut f = Fields::new(&call.args, "`dflash(...)`".to_owned(), call.span, errs);
-    let mut dim = |key: &'static str, example: &str, (min, max): (u64, u64), errs: &mut Errs| {
-        f.required(key, example)
-            .and_then(|v| values::count_in(errs, key, v, min, max).map(|n| (n, v)))
-    };
-    let layers = dim("layers", "5", (1, MAX_DFLASH_LAYERS), errs);
-    let heads = dim("heads", "32", (1, MAX_REPEATS), errs);
-    let kv_heads = dim("kv_heads", "8", (1, MAX_REPEATS), errs);
-    let head_dim = dim("head_dim", "128", (2, MAX_HEAD_DIM), errs);
-    let intermediate = dim("intermediate", "12288", (1, MAX_DIM), errs);
-    let block = dim("block", "16", (2, MAX_BLOCK), errs);
-    let anchors = dim("anchors", "512", (1, MAX_ANCHORS), errs);
-    let mask_token = dim("mask_token", "151669", (0, u64::from(u32::MAX)), errs);
-    let rope_theta = f.required("rope_theta", "1000000").and_then(|v| {
-        values::real_where(
-            errs,
-            "rope_theta",
-            v,
-            ("must be positive", "1000000"),
-            |x| x > 0.0 && x.is_finite() && (x as f32).is_finite() && (x as f32) > 0.0,
-        )
-    });
-    f.finish(errs);
-    let mut ok = true;
-    if let (Some((heads, _)), Some((kv_heads, kv_value))) = (heads, kv_heads)
-        && heads % kv_heads != 0
-    {
-        errs.push(
-            Diagnostic::error(
-                kv_value.span,
-                format!("`heads` ({heads}) is not a multiple of `kv_heads` ({kv_heads})"),
-            )
-            .label("does not divide `heads`")
-            .help("grouped-query attention shares each key/value head by `heads / kv_heads` query heads: pick a divisor of `heads`"),
-        );
-        ok = false;
-    }
-    if let Some((head_dim, value)) = head_dim
-        && head_dim % 2 != 0
-    {
-        out_of_range(
-            errs,
-            "head_dim",
-            value,
-            "must be even (RoPE rotates pairs of dimensions)",
-            head_dim,
-            "for example `head_dim = 128`",
-        );
-        ok = false;
-    }
-    let (mask_token, mask_value) = mask_token?;
-    Some(DflashDims {
-        layers: layers?.0,
-        heads: heads?.0,
-        kv_heads: kv_heads?.0,
-        head_dim: head_dim?.0,
-        intermediate: intermediate?.0,
-        block: block?.0,
-        anchors: anchors?.0,
-        mask_token: (u32::try_from(mask_token).ok()?, mask_value.span),
-        rope_theta: rope_theta? as f32,
-    })
-    .filter(|_| ok)
-}
-
-/// Refuses a loss key written for the other model family.
-fn loss_key_for(
-    errs: &mut Errs,
-    (key, value): (&str, &Value),
-    model: Option<ModelKind>,
-    wanted_dflash: bool,
-) -> bool {
-    let Some(model) = model.filter(|m| m.dflash != wanted_dflash) else {
+/// `vocab_map` is read only by a family with its own draft vocabulary; records an error for the others.
+fn takes_vocab_map(errs: &mut Errs, value: &Value, model: Option<ModelKind>) -> bool {
+    let Some(model) = model.filter(|m| !m.family.takes_vocab_map) else {
         return true;
     };
-    let (applies, other, article, instead) = if wanted_dflash {
-        ("dflash", "mlp", "an", "`head_decay` weighs the mlp's heads")
-    } else {
-        (
-            "mlp",
-            "dflash",
-            "a",
-            "`position_decay` weighs the dflash block's slots",
-        )
-    };
+    let takers: Vec<String> = REGISTRY
+        .iter()
+        .filter(|family| family.takes_vocab_map)
+        .map(|family| format!("`{}`", family.name))
+        .collect();
+    let (this, article) = (model.family.name, model.family.article);
     errs.push(
         Diagnostic::error(
             value.span,
-            format!("`{key}` applies to `{applies}` drafters; this drafter is `{other}`"),
+            format!(
+                "`vocab_map` applies to {} drafters; this drafter is `{this}`",
+                takers.join(" and ")
+            ),
         )
-        .label(format!("not {article} `{other}` setting"))
-        .related(model.span, format!("model is `{other}`"))
-        .help(format!("remove `{key}` ({instead})")),
+        .label(format!("not {article} `{this}` setting"))
+        .related(model.span, format!("model is `{this}`"))
+        .help(format!(
+            "remove `vocab_map` (a `{this}` drafter predicts over the target's whole vocabulary)"
+        )),
+    );
+    false
+}
+
+/// Refuses a loss key that weighs another family's predictions: each family owns one ([`Registered::weighting`]).
+fn loss_key_for(errs: &mut Errs, (key, value): (&str, &Value), model: Option<ModelKind>) -> bool {
+    let Some(model) = model.filter(|m| m.family.weighting.0 != key) else {
+        return true;
+    };
+    let owners: Vec<String> = REGISTRY
+        .iter()
+        .filter(|family| family.weighting.0 == key)
+        .map(|family| format!("`{}`", family.name))
+        .collect();
+    let (this, article) = (model.family.name, model.family.article);
+    let (own_key, weighs) = model.family.weighting;
+    errs.push(
+        Diagnostic::error(
+            value.span,
+            format!(
+                "`{key}` applies to {} drafters; this drafter is `{this}`",
+                owners.join(" and ")
+            ),
+        )
+        .label(format!("not {article} `{this}` setting"))
+        .related(model.span, format!("model is `{this}`"))
+        .help(format!("remove `{key}` (`{own_key}` weighs {weighs})")),
     );
     false
 }
@@ -1012,14 +940,14 @@ fn loss(errs: &mut Errs, call: &Call, model: Option<ModelKind>) -> Option<LossSp
     );
     let head_decay = match f.optional("head_decay") {
         None => Some(DEFAULT_HEAD_DECAY as f64),
-        Some(v) if !loss_key_for(errs, ("head_decay", v), model, false) => None,
+        Some(v) if !loss_key_for(errs, ("head_decay", v), model) => None,
         Some(v) => values::real_where(errs, "head_decay", v, ("must lie in (0, 1]", "0.8"), |x| {
             x > 0.0 && x <= 1.0
         }),
     };
     let position_decay = match f.optional("position_decay") {
         None => Some(None),
-        Some(v) if !loss_key_for(errs, ("position_decay", v), model, true) => None,
+        Some(v) if !loss_key_for(errs, ("position_decay", v), model) => None,
         Some(v) => values::real_where(
             errs,
             "position_decay",
@@ -1027,6 +955,19 @@ fn loss(errs: &mut Errs, call: &Call, model: Option<ModelKind>) -> Option<LossSp
             ("must be positive", "7.0"),
             |x| x > 0.0 && x.is_finite() && (x as f32) > 0.0 && (x as f32).is_finite(),
         )
+        .map(|x| Some(x as f32)),
+    };
+    // The family that weighs its unroll's steps gets SpecForge's 0.8 when the file says nothing.
+    let step_decay = match f.optional("step_decay") {
+        None => Some(
+            model
+                .filter(|m| m.family.weighting.0 == "step_decay")
+                .map(|_| DEFAULT_STEP_DECAY),
+        ),
+        Some(v) if !loss_key_for(errs, ("step_decay", v), model) => None,
+        Some(v) => values::real_where(errs, "step_decay", v, ("must lie in (0, 1]", "0.8"), |x| {
+            x > 0.0 && x <= 1.0
+        })
         .map(|x| Some(x as f32)),
     };
     let chunk_tokens = match f.optional("chunk_tokens") {
@@ -1037,7 +978,7 @@ fn loss(errs: &mut Errs, call: &Call, model: Option<ModelKind>) -> Option<LossSp
     Some(LossSpec {
         head_decay: head_decay? as f32,
         position_decay: position_decay?,
-        step_decay: None,
+        step_decay: step_decay?,
         chunk_tokens: chunk_tokens?,
     })
 }

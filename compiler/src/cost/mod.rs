@@ -1,11 +1,13 @@
-//! The cost model: per-bucket shapes, FLOPs and bytes of one training step, and memory per device.
+//! The cost model: per-bucket shapes, FLOPs and bytes of one training step, and memory per device. The
+//! figures of one family's step (FLOPs, bytes, frozen tensors, workspace) are the family's
+//! ([`Family`](crate::family::Family): [`crate::family::mlp::cost`], [`crate::family::dflash::cost`]); this
+//! module puts them together per bucket and per device, and adds the host's.
 //!
-//! Notation: `T` tokens in a step (sequences × padded length of the bucket), `din` the drafter's input width
-//! (target hidden × tapped layers), `H` drafter hidden, `I` intermediate, `L` blocks, `heads`, `V` vocabulary,
-//! `P` the parameter count ([`MlpSpec::parameter_count`]), `C = min(chunk_tokens, T)`. All tensors are f32.
-//!
-//! **Memory per drafter device** (one entry per device; a CPU running `xN` workers holds `N` replicas):
+//! **Memory per drafter device** (one entry per device; a CPU running `xN` workers holds `N` replicas), `P` the
+//! family's parameter count:
 //! - parameters, gradients: `4·P` bytes each per worker; optimizer state (AdamW `m` and `v`): `8·P`;
+//! - frozen target tensors ([`Family::frozen_bytes`](crate::family::Family::frozen_bytes)) per worker: the
+//!   embedding and `lm_head` a `dflash` drafter reads (f32 today), 0 for `mlp`;
 //! - workspaces: [`WorkspaceLayout::bytes`] of the device's backend, per worker: the one list of buffers the
 //!   CPU and CUDA allocators allocate (activations, the fused-loss chunk, backward scratch, reduction partials,
 //!   input slots, and per backend cuBLAS's workspace or the CPU's rounding buffers). One workspace, sized for
@@ -18,81 +20,18 @@
 //! states of `e` bytes each, 4 in f32 and 2 in bf16/f16 as `hs_dtype` says, token ids, loss mask, sequence
 //! lengths, as in the runtime's `HsBatch`, which allocates every pooled buffer for any bucket).
 //!
-//! The `dflash` drafter's figures are in [`dflash`]; its memory adds the frozen embedding and `lm_head`
-//! (`frozen_weights`, f32 today) per worker.
-//!
 //! Target devices are not in the memory plan: the frozen target's memory is outside draftpipe's control.
-//!
-//! **FLOPs of one step**: `6·T·(H·din + L·3·I·H + heads·H² + heads·H·V) − 2·T·H·din + 4·T·heads·V + 12·P`
-//! (GEMMs forward and backward, the first layer needs no input gradient, the fused loss's max/exp/sum/gradient
-//! per logit, AdamW's arithmetic per parameter). Norms and SwiGLU are O(T·H) and left out (under 1%).
-//!
-//! **Bytes of one step** (lower bound): `4·(10·P + 2·T·A + 2·T·heads·V)`: parameters read forward and
-//! backward, gradients written, AdamW reading p, g, m, v and writing p, m, v; activations written once and read
-//! once; every logit chunk written once and read once.
 
-use crate::plan::{
-    BucketPlan, Device, DeviceMemory, HostMemory, HsDtype, LossSpec, MlpSpec, ModelSpec, Placement,
-    Precision, QueueSpec, TargetStage,
+use crate::family::ModelSpec;
+use crate::plan::derived::{BucketPlan, DeviceMemory, HostMemory};
+use crate::plan::stages::{
+    Device, HsDtype, LossSpec, Placement, Precision, QueueSpec, TargetStage,
 };
 use crate::workspace::{BackendKind, WorkspaceLayout};
 
-pub mod dflash;
+pub(crate) mod arith;
 
-const F32: u128 = 4;
-
-/// The formulas run in `u128`; a figure that does not fit in `u64` makes the plan impossible (`None`).
-fn fit(x: u128) -> Option<u64> {
-    u64::try_from(x).ok()
-}
-
-fn wide(x: usize) -> u128 {
-    x as u128
-}
-
-/// Activation floats per token kept for the backward pass (`A` above).
-pub fn activation_floats_per_token(spec: &MlpSpec) -> Option<u64> {
-    let MlpSpec {
-        din,
-        hidden: h,
-        blocks,
-        intermediate: i,
-        heads,
-        ..
-    } = *spec;
-    let (din, h, blocks, i, heads) = (wide(din), wide(h), wide(blocks), wide(i), wide(heads));
-    fit(din + blocks * (2 * h + 3 * i) + h + heads * 2 * h)
-}
-
-/// FLOPs of one training step of `tokens` tokens (formula in the module docs).
-pub fn step_flops(spec: &MlpSpec, tokens: usize) -> Option<u64> {
-    let MlpSpec {
-        din,
-        hidden: h,
-        blocks,
-        intermediate: i,
-        heads,
-        vocab: v,
-    } = *spec;
-    let (din, h, blocks, i, heads, v) = (
-        wide(din),
-        wide(h),
-        wide(blocks),
-        wide(i),
-        wide(heads),
-        wide(v),
-    );
-    let (t, p) = (wide(tokens), wide(spec.parameter_count()));
-    let gemm = h * din + blocks * 3 * i * h + heads * h * h + heads * h * v;
-    fit(6 * t * gemm - 2 * t * h * din + 4 * t * heads * v + 12 * p)
-}
-
-/// Bytes one training step moves through memory, a lower bound (formula in the module docs).
-pub fn step_bytes(spec: &MlpSpec, tokens: usize) -> Option<u64> {
-    let (t, p) = (wide(tokens), wide(spec.parameter_count()));
-    let activations = u128::from(activation_floats_per_token(spec)?);
-    fit(F32 * (10 * p + 2 * t * activations + 2 * t * wide(spec.heads) * wide(spec.vocab)))
-}
+use arith::{F32, fit, wide};
 
 /// One [`BucketPlan`] per queue bucket: `batch_tokens / padded_len` sequences of the bucket's length.
 pub fn bucket_plans(
@@ -107,36 +46,14 @@ pub fn bucket_plans(
         .map(|&padded_len| {
             let sequences = target.batch_tokens / padded_len;
             let tokens = sequences * padded_len;
-            let (step_flops, step_bytes) = match spec {
-                ModelSpec::Mlp(spec) => (step_flops(spec, tokens)?, step_bytes(spec, tokens)?),
-                ModelSpec::Dflash(spec) => (
-                    dflash::step_flops(spec, padded_len, sequences)?,
-                    dflash::step_bytes(
-                        spec,
-                        &BucketPlan {
-                            padded_len,
-                            sequences,
-                            tokens,
-                            step_flops: 0,
-                            step_bytes: 0,
-                        },
-                        loss,
-                    )?,
-                ),
-                ModelSpec::Eagle3(spec) => (
-                    spec.step_flops(padded_len, sequences)?,
-                    spec.step_bytes(
-                        &BucketPlan {
-                            padded_len,
-                            sequences,
-                            tokens,
-                            step_flops: 0,
-                            step_bytes: 0,
-                        },
-                        loss,
-                    )?,
-                ),
+            let shape = BucketPlan {
+                padded_len,
+                sequences,
+                tokens,
+                step_flops: 0,
+                step_bytes: 0,
             };
+            let (step_flops, step_bytes) = spec.family().step_cost(&shape, loss)?;
             Some(BucketPlan {
                 padded_len,
                 sequences,
@@ -166,7 +83,7 @@ fn workspace_bytes(
 /// grows as a message's bytes arrive up to `max_message_bytes`. 0 for the other sources.
 pub fn stream_receive_bytes(target: &TargetStage) -> u64 {
     match target.source {
-        crate::plan::SourceSpec::Stream {
+        crate::plan::stages::SourceSpec::Stream {
             max_message_bytes, ..
         } => max_message_bytes.saturating_mul(target.placement.workers.len() as u64),
         _ => 0,
@@ -181,12 +98,8 @@ pub fn device_memory(
     loss: &LossSpec,
     (precision, hs): (Precision, HsDtype),
 ) -> Option<Vec<DeviceMemory>> {
-    let params = F32 * wide(spec.parameter_count());
-    let frozen = match spec {
-        ModelSpec::Mlp(_) => 0,
-        ModelSpec::Dflash(spec) => dflash::frozen_bytes(spec)?,
-        ModelSpec::Eagle3(spec) => spec.frozen_bytes()?,
-    };
+    let params = F32 * wide(spec.family().parameter_count());
+    let frozen = spec.family().frozen_bytes()?;
     let mut devices: Vec<Device> = drafters.workers.clone();
     devices.sort_unstable();
     devices.dedup();
@@ -265,6 +178,7 @@ pub fn format_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::family::mlp::{MlpSpec, cost::activation_floats_per_token};
 
     #[test]
     fn bytes_print_in_binary_units_with_three_figures() {

@@ -76,6 +76,7 @@ pub fn plan(
             launch: LaunchMode::Eager,
             precision: Precision::F32,
             steps: None,
+            vocab_map: None,
         },
         model: ModelPlan::new(spec),
         buckets: buckets

@@ -31,8 +31,10 @@
 //! **Frozen tables.** The target's embedding and `lm_head` are held as f32 whatever the checkpoint's dtype, two
 //! `V × H` tables per worker (a tied head is a second copy, so the figure does not depend on the checkpoint).
 
-use super::{F32, fit, wide};
-use crate::plan::{BucketPlan, DflashSpec, LossSpec, Precision};
+use crate::cost::arith::{F32, fit, wide};
+use crate::family::dflash::DflashSpec;
+use crate::plan::derived::BucketPlan;
+use crate::plan::stages::{LossSpec, Precision};
 use crate::workspace::{BackendKind, WorkspaceLayout};
 
 /// The shape of one bucket's step, in `u128` so no product overflows.
@@ -119,7 +121,7 @@ pub fn frozen_bytes(spec: &DflashSpec) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::DFLASH_RMS_NORM_EPS;
+    use crate::family::dflash::DFLASH_RMS_NORM_EPS;
 
     fn spec() -> DflashSpec {
         DflashSpec {

@@ -17,7 +17,14 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::plan::{BucketPlan, LossSpec, Precision, TensorView, pack};
+mod check;
+mod facts;
+
+pub use check::EAGLE3_RMS_NORM_EPS;
+pub(crate) use check::Eagle3Args;
+
+use crate::plan::derived::{BucketPlan, TensorView, pack};
+use crate::plan::stages::{LossSpec, Precision};
 use crate::workspace::{
     ADAMW_STATE_DOUBLES, ADAMW_STEP_FLOATS, BackendKind, CUBLAS_WORKSPACE_BYTES, Dtype,
     NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS, WorkspaceBuffer, WorkspaceLayout,
@@ -366,7 +373,7 @@ impl WorkspaceLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::HsDtype;
+    use crate::plan::stages::HsDtype;
 
     fn spec() -> Eagle3Spec {
         Eagle3Spec {

@@ -1,0 +1,207 @@
+//! The `dflash` drafter's workspace: every buffer one worker allocates besides the flat state buffers.
+
+use crate::family::dflash::DflashSpec;
+use crate::plan::derived::BucketPlan;
+use crate::plan::stages::{LossSpec, Precision};
+use crate::workspace::{
+    ADAMW_STATE_DOUBLES, ADAMW_STEP_FLOATS, BackendKind, CUBLAS_WORKSPACE_BYTES, Dtype,
+    NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS, WorkspaceBuffer, WorkspaceLayout,
+    hs_operand_elements,
+};
+
+impl WorkspaceLayout {
+    /// The `dflash` drafter's workspace for `buckets` on `backend` at `precision`; `None` when a size
+    /// overflows. Besides `T`, `S` and `C` (over block rows): `Q = S·A·B` block rows (`A` the block slots of a
+    /// sequence, [`DflashSpec::block_slots`]: `anchors`, fewer when the bucket has fewer anchor positions; `B`
+    /// slots per block), the largest over the buckets,
+    /// `D = L·H` the tapped width, `NL` layers, `qd = heads·head_dim`, `kd = kv_heads·head_dim`. Every buffer is
+    /// linear in `T` or in `Q` (attention keeps only `lse` per query and head, never `Q × keys`), so at fixed
+    /// anchors the workspace grows linearly with the context length (exactly so in steps of whole reduction
+    /// chunks: the norms' partial sums take one row per [`NORM_ROWS_PER_CHUNK`] rows).
+    ///
+    /// # Examples
+    /// ```
+    /// use draftpipe_compiler::plan::{BucketPlan, DflashSpec, LossSpec, Precision};
+    /// use draftpipe_compiler::workspace::{BackendKind, WorkspaceLayout};
+    ///
+    /// let spec = DflashSpec {
+    ///     hidden: 8, taps: 2, tap_layers: vec![1, 2], vocab: 16, layers: 1, heads: 2, kv_heads: 1,
+    ///     head_dim: 4, intermediate: 12, block: 3, anchors: 2, mask_token: 15, rope_theta: 1e4,
+    ///     rms_norm_eps: 1e-6,
+    /// };
+    /// let loss = LossSpec { head_decay: 1.0, position_decay: Some(7.0), step_decay: None, chunk_tokens: 4 };
+    /// let bytes = |len: usize| {
+    ///     let bucket = BucketPlan { padded_len: len, sequences: 2, tokens: 2 * len, step_flops: 0, step_bytes: 0 };
+    ///     WorkspaceLayout::dflash(&spec, &[bucket], &loss, BackendKind::Cpu, Precision::F32).unwrap().bytes().unwrap()
+    /// };
+    /// assert_eq!(bytes(192) - bytes(128), bytes(128) - bytes(64)); // linear in the context length
+    /// ```
+    pub fn dflash(
+        spec: &DflashSpec,
+        buckets: &[BucketPlan],
+        loss: &LossSpec,
+        backend: BackendKind,
+        precision: Precision,
+    ) -> Option<Self> {
+        let DflashSpec {
+            hidden: h,
+            taps,
+            vocab: v,
+            layers: nl,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            intermediate: i,
+            block,
+            ..
+        } = *spec;
+        let m = |a: usize, b: usize| a.checked_mul(b);
+        let t = buckets.iter().map(|b| b.tokens).max().unwrap_or(0);
+        let s = buckets.iter().map(|b| b.sequences).max().unwrap_or(0);
+        let blocks = buckets.iter().try_fold(0, |most: usize, b| {
+            Some(most.max(m(b.sequences, spec.block_slots(b.padded_len))?))
+        })?;
+        let q = m(blocks, block)?;
+        let c = loss.chunk_tokens.clamp(1, q.max(1));
+        let d = m(taps, h)?;
+        let (qd, kd) = (m(heads, hd)?, m(kv_heads, hd)?);
+        let p = spec.parameter_count();
+        let (qh, th) = (m(q, h)?, m(t, h)?);
+        let mut buffers = Vec::new();
+        let mut add = |name: &str, dtype: Dtype, elements: Option<usize>| -> Option<()> {
+            buffers.push(WorkspaceBuffer {
+                name: name.to_owned(),
+                dtype,
+                elements: elements?,
+            });
+            Some(())
+        };
+        use Dtype::{F32, F64, I32, U8, U32};
+        // Context: fc output, after hidden_norm (every layer's K/V input), its norm statistics.
+        add("ctx_pre", F32, Some(th))?;
+        add("ctx", F32, Some(th))?;
+        add("ctx_inv_rms", F32, Some(t))?;
+        // The block rows' residual stream before each layer and after the last.
+        for l in 0..=nl {
+            add(&format!("xs.{l}"), F32, Some(qh))?;
+        }
+        // Per layer, stacked: what the backward pass reads again.
+        let per_layer = |x: Option<usize>| m(nl, x?);
+        add("normed", F32, per_layer(Some(qh)))?;
+        add("inv_rms", F32, per_layer(Some(q)))?;
+        add("q_raw", F32, per_layer(m(q, qd)))?;
+        add("q_inv_rms", F32, per_layer(m(q, heads)))?;
+        add("q", F32, per_layer(m(q, qd)))?;
+        add("k_blk_raw", F32, per_layer(m(q, kd)))?;
+        add("k_blk_inv_rms", F32, per_layer(m(q, kv_heads)))?;
+        add("k_blk", F32, per_layer(m(q, kd)))?;
+        add("v_blk", F32, per_layer(m(q, kd)))?;
+        add("k_ctx_raw", F32, per_layer(m(t, kd)))?;
+        add("k_ctx_inv_rms", F32, per_layer(m(t, kv_heads)))?;
+        add("k_ctx", F32, per_layer(m(t, kd)))?;
+        add("v_ctx", F32, per_layer(m(t, kd)))?;
+        add("attn", F32, per_layer(m(q, qd)))?;
+        add("lse", F32, per_layer(m(q, heads)))?;
+        add("mid", F32, per_layer(Some(qh)))?;
+        add("normed2", F32, per_layer(Some(qh)))?;
+        add("inv_rms2", F32, per_layer(Some(q)))?;
+        add("gate_up", F32, per_layer(m(q, m(2, i)?)))?;
+        add("act", F32, per_layer(m(q, i)))?;
+        add("z", F32, Some(qh))?;
+        add("final_inv_rms", F32, Some(q))?;
+        // The fused loss: one logits chunk, never `[Q, V]`; per-row loss and correctness; ones for the
+        // per-slot sums (a product with a ones vector).
+        add("logits", F32, m(c, v))?;
+        add("row_loss", F32, Some(q))?;
+        add("correct", F32, Some(q))?;
+        add("loss_partials", F32, Some(q.div_ceil(REDUCE_CHUNK)))?;
+        add("ones", F32, Some(blocks.max(1)))?;
+        // Backward scratch (one layer at a time).
+        for name in ["dz", "dx", "dnormed"] {
+            add(name, F32, Some(qh))?;
+        }
+        add("dact", F32, m(q, i))?;
+        add("dgate_up", F32, m(q, m(2, i)?))?;
+        for name in ["dattn", "dq", "dq_raw"] {
+            add(name, F32, m(q, qd))?;
+        }
+        add("attn_delta", F32, m(q, heads))?;
+        for name in ["dk_blk", "dv_blk", "dk_blk_raw"] {
+            add(name, F32, m(q, kd))?;
+        }
+        for name in ["dk_ctx", "dv_ctx", "dk_ctx_raw"] {
+            add(name, F32, m(t, kd))?;
+        }
+        add("dctx", F32, Some(th))?;
+        add("dctx_pre", F32, Some(th))?;
+        add("k_norm_grad", F32, Some(hd))?;
+        let norm_partials = [
+            (t, h),
+            (q, h),
+            (m(q, heads)?, hd),
+            (m(q, kv_heads)?, hd),
+            (m(t, kv_heads)?, hd),
+        ]
+        .into_iter()
+        .try_fold(0, |most: usize, (rows, cols)| {
+            Some(most.max(m(rows.div_ceil(NORM_ROWS_PER_CHUNK), cols)?))
+        })?;
+        add("norm_partials", F32, Some(norm_partials))?;
+        // Optimizer, and the read-back: [grad_norm, clip, loss, correct rows of each slot].
+        add("grad_norm_partials", F32, Some(p.div_ceil(REDUCE_CHUNK)))?;
+        add("step_scalars", F32, STEP_SCALARS.checked_add(block))?;
+        add("adamw_step", F32, Some(ADAMW_STEP_FLOATS))?;
+        add("adamw_state", F64, Some(ADAMW_STATE_DOUBLES))?;
+        let input_slots = match backend {
+            BackendKind::Cpu => 1,
+            BackendKind::Cuda => 2,
+        };
+        for slot in 0..input_slots {
+            add(&format!("input{slot}.hs"), F32, m(t, d))?;
+            add(&format!("input{slot}.input_ids"), U32, Some(t))?;
+            add(&format!("input{slot}.seq_lens"), U32, Some(s))?;
+            add(&format!("input{slot}.loss_mask"), U8, Some(t))?;
+            // The host-built block plan of the slot's batch.
+            add(&format!("input{slot}.block_ids"), U32, Some(q))?;
+            add(&format!("input{slot}.positions"), U32, t.checked_add(q))?;
+            add(&format!("input{slot}.query_ranges"), U32, m(4, q))?;
+            add(&format!("input{slot}.context_key_ranges"), U32, m(2, t))?;
+            add(&format!("input{slot}.block_key_ranges"), U32, m(2, q))?;
+            add(&format!("input{slot}.labels"), I32, Some(q))?;
+            add(&format!("input{slot}.weights"), F32, Some(q))?;
+            add(&format!("input{slot}.inv_weight_sum"), F32, Some(1))?;
+        }
+        match backend {
+            BackendKind::Cuda => add("cublas_workspace", U8, Some(CUBLAS_WORKSPACE_BYTES))?,
+            BackendKind::Cpu if precision != Precision::F32 => {
+                let operand = [
+                    m(t, d),
+                    m(h, d),
+                    Some(th),
+                    Some(qh),
+                    m(q, m(2, i)?),
+                    m(m(2, i)?, h),
+                    m(q, qd),
+                    m(qd, h),
+                    m(t, kd),
+                    m(v, h),
+                    m(c, v),
+                    Some(blocks.max(1)),
+                ]
+                .into_iter()
+                .try_fold(0, |most, x| x.map(|x| most.max(x)))?;
+                add("gemm_round_a", F32, Some(operand))?;
+                add("gemm_round_b", F32, Some(operand))?;
+            }
+            BackendKind::Cpu => {}
+        }
+        Some(Self {
+            tokens: t,
+            sequences: s,
+            chunk_rows: c,
+            input_slots,
+            hs_operand_elements: hs_operand_elements(backend, precision, m(h, d)?, th),
+            buffers,
+        })
+    }
+}
