@@ -65,6 +65,23 @@ pub const fn f32_to_f16_bits(value: f32) -> u16 {
     (bits + rounds_up(mantissa, 0x1000) as u32) as u16
 }
 
+/// The f32 value of IEEE half bits (exact: every half is an f32).
+#[inline(always)]
+pub fn f16_bits_to_f32(bits: u16) -> f32 {
+    let sign = ((bits as u32) & 0x8000) << 16;
+    let exponent = ((bits >> 10) & 0x1f) as u32;
+    let mantissa = (bits & 0x3ff) as u32;
+    match exponent {
+        // Zero and subnormals: mantissa · 2^−24, exact in f32.
+        0 => {
+            let magnitude = mantissa as f32 * (1.0 / 16_777_216.0);
+            f32::from_bits(sign | magnitude.to_bits())
+        }
+        0x1f => f32::from_bits(sign | 0x7f80_0000 | (mantissa << 13)),
+        _ => f32::from_bits(sign | ((exponent + 112) << 23) | (mantissa << 13)),
+    }
+}
+
 /// `out[e] = 16-bit bits of x[e]` in `format` ([`FORMAT_BF16`], or [`FORMAT_F16`] for any other value) for
 /// the elements `chunk · chunk_len ..` up to `min(n, (chunk + 1) · chunk_len)`.
 ///

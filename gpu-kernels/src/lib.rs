@@ -35,6 +35,12 @@
 //! | [`attention::attention_delta`] | a plane per (query, head) | `query · heads + head` |
 //! | [`attention::attention_backward_kv`] | a plane per (key tile, kv head) | `tile · kv_heads + kv head` |
 //! | [`convert::round_to_half`] | element range | chunk |
+//! | [`eagle3::eagle3_attention_forward`], [`eagle3::eagle3_attention_backward_q`] | a plane per (row, head) | `row · heads + head` |
+//! | [`eagle3::eagle3_attention_backward_kv`] | a plane per (row, kv head) | `row · kv_heads + kv head` |
+//! | [`eagle3::soft_label_loss_row`], [`eagle3::argmax_in_draft_row`] | a plane per row | row |
+//! | [`eagle3::shift_rows`], [`eagle3::shift_rows_half`], [`eagle3::concat_columns`], [`eagle3::split_columns`] | element range | chunk |
+//! | [`eagle3::shift_ids`], [`eagle3::step_positions`] | a thread per row | row |
+//! | [`eagle3::step_mask_counts`] | one plane | — |
 //! | [`flash`] forward, backward dq, backward dk/dv (own table, `flash_kernel_table!`) | a block of warps per (DFlash block, kv head) or (64 keys, kv head) | block |
 //!
 //! Which body each backend runs for attention: the CPU backend its own vector lanes
@@ -65,6 +71,7 @@ pub mod activation;
 pub mod adamw;
 pub mod attention;
 pub mod convert;
+pub mod eagle3;
 pub mod embedding;
 pub mod flash;
 pub mod loss;

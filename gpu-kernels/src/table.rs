@@ -330,6 +330,149 @@ macro_rules! kernel_table {
                 launch: elements(n),
                 body: |chunk_len, chunk| $crate::convert::round_to_half(x, out, n, format, chunk_len, chunk),
             }
+            /// EAGLE-3's unroll attention forward of TTT step `step`: causal over step 0's keys, one diagonal key
+            /// per cached step (`k_all`, `v_all` stacked `[steps, rows, kv_heads, head_dim]`).
+            eagle3_attention_forward {
+                reads: [
+                    q: f32 = rows * heads * head_dim,
+                    k_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                    v_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                ],
+                writes: [out: f32 = rows * heads * head_dim, lse: f32 = rows * heads],
+                scalars: [
+                    rows: usize, padded_len: usize, step: usize, heads: usize, kv_heads: usize, head_dim: usize,
+                    scale: f32,
+                ],
+                launch: planes(rows * heads),
+                body: |plane, index| $crate::eagle3::eagle3_attention_forward(
+                    q, k_all, v_all, out, lse, rows, padded_len, step, heads, kv_heads, head_dim, scale, plane, index
+                ),
+            }
+            /// EAGLE-3's unroll attention query gradient of TTT step `step`.
+            eagle3_attention_backward_q {
+                reads: [
+                    q: f32 = rows * heads * head_dim,
+                    k_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                    v_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                    dout: f32 = rows * heads * head_dim,
+                    lse: f32 = rows * heads,
+                    delta: f32 = rows * heads,
+                ],
+                writes: [dq: f32 = rows * heads * head_dim],
+                scalars: [
+                    rows: usize, padded_len: usize, step: usize, heads: usize, kv_heads: usize, head_dim: usize,
+                    scale: f32,
+                ],
+                launch: planes(rows * heads),
+                body: |plane, index| $crate::eagle3::eagle3_attention_backward_q(
+                    q, k_all, v_all, dout, lse, delta, dq,
+                    rows, padded_len, step, heads, kv_heads, head_dim, scale, plane, index
+                ),
+            }
+            /// EAGLE-3's unroll attention key and value gradients from TTT step `step`'s queries, added into the
+            /// stacked gradients of every step's keys (a plane per (row, kv head) owns that row's keys).
+            eagle3_attention_backward_kv {
+                reads: [
+                    q: f32 = rows * heads * head_dim,
+                    dout: f32 = rows * heads * head_dim,
+                    lse: f32 = rows * heads,
+                    delta: f32 = rows * heads,
+                    k_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                    v_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                ],
+                writes: [
+                    dk_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                    dv_all: f32 = (step + 1) * rows * kv_heads * head_dim,
+                ],
+                scalars: [
+                    rows: usize, padded_len: usize, step: usize, heads: usize, kv_heads: usize, head_dim: usize,
+                    scale: f32,
+                ],
+                launch: planes(rows * kv_heads),
+                body: |plane, index| $crate::eagle3::eagle3_attention_backward_kv(
+                    q, dout, lse, delta, k_all, v_all, dk_all, dv_all,
+                    rows, padded_len, step, heads, kv_heads, head_dim, scale, plane, index
+                ),
+            }
+            /// Soft-label cross entropy of `rows` draft logits rows against teacher logits rows, gradient in
+            /// place of the draft logits, loss and argmax agreement per row.
+            soft_label_loss_row {
+                reads: [teacher: f32 = rows * vocab, weights: f32 = rows],
+                writes: [draft: f32 = rows * vocab, row_loss: f32 = rows, correct: f32 = rows],
+                scalars: [scale: f32, vocab: usize, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::eagle3::soft_label_loss_row(
+                    draft, teacher, weights, row_loss, correct, scale, vocab, plane, row
+                ),
+            }
+            /// Whether each row's full-vocabulary argmax is in the draft vocabulary (and its loss mask set).
+            argmax_in_draft_row {
+                reads: [logits: f32 = rows * vocab, t2d: u8 = vocab, loss_mask: u8 = rows],
+                writes: [valid: f32 = rows],
+                scalars: [vocab: usize, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::eagle3::argmax_in_draft_row(logits, t2d, loss_mask, valid, vocab, plane, row),
+            }
+            /// Rows shifted up by `shift` inside each sequence, zeros past its end.
+            shift_rows {
+                reads: [src: f32 = n],
+                writes: [dst: f32 = n],
+                scalars: [width: usize, padded_len: usize, shift: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::eagle3::shift_rows(
+                    src, dst, width, padded_len, shift, n, chunk_len, chunk
+                ),
+            }
+            /// [`shift_rows`](crate::eagle3::shift_rows) of 16-bit hidden states, widened to f32.
+            shift_rows_half {
+                reads: [src: u16 = n],
+                writes: [dst: f32 = n],
+                scalars: [width: usize, padded_len: usize, shift: usize, format: u32, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::eagle3::shift_rows_half(
+                    src, dst, width, padded_len, shift, format, n, chunk_len, chunk
+                ),
+            }
+            /// Token ids shifted up by `shift` inside each sequence, 0 past its end.
+            shift_ids {
+                reads: [src: u32 = rows],
+                writes: [dst: u32 = rows],
+                scalars: [padded_len: usize, shift: usize, rows: usize],
+                launch: threads(rows),
+                body: |row| $crate::eagle3::shift_ids(src, dst, padded_len, shift, row),
+            }
+            /// RoPE positions `r % padded_len + offset`.
+            step_positions {
+                reads: [],
+                writes: [positions: u32 = rows],
+                scalars: [padded_len: usize, offset: usize, rows: usize],
+                launch: threads(rows),
+                body: |row| $crate::eagle3::step_positions(positions, padded_len, offset, row),
+            }
+            /// `out[r] = [a[r] | b[r]]`.
+            concat_columns {
+                reads: [a: f32 = $crate::table::div_ceil(n, wa + wb) * wa, b: f32 = $crate::table::div_ceil(n, wa + wb) * wb],
+                writes: [out: f32 = n],
+                scalars: [wa: usize, wb: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::eagle3::concat_columns(a, b, out, wa, wb, n, chunk_len, chunk),
+            }
+            /// `a[r] = x[r, ..wa]`, `b[r] = x[r, wa..]`.
+            split_columns {
+                reads: [x: f32 = n],
+                writes: [a: f32 = $crate::table::div_ceil(n, wa + wb) * wa, b: f32 = $crate::table::div_ceil(n, wa + wb) * wb],
+                scalars: [wa: usize, wb: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::eagle3::split_columns(x, a, b, wa, wb, n, chunk_len, chunk),
+            }
+            /// Rows each TTT step's accuracy is over: the loss mask shifted by the step, counted.
+            step_mask_counts {
+                reads: [loss_mask: u8 = rows],
+                writes: [counts: f32 = steps],
+                scalars: [rows: usize, padded_len: usize, steps: usize],
+                launch: plane(),
+                body: |plane| $crate::eagle3::step_mask_counts(loss_mask, counts, rows, padded_len, steps, plane),
+            }
         }
     };
 }

@@ -36,9 +36,10 @@ use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use draftpipe_compiler::plan::{ModelPlan, ModelSpec};
+use draftpipe_compiler::plan::ModelPlan;
 use serde::{Deserialize, Serialize};
 
+use crate::model::registry;
 use crate::tensor_file::{
     F32Tensor, TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats,
     is_float_dtype, write_f32_tensors, write_tensors_as,
@@ -487,9 +488,11 @@ fn write_staged(
         weights.dtype(),
         metadata.clone(),
     )?;
-    if let ModelSpec::Dflash(spec) = &model.spec {
-        hf::write_dflash_config(&staging.join(CONFIG_FILE), spec, export)?;
-    }
+    hf::write_config(
+        &staging.join(CONFIG_FILE),
+        registry::spec(&model.spec),
+        export,
+    )?;
 
     let names: Vec<(String, String, String)> = model
         .layout
@@ -776,12 +779,14 @@ pub fn load_checkpoint(dir: &Path, model: &ModelPlan) -> Result<Checkpoint, Chec
     })
 }
 
-/// Checks `DIR/config.json` against a `dflash` plan when the file is there (an `mlp` checkpoint has none).
+/// Checks `DIR/config.json` against the plan when the file is there and the plan's family exports one (an
+/// `mlp` checkpoint has none).
 fn check_config_beside(dir: &Path, model: &ModelPlan) -> Result<(), CheckpointError> {
     let config = dir.join(CONFIG_FILE);
-    match &model.spec {
-        ModelSpec::Dflash(spec) if config.is_file() => hf::check_dflash_config(&config, spec),
-        _ => Ok(()),
+    if config.is_file() {
+        hf::check_config(&config, registry::spec(&model.spec))
+    } else {
+        Ok(())
     }
 }
 

@@ -3,7 +3,7 @@
 //! ```text
 //!  sources (producers) ──▶ HS queue (lock-free, bucketed) ──▶ drafter workers (pipeline::worker, one loop)
 //!             └──────────── telemetry, trace, diagnosis, checkpoints ──────────┘        │
-//!                                     drafter::Drafter ──▶ model::mlp ──▶ backend: cpu │ cuda
+//!                          drafter::Drafter ──▶ model::Family (registry: mlp │ dflash) ──▶ backend: cpu │ cuda
 //! ```
 
 pub mod allreduce;

@@ -8,8 +8,9 @@ mod source_support;
 use std::path::{Path, PathBuf};
 
 use draftpipe_compiler::plan::{DFLASH_RMS_NORM_EPS, DflashSpec, ModelPlan};
-use draftpipe_runtime::checkpoint::hf::{check_dflash_config, dflash_config};
+use draftpipe_runtime::checkpoint::hf::check_config;
 use draftpipe_runtime::checkpoint::*;
+use draftpipe_runtime::model::dflash::serving::dflash_config;
 use safetensors::{Dtype, SafeTensors};
 use source_support::{small_model, temp_dir};
 
@@ -220,7 +221,7 @@ fn config_for_dflash_5x3_matches_the_hand_checked_file() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/dflash-5x3.config.json");
     let hand: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     assert_eq!(generated, hand);
-    check_dflash_config(&path, &spec).unwrap();
+    check_config(&path, &spec).unwrap();
     // Written without f64 widening noise.
     let text = serde_json::to_string(&generated).unwrap();
     assert!(text.contains("\"rms_norm_eps\":1e-6"), "{text}");

@@ -5,10 +5,11 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
-use draftpipe_compiler::plan::{ModelSpec, Plan};
+use draftpipe_compiler::plan::Plan;
 use draftpipe_runtime::backend::cpu::{GEMM_THREADS_VAR, gemm_threads};
 use draftpipe_runtime::checkpoint::CONFIG_FILE;
 use draftpipe_runtime::export_check::{CheckOptions, check_export};
+use draftpipe_runtime::model::registry;
 use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
 use draftpipe_runtime::telemetry::{EndReason, OutputMode};
 
@@ -128,8 +129,10 @@ fn report(
             dir.display(),
             outcome.step
         ))?;
-        // A `dflash` export is what people serve: say at once whether the engines would load it.
-        if matches!(plan.model.spec, ModelSpec::Dflash(_)) && dir.join(CONFIG_FILE).is_file() {
+        // An export with a serving config (`dflash`) is what people serve: say at once whether the engines
+        // would load it.
+        let served = registry::spec(&plan.model.spec).architecture().is_some();
+        if served && dir.join(CONFIG_FILE).is_file() {
             let report = check_export(dir, &CheckOptions::default())?;
             say(format_args!("{}", report.to_string().trim_end()))?;
         }

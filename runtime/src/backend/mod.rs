@@ -535,7 +535,7 @@ impl<'a, B: Backend> From<Operand<'a, B>> for HsOperand<'a, B> {
 }
 
 /// The operations a model step is written with. See the module docs for the execution model.
-pub trait Backend: Sized + Send {
+pub trait Backend: Sized + Send + 'static {
     /// A raw allocation of `T`s.
     type Raw<T: Element>: Send;
 
@@ -817,4 +817,7 @@ pub trait Backend: Sized + Send {
     /// Averages `grads` over the data-parallel replicas, when the backend has a group (CPU: the host
     /// all-reduce; CUDA: NCCL, enqueued between the captured parts, never inside a graph).
     fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult;
+
+    // EAGLE-3's kernels (`model::eagle3::kernels`).
+    crate::model::eagle3::kernels::eagle3_backend_methods!(declare);
 }

@@ -13,6 +13,7 @@
 //! vectors are swapped into the backend's buffers for the call and back out (no copy), so the step stays free of
 //! allocation in steady state.
 
+use std::any::Any;
 use std::time::{Duration, Instant};
 
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision};
@@ -21,6 +22,7 @@ use super::{Drafter, DrafterError, StepError};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, StepPart};
 use crate::batch::HsBatch;
+use crate::model::mlp::Mlp;
 use crate::model::step::{PhaseTimes, StepShape};
 use crate::params::FlatState;
 
@@ -156,9 +158,6 @@ impl CpuDrafter {
         swap_state(drafter, state)?;
         let staged = drafter.stage(batch);
         let (be, model) = drafter.parts_mut();
-        let model = model
-            .as_mlp_mut()
-            .expect("a CpuDrafter holds an mlp (checked when built)");
         let mut times = PhaseTimes::default();
         let ran = staged.and_then(|()| {
             be.run_part(StepPart::ForwardBackward { bucket, slot: 0 }, &mut |be| {
@@ -167,7 +166,7 @@ impl CpuDrafter {
             })
             .map_err(DrafterError::from)
         });
-        let loss = model.ws.step_scalars.as_slice()[2];
+        let loss = model.step_scalars().as_slice()[2];
         swap_state(drafter, state)?;
         ran.map_err(|error| match error {
             DrafterError::Batch(error) => error,
@@ -181,9 +180,8 @@ impl CpuDrafter {
     /// [`CpuDrafter::forward_backward`]; empty before the first.
     pub fn valid_labels(&self) -> &[u32] {
         match (&self.drafter, self.has_labels) {
-            (Ok(drafter), true) => drafter
-                .model()
-                .as_mlp()
+            (Ok(drafter), true) => (drafter.model() as &dyn Any)
+                .downcast_ref::<Mlp<CpuBackend>>()
                 .map_or(&[], |mlp| mlp.ws.counts.as_slice()),
             _ => &[],
         }
@@ -202,20 +200,14 @@ impl CpuDrafter {
             .expect("optimizer_step on a model forward_backward refused");
         swap_state(drafter, state).expect("optimizer_step on a state that does not fit the model");
         let (be, model) = drafter.parts_mut();
-        let model = model
-            .as_mlp_mut()
-            .expect("optimizer_step on a model forward_backward refused");
-        let steps = model.optimizer.adamw_state_for(state.step);
-        model.ws.adamw_state.as_mut_slice().copy_from_slice(&steps);
-        be.run_part(StepPart::Update, &mut |be| {
-            let (optimizer, state, ws) = model.update_parts();
-            optimizer.update(be, state, ws)
-        })
-        .expect("the CPU backend cannot fail");
-        let [grad_norm, clip_scale, _] = model.ws.step_scalars.as_slice()[..] else {
+        let steps = model.optimizer().adamw_state_for(state.step);
+        model.state_mut().1.as_mut_slice().copy_from_slice(&steps);
+        be.run_part(StepPart::Update, &mut |be| model.update(be))
+            .expect("the CPU backend cannot fail");
+        let [grad_norm, clip_scale, _] = model.step_scalars().as_slice()[..] else {
             unreachable!("three step scalars")
         };
-        state.step = model.ws.adamw_state.as_slice()[0] as u64;
+        state.step = model.state_mut().1.as_slice()[0] as u64;
         swap_state(drafter, state).expect("sizes checked above");
         OptimizerReport {
             grad_norm,

@@ -1,13 +1,13 @@
 //! A drafter on one backend: the batch checks, staging into input slots, the step (forward/loss/backward, the
 //! gradient average, the update) and the read-back of its results, written once for every backend and for
-//! both model families ([`Model`]: `mlp`, `dflash`).
+//! every model family (a [`Family`] built by the [`registry`], asked through its trait).
 //!
 //! ```text
 //!  stage(batch n+1) ── checks ──▶ Backend::stage (CUDA: pinned copy, async H2D into the free slot)
-//!                                  └─ dflash: block plan of the batch (anchors seeded by (seed, step)) uploaded
+//!                                  └─ Family::stage (dflash: the batch's block plan, anchors seeded by (seed, step))
 //!  step()  begin_step ─▶ run_part(ForwardBackward{bucket, slot}) ─▶ average_gradients ─▶ run_part(Update)
-//!          ─▶ end_step (read-back of [grad_norm, clip, loss, dflash: correct rows per slot] queued)
-//!          ─▶ results of step n (CUDA) or n+1 (CPU), with dflash's per-slot accuracy and τ
+//!          ─▶ end_step (read-back of [grad_norm, clip, loss, the family's extra values] queued)
+//!          ─▶ results of step n (CUDA) or n+1 (CPU), with Family::metrics (dflash: per-slot accuracy, τ)
 //!  finish() results of the last step still in flight (CUDA), nothing on the CPU
 //! ```
 //!
@@ -18,186 +18,24 @@
 
 pub mod cpu;
 pub mod cuda;
+mod error;
 
+pub use error::{DrafterError, StepError};
+
+use std::any::Any;
 use std::collections::VecDeque;
 use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision};
 
-use crate::backend::{Backend, BackendError, HostBatch, StepPart};
+use crate::backend::{Backend, HostBatch, StepPart};
 use crate::batch::{HsBatch, HsDtype};
-use crate::model::step::{AllocateError, LayoutError, PhaseTimes, StepShape};
-use crate::model::{BuildError, Model};
+use crate::model::eagle3::Eagle3;
+use crate::model::family::FamilyPlan;
+use crate::model::registry;
+use crate::model::step::{PhaseTimes, StepShape};
+use crate::model::{BlockMetrics, Family};
 use crate::params::FlatState;
-
-/// A batch or state the drafter cannot train on.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StepError {
-    /// No bucket has this static shape.
-    #[error("batch shape {sequences} sequences × {padded_len} tokens matches no bucket")]
-    NoBucket {
-        /// The batch's padded length.
-        padded_len: usize,
-        /// The batch's sequence count.
-        sequences: usize,
-    },
-    /// The hidden-state width differs from the model's `din`.
-    #[error("batch hidden-state width {got} differs from the model's din {expected}")]
-    WrongDin {
-        /// The model's input width.
-        expected: usize,
-        /// The batch's width.
-        got: usize,
-    },
-    /// A buffer of the batch does not match its declared shape.
-    #[error("batch buffer `{buffer}` has {got} elements, its shape needs {expected}")]
-    BatchBuffer {
-        /// Which buffer.
-        buffer: &'static str,
-        /// Elements the shape needs.
-        expected: usize,
-        /// Elements present.
-        got: usize,
-    },
-    /// A sequence is longer than the padded length.
-    #[error("sequence {sequence} has length {len}, longer than the padded length {padded_len}")]
-    SequenceTooLong {
-        /// Sequence index in the batch.
-        sequence: usize,
-        /// Its declared length.
-        len: u32,
-        /// The batch's padded length.
-        padded_len: usize,
-    },
-    /// A token id inside a sequence is outside the vocabulary.
-    #[error("token id {id} at position {position} is outside the vocabulary of {vocab}")]
-    TokenOutOfRange {
-        /// Flat position in the batch.
-        position: usize,
-        /// The id.
-        id: u32,
-        /// Vocabulary size.
-        vocab: usize,
-    },
-    /// The state's buffers do not match the model.
-    #[error("state has {got} parameters, the model {expected}")]
-    StateSize {
-        /// The model's parameter count.
-        expected: usize,
-        /// The state's buffer length.
-        got: usize,
-    },
-    /// The model plan's layout is not the canonical layout this step computes with, or a dimension is zero.
-    #[error("model layout differs from the canonical layout or has an empty dimension")]
-    Layout,
-    /// The batch has no tokens.
-    #[error("batch has no tokens")]
-    EmptyBatch,
-    /// The drafter reads the target's final-norm output (EAGLE-3's teacher) and the batch has none.
-    #[error(
-        "batch has no last_hidden_states; this drafter's teacher reads them ([tokens, {hidden}], the target's \
-         final-norm output)"
-    )]
-    MissingLastHiddenStates {
-        /// Their width per token.
-        hidden: usize,
-    },
-    /// The batch's `last_hidden_states` are in another precision than its hidden states.
-    #[error("batch last_hidden_states are {got}, its hidden states {expected}")]
-    LastHiddenDtype {
-        /// The hidden states' precision.
-        expected: &'static str,
-        /// The last hidden states' precision.
-        got: &'static str,
-    },
-    /// The batch's hidden states are in a precision the input slots cannot hold without rounding.
-    #[error("batch hidden states are {got}, the drafter's input slots hold {expected}")]
-    HsDtype {
-        /// The input slots' precision.
-        expected: &'static str,
-        /// The batch's precision.
-        got: &'static str,
-    },
-}
-
-/// Why a drafter call failed.
-#[derive(Debug, thiserror::Error)]
-pub enum DrafterError {
-    /// The batch or state does not fit the model.
-    #[error(transparent)]
-    Batch(#[from] StepError),
-    /// The backend failed.
-    #[error(transparent)]
-    Backend(#[from] BackendError),
-    /// The model's buffers could not be set up.
-    #[error(transparent)]
-    Allocate(#[from] AllocateError),
-    /// The model plan cannot be trained.
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    /// The plan's workspace does not fit in memory sizes.
-    #[error("the workspace of this plan overflows the address space")]
-    WorkspaceTooLarge,
-    /// The plan's family has no runtime step.
-    #[error("the runtime has no `{0}` step yet: plans of this family compile but cannot run")]
-    NoStep(&'static str),
-    /// The target's frozen tensors do not fit the model (or the model has none).
-    #[error("frozen target weights: {0}")]
-    Frozen(String),
-    /// The CPU drafter's threads could not be started (the OS refused a thread).
-    #[error("cannot start the CPU drafter's threads")]
-    Threads(#[source] rayon::ThreadPoolBuildError),
-    /// `step` was called without a staged batch.
-    #[error("no batch staged: call stage() before step()")]
-    NothingStaged,
-    /// A step's outcome is still to be collected with `finish()`.
-    #[error("a step is in flight: call finish() first")]
-    StepInFlight,
-}
-
-impl From<BuildError> for DrafterError {
-    fn from(error: BuildError) -> Self {
-        match error {
-            BuildError::Layout(e) => DrafterError::Layout(e),
-            BuildError::Allocate(e) => DrafterError::Allocate(e),
-            BuildError::WorkspaceTooLarge => DrafterError::WorkspaceTooLarge,
-            BuildError::NoStep { family } => DrafterError::NoStep(family),
-        }
-    }
-}
-
-/// A `dflash` step's block metrics: SpecForge's per-slot accuracy and simulated acceptance length.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BlockMetrics {
-    /// Accuracy of slots `1..block` (argmax = label over the slot's labelled rows; 0 for a slot without one).
-    pub slot_accuracy: Vec<f32>,
-    /// `τ = 1 + Σ_k Π_{j≤k} acc_j`: the simulated acceptance length with the bonus token counted.
-    pub tau: f32,
-}
-
-impl BlockMetrics {
-    /// The metrics from the correct rows of every slot (slot 0 included, never labelled) and the labelled
-    /// rows of every slot.
-    pub fn new(correct: &[f32], labelled: &[u32]) -> Self {
-        let slot_accuracy: Vec<f32> = correct
-            .iter()
-            .zip(labelled)
-            .skip(1)
-            .map(|(&c, &n)| if n == 0 { 0.0 } else { c / n as f32 })
-            .collect();
-        let accepted: f32 = slot_accuracy
-            .iter()
-            .scan(1.0f32, |chain, &acc| {
-                *chain *= acc;
-                Some(*chain)
-            })
-            .sum();
-        Self {
-            slot_accuracy,
-            tau: 1.0 + accepted,
-        }
-    }
-}
 
 /// What [`Drafter::evaluate`] reports for one batch.
 #[derive(Debug, Clone, PartialEq)]
@@ -275,10 +113,10 @@ struct InFlight {
     labelled: Option<Vec<u32>>,
 }
 
-/// A drafter (either model family) on backend `B`. See the module docs.
+/// A drafter (any model family) on backend `B`. See the module docs.
 pub struct Drafter<B: Backend> {
     backend: B,
-    model: Model<B>,
+    model: Box<dyn Family<B>>,
     buckets: Vec<BucketPlan>,
     parameters: usize,
     slots: usize,
@@ -317,7 +155,16 @@ impl<B: Backend> Drafter<B> {
         buckets: &[BucketPlan],
         hs_dtype: HsDtype,
     ) -> Result<Self, DrafterError> {
-        let (built, layout) = Model::new(&mut backend, model, settings, buckets, hs_dtype)?;
+        let (loss, optimizer, precision) = settings;
+        let plan = FamilyPlan {
+            model,
+            loss,
+            optimizer,
+            precision,
+            buckets,
+            hs_dtype,
+        };
+        let (built, layout) = registry::build(&mut backend, plan)?;
         Ok(Self {
             backend,
             model: built,
@@ -341,20 +188,23 @@ impl<B: Backend> Drafter<B> {
     /// Sets the step count the learning-rate schedule runs over (the drafter's `steps`); call it before the
     /// first step (a captured update keeps the value). Without it a linear or cosine schedule has no length.
     pub fn set_schedule_total(&mut self, total_steps: u64) {
-        self.model.set_schedule_total(total_steps);
+        self.model.optimizer_mut().set_schedule_total(total_steps);
     }
 
-    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) into a `dflash` model.
+    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) into a model that reads
+    /// them (`dflash`).
     ///
     /// # Errors
-    /// [`DrafterError::Frozen`] for an `mlp` or tensors of the wrong size; backend failures.
+    /// [`DrafterError::Frozen`] for a family without frozen tensors (`mlp`) or tensors of the wrong size;
+    /// backend failures.
     pub fn upload_frozen(&mut self, embed: &[f32], lm_head: &[f32]) -> Result<(), DrafterError> {
-        let Some(model) = self.model.as_dflash_mut() else {
-            return Err(DrafterError::Frozen(
-                "the mlp drafter has no frozen tensors".into(),
-            ));
+        let family = self.model.name();
+        let Some((embed_buf, lm_head_buf)) = self.model.frozen_mut() else {
+            return Err(DrafterError::Frozen(format!(
+                "the {family} drafter has no frozen tensors"
+            )));
         };
-        let expected = model.spec().vocab * model.spec().hidden;
+        let expected = embed_buf.len();
         for (name, len) in [("embedding", embed.len()), ("lm_head", lm_head.len())] {
             if len != expected {
                 return Err(DrafterError::Frozen(format!(
@@ -362,8 +212,27 @@ impl<B: Backend> Drafter<B> {
                 )));
             }
         }
-        model.upload_frozen(&mut self.backend, embed, lm_head)?;
+        self.backend.upload(embed_buf.all_mut(), embed)?;
+        self.backend.upload(lm_head_buf.all_mut(), lm_head)?;
         Ok(())
+    }
+
+    /// Copies an `eagle3` model's draft vocabulary (`d2t` offsets `[draft_vocab]`, `t2d` mask `[vocab]`, as
+    /// SpecForge's `vocab_mapping` writes them) to the device; its teacher rows of the target's `lm_head` are
+    /// gathered from them before the next step.
+    ///
+    /// # Errors
+    /// [`DrafterError::Frozen`] for another family or a map that does not fit; backend failures.
+    pub fn upload_vocab_map(&mut self, d2t: &[i64], t2d: &[bool]) -> Result<(), DrafterError> {
+        let family = self.model.name();
+        let Some(eagle3) = (self.model.as_mut() as &mut dyn Any).downcast_mut::<Eagle3<B>>() else {
+            return Err(DrafterError::Frozen(format!(
+                "the {family} drafter has no draft vocabulary"
+            )));
+        };
+        eagle3
+            .upload_vocab_map(&mut self.backend, d2t, t2d)?
+            .map_err(|e| DrafterError::Frozen(e.to_string()))
     }
 
     /// The backend.
@@ -372,13 +241,13 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// The backend and the model's buffers (tests, benchmarks).
-    pub fn parts_mut(&mut self) -> (&mut B, &mut Model<B>) {
-        (&mut self.backend, &mut self.model)
+    pub fn parts_mut(&mut self) -> (&mut B, &mut dyn Family<B>) {
+        (&mut self.backend, self.model.as_mut())
     }
 
     /// The model's buffers.
-    pub fn model(&self) -> &Model<B> {
-        &self.model
+    pub fn model(&self) -> &dyn Family<B> {
+        self.model.as_ref()
     }
 
     /// Bytes of device memory this drafter allocated: the flat state and the workspace layout's buffers.
@@ -392,7 +261,7 @@ impl<B: Backend> Drafter<B> {
     /// [`StepError::StateSize`] when a buffer's length is not the model's; backend failures.
     pub fn upload_state(&mut self, state: &FlatState) -> Result<(), DrafterError> {
         self.check_state(state)?;
-        let adamw = self.model.adamw_state_for(state.step);
+        let adamw = self.model.optimizer().adamw_state_for(state.step);
         let be = &mut self.backend;
         let (flat, adamw_state) = self.model.state_mut();
         be.upload(flat.params.all_mut(), &state.params)?;
@@ -477,21 +346,25 @@ impl<B: Backend> Drafter<B> {
             ("loss_mask", tokens, batch.loss_mask.len()),
             ("seq_lens", batch.sequences, batch.seq_lens.len()),
         ];
-        let mut sizes = sizes.to_vec();
-        if let Some(hidden) = self.model.last_hidden_width() {
-            let last = batch
-                .last_hidden_states
-                .as_ref()
-                .ok_or(StepError::MissingLastHiddenStates { hidden })?;
-            if last.dtype() != batch.hs.dtype() {
-                return Err(StepError::LastHiddenDtype {
-                    expected: batch.hs.dtype().name(),
-                    got: last.dtype().name(),
-                });
+        // The teacher's input, for a family that reads it (checked without allocating: the step path is
+        // allocation-free).
+        let last = match self.model.last_hidden_width() {
+            Some(hidden) => {
+                let last = batch
+                    .last_hidden_states
+                    .as_ref()
+                    .ok_or(StepError::MissingLastHiddenStates { hidden })?;
+                if last.dtype() != batch.hs.dtype() {
+                    return Err(StepError::LastHiddenDtype {
+                        expected: batch.hs.dtype().name(),
+                        got: last.dtype().name(),
+                    });
+                }
+                Some(("last_hidden_states", tokens * hidden, last.len()))
             }
-            sizes.push(("last_hidden_states", tokens * hidden, last.len()));
-        }
-        for (buffer, expected, got) in sizes {
+            None => None,
+        };
+        for (buffer, expected, got) in sizes.into_iter().chain(last) {
             if expected != got {
                 return Err(StepError::BatchBuffer {
                     buffer,
@@ -532,18 +405,13 @@ impl<B: Backend> Drafter<B> {
         let slot = self.next_slot;
         self.backend
             .stage(slot, HostBatch::from(batch), self.model.input_mut(slot))?;
-        let labelled = match self.model.as_dflash_mut() {
-            Some(model) => {
-                let (seed, first) = self.sampler;
-                let step = first + self.launched;
-                Some(
-                    model
-                        .stage_plan(&mut self.backend, slot, batch, (seed, step))?
-                        .to_vec(),
-                )
-            }
-            None => None,
-        };
+        let (seed, first) = self.sampler;
+        let labelled = self.model.stage(
+            &mut self.backend,
+            slot,
+            batch,
+            (seed, first + self.launched),
+        )?;
         self.staged = Some(Staged {
             bucket,
             slot,
@@ -572,7 +440,7 @@ impl<B: Backend> Drafter<B> {
             padded_len: self.buckets[bucket].padded_len,
             sequences: self.buckets[bucket].sequences,
         };
-        let (be, model) = (&mut self.backend, &mut self.model);
+        let (be, model) = (&mut self.backend, self.model.as_mut());
         be.begin_step(slot, ring)?;
         let mut compute = PhaseTimes::default();
         be.run_part(StepPart::ForwardBackward { bucket, slot }, &mut |be| {
@@ -627,7 +495,7 @@ impl<B: Backend> Drafter<B> {
             padded_len: self.buckets[bucket].padded_len,
             sequences: self.buckets[bucket].sequences,
         };
-        let (be, model) = (&mut self.backend, &mut self.model);
+        let (be, model) = (&mut self.backend, self.model.as_mut());
         be.begin_step(slot, 0)?;
         model.forward_loss(be, shape, slot)?;
         be.end_step(slot, 0, model.step_scalars().all())?;
@@ -643,7 +511,7 @@ impl<B: Backend> Drafter<B> {
         Ok(Evaluation {
             loss: results.scalars[2],
             tokens,
-            blocks: labelled.map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
+            blocks: labelled.map(|labelled| model.metrics(&results.extra, &labelled)),
             slot_counts,
         })
     }
@@ -667,7 +535,7 @@ impl<B: Backend> Drafter<B> {
             host_us: step.host_us,
             blocks: step
                 .labelled
-                .map(|labelled| BlockMetrics::new(&results.extra, &labelled)),
+                .map(|labelled| self.model.metrics(&results.extra, &labelled)),
         })
     }
 
@@ -686,23 +554,5 @@ impl<B: Backend> Drafter<B> {
     /// Steps launched since the drafter was created.
     pub fn launched(&self) -> u64 {
         self.launched
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::BlockMetrics;
-
-    /// SpecForge's simulated acceptance length over the per-slot accuracies, plus the bonus token; a slot
-    /// without labels counts as never accepted (the chain stops there).
-    #[test]
-    fn tau_is_one_plus_the_sum_of_accuracy_prefix_products() {
-        let metrics = BlockMetrics::new(&[0.0, 8.0, 4.0, 3.0], &[0, 10, 8, 6]);
-        assert_eq!(metrics.slot_accuracy, [0.8, 0.5, 0.5]);
-        let expected = 1.0 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5;
-        assert!((metrics.tau - expected).abs() < 1e-6);
-        let unlabelled = BlockMetrics::new(&[0.0, 5.0, 0.0, 2.0], &[0, 5, 0, 2]);
-        assert_eq!(unlabelled.slot_accuracy, [1.0, 0.0, 1.0]);
-        assert!((unlabelled.tau - 2.0).abs() < 1e-6);
     }
 }

@@ -7,7 +7,8 @@ use serde_json::{Map, Value};
 
 use super::{CheckOptions, Engine, Findings, Severity, TokenizerVocab};
 use crate::checkpoint::CONFIG_FILE;
-use crate::checkpoint::hf::{DEPTH_ASSUMED_KEY, DFLASH_ARCHITECTURE, DRAFTPIPE_KEY};
+use crate::model::dflash::serving::DFLASH_ARCHITECTURE;
+use crate::model::serving::{DEPTH_ASSUMED_KEY, DRAFTPIPE_KEY};
 
 /// SGLang's mask token string when `dflash_config.mask_token` is absent (`DEFAULT_DFLASH_MASK_TOKEN`,
 /// `python/sglang/srt/speculative/dflash_utils.py`).

@@ -18,7 +18,7 @@ use serde_json::{Map, Value};
 use super::tensors::{Header, headers, weight_files};
 use super::{CheckOptions, Engine, Findings, Severity};
 use crate::checkpoint::CONFIG_FILE;
-use crate::checkpoint::hf::DRAFTPIPE_KEY;
+use crate::model::serving::DRAFTPIPE_KEY;
 use crate::model::eagle3::export::EAGLE3_ARCHITECTURE;
 use crate::model::eagle3::vocab::{D2T, T2D};
 use crate::tensor_file::{TensorFile, TensorRead, decode_ids};

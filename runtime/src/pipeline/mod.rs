@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use draftpipe_compiler::plan::{Device, ModelSpec, Plan, SyncMode};
+use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
 use crate::allreduce::AllReduce;
 use crate::backend::cpu::CpuBackend;
@@ -44,6 +44,7 @@ use crate::backend::cuda::GradientAllReduce;
 use crate::batch::HsBatch;
 use crate::checkpoint::{ProducerRecord, load_checkpoint, load_initial_weights};
 use crate::drafter::DrafterError;
+use crate::model::registry;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
 use crate::source::{
@@ -102,8 +103,8 @@ fn queue_snapshot(stats: QueueStats) -> QueueSnapshot {
     }
 }
 
-/// The replica every drafter starts from: fresh, `--init` weights, or a resumed checkpoint; and for `dflash`
-/// the target's frozen embedding and `lm_head`, loaded once for every worker.
+/// The replica every drafter starts from: fresh, `--init` weights, or a resumed checkpoint; and, for a family
+/// that reads them (`dflash`), the target's frozen embedding and `lm_head`, loaded once for every worker.
 struct Start {
     state: FlatState,
     step: u64,
@@ -115,9 +116,10 @@ struct Start {
 
 fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> {
     let mut state = FlatState::init(&plan.model, options.init_seed);
-    let frozen = match plan.model.spec {
-        ModelSpec::Dflash(_) | ModelSpec::Eagle3(_) => Some(TargetWeights::load(&plan.target)?),
-        ModelSpec::Mlp(_) => None,
+    let frozen = if registry::spec(&plan.model.spec).reads_target_weights() {
+        Some(TargetWeights::load(&plan.target)?)
+    } else {
+        None
     };
     if let Some(dir) = &options.resume {
         let checkpoint = load_checkpoint(dir, &plan.model)?;

@@ -219,8 +219,8 @@ impl WorkspaceLayout {
     /// `nh` query heads, `I` intermediate, `V`/`Vd` full/draft vocabulary, `C = clamp(chunk_tokens, 1, T)` rows
     /// of a logits chunk. What the backward pass reads of each TTT step is stacked `[K, …]` (the unroll is not
     /// detached, so every step's activations live until the backward); every buffer is linear in `T`, and the
-    /// logits never exceed one chunk: `[C, V]` for the full-vocabulary argmax, `[C, Vd]` twice (draft and
-    /// teacher) for the loss, in one buffer.
+    /// logits never exceed one chunk: `[C, V]` for the full-vocabulary argmax (then the draft head's `[C, Vd]`),
+    /// and the teacher's `[C, Vd]`.
     ///
     /// # Examples
     /// ```
@@ -298,9 +298,11 @@ impl WorkspaceLayout {
         add("act", F32, m(kt, i))?;
         add("final_inv_rms", F32, Some(kt))?;
         add("z", F32, Some(th))?;
-        // The fused loss: one chunk of logits (full vocabulary for the argmax, or draft and teacher on the draft
-        // vocabulary), per-row loss and agreement of every step, the gradient reaching each step's `z`.
-        add("logits", F32, Some(m(c, v)?.max(m(c, m(2, vd)?)?)))?;
+        // The fused loss: one chunk of logits (the full vocabulary for the argmax, then the draft head's), the
+        // teacher's chunk on the draft vocabulary, per-row loss and agreement of every step, the gradient reaching
+        // each step's `z`.
+        add("logits", F32, Some(m(c, v.max(vd))?))?;
+        add("teacher_logits", F32, m(c, vd))?;
         add("row_loss", F32, Some(kt))?;
         add("correct", F32, Some(kt))?;
         add("loss_partials", F32, Some(kt.div_ceil(REDUCE_CHUNK)))?;

@@ -9,13 +9,11 @@
 
 pub mod attention;
 pub(crate) mod gemm;
-mod head_loss;
 pub mod kernels;
 pub mod rope;
 mod threads;
 
 pub use gemm::{GEMM_THREADS_VAR, gemm_flops, gemm_threads, matmul};
-pub use head_loss::{HeadLoss, head_loss};
 pub use threads::HostThreads;
 
 use std::sync::Arc;
@@ -48,7 +46,7 @@ pub struct CpuBackend {
     allocated: u64,
 }
 
-fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
+pub(crate) fn slice<'a, T: Element>(view: Src<'a, CpuBackend, T>) -> &'a [T] {
     let (raw, start, len) = view.parts();
     &raw[start..start + len]
 }
@@ -64,7 +62,7 @@ fn slices<'a>(inputs: AttentionInputs<'a, CpuBackend>) -> AttentionSlices<'a> {
     }
 }
 
-fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
+pub(crate) fn slice_mut<'a, T: Element>(view: Dst<'a, CpuBackend, T>) -> &'a mut [T] {
     let (raw, start, len) = view.parts();
     &mut raw[start..start + len]
 }
@@ -760,6 +758,8 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+
+    crate::model::eagle3::kernels::eagle3_backend_methods!(delegate);
 }
 
 #[cfg(test)]

@@ -94,14 +94,14 @@ pub struct DeviceBuffer<T> {
 }
 
 /// The typed device pointer of a read view: its first element and its length.
-fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(crate) fn ptr<T: Element>(view: Src<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: a view lies inside its buffer's allocation (checked when the view was made).
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
 }
 
 /// The typed device pointer of a write view.
-fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
+pub(crate) fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T> {
     let (raw, start, len) = view.parts();
     // SAFETY: as for `ptr`.
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
@@ -173,6 +173,11 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
+    /// The kernel launcher on the compute stream (a family's own kernels launch through it).
+    pub(crate) fn launcher(&self) -> &Launcher {
+        &self.kernels
+    }
+
     /// Device `ordinal` with streams, kernels, cuBLAS (with the layout's `cublas_workspace`) and the pinned
     /// staging of `layout`'s input slots; graphs per step part when `launch` is [`LaunchMode::Graph`].
     ///
@@ -1035,4 +1040,6 @@ impl Backend for CudaBackend {
         }
         Ok(())
     }
+
+    crate::model::eagle3::kernels::eagle3_backend_methods!(delegate);
 }

@@ -30,12 +30,19 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{
-    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult,
-    HsOperand, Operand, Precision,
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Buf,
+    HsOperand, InputSlot, Operand, Precision,
 };
 use crate::batch::HsBatch;
+use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
+use crate::model::layers::{
+    MlpDims, NormSaved, SwigluSaved, SwigluWeights, linear_backward, rmsnorm_backward,
+    swiglu_mlp_backward, swiglu_mlp_forward,
+};
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
+
+pub mod serving;
 
 pub use blocks::{BlockGeometry, BlockPlan, PlanInput};
 pub use buffers::{DflashWorkspace, PlanSlot};
@@ -95,91 +102,6 @@ impl<B: Backend> Dflash<B> {
         self.offsets.spec()
     }
 
-    /// Copies the target's frozen embedding and `lm_head` (`[vocab, hidden]` each) to the device.
-    ///
-    /// # Errors
-    /// Backend failures.
-    ///
-    /// # Panics
-    /// When a tensor's length is not `vocab · hidden` (the caller validated the weights against the plan).
-    pub fn upload_frozen(&mut self, be: &mut B, embed: &[f32], lm_head: &[f32]) -> BackendResult {
-        be.upload(self.ws.embed.all_mut(), embed)?;
-        be.upload(self.ws.lm_head.all_mut(), lm_head)
-    }
-
-    /// Builds the block plan of `batch` (anchors drawn with `(seed, step)`) and copies it into input slot
-    /// `slot`'s plan buffers. Returns the labelled rows per slot.
-    ///
-    /// # Errors
-    /// Backend failures.
-    pub fn stage_plan(
-        &mut self,
-        be: &mut B,
-        slot: usize,
-        batch: &HsBatch,
-        (seed, step): (u64, u64),
-    ) -> BackendResult<&[u32]> {
-        let input = PlanInput {
-            padded_len: batch.padded_len,
-            input_ids: &batch.input_ids,
-            loss_mask: &batch.loss_mask,
-            seq_lens: &batch.seq_lens,
-        };
-        let geometry = BlockGeometry {
-            anchors: self.spec().block_slots(batch.padded_len),
-            ..self.geometry
-        };
-        self.plan.build(&geometry, input, seed, step);
-        let plan = &self.plan;
-        let dev = &mut self.ws.plans[slot];
-        let (t, q) = (plan.context_positions.len(), plan.query_rows());
-        be.upload(dev.block_ids.at_mut(0, q), &plan.block_ids)?;
-        be.upload(dev.positions.at_mut(0, t), &plan.context_positions)?;
-        be.upload(dev.positions.at_mut(t, q), &plan.block_positions)?;
-        be.upload(dev.query_ranges.at_mut(0, 4 * q), &plan.query_ranges)?;
-        be.upload(
-            dev.context_key_ranges.at_mut(0, 2 * t),
-            &plan.context_key_ranges,
-        )?;
-        be.upload(
-            dev.block_key_ranges.at_mut(0, 2 * q),
-            &plan.block_key_ranges,
-        )?;
-        be.upload(dev.labels.at_mut(0, q), &plan.labels)?;
-        be.upload(dev.weights.at_mut(0, q), &plan.weights)?;
-        be.upload(dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
-        Ok(&self.plan.slot_labels)
-    }
-
-    /// Forward, weighted loss and backward of the batch in input slot `slot` (its plan staged by
-    /// [`Dflash::stage_plan`]): overwrites every gradient, writes the loss into `step_scalars[2]` and the
-    /// correct rows of each slot into `step_scalars[3..3 + block]`. Returns the host time of each phase.
-    pub fn forward_backward(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        let started = Instant::now();
-        self.forward(be, shape, slot)?;
-        let forward_done = Instant::now();
-        self.loss(be, shape, slot)?;
-        let loss_done = Instant::now();
-        self.backward(be, shape, slot)?;
-        Ok(PhaseTimes {
-            forward: forward_done - started,
-            loss: loss_done - forward_done,
-            backward: loss_done.elapsed(),
-        })
-    }
-
-    /// Forward and weighted loss only (evaluation, [`crate::drafter::Drafter::evaluate`]): the loss and the
-    /// per-slot correct counts into the step scalars, no gradient of any parameter.
-    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.forward(be, shape, slot)?;
-        self.loss(be, shape, slot)
-    }
-
     /// Rows of the step: `(T, Q, blocks)`.
     fn rows(&self, shape: StepShape) -> (usize, usize, usize) {
         let blocks = shape.sequences * self.spec().block_slots(shape.padded_len);
@@ -197,6 +119,11 @@ impl<B: Backend> Dflash<B> {
         let (ws, params) = (&mut self.ws, &self.state.params);
         let (input, plan) = (&ws.inputs[slot], &ws.plans[slot]);
         let (th, qh) = (t * h, q * h);
+        let mlp_dims = MlpDims {
+            rows: q,
+            hidden: h,
+            intermediate: i,
+        };
         // Context, once per sequence: c = hidden_norm(hs · fcᵀ).
         be.gemm_hs(
             ws.ctx_pre.at_mut(0, th),
@@ -334,26 +261,16 @@ impl<B: Backend> Dflash<B> {
                 ws.inv_rms2.at_mut(l * q, q),
                 eps,
             )?;
-            be.gemm(
-                ws.gate_up.at_mut(l * q * 2 * i, q * 2 * i),
-                Operand::new(ws.normed2.at(l * qh, qh), q, h),
-                Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h).t(),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.swiglu_forward(
-                ws.gate_up.at(l * q * 2 * i, q * 2 * i),
-                ws.act.at_mut(l * q * i, q * i),
-                i,
-            )?;
-            be.copy(next.at_mut(0, qh), ws.mid.at(l * qh, qh))?;
-            be.gemm(
+            swiglu_mlp_forward(
+                be,
+                mlp_dims,
+                (ws.normed2.at(l * qh, qh), ws.mid.at(l * qh, qh)),
+                SwigluWeights {
+                    gate_up: params.at(w.gate_up, 2 * i * h),
+                    down: params.at(w.down_proj, h * i),
+                },
+                ((&mut ws.gate_up, l * q * 2 * i), (&mut ws.act, l * q * i)),
                 next.at_mut(0, qh),
-                Operand::new(ws.act.at(l * q * i, q * i), q, i),
-                Operand::new(params.at(w.down_proj, h * i), h, i).t(),
-                1.0,
-                1.0,
                 p,
             )?;
         }
@@ -432,95 +349,69 @@ impl<B: Backend> Dflash<B> {
         let ctx_positions = plan.positions.at(0, t);
         let blk_positions = plan.positions.at(t, q);
         let layers = at.layers.len();
-        be.rmsnorm_backward_input(
-            ws.xs[layers].at(0, qh),
-            params.at(at.norm, h),
-            ws.final_inv_rms.at(0, q),
-            ws.dz.at(0, qh),
+        let mlp_dims = MlpDims {
+            rows: q,
+            hidden: h,
+            intermediate: i,
+        };
+        rmsnorm_backward(
+            be,
+            NormSaved {
+                x: ws.xs[layers].at(0, qh),
+                weight: params.at(at.norm, h),
+                inv_rms: ws.final_inv_rms.at(0, q),
+                dy: ws.dz.at(0, qh),
+            },
+            (grads.at_mut(at.norm, h), ws.norm_partials.all_mut()),
             ws.dx.at_mut(0, qh),
             false,
         )?;
-        be.rmsnorm_weight_grad(
-            ws.xs[layers].at(0, qh),
-            ws.final_inv_rms.at(0, q),
-            ws.dz.at(0, qh),
-            grads.at_mut(at.norm, h),
-            ws.norm_partials.all_mut(),
-        )?;
         for (l, w) in at.layers.iter().enumerate().rev() {
-            // MLP: x' = m + act · Wdᵀ.
-            let dx = Operand::new(ws.dx.at(0, qh), q, h);
-            be.gemm(
-                grads.at_mut(w.down_proj, h * i),
-                dx.t(),
-                Operand::new(ws.act.at(l * q * i, q * i), q, i),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
-                ws.dact.at_mut(0, q * i),
-                dx,
-                Operand::new(params.at(w.down_proj, h * i), h, i),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.swiglu_backward(
-                ws.gate_up.at(l * q * 2 * i, q * 2 * i),
-                ws.dact.at(0, q * i),
-                ws.dgate_up.at_mut(0, q * 2 * i),
-                i,
-            )?;
-            let dgu = Operand::new(ws.dgate_up.at(0, q * 2 * i), q, 2 * i);
-            be.gemm(
-                grads.at_mut(w.gate_up, 2 * i * h),
-                dgu.t(),
-                Operand::new(ws.normed2.at(l * qh, qh), q, h),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
+            // MLP: x' = m + swiglu(post_attention_layernorm(m)) · Wdᵀ.
+            swiglu_mlp_backward(
+                be,
+                mlp_dims,
+                ws.dx.at(0, qh),
+                SwigluSaved {
+                    normed: ws.normed2.at(l * qh, qh),
+                    gate_up: ws.gate_up.at(l * q * 2 * i, q * 2 * i),
+                    act: ws.act.at(l * q * i, q * i),
+                },
+                SwigluWeights {
+                    gate_up: params.at(w.gate_up, 2 * i * h),
+                    down: params.at(w.down_proj, h * i),
+                },
+                (&mut *grads, w.gate_up, w.down_proj),
+                (&mut ws.dact, &mut ws.dgate_up),
                 ws.dnormed.at_mut(0, qh),
-                dgu,
-                Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h),
-                1.0,
-                0.0,
                 p,
-            )?;
-            be.rmsnorm_weight_grad(
-                ws.mid.at(l * qh, qh),
-                ws.inv_rms2.at(l * q, q),
-                ws.dnormed.at(0, qh),
-                grads.at_mut(w.post_attention_layernorm, h),
-                ws.norm_partials.all_mut(),
             )?;
             // dx ← dm = dx' + the post-attention norm's input gradient.
-            be.rmsnorm_backward_input(
-                ws.mid.at(l * qh, qh),
-                params.at(w.post_attention_layernorm, h),
-                ws.inv_rms2.at(l * q, q),
-                ws.dnormed.at(0, qh),
+            rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.mid.at(l * qh, qh),
+                    weight: params.at(w.post_attention_layernorm, h),
+                    inv_rms: ws.inv_rms2.at(l * q, q),
+                    dy: ws.dnormed.at(0, qh),
+                },
+                (
+                    grads.at_mut(w.post_attention_layernorm, h),
+                    ws.norm_partials.all_mut(),
+                ),
                 ws.dx.at_mut(0, qh),
                 true,
             )?;
             // Attention output projection: m = x + attn · Woᵀ.
-            let dm = Operand::new(ws.dx.at(0, qh), q, h);
-            be.gemm(
-                grads.at_mut(w.o_proj, h * qd),
-                dm.t(),
-                Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
-                ws.dattn.at_mut(0, q * qd),
-                dm,
-                Operand::new(params.at(w.o_proj, h * qd), h, qd),
-                1.0,
-                0.0,
+            linear_backward(
+                be,
+                (
+                    Operand::new(ws.dx.at(0, qh), q, h),
+                    Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
+                    Operand::new(params.at(w.o_proj, h * qd), h, qd),
+                ),
+                (grads.at_mut(w.o_proj, h * qd), 0.0),
+                (ws.dattn.at_mut(0, q * qd), 0.0),
                 p,
             )?;
             be.attention_backward(
@@ -574,17 +465,17 @@ impl<B: Backend> Dflash<B> {
                 ws.dq_raw.at_mut(0, q * qd),
                 false,
             )?;
-            let dq_raw = Operand::new(ws.dq_raw.at(0, q * qd), q, qd);
-            be.gemm(
-                grads.at_mut(w.q_proj, qd * h),
-                dq_raw.t(),
-                normed,
-                1.0,
-                0.0,
+            linear_backward(
+                be,
+                (
+                    Operand::new(ws.dq_raw.at(0, q * qd), q, qd),
+                    normed,
+                    Operand::new(params.at(w.q_proj, qd * h), qd, h),
+                ),
+                (grads.at_mut(w.q_proj, qd * h), 0.0),
+                (ws.dnormed.at_mut(0, qh), 0.0),
                 p,
             )?;
-            let wq = Operand::new(params.at(w.q_proj, qd * h), qd, h);
-            be.gemm(ws.dnormed.at_mut(0, qh), dq_raw, wq, 1.0, 0.0, p)?;
             // Block keys (k_norm's gradient from these rows into scratch) and values.
             be.rope(
                 ws.dk_blk.at_mut(0, q * kd),
@@ -613,24 +504,15 @@ impl<B: Backend> Dflash<B> {
             let wv = Operand::new(params.at(w.v_proj, kd * h), kd, h);
             let dk_blk = Operand::new(ws.dk_blk_raw.at(0, q * kd), q, kd);
             let dv_blk = Operand::new(ws.dv_blk.at(0, q * kd), q, kd);
-            be.gemm(
-                grads.at_mut(w.k_proj, kd * h),
-                dk_blk.t(),
-                normed,
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(ws.dnormed.at_mut(0, qh), dk_blk, wk, 1.0, 1.0, p)?;
-            be.gemm(
-                grads.at_mut(w.v_proj, kd * h),
-                dv_blk.t(),
-                normed,
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(ws.dnormed.at_mut(0, qh), dv_blk, wv, 1.0, 1.0, p)?;
+            for (dy, weight, dweight) in [(dk_blk, wk, w.k_proj), (dv_blk, wv, w.v_proj)] {
+                linear_backward(
+                    be,
+                    (dy, normed, weight),
+                    (grads.at_mut(dweight, kd * h), 0.0),
+                    (ws.dnormed.at_mut(0, qh), 1.0),
+                    p,
+                )?;
+            }
             // Context keys and values: into k/v_proj's gradients and dc (accumulated over layers).
             be.rope(
                 ws.dk_ctx.at_mut(0, t * kd),
@@ -668,40 +550,44 @@ impl<B: Backend> Dflash<B> {
             let dk_ctx = Operand::new(ws.dk_ctx_raw.at(0, t * kd), t, kd);
             let dv_ctx = Operand::new(ws.dv_ctx.at(0, t * kd), t, kd);
             let first = if l + 1 == layers { 0.0 } else { 1.0 };
-            be.gemm(grads.at_mut(w.k_proj, kd * h), dk_ctx.t(), ctx, 1.0, 1.0, p)?;
-            be.gemm(ws.dctx.at_mut(0, th), dk_ctx, wk, 1.0, first, p)?;
-            be.gemm(grads.at_mut(w.v_proj, kd * h), dv_ctx.t(), ctx, 1.0, 1.0, p)?;
-            be.gemm(ws.dctx.at_mut(0, th), dv_ctx, wv, 1.0, 1.0, p)?;
+            for (dy, weight, dweight, dctx_beta) in
+                [(dk_ctx, wk, w.k_proj, first), (dv_ctx, wv, w.v_proj, 1.0)]
+            {
+                linear_backward(
+                    be,
+                    (dy, ctx, weight),
+                    (grads.at_mut(dweight, kd * h), 1.0),
+                    (ws.dctx.at_mut(0, th), dctx_beta),
+                    p,
+                )?;
+            }
             // Input norm: dx ← dm + its input gradient.
-            be.rmsnorm_weight_grad(
-                ws.xs[l].at(0, qh),
-                ws.inv_rms.at(l * q, q),
-                ws.dnormed.at(0, qh),
-                grads.at_mut(w.input_layernorm, h),
-                ws.norm_partials.all_mut(),
-            )?;
-            be.rmsnorm_backward_input(
-                ws.xs[l].at(0, qh),
-                params.at(w.input_layernorm, h),
-                ws.inv_rms.at(l * q, q),
-                ws.dnormed.at(0, qh),
+            rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.xs[l].at(0, qh),
+                    weight: params.at(w.input_layernorm, h),
+                    inv_rms: ws.inv_rms.at(l * q, q),
+                    dy: ws.dnormed.at(0, qh),
+                },
+                (
+                    grads.at_mut(w.input_layernorm, h),
+                    ws.norm_partials.all_mut(),
+                ),
                 ws.dx.at_mut(0, qh),
                 true,
             )?;
         }
         // Context: hidden_norm, then fc (the block embedding is frozen: dx stops here).
-        be.rmsnorm_weight_grad(
-            ws.ctx_pre.at(0, th),
-            ws.ctx_inv_rms.at(0, t),
-            ws.dctx.at(0, th),
-            grads.at_mut(at.hidden_norm, h),
-            ws.norm_partials.all_mut(),
-        )?;
-        be.rmsnorm_backward_input(
-            ws.ctx_pre.at(0, th),
-            params.at(at.hidden_norm, h),
-            ws.ctx_inv_rms.at(0, t),
-            ws.dctx.at(0, th),
+        rmsnorm_backward(
+            be,
+            NormSaved {
+                x: ws.ctx_pre.at(0, th),
+                weight: params.at(at.hidden_norm, h),
+                inv_rms: ws.ctx_inv_rms.at(0, t),
+                dy: ws.dctx.at(0, th),
+            },
+            (grads.at_mut(at.hidden_norm, h), ws.norm_partials.all_mut()),
             ws.dctx_pre.at_mut(0, th),
             false,
         )?;
@@ -714,9 +600,44 @@ impl<B: Backend> Dflash<B> {
             p,
         )
     }
+}
+
+impl<B: Backend> Family<B> for Dflash<B> {
+    fn name(&self) -> &'static str {
+        "dflash"
+    }
+
+    /// Forward, weighted loss and backward of the batch in input slot `slot` (its plan staged by
+    /// [`Dflash::stage_plan`]): overwrites every gradient, writes the loss into `step_scalars[2]` and the
+    /// correct rows of each slot into `step_scalars[3..3 + block]`. Returns the host time of each phase.
+    fn forward_backward(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+    ) -> BackendResult<PhaseTimes> {
+        let started = Instant::now();
+        self.forward(be, shape, slot)?;
+        let forward_done = Instant::now();
+        self.loss(be, shape, slot)?;
+        let loss_done = Instant::now();
+        self.backward(be, shape, slot)?;
+        Ok(PhaseTimes {
+            forward: forward_done - started,
+            loss: loss_done - forward_done,
+            backward: loss_done.elapsed(),
+        })
+    }
+
+    /// Forward and weighted loss only (evaluation, [`crate::drafter::Drafter::evaluate`]): the loss and the
+    /// per-slot correct counts into the step scalars, no gradient of any parameter.
+    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss(be, shape, slot)
+    }
 
     /// The optimizer, state and update buffers the shared update runs on.
-    pub fn update_parts(&mut self) -> UpdateParts<'_, B> {
+    fn update_parts(&mut self) -> UpdateParts<'_, B> {
         let ws = &mut self.ws;
         (
             &self.optimizer,
@@ -729,4 +650,112 @@ impl<B: Backend> Dflash<B> {
             },
         )
     }
+
+    fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
+    fn state(&self) -> &FlatBuffers<B> {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>) {
+        (&mut self.state, &mut self.ws.adamw_state)
+    }
+
+    fn step_scalars(&self) -> &Buf<B, f32> {
+        &self.ws.step_scalars
+    }
+
+    fn inputs(&self) -> &[InputSlot<B>] {
+        &self.ws.inputs
+    }
+
+    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B> {
+        &mut self.ws.inputs[slot]
+    }
+
+    fn input_width_and_vocab(&self) -> (usize, usize) {
+        (self.spec().taps * self.spec().hidden, self.spec().vocab)
+    }
+
+    fn frozen_mut(&mut self) -> Option<FrozenTables<'_, B>> {
+        Some((&mut self.ws.embed, &mut self.ws.lm_head))
+    }
+
+    /// Builds the block plan of `batch` (anchors drawn with `(seed, step)`) and copies it into input slot
+    /// `slot`'s plan buffers. Returns the labelled rows per slot.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn stage(
+        &mut self,
+        be: &mut B,
+        slot: usize,
+        batch: &HsBatch,
+        (seed, step): (u64, u64),
+    ) -> BackendResult<Option<Vec<u32>>> {
+        let input = PlanInput {
+            padded_len: batch.padded_len,
+            input_ids: &batch.input_ids,
+            loss_mask: &batch.loss_mask,
+            seq_lens: &batch.seq_lens,
+        };
+        let geometry = BlockGeometry {
+            anchors: self.spec().block_slots(batch.padded_len),
+            ..self.geometry
+        };
+        self.plan.build(&geometry, input, seed, step);
+        let plan = &self.plan;
+        let dev = &mut self.ws.plans[slot];
+        let (t, q) = (plan.context_positions.len(), plan.query_rows());
+        be.upload(dev.block_ids.at_mut(0, q), &plan.block_ids)?;
+        be.upload(dev.positions.at_mut(0, t), &plan.context_positions)?;
+        be.upload(dev.positions.at_mut(t, q), &plan.block_positions)?;
+        be.upload(dev.query_ranges.at_mut(0, 4 * q), &plan.query_ranges)?;
+        be.upload(
+            dev.context_key_ranges.at_mut(0, 2 * t),
+            &plan.context_key_ranges,
+        )?;
+        be.upload(
+            dev.block_key_ranges.at_mut(0, 2 * q),
+            &plan.block_key_ranges,
+        )?;
+        be.upload(dev.labels.at_mut(0, q), &plan.labels)?;
+        be.upload(dev.weights.at_mut(0, q), &plan.weights)?;
+        be.upload(dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
+        Ok(Some(self.plan.slot_labels.clone()))
+    }
+}
+
+/// The `dflash` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
+///
+/// # Errors
+/// [`BuildError`] when the plan's layout is not the `dflash` layout, the workspace overflows or a buffer cannot
+/// be allocated.
+pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
+    let kind = backend.kind();
+    let offsets = DflashOffsets::new(plan.model)?;
+    let layout = WorkspaceLayout::dflash(
+        offsets.spec(),
+        plan.buckets,
+        &plan.loss,
+        kind,
+        plan.precision,
+    )
+    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
+    .ok_or(BuildError::WorkspaceTooLarge)?;
+    let model = Dflash::new(
+        backend,
+        (plan.model, offsets),
+        plan.loss,
+        plan.optimizer,
+        plan.precision,
+        &layout,
+    )?;
+    Ok((Box::new(model), layout))
 }

@@ -29,12 +29,17 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use serde_json::{Value, json};
 
 use super::vocab::{D2T, T2D, VocabMap};
-use crate::checkpoint::hf::{DRAFTPIPE_KEY, MAX_POSITION_EMBEDDINGS};
+use crate::model::serving::DRAFTPIPE_KEY;
 use crate::checkpoint::{CONFIG_FILE, WeightsDtype};
 use crate::tensor_file::{F32Tensor, TensorFileError, TensorProblem};
 
 /// The architecture SGLang's `EntryClass` and vLLM's registry dispatch on.
 pub const EAGLE3_ARCHITECTURE: &str = "LlamaForCausalLMEagle3";
+
+/// `max_position_embeddings` written to the config: the draft's RoPE table in the engines, which must cover the
+/// target's context; the plan does not know the target's, so this is Qwen3's (8B and its siblings), as SpecForge's
+/// `configs/qwen3-8b-eagle3.json` has it.
+const MAX_POSITION_EMBEDDINGS: u64 = 40_960;
 
 /// The weights file both engines glob.
 pub const WEIGHTS_FILE: &str = "model.safetensors";

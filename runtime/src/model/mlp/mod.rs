@@ -16,7 +16,10 @@ use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
 
-use crate::backend::{Backend, BackendResult, HsOperand, Operand, Precision};
+use crate::backend::{Backend, BackendResult, Buf, HsOperand, InputSlot, Operand, Precision};
+use crate::model::family::{BuildError, Built, Family, FamilyPlan};
+use crate::model::layers::{self, MlpDims, NormSaved, SwigluSaved, SwigluWeights};
+use crate::model::serving::FamilySpec;
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{Optimizer, UpdateBuffers, UpdateParts};
 
@@ -74,35 +77,6 @@ impl<B: Backend> Mlp<B> {
         &self.spec
     }
 
-    /// Forward, fused loss and backward of the batch in input slot `slot`: overwrites every gradient and
-    /// writes the loss into `step_scalars[2]`. Returns the host time of each phase (what the CPU spends; on
-    /// CUDA only the enqueueing).
-    pub fn forward_backward(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        let started = Instant::now();
-        self.forward(be, shape, slot)?;
-        let forward_done = Instant::now();
-        self.loss_and_heads(be, shape, slot)?;
-        let loss_done = Instant::now();
-        self.backward(be, shape, slot)?;
-        Ok(PhaseTimes {
-            forward: forward_done - started,
-            loss: loss_done - forward_done,
-            backward: loss_done.elapsed(),
-        })
-    }
-
-    /// Forward and fused loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves
-    /// behind are partial and belong to no step.
-    pub fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.forward(be, shape, slot)?;
-        self.loss_and_heads(be, shape, slot)
-    }
-
     fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
         let MlpSpec {
             din,
@@ -113,6 +87,11 @@ impl<B: Backend> Mlp<B> {
         let (t, p, at) = (shape.tokens(), self.precision, &self.offsets);
         let (ws, params) = (&mut self.ws, &self.state.params);
         let th = t * h;
+        let dims = MlpDims {
+            rows: t,
+            hidden: h,
+            intermediate: i,
+        };
         let input = &ws.inputs[slot];
         be.gemm_hs(
             ws.xs[0].at_mut(0, th),
@@ -132,27 +111,17 @@ impl<B: Backend> Mlp<B> {
                 ws.inv_rms.at_mut(b * t, t),
                 RMS_EPS,
             )?;
-            be.gemm(
-                ws.gate_up.at_mut(b * t * 2 * i, t * 2 * i),
-                Operand::new(ws.normed.at(b * th, th), t, h),
-                Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h).t(),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.swiglu_forward(
-                ws.gate_up.at(b * t * 2 * i, t * 2 * i),
-                ws.act.at_mut(b * t * i, t * i),
-                i,
-            )?;
-            // x_{b+1} = x_b + act · downᵀ: copy the residual, then accumulate the product into it.
-            be.copy(next.at_mut(0, th), x.at(0, th))?;
-            be.gemm(
+            // x_{b+1} = x_b + swiglu(normed · [gate; up]ᵀ) · downᵀ
+            layers::swiglu_mlp_forward(
+                be,
+                dims,
+                (ws.normed.at(b * th, th), x.at(0, th)),
+                SwigluWeights {
+                    gate_up: params.at(w.gate_up, 2 * i * h),
+                    down: params.at(w.down, h * i),
+                },
+                ((&mut ws.gate_up, b * t * 2 * i), (&mut ws.act, b * t * i)),
                 next.at_mut(0, th),
-                Operand::new(ws.act.at(b * t * i, t * i), t, i),
-                Operand::new(params.at(w.down, h * i), h, i).t(),
-                1.0,
-                1.0,
                 p,
             )?;
         }
@@ -258,76 +227,52 @@ impl<B: Backend> Mlp<B> {
         let th = t * h;
         let (ws, state) = (&mut self.ws, &mut self.state);
         let blocks = at.blocks.len();
-        let x_last = ws.xs[blocks].at(0, th);
-        let inv_rms_last = ws.inv_rms.at(blocks * t, t);
-        be.rmsnorm_backward_input(
-            x_last,
-            state.params.at(at.norm, h),
-            inv_rms_last,
-            ws.dz.at(0, th),
+        let dims = MlpDims {
+            rows: t,
+            hidden: h,
+            intermediate: i,
+        };
+        layers::rmsnorm_backward(
+            be,
+            NormSaved {
+                x: ws.xs[blocks].at(0, th),
+                weight: state.params.at(at.norm, h),
+                inv_rms: ws.inv_rms.at(blocks * t, t),
+                dy: ws.dz.at(0, th),
+            },
+            (state.grads.at_mut(at.norm, h), ws.norm_partials.all_mut()),
             ws.dx.at_mut(0, th),
             false,
         )?;
-        be.rmsnorm_weight_grad(
-            x_last,
-            inv_rms_last,
-            ws.dz.at(0, th),
-            state.grads.at_mut(at.norm, h),
-            ws.norm_partials.all_mut(),
-        )?;
         for (b, w) in at.blocks.iter().enumerate().rev() {
-            let dx = Operand::new(ws.dx.at(0, th), t, h);
-            be.gemm(
-                state.grads.at_mut(w.down, h * i),
-                dx.t(),
-                Operand::new(ws.act.at(b * t * i, t * i), t, i),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
-                ws.dact.at_mut(0, t * i),
-                dx,
-                Operand::new(state.params.at(w.down, h * i), h, i),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.swiglu_backward(
-                ws.gate_up.at(b * t * 2 * i, t * 2 * i),
-                ws.dact.at(0, t * i),
-                ws.dgate_up.at_mut(0, t * 2 * i),
-                i,
-            )?;
-            let dgu = Operand::new(ws.dgate_up.at(0, t * 2 * i), t, 2 * i);
-            be.gemm(
-                state.grads.at_mut(w.gate_up, 2 * i * h),
-                dgu.t(),
-                Operand::new(ws.normed.at(b * th, th), t, h),
-                1.0,
-                0.0,
-                p,
-            )?;
-            be.gemm(
+            layers::swiglu_mlp_backward(
+                be,
+                dims,
+                ws.dx.at(0, th),
+                SwigluSaved {
+                    normed: ws.normed.at(b * th, th),
+                    gate_up: ws.gate_up.at(b * t * 2 * i, t * 2 * i),
+                    act: ws.act.at(b * t * i, t * i),
+                },
+                SwigluWeights {
+                    gate_up: state.params.at(w.gate_up, 2 * i * h),
+                    down: state.params.at(w.down, h * i),
+                },
+                (&mut state.grads, w.gate_up, w.down),
+                (&mut ws.dact, &mut ws.dgate_up),
                 ws.dnormed.at_mut(0, th),
-                dgu,
-                Operand::new(state.params.at(w.gate_up, 2 * i * h), 2 * i, h),
-                1.0,
-                0.0,
                 p,
             )?;
-            be.rmsnorm_weight_grad(
-                ws.xs[b].at(0, th),
-                ws.inv_rms.at(b * t, t),
-                ws.dnormed.at(0, th),
-                state.grads.at_mut(w.norm, h),
-                ws.norm_partials.all_mut(),
-            )?;
-            be.rmsnorm_backward_input(
-                ws.xs[b].at(0, th),
-                state.params.at(w.norm, h),
-                ws.inv_rms.at(b * t, t),
-                ws.dnormed.at(0, th),
+            // dx ← dx (the residual's gradient) + the block norm's input gradient.
+            layers::rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.xs[b].at(0, th),
+                    weight: state.params.at(w.norm, h),
+                    inv_rms: ws.inv_rms.at(b * t, t),
+                    dy: ws.dnormed.at(0, th),
+                },
+                (state.grads.at_mut(w.norm, h), ws.norm_partials.all_mut()),
                 ws.dx.at_mut(0, th),
                 true,
             )?;
@@ -341,9 +286,44 @@ impl<B: Backend> Mlp<B> {
             p,
         )
     }
+}
+
+impl<B: Backend> Family<B> for Mlp<B> {
+    fn name(&self) -> &'static str {
+        "mlp"
+    }
+
+    /// Forward, fused loss and backward of the batch in input slot `slot`: overwrites every gradient and
+    /// writes the loss into `step_scalars[2]`. Returns the host time of each phase (what the CPU spends; on
+    /// CUDA only the enqueueing).
+    fn forward_backward(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+    ) -> BackendResult<PhaseTimes> {
+        let started = Instant::now();
+        self.forward(be, shape, slot)?;
+        let forward_done = Instant::now();
+        self.loss_and_heads(be, shape, slot)?;
+        let loss_done = Instant::now();
+        self.backward(be, shape, slot)?;
+        Ok(PhaseTimes {
+            forward: forward_done - started,
+            loss: loss_done - forward_done,
+            backward: loss_done.elapsed(),
+        })
+    }
+
+    /// Forward and fused loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves
+    /// behind are partial and belong to no step.
+    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.loss_and_heads(be, shape, slot)
+    }
 
     /// The optimizer, state and update buffers the shared update runs on.
-    pub fn update_parts(&mut self) -> UpdateParts<'_, B> {
+    fn update_parts(&mut self) -> UpdateParts<'_, B> {
         let ws = &mut self.ws;
         (
             &self.optimizer,
@@ -355,5 +335,72 @@ impl<B: Backend> Mlp<B> {
                 adamw_state: &mut ws.adamw_state,
             },
         )
+    }
+
+    fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
+    fn state(&self) -> &FlatBuffers<B> {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>) {
+        (&mut self.state, &mut self.ws.adamw_state)
+    }
+
+    fn step_scalars(&self) -> &Buf<B, f32> {
+        &self.ws.step_scalars
+    }
+
+    fn inputs(&self) -> &[InputSlot<B>] {
+        &self.ws.inputs
+    }
+
+    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B> {
+        &mut self.ws.inputs[slot]
+    }
+
+    fn input_width_and_vocab(&self) -> (usize, usize) {
+        (self.spec.din, self.spec.vocab)
+    }
+}
+
+/// The `mlp` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
+///
+/// # Errors
+/// [`BuildError`] when the plan's layout is not the `mlp` layout, the workspace overflows or a buffer cannot
+/// be allocated.
+pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
+    let kind = backend.kind();
+    let offsets = MlpOffsets::new(plan.model)?;
+    let layout = WorkspaceLayout::mlp(
+        offsets.spec(),
+        plan.buckets,
+        &plan.loss,
+        kind,
+        plan.precision,
+    )
+    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
+    .ok_or(BuildError::WorkspaceTooLarge)?;
+    let model = Mlp::new(
+        backend,
+        (plan.model, offsets),
+        plan.loss,
+        plan.optimizer,
+        plan.precision,
+        &layout,
+    )?;
+    Ok((Box::new(model), layout))
+}
+
+/// `mlp` reads no target tensors and exports no serving config (the defaults).
+impl FamilySpec for MlpSpec {
+    fn name(&self) -> &'static str {
+        "mlp"
     }
 }

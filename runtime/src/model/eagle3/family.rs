@@ -1,0 +1,168 @@
+//! The `eagle3` family as the drafter sees it: [`Family`] for [`Eagle3`] (its registry entry is [`build`]),
+//! [`FamilySpec`] for the compiler's [`Eagle3Spec`], and the per-TTT-step metrics of its read-back values.
+
+use draftpipe_compiler::plan::{Eagle3Spec, WorkspaceLayout};
+
+use super::{Eagle3, Eagle3Offsets};
+use crate::backend::{Backend, BackendResult, Buf, InputSlot};
+use crate::batch::HsBatch;
+use crate::model::family::{BlockMetrics, BuildError, Built, Family, FamilyPlan, FrozenTables};
+use crate::model::serving::FamilySpec;
+use crate::model::step::{PhaseTimes, StepShape};
+use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
+
+/// The architecture SGLang and vLLM load an EAGLE-3 draft as.
+pub const ARCHITECTURE: &str = "LlamaForCausalLMEagle3";
+
+/// An `eagle3` step's metrics from its read-back values after the first three, `[loss_k …, correct_k …,
+/// supervised_k …]` for `steps` TTT steps: accuracy_k = correct_k / supervised_k (0 without a supervised row),
+/// and SpecForge's simulated acceptance length `τ = 1 + Σ_k Π_{j≤k} acc_j`, TTT step `k` standing for draft
+/// position `k + 1`.
+pub fn ttt_metrics(extra: &[f32], steps: usize) -> BlockMetrics {
+    let (correct, supervised) = (&extra[steps..2 * steps], &extra[2 * steps..3 * steps]);
+    // `BlockMetrics::new` skips position 0 (a DFlash block's anchor): prepend an empty one.
+    let correct: Vec<f32> = std::iter::once(0.0)
+        .chain(correct.iter().copied())
+        .collect();
+    let supervised: Vec<u32> = std::iter::once(0)
+        .chain(supervised.iter().map(|&n| n as u32))
+        .collect();
+    BlockMetrics::new(&correct, &supervised)
+}
+
+impl<B: Backend> Family<B> for Eagle3<B> {
+    fn name(&self) -> &'static str {
+        "eagle3"
+    }
+
+    fn forward_backward(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+    ) -> BackendResult<PhaseTimes> {
+        self.train_step(be, shape, slot)
+    }
+
+    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.evaluate(be, shape, slot)
+    }
+
+    fn update_parts(&mut self) -> UpdateParts<'_, B> {
+        let ws = &mut self.ws;
+        (
+            &self.optimizer,
+            &mut self.state,
+            UpdateBuffers {
+                grad_norm_partials: &mut ws.grad_norm_partials,
+                step_scalars: &mut ws.step_scalars,
+                adamw_step: &mut ws.adamw_step,
+                adamw_state: &mut ws.adamw_state,
+            },
+        )
+    }
+
+    fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    fn optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
+    fn state(&self) -> &FlatBuffers<B> {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>) {
+        (&mut self.state, &mut self.ws.adamw_state)
+    }
+
+    fn step_scalars(&self) -> &Buf<B, f32> {
+        &self.ws.step_scalars
+    }
+
+    fn inputs(&self) -> &[InputSlot<B>] {
+        &self.ws.inputs
+    }
+
+    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B> {
+        &mut self.ws.inputs[slot]
+    }
+
+    fn input_width_and_vocab(&self) -> (usize, usize) {
+        (self.spec().taps * self.spec().hidden, self.spec().vocab)
+    }
+
+    fn last_hidden_width(&self) -> Option<usize> {
+        Some(self.spec().hidden)
+    }
+
+    /// The embedding and the whole `lm_head`; the teacher's rows of it are gathered again before the next step.
+    fn frozen_mut(&mut self) -> Option<FrozenTables<'_, B>> {
+        self.teacher_gathered = false;
+        Some((&mut self.ws.frozen.embed, &mut self.ws.frozen.lm_head))
+    }
+
+    /// Gathers the teacher's rows when the tables or the draft vocabulary changed; every TTT step reports its
+    /// metrics (the empty vector: their counts are on the device).
+    fn stage(
+        &mut self,
+        be: &mut B,
+        _slot: usize,
+        _batch: &HsBatch,
+        _draw: (u64, u64),
+    ) -> BackendResult<Option<Vec<u32>>> {
+        self.gather_teacher(be)?;
+        Ok(Some(Vec::new()))
+    }
+
+    fn metrics(&self, extra: &[f32], _labelled: &[u32]) -> BlockMetrics {
+        ttt_metrics(extra, self.spec().ttt)
+    }
+}
+
+/// The `eagle3` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
+///
+/// # Errors
+/// [`BuildError`] when the plan's layout is not the `eagle3` layout, the workspace overflows or a buffer cannot
+/// be allocated.
+pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
+    let kind = backend.kind();
+    let offsets = Eagle3Offsets::new(plan.model)?;
+    let layout = WorkspaceLayout::eagle3(
+        offsets.spec(),
+        plan.buckets,
+        &plan.loss,
+        kind,
+        plan.precision,
+    )
+    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
+    .ok_or(BuildError::WorkspaceTooLarge)?;
+    let model = Eagle3::new(
+        backend,
+        (plan.model, offsets),
+        plan.loss,
+        plan.optimizer,
+        plan.precision,
+        &layout,
+    )?;
+    Ok((Box::new(model), layout))
+}
+
+/// What the runtime reads of an `eagle3` plan: its step reads the target's embedding and `lm_head`. Its export
+/// (SGLang's `LlamaForCausalLMEagle3` directory with `d2t`/`t2d`) is written by the checkpoint path, not by a
+/// serving config here yet.
+impl FamilySpec for Eagle3Spec {
+    fn name(&self) -> &'static str {
+        "eagle3"
+    }
+
+    fn reads_target_weights(&self) -> bool {
+        true
+    }
+
+    fn architecture(&self) -> Option<&'static str> {
+        Some(ARCHITECTURE)
+    }
+}

@@ -1,0 +1,213 @@
+//! What the drafter asks of a model family's step, so that the drafter, the worker loop, evaluation and the
+//! tools are written once for every family: [`Family`], implemented by each family's folder (`model::mlp`,
+//! `model::dflash`, …) and built by name in [`registry`](super::registry).
+//!
+//! ```text
+//!  Drafter<B> ── stage: input slot (generic) ─▶ Family::stage (dflash: its block plan) ─▶ labelled rows
+//!             ── step:  Family::forward_backward ─▶ gradient average ─▶ shared update on Family::update_parts
+//!             ── read-back [grad_norm, clip, loss, extra…] ─▶ Family::metrics(extra, labelled) ─▶ telemetry
+//! ```
+//!
+//! The drafter holds its family as a `Box<dyn Family<B>>`: a step calls it once per part (forward/backward,
+//! update, staging), never per kernel, so the virtual call costs nothing measurable, while a new family needs
+//! no new type parameter nor a new arm in every caller. The kernels inside a part stay statically dispatched on
+//! `B`.
+
+use std::any::Any;
+
+use draftpipe_compiler::plan::{
+    AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision, WorkspaceLayout,
+};
+
+use crate::backend::{Backend, BackendResult, Buf, InputSlot};
+use crate::batch::{HsBatch, HsDtype};
+use crate::model::step::{AllocateError, LayoutError, PhaseTimes, StepShape};
+use crate::model::update::{FlatBuffers, Optimizer, UpdateParts};
+
+/// What a family's constructor is given: the model, its training settings, the buckets its workspace is
+/// sized for and the precision the input slots hold hidden states in.
+#[derive(Clone, Copy)]
+pub struct FamilyPlan<'a> {
+    /// The plan's model (spec, layout, parameter count).
+    pub model: &'a ModelPlan,
+    /// The loss settings.
+    pub loss: LossSpec,
+    /// AdamW's settings.
+    pub optimizer: AdamWSpec,
+    /// The matrix products' precision.
+    pub precision: Precision,
+    /// The buckets the workspace is sized for.
+    pub buckets: &'a [BucketPlan],
+    /// The hidden states' precision in the input slots.
+    pub hs_dtype: HsDtype,
+}
+
+/// A family built on a backend, with the workspace layout its buffers were allocated from.
+pub type Built<B> = (Box<dyn Family<B>>, WorkspaceLayout);
+
+/// Why a model could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The plan's layout is not the one the step trains.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A buffer could not be allocated.
+    #[error(transparent)]
+    Allocate(#[from] AllocateError),
+    /// The workspace's sizes overflow.
+    #[error("the workspace of this plan overflows the address space")]
+    WorkspaceTooLarge,
+}
+
+/// The buffers of the target's frozen embedding and `lm_head`, in that order.
+pub type FrozenTables<'a, B> = (&'a mut Buf<B, f32>, &'a mut Buf<B, f32>);
+
+/// One model family's training step on backend `B`: its forward, loss, backward and the buffers the shared
+/// update and the drafter read. See the module docs.
+pub trait Family<B: Backend>: Send + Any {
+    /// The family's name as the plan writes it (`mlp`, `dflash`, …).
+    fn name(&self) -> &'static str;
+
+    /// Forward, loss and backward of the batch in input slot `slot`: overwrites every gradient and writes the
+    /// loss into `step_scalars[2]` (and the family's further read-back values after it). Returns the host time
+    /// of each phase (what the CPU spends; on CUDA only the enqueueing).
+    fn forward_backward(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+    ) -> BackendResult<PhaseTimes>;
+
+    /// Forward and loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves behind
+    /// are partial and belong to no step.
+    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult;
+
+    /// The optimizer, state and buffers the shared update ([`Optimizer::update`]) runs on.
+    fn update_parts(&mut self) -> UpdateParts<'_, B>;
+
+    /// AdamW's settings and schedule.
+    fn optimizer(&self) -> &Optimizer;
+
+    /// AdamW's settings and schedule, to set the schedule's length.
+    fn optimizer_mut(&mut self) -> &mut Optimizer;
+
+    /// The flat state buffers.
+    fn state(&self) -> &FlatBuffers<B>;
+
+    /// The flat state and AdamW's device state `[steps, β1^steps, β2^steps]`, to load or save.
+    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>);
+
+    /// The step's read-back scalars: `[grad_norm, clip, loss]`, then the family's own values (see
+    /// [`Family::metrics`]).
+    fn step_scalars(&self) -> &Buf<B, f32>;
+
+    /// The input slots batches are staged into.
+    fn inputs(&self) -> &[InputSlot<B>];
+
+    /// Input slot `slot`, to stage into.
+    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B>;
+
+    /// Width of one token's hidden state the model reads, and its vocabulary.
+    fn input_width_and_vocab(&self) -> (usize, usize);
+
+    /// Width of one token's `last_hidden_states` (the target's final-norm output) the family reads, when it reads
+    /// them (`eagle3`'s teacher); `None` (the default) otherwise.
+    fn last_hidden_width(&self) -> Option<usize> {
+        None
+    }
+
+    /// The buffers of the target's frozen embedding and `lm_head` (`[vocab, hidden]` each, uploaded once
+    /// before the first step), when the family reads them; `None` (the default) when it reads none.
+    fn frozen_mut(&mut self) -> Option<FrozenTables<'_, B>> {
+        None
+    }
+
+    /// The family's own staging of `batch`, after its tensors are in input slot `slot`, with the run's
+    /// `(seed, step)` for anything drawn at random. Returns the rows each of its metric positions labels
+    /// (dflash: per block slot), or `None` (the default) for a family without position metrics.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn stage(
+        &mut self,
+        _be: &mut B,
+        _slot: usize,
+        _batch: &HsBatch,
+        _draw: (u64, u64),
+    ) -> BackendResult<Option<Vec<u32>>> {
+        Ok(None)
+    }
+
+    /// The position metrics of a step from its read-back values after the first three (`extra`: the correct
+    /// rows per position) and the labelled rows [`Family::stage`] returned.
+    fn metrics(&self, extra: &[f32], labelled: &[u32]) -> BlockMetrics {
+        BlockMetrics::new(extra, labelled)
+    }
+
+    /// The precision the input slots hold hidden states in.
+    fn input_hs_dtype(&self) -> HsDtype {
+        self.inputs()[0].hs.dtype()
+    }
+
+    /// The shared update, on this family's buffers.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn update(&mut self, be: &mut B) -> BackendResult {
+        let (optimizer, state, ws) = self.update_parts();
+        optimizer.update(be, state, ws)
+    }
+}
+
+/// A step's position metrics: SpecForge's per-position accuracy (dflash: per block slot) and simulated
+/// acceptance length.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockMetrics {
+    /// Accuracy of positions `1..` (argmax = label over the position's labelled rows; 0 for a position without
+    /// one).
+    pub slot_accuracy: Vec<f32>,
+    /// `τ = 1 + Σ_k Π_{j≤k} acc_j`: the simulated acceptance length with the bonus token counted.
+    pub tau: f32,
+}
+
+impl BlockMetrics {
+    /// The metrics from the correct rows of every position (position 0 included, never labelled) and the
+    /// labelled rows of every position.
+    pub fn new(correct: &[f32], labelled: &[u32]) -> Self {
+        let slot_accuracy: Vec<f32> = correct
+            .iter()
+            .zip(labelled)
+            .skip(1)
+            .map(|(&c, &n)| if n == 0 { 0.0 } else { c / n as f32 })
+            .collect();
+        let accepted: f32 = slot_accuracy
+            .iter()
+            .scan(1.0f32, |chain, &acc| {
+                *chain *= acc;
+                Some(*chain)
+            })
+            .sum();
+        Self {
+            slot_accuracy,
+            tau: 1.0 + accepted,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlockMetrics;
+
+    /// SpecForge's simulated acceptance length over the per-slot accuracies, plus the bonus token; a slot
+    /// without labels counts as never accepted (the chain stops there).
+    #[test]
+    fn tau_is_one_plus_the_sum_of_accuracy_prefix_products() {
+        let metrics = BlockMetrics::new(&[0.0, 8.0, 4.0, 3.0], &[0, 10, 8, 6]);
+        assert_eq!(metrics.slot_accuracy, [0.8, 0.5, 0.5]);
+        let expected = 1.0 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5;
+        assert!((metrics.tau - expected).abs() < 1e-6);
+        let unlabelled = BlockMetrics::new(&[0.0, 5.0, 0.0, 2.0], &[0, 5, 0, 2]);
+        assert_eq!(unlabelled.slot_accuracy, [1.0, 0.0, 1.0]);
+        assert!((unlabelled.tau - 2.0).abs() < 1e-6);
+    }
+}

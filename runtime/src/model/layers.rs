@@ -1,0 +1,213 @@
+//! Layers the families share, written once over the [`Backend`]: the SwiGLU MLP block forward and backward,
+//! an RMSNorm's backward (weight and input gradients), and a linear projection's backward. Each family's step
+//! (`model::mlp`, `model::dflash`, …) calls these with its own buffers; the signatures are plain (views,
+//! buffers with element offsets, dimensions), so a new family's layer is a sequence of these calls.
+//!
+//! ```text
+//!  swiglu_mlp_forward   gate_up = n·[Wg; Wu]ᵀ → act = silu(g)·u → out = residual + act·Wdᵀ
+//!  swiglu_mlp_backward  dWd = dyᵀ·act, dact = dy·Wd → dgate_up → d[Wg; Wu] = dgate_upᵀ·n, dn = dgate_up·[Wg; Wu]
+//!  rmsnorm_backward     dw = Σ dy·x·inv_rms, dx (+)= ∂y/∂x · dy
+//!  linear_backward      dW (β_W)+= dyᵀ·x, dx (β_x)+= dy·W
+//! ```
+//!
+//! Buffers a layer both writes and then reads (the MLP's saved `gate_up` and `act`, its scratch gradients)
+//! are passed as `(buffer, element offset)`, since a write view cannot be read back.
+
+use crate::backend::{Backend, BackendResult, Buf, Dst, Operand, Precision, Src};
+
+/// Rows and widths of one SwiGLU MLP block: `rows` tokens of width `hidden`, `intermediate` wide inside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlpDims {
+    /// Rows (tokens) the block runs on.
+    pub rows: usize,
+    /// Model width `H`.
+    pub hidden: usize,
+    /// Intermediate width `I`.
+    pub intermediate: usize,
+}
+
+/// A SwiGLU block's weights: the fused `[gate; up]` projection `[2I, H]` and `down` `[H, I]`.
+#[derive(Clone, Copy)]
+pub struct SwigluWeights<'a, B: Backend> {
+    /// `[gate; up]`, `[2I, H]` (gate rows first).
+    pub gate_up: Src<'a, B, f32>,
+    /// `down`, `[H, I]`.
+    pub down: Src<'a, B, f32>,
+}
+
+/// A buffer and the element offset a layer's rows start at.
+pub type At<'a, B> = (&'a mut Buf<B, f32>, usize);
+
+/// The SwiGLU MLP block forward: `gate_up = normed · [Wg; Wu]ᵀ` (`[rows, 2I]`, saved), `act = silu(g) ⊙ u`
+/// (`[rows, I]`, saved) and `out = residual + act · Wdᵀ` (`[rows, H]`).
+///
+/// # Errors
+/// Backend failures.
+pub fn swiglu_mlp_forward<B: Backend>(
+    be: &mut B,
+    dims: MlpDims,
+    (normed, residual): (Src<'_, B, f32>, Src<'_, B, f32>),
+    weights: SwigluWeights<'_, B>,
+    ((gate_up, gate_up_at), (act, act_at)): (At<'_, B>, At<'_, B>),
+    mut out: Dst<'_, B, f32>,
+    precision: Precision,
+) -> BackendResult {
+    let MlpDims {
+        rows,
+        hidden: h,
+        intermediate: i,
+    } = dims;
+    be.gemm(
+        gate_up.at_mut(gate_up_at, rows * 2 * i),
+        Operand::new(normed, rows, h),
+        Operand::new(weights.gate_up, 2 * i, h).t(),
+        1.0,
+        0.0,
+        precision,
+    )?;
+    be.swiglu_forward(
+        gate_up.at(gate_up_at, rows * 2 * i),
+        act.at_mut(act_at, rows * i),
+        i,
+    )?;
+    // out = residual + act · downᵀ: copy the residual, then accumulate the product into it.
+    be.copy(out.reborrow(), residual)?;
+    be.gemm(
+        out,
+        Operand::new(act.at(act_at, rows * i), rows, i),
+        Operand::new(weights.down, h, i).t(),
+        1.0,
+        1.0,
+        precision,
+    )
+}
+
+/// What the SwiGLU backward reads that its forward saved: the block's normed input `[rows, H]`, `gate_up`
+/// `[rows, 2I]` and `act` `[rows, I]`.
+#[derive(Clone, Copy)]
+pub struct SwigluSaved<'a, B: Backend> {
+    /// The normed input the block read.
+    pub normed: Src<'a, B, f32>,
+    /// The saved `[gate | up]` pre-activations.
+    pub gate_up: Src<'a, B, f32>,
+    /// The saved activations.
+    pub act: Src<'a, B, f32>,
+}
+
+/// The SwiGLU MLP block backward from `dout` (`[rows, H]`, the gradient of the block's output): overwrites
+/// the `down` gradient at `grads[down_at..]` and the `[gate; up]` gradient at `grads[gate_up_at..]`, and writes
+/// the gradient of the normed input into `dnormed` (the residual's gradient is `dout` itself, the caller's).
+/// `dact` (`[rows, I]`) and `dgate_up` (`[rows, 2I]`) are scratch, used from offset 0.
+///
+/// # Errors
+/// Backend failures.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_mlp_backward<B: Backend>(
+    be: &mut B,
+    dims: MlpDims,
+    dout: Src<'_, B, f32>,
+    saved: SwigluSaved<'_, B>,
+    weights: SwigluWeights<'_, B>,
+    (grads, gate_up_at, down_at): (&mut Buf<B, f32>, usize, usize),
+    (dact, dgate_up): (&mut Buf<B, f32>, &mut Buf<B, f32>),
+    dnormed: Dst<'_, B, f32>,
+    precision: Precision,
+) -> BackendResult {
+    let MlpDims {
+        rows,
+        hidden: h,
+        intermediate: i,
+    } = dims;
+    let dy = Operand::new(dout, rows, h);
+    be.gemm(
+        grads.at_mut(down_at, h * i),
+        dy.t(),
+        Operand::new(saved.act, rows, i),
+        1.0,
+        0.0,
+        precision,
+    )?;
+    be.gemm(
+        dact.at_mut(0, rows * i),
+        dy,
+        Operand::new(weights.down, h, i),
+        1.0,
+        0.0,
+        precision,
+    )?;
+    be.swiglu_backward(
+        saved.gate_up,
+        dact.at(0, rows * i),
+        dgate_up.at_mut(0, rows * 2 * i),
+        i,
+    )?;
+    let dgu = Operand::new(dgate_up.at(0, rows * 2 * i), rows, 2 * i);
+    be.gemm(
+        grads.at_mut(gate_up_at, 2 * i * h),
+        dgu.t(),
+        Operand::new(saved.normed, rows, h),
+        1.0,
+        0.0,
+        precision,
+    )?;
+    be.gemm(
+        dnormed,
+        dgu,
+        Operand::new(weights.gate_up, 2 * i, h),
+        1.0,
+        0.0,
+        precision,
+    )
+}
+
+/// What an RMSNorm's backward reads: its input `x` (`[rows, width]`), weight (`[width]`), the saved
+/// `inv_rms` (`[rows]`) and the gradient of its output `dy`.
+#[derive(Clone, Copy)]
+pub struct NormSaved<'a, B: Backend> {
+    /// The norm's input.
+    pub x: Src<'a, B, f32>,
+    /// Its weight.
+    pub weight: Src<'a, B, f32>,
+    /// `1 / rms` per row, saved by the forward.
+    pub inv_rms: Src<'a, B, f32>,
+    /// The gradient of its output.
+    pub dy: Src<'a, B, f32>,
+}
+
+/// An RMSNorm's backward: the weight's gradient (overwritten, through `partials`) and the input's gradient
+/// (written, or added to `dx` when `accumulate`: a residual's gradient already there).
+///
+/// # Errors
+/// Backend failures.
+pub fn rmsnorm_backward<B: Backend>(
+    be: &mut B,
+    saved: NormSaved<'_, B>,
+    (dweight, partials): (Dst<'_, B, f32>, Dst<'_, B, f32>),
+    dx: Dst<'_, B, f32>,
+    accumulate: bool,
+) -> BackendResult {
+    let NormSaved {
+        x,
+        weight,
+        inv_rms,
+        dy,
+    } = saved;
+    be.rmsnorm_weight_grad(x, inv_rms, dy, dweight, partials)?;
+    be.rmsnorm_backward_input(x, weight, inv_rms, dy, dx, accumulate)
+}
+
+/// A linear projection's backward, `y = x · Wᵀ` with `x` `[rows, in]` and `W` `[out, in]`: `dW = β_W·dW +
+/// dyᵀ·x` and `dx = β_x·dx + dy·W` (β 0 overwrites, 1 accumulates).
+///
+/// # Errors
+/// Backend failures.
+pub fn linear_backward<B: Backend>(
+    be: &mut B,
+    (dy, x, weight): (Operand<'_, B>, Operand<'_, B>, Operand<'_, B>),
+    (dweight, dweight_beta): (Dst<'_, B, f32>, f32),
+    (dx, dx_beta): (Dst<'_, B, f32>, f32),
+    precision: Precision,
+) -> BackendResult {
+    be.gemm(dweight, dy.t(), x, 1.0, dweight_beta, precision)?;
+    be.gemm(dx, dy, weight, 1.0, dx_beta, precision)
+}
