@@ -18,9 +18,9 @@ use serde_json::{Map, Value};
 use super::tensors::{Header, headers, weight_files};
 use super::{CheckOptions, Engine, Findings, Severity};
 use crate::checkpoint::CONFIG_FILE;
-use crate::model::serving::DRAFTPIPE_KEY;
 use crate::model::eagle3::export::EAGLE3_ARCHITECTURE;
 use crate::model::eagle3::vocab::{D2T, T2D};
+use crate::model::serving::DRAFTPIPE_KEY;
 use crate::tensor_file::{TensorFile, TensorRead, decode_ids};
 
 /// Tapped target layers both engines' `fc` reads (`hidden_size_in * 3`, `target_hidden_size * 3`).

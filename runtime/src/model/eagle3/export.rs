@@ -29,8 +29,8 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use serde_json::{Value, json};
 
 use super::vocab::{D2T, T2D, VocabMap};
-use crate::model::serving::DRAFTPIPE_KEY;
 use crate::checkpoint::{CONFIG_FILE, WeightsDtype};
+use crate::model::serving::DRAFTPIPE_KEY;
 use crate::tensor_file::{F32Tensor, TensorFileError, TensorProblem};
 
 /// The architecture SGLang's `EntryClass` and vLLM's registry dispatch on.
