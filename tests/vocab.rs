@@ -187,3 +187,45 @@ fn refusals_exit_1_with_their_reason() {
     );
     assert_eq!(run.status.code(), Some(2), "clap refuses --batches 0");
 }
+
+#[test]
+fn a_run_trains_with_the_given_vocab_map_and_refuses_one_of_other_sizes() {
+    let dir = scratch("vocab", "run");
+    let source = "synthetic(seed = 2, lengths = 4..16)";
+    let counted = eagle3_pipe(&dir, source, "    steps     = 3\n");
+    let made = draftpipe(
+        &[
+            "vocab",
+            counted.to_str().unwrap(),
+            "--out",
+            "map.safetensors",
+            "--batches",
+            "5",
+        ],
+        &dir,
+    );
+    assert_eq!(made.status.code(), Some(0), "{}", text(&made.stderr));
+    let given = eagle3_pipe(
+        &dir,
+        source,
+        "    steps     = 3\n    vocab_map = \"map.safetensors\"\n",
+    );
+    let run = draftpipe(&["run", given.to_str().unwrap(), "--run-dir", "r"], &dir);
+    assert_eq!(run.status.code(), Some(0), "{}", text(&run.stderr));
+    // Without the key the run counts the source itself.
+    let run = draftpipe(&["run", counted.to_str().unwrap(), "--run-dir", "r2"], &dir);
+    assert_eq!(run.status.code(), Some(0), "{}", text(&run.stderr));
+
+    // A map for another draft vocabulary (the identity over all 40 ids) is refused before training.
+    let identity = VocabMap::identity(40);
+    identity.write(&dir.join("map.safetensors")).unwrap();
+    let run = draftpipe(&["run", given.to_str().unwrap(), "--run-dir", "r3"], &dir);
+    assert_eq!(run.status.code(), Some(1), "{}", text(&run.stderr));
+    let stderr = text(&run.stderr);
+    assert!(
+        stderr.contains("map.safetensors")
+            && stderr.contains("`d2t`")
+            && stderr.contains("draft_vocab"),
+        "{stderr}"
+    );
+}
