@@ -373,7 +373,8 @@ fn files_source(pattern: &std::path::Path) -> SourceSpec {
     }
 }
 
-/// A data file of `rows` sequences of 6 tokens: ids and mask as given, hidden states 0.5.
+/// A data file of `rows` sequences of 6 tokens: ids and mask as given, hidden states and the final-norm output
+/// (which an eagle3 plan's files must carry) 0.5.
 fn data_file(path: &std::path::Path, ids: &[f64], mask: &[f64]) {
     let rows = ids.len() / 6;
     write_file(
@@ -387,6 +388,12 @@ fn data_file(path: &std::path::Path, ids: &[f64], mask: &[f64]) {
             ),
             ("input_ids", Dtype::I64, vec![rows, 6], ids.to_vec()),
             ("loss_mask", Dtype::U8, vec![rows, 6], mask.to_vec()),
+            (
+                "last_hidden_states",
+                Dtype::F32,
+                vec![rows, 6, 4],
+                vec![0.5; rows * 24],
+            ),
         ],
     );
 }
