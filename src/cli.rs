@@ -31,9 +31,12 @@ pub enum Command {
     Eval(EvalArgs),
     /// Predict a plan's throughput and bottleneck with a discrete-event model, and what `--set` what-ifs change.
     Simulate(SimulateArgs),
-    /// Check that SGLang and vLLM would load a `dflash` export, by their DFlash loaders' rules (exit 1 when an
-    /// engine would not load it).
+    /// Check that SGLang and vLLM would load a `dflash` or `eagle3` export, by their loaders' rules (exit 1 when
+    /// an engine would not load it).
     ExportCheck(ExportCheckArgs),
+    /// Count the loss-masked tokens of an `eagle3` pipeline's source and write its draft vocabulary (`d2t`,
+    /// `t2d`, SpecForge's rule) for the pipeline's `vocab_map`.
+    Vocab(VocabArgs),
 }
 
 impl Command {
@@ -47,6 +50,7 @@ impl Command {
             Command::Eval(args) => commands::eval::run(&args),
             Command::Simulate(args) => commands::simulate::run(&args),
             Command::ExportCheck(args) => commands::export_check::run(&args),
+            Command::Vocab(args) => commands::vocab::run(&args),
         }
     }
 }
@@ -64,6 +68,20 @@ pub struct ExportCheckArgs {
     /// `--speculative-num-draft-tokens` is one more), checked against the trained block size.
     #[arg(long, value_name = "N")]
     pub speculative_tokens: Option<usize>,
+}
+
+/// Arguments of `draftpipe vocab`.
+#[derive(Debug, Args)]
+pub struct VocabArgs {
+    /// The `.pipe` file of an `eagle3` drafter whose source is counted (files or synthetic, not a stream).
+    #[arg(value_name = "PIPE")]
+    pub file: PathBuf,
+    /// Where to write the map (a safetensors file with `d2t` int64 and `t2d` bool).
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Count only the first N batches of the source [default: all of the files' data; 1000 synthetic batches].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub batches: Option<u64>,
 }
 
 /// Arguments of `draftpipe check`.

@@ -27,6 +27,7 @@ fn synthetic_fill(c: &mut Criterion) {
             buckets: buckets.iter().map(|&p| (p, batch_tokens / p)).collect(),
             din: hidden * taps,
             hs_dtype: HsDtype::F32,
+            last_hidden: None,
         };
         let longest = *buckets.last().expect("buckets");
         let mut source =
@@ -75,6 +76,7 @@ fn safetensors_fill(c: &mut Criterion) {
         buckets: vec![(seq, 8)],
         din,
         hs_dtype: HsDtype::Bf16,
+        last_hidden: None,
     };
     let target = TargetStage {
         name: "target".into(),

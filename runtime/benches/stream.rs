@@ -151,6 +151,7 @@ fn stream_into_pool(body: &[u8]) -> f64 {
         buckets: vec![(SEQ, ROWS)],
         din: DIN,
         hs_dtype: HsDtype::Bf16,
+        last_hidden: None,
     };
     let (sources, status) = open_stream(StreamConfig {
         listen: "127.0.0.1:0".into(),

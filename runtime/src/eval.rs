@@ -269,7 +269,7 @@ pub fn forward_only_model(
     };
     let mut state = FlatState::init(&plan.model, 0);
     state.params.copy_from_slice(params);
-    let drafter = open_cpu(plan, None, (&state, Some(frozen)))?;
+    let drafter = open_cpu(plan, None, (&state, (Some(frozen), None)))?;
     let geometry = BlockGeometry {
         block: spec.block,
         anchors: spec.anchors,

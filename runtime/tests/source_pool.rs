@@ -31,7 +31,7 @@ fn the_plan_pool_holds_queue_drafter_and_producer_buffers() {
 }
 
 /// The pool `compile` counts is the pool a run allocates: the host memory figure against the bytes the buffers
-/// hold room for, for shipped pipelines with f32 and bf16 hidden states (the quickstart's used to be reported as
+/// hold room for, for shipped pipelines with f32 and bf16 hidden states and with `last_hidden_states` (the quickstart's used to be reported as
 /// 48 MiB, counting the queue's 16 items only, while 21 buffers, 63 MiB, were allocated).
 #[test]
 fn the_pool_allocates_exactly_the_host_memory_compile_reports() {
@@ -55,6 +55,8 @@ fn the_pool_allocates_exactly_the_host_memory_compile_reports() {
     for plan in [
         shipped("quickstart.pipe"),
         shipped("dflash-quickstart.pipe"),
+        // Its batches carry `last_hidden_states` too (hidden more elements per token).
+        shipped("eagle3-quickstart.pipe"),
         bf16,
         plan(),
     ] {
@@ -132,6 +134,7 @@ fn an_empty_pool_gives_nothing_and_extra_or_foreign_buffers_are_refused() {
                 buckets: vec![],
                 din: 4,
                 hs_dtype: HsDtype::F32,
+                last_hidden: None,
             },
             3
         )

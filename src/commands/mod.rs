@@ -20,6 +20,7 @@ pub mod input;
 pub mod run;
 pub mod signals;
 pub mod simulate;
+pub mod vocab;
 
 use std::fmt::Display;
 use std::io::Write as _;

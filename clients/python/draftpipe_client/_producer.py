@@ -3,7 +3,8 @@
 Every frame is an 8-byte little-endian length and that many bytes. The producer sends a JSON hello (protocol
 version, the target's ``hidden``, ``tap_layers`` and ``vocab``, a token, a producer name) and gets a JSON
 reply; then each message is one safetensors blob (``input_ids [N, S]``, ``hidden_states [N, S, D]``, optional
-``loss_mask [N, S]``), answered by a JSON acknowledgement once its batches are in draftpipe's queue. An empty
+``loss_mask [N, S]``, and ``last_hidden_states [N, S, hidden]`` when the reply says the plan's drafter reads
+them), answered by a JSON acknowledgement once its batches are in draftpipe's queue. An empty
 frame says the producer is done. Any error is one reply ``{"ok": false, "error": ...}``, then the server closes.
 """
 
@@ -141,6 +142,9 @@ class Producer:
         self.largest_bucket = reply.get("largest_bucket")
         #: Token slots of one queue item (the plan's ``batch_tokens``), or ``None`` from an older server.
         self.batch_tokens = reply.get("batch_tokens")
+        #: Whether the plan's drafter reads the target's final-norm output (``eagle3``): every :meth:`send` must
+        #: then give ``last_hidden_states``; otherwise they are not sent.
+        self.wants_last_hidden_states = bool(reply.get("last_hidden_states", False))
         self._done = False
 
     @staticmethod
@@ -215,26 +219,35 @@ class Producer:
         self._frame([hello], len(hello))
         return self._reply()
 
-    def _prepare(self, input_ids, hidden_states, loss_mask):
-        """Arrays ``[N, S]``, ``[N, S, D]``, ``[N, S]`` or None, from 1-D/2-D inputs or lists of sequences."""
+    def _prepare(self, input_ids, hidden_states, loss_mask, last_hidden_states=None):
+        """Arrays ``[N, S]``, ``([N, S, D], dtype)``, ``[N, S]`` or None, and ``([N, S, hidden], dtype)`` or None,
+        from 1-D/2-D inputs or lists of sequences."""
         if isinstance(input_ids, (list, tuple)) and input_ids and np.ndim(input_ids[0]) == 1:
             lengths = [len(s) for s in input_ids]
             ids = _pad_ragged([_to_numpy(s, "input_ids")[0] for s in input_ids], (), np.int64)
-            converted = [_to_numpy(h, "hidden_states") for h in hidden_states]
-            hs_dtype = converted[0][1]
-            hs = _pad_ragged([c[0] for c in converted], (self.width,), converted[0][0].dtype)
+
+            def ragged(values, name, width):
+                converted = [_to_numpy(h, name) for h in values]
+                return _pad_ragged([c[0] for c in converted], (width,), converted[0][0].dtype), converted[0][1]
+
+            hs = ragged(hidden_states, "hidden_states", self.width)
+            last = None
+            if last_hidden_states is not None:
+                last = ragged(last_hidden_states, "last_hidden_states", self.hidden)
             if loss_mask is None:
                 mask = _pad_ragged([np.ones(n, np.uint8) for n in lengths], (), np.uint8)
             else:
                 mask = _pad_ragged([_to_numpy(m, "loss_mask")[0] for m in loss_mask], (), np.uint8)
-            return ids, (hs, hs_dtype), mask
+            return ids, hs, mask, last
         ids, _ = _to_numpy(input_ids, "input_ids")
         hs, hs_dtype = _to_numpy(hidden_states, "hidden_states")
+        last = None if last_hidden_states is None else _to_numpy(last_hidden_states, "last_hidden_states")
         mask = None if loss_mask is None else _to_numpy(loss_mask, "loss_mask")[0]
         if ids.ndim == 1:
             ids, hs = ids[None], hs[None]
             mask = None if mask is None else mask[None]
-        return ids, (hs, hs_dtype), mask
+            last = None if last is None else (last[0][None], last[1])
+        return ids, (hs, hs_dtype), mask, last
 
     def _sent_itemsize(self, hs, hs_dtype):
         """Bytes per hidden-state value as :meth:`_hidden_tensor` will send them."""
@@ -246,8 +259,10 @@ class Producer:
 
     def rows_per_message(self, width, itemsize=2, masked=True):
         """Rows of ``width`` tokens that fit one message under the server's ``max_message_bytes``, with hidden
-        states of ``itemsize`` bytes per value, int64 ids and (``masked``) a one-byte loss mask; at least 1."""
-        row_bytes = width * (self.width * itemsize + 8 + (1 if masked else 0))
+        states of ``itemsize`` bytes per value (and ``last_hidden_states`` too when the run wants them), int64
+        ids and (``masked``) a one-byte loss mask; at least 1."""
+        floats = self.width + (self.hidden if self.wants_last_hidden_states else 0)
+        row_bytes = width * (floats * itemsize + 8 + (1 if masked else 0))
         return max(1, (self.max_message_bytes - (1 << 16)) // max(row_bytes, 1))
 
     def _hidden_tensor(self, hs, hs_dtype):
@@ -261,21 +276,34 @@ class Producer:
             return Tensor(hs.astype(np.float32, copy=False))
         return Tensor(hs)
 
-    def send(self, input_ids, hidden_states, loss_mask=None):
+    def send(self, input_ids, hidden_states, loss_mask=None, last_hidden_states=None):
         """Sends sequences and waits until draftpipe has queued them; returns the :class:`Ack`.
 
         ``input_ids`` is ``[S]`` or ``[N, S]`` (or a list of 1-D sequences of any lengths), ``hidden_states``
         ``[S, D]`` / ``[N, S, D]`` (or a list of ``[S_i, D]``) with ``D = hidden × len(tap_layers)``, and
         ``loss_mask`` like ``input_ids`` (nonzero: the token may serve as a label; right padding should be 0).
+        ``last_hidden_states`` (``[S, hidden]`` / ``[N, S, hidden]`` or a list, the target's final-norm output:
+        what its ``lm_head`` consumes) is required when :attr:`wants_last_hidden_states` and not sent otherwise.
         numpy arrays or torch tensors. Rows are split over several messages when they exceed the server's limit.
         """
         if self._done:
             raise ProducerError("this producer already said it is done")
-        ids, (hs, hs_dtype), mask = self._prepare(input_ids, hidden_states, loss_mask)
+        if self.wants_last_hidden_states and last_hidden_states is None:
+            raise ValueError(
+                "the run's drafter reads the target's final-norm output: give last_hidden_states [N, S, hidden]"
+                " (transformers: outputs.hidden_states[-1])"
+            )
+        if not self.wants_last_hidden_states:
+            last_hidden_states = None
+        ids, (hs, hs_dtype), mask, last = self._prepare(input_ids, hidden_states, loss_mask, last_hidden_states)
         if hs.ndim != 3 or hs.shape[:2] != ids.shape or hs.shape[2] != self.width:
             raise ValueError(
                 f"hidden_states has shape {tuple(hs.shape)}, expected {tuple(ids.shape) + (self.width,)}"
                 f" (hidden {self.hidden} × {len(self.tap_layers)} tap layers)"
+            )
+        if last is not None and (last[0].ndim != 3 or last[0].shape != ids.shape + (self.hidden,)):
+            raise ValueError(
+                f"last_hidden_states has shape {tuple(last[0].shape)}, expected {tuple(ids.shape) + (self.hidden,)}"
             )
         if mask is not None and mask.shape != ids.shape:
             raise ValueError(f"loss_mask has shape {tuple(mask.shape)}, expected {tuple(ids.shape)}")
@@ -286,9 +314,12 @@ class Producer:
             rows = slice(start, start + rows_per_message)
             # hidden_states last: the server then knows every row's length before the hidden states arrive and
             # reads a one-item message straight into the batch it queues (any order is valid safetensors).
+            # last_hidden_states before them, where the server copies them from the part it has read.
             tensors = {"input_ids": Tensor(ids[rows].astype(np.int64, copy=False))}
             if mask is not None:
                 tensors["loss_mask"] = Tensor(np.asarray(mask[rows]).astype(np.uint8, copy=False))
+            if last is not None:
+                tensors["last_hidden_states"] = self._hidden_tensor(last[0][rows], last[1])
             tensors["hidden_states"] = self._hidden_tensor(hs[rows], hs_dtype)
             parts, length = serialize(tensors)
             self._frame(parts, length)

@@ -180,7 +180,11 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
             drafter.placement.workers.len(),
         ),
         &buckets,
-        (target.hs_width(), target.hs_dtype_or_widest()),
+        // A drafter that reads `last_hidden_states` gets `hidden` more elements per token, in the same dtype.
+        (
+            target.hs_width() + usize::from(spec.reads_last_hidden_states()) * target.hidden,
+            target.hs_dtype_or_widest(),
+        ),
         cost::stream_receive_bytes(&target),
     )
     .ok_or_else(|| too_large("memory plan"))?;

@@ -79,6 +79,9 @@ pub(crate) trait ModelArgs: Sized + 'static {
     const TAPS: Option<usize> = None;
     /// Whether the drafter section may give a draft vocabulary map (`vocab_map = "FILE.safetensors"`).
     const TAKES_VOCAB_MAP: bool = false;
+    /// Whether the drafter reads the target's final-norm output (`last_hidden_states`, `[N, S, hidden]`) beside
+    /// the tapped layers: the sources then carry it in every batch.
+    const READS_LAST_HIDDEN_STATES: bool = false;
     /// The spec the arguments and the target make.
     type Spec;
 

@@ -117,6 +117,11 @@ impl ModelSpec {
         registered(self.kind()).is_some_and(|family| family.takes_vocab_map)
     }
 
+    /// Whether the drafter reads the target's final-norm output (`last_hidden_states`) beside the taps.
+    pub fn reads_last_hidden_states(&self) -> bool {
+        registered(self.kind()).is_some_and(|family| family.reads_last_hidden_states)
+    }
+
     /// Whether the drafter reads the target's frozen embedding and `lm_head` (the target's `weights`).
     pub fn reads_target_weights(&self) -> bool {
         registered(self.kind()).is_some_and(|family| family.reads_target_weights)
@@ -151,6 +156,8 @@ pub(crate) struct Registered {
     pub taps: Option<usize>,
     /// Whether it takes a draft vocabulary map (`vocab_map`).
     pub takes_vocab_map: bool,
+    /// Whether it reads `last_hidden_states`.
+    pub reads_last_hidden_states: bool,
     /// Checks `model = NAME(...)`'s arguments.
     pub check: fn(&mut Errs, &Call) -> Option<Box<dyn CheckedModel>>,
 }
@@ -167,6 +174,7 @@ impl Registered {
             reads_target_weights: A::READS_TARGET_WEIGHTS,
             taps: A::TAPS,
             takes_vocab_map: A::TAKES_VOCAB_MAP,
+            reads_last_hidden_states: A::READS_LAST_HIDDEN_STATES,
             check: check_boxed::<A>,
         }
     }

@@ -1,5 +1,6 @@
-//! `draftpipe export-check`: whether SGLang and vLLM would load a `dflash` export, by their DFlash loaders'
-//! own rules, read from their code (each rule cites the file and function it mirrors).
+//! `draftpipe export-check`: whether SGLang and vLLM would load a `dflash` or `eagle3` export, by their loaders'
+//! own rules, read from their code (each rule cites the file and function it mirrors). An export whose
+//! `config.json` names `LlamaForCausalLMEagle3` gets the EAGLE-3 rules (`eagle3.rs`), any other the DFlash ones.
 //!
 //! ```text
 //!  DIR/config.json ──config rules──┐
@@ -19,6 +20,7 @@
 //! `models/qwen3_dflash.py` at 036a00d, `v1/spec_decode/dflash.py` at 01046b9); a newer engine may accept more.
 
 mod config;
+mod eagle3;
 mod tensors;
 mod tokenizer;
 
@@ -216,6 +218,14 @@ pub fn check_export(dir: &Path, options: &CheckOptions) -> Result<ExportReport, 
         .map(TokenizerVocab::read)
         .transpose()?;
     let mut findings = Findings::default();
+    if eagle3::is_eagle3(dir) {
+        eagle3::check(dir, options, &mut findings);
+        return Ok(ExportReport {
+            dir: dir.to_path_buf(),
+            findings: findings.0,
+            block_size: None,
+        });
+    }
     let config = config::check(dir, &mut findings);
     if let Some(config) = &config {
         config::check_serving(config, options, tokenizer.as_ref(), &mut findings);

@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use safetensors::Dtype;
 use serde_json::Value;
 
 use super::config::DflashConfig;
@@ -13,13 +14,14 @@ use crate::tensor_file::{TensorFile, is_float_dtype};
 /// The shard index both loaders honour.
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
-/// One tensor of the files an engine reads: its name, shape, bytes and file.
-struct Header {
-    name: String,
-    shape: Vec<usize>,
-    float: bool,
-    bytes: u64,
-    file: PathBuf,
+/// One tensor of the files an engine reads: its name, dtype, shape, bytes and file.
+pub(super) struct Header {
+    pub(super) name: String,
+    pub(super) dtype: Dtype,
+    pub(super) shape: Vec<usize>,
+    pub(super) float: bool,
+    pub(super) bytes: u64,
+    pub(super) file: PathBuf,
 }
 
 /// The safetensors files an engine reads from `dir`. Both loaders glob `*.safetensors` at the top of the model
@@ -27,7 +29,7 @@ struct Header {
 /// SGLang's `DefaultModelLoader._prepare_weights` in `python/sglang/srt/model_loader/loader.py`, derived from it)
 /// and, when `model.safetensors.index.json` is there, keep only the files its `weight_map` names
 /// (`filter_duplicate_safetensors_files`). Subdirectories are not looked into.
-fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> {
+pub(super) fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
         Ok(entries) => entries
             .filter_map(Result::ok)
@@ -70,7 +72,7 @@ fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> {
 }
 
 /// Reads the headers of `files`; an unreadable file is a finding for both engines.
-fn headers(files: &[PathBuf], findings: &mut Findings) -> Vec<Header> {
+pub(super) fn headers(files: &[PathBuf], findings: &mut Findings) -> Vec<Header> {
     let mut out = Vec::new();
     for path in files {
         let file = match TensorFile::open(path) {
@@ -87,6 +89,7 @@ fn headers(files: &[PathBuf], findings: &mut Findings) -> Vec<Header> {
             let elements: u64 = info.shape.iter().map(|&d| d as u64).product();
             out.push(Header {
                 bytes: elements * (info.dtype.bitsize() as u64 / 8),
+                dtype: info.dtype,
                 float: is_float_dtype(info.dtype),
                 shape: info.shape.clone(),
                 file: path.clone(),

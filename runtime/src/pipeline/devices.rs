@@ -16,6 +16,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{GradientAllReduce, embedded_ptx, open_device};
 use crate::drafter::cuda::CudaDrafter;
 use crate::drafter::{Drafter, DrafterError};
+use crate::model::eagle3::vocab::VocabMap;
 use crate::params::FlatState;
 use crate::target_weights::TargetWeights;
 
@@ -70,7 +71,7 @@ pub(super) fn prepare(plan: &Plan, ordinals: &[usize]) -> Result<Vec<GradientAll
 pub(crate) fn open_cpu(
     plan: &Plan,
     group: Option<Arc<AllReduce>>,
-    (state, frozen): (&FlatState, Option<&TargetWeights>),
+    (state, frozen): (&FlatState, Frozen<'_>),
 ) -> Result<Drafter<CpuBackend>, DrafterError> {
     let stage = &plan.drafter;
     let layout = plan
@@ -91,15 +92,23 @@ pub(crate) fn open_cpu(
     Ok(drafter)
 }
 
-/// Loads the starting replica and, for `dflash`, the frozen target tensors into `drafter`.
+/// What a drafter reads besides its replica, loaded once for every worker: the target's frozen embedding and
+/// `lm_head` (`dflash`, `eagle3`) and the draft vocabulary (`eagle3`).
+pub(crate) type Frozen<'a> = (Option<&'a TargetWeights>, Option<&'a VocabMap>);
+
+/// Loads the starting replica, the frozen target tensors and the draft vocabulary (when the family reads them)
+/// into `drafter`.
 fn upload<B: Backend>(
     drafter: &mut Drafter<B>,
     state: &FlatState,
-    frozen: Option<&TargetWeights>,
+    (weights, vocab): Frozen<'_>,
 ) -> Result<(), DrafterError> {
     drafter.upload_state(state)?;
-    if let Some(weights) = frozen {
+    if let Some(weights) = weights {
         drafter.upload_frozen(weights.embedding(), weights.lm_head())?;
+    }
+    if let Some(map) = vocab {
+        drafter.upload_vocab_map(&map.d2t, &map.t2d)?;
     }
     Ok(())
 }
@@ -109,7 +118,7 @@ pub(super) fn open_gpu(
     plan: &Plan,
     ordinal: usize,
     all_reduce: Option<GradientAllReduce>,
-    (state, frozen): (&FlatState, Option<&TargetWeights>),
+    (state, frozen): (&FlatState, Frozen<'_>),
 ) -> Result<CudaDrafter, DrafterError> {
     let stage = &plan.drafter;
     let mut drafter = CudaDrafter::on_device(

@@ -42,6 +42,9 @@ pub enum RunError {
     /// The target's frozen embedding and `lm_head` (a `dflash` drafter's) could not be had.
     #[error("target weights: {0}")]
     TargetWeights(#[from] crate::target_weights::TargetWeightsError),
+    /// The `eagle3` drafter's draft vocabulary (its `vocab_map`, or the counts of its source) could not be had.
+    #[error("draft vocabulary: {0}")]
+    VocabMap(#[from] crate::model::eagle3::vocab::VocabMapError),
     /// A drafter failed: a batch it cannot train on, or its device failed.
     #[error("drafter {worker}{} failed", on_device(*device))]
     Step {

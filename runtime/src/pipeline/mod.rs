@@ -45,6 +45,7 @@ use crate::backend::cuda::GradientAllReduce;
 use crate::batch::HsBatch;
 use crate::checkpoint::{ProducerRecord, load_checkpoint, load_initial_weights};
 use crate::drafter::DrafterError;
+use crate::model::eagle3::vocab::{VocabMap, resolve_vocab_map};
 use crate::model::registry;
 use crate::params::FlatState;
 use crate::queue::{HsQueue, QueueConfig, QueueStats, SeqLen};
@@ -113,12 +114,21 @@ struct Start {
     /// A stream's producers by name, from the checkpoint resumed.
     stream_producers: Vec<ProducerRecord>,
     frozen: Option<TargetWeights>,
+    /// For a family with a draft vocabulary (`eagle3`): the drafter's `vocab_map`, or the one its source's
+    /// counts give (SpecForge's rule), computed once before training.
+    vocab: Option<VocabMap>,
 }
 
 fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> {
     let mut state = FlatState::init(&plan.model, options.init_seed);
     let frozen = if registry::spec(&plan.model.spec).reads_target_weights() {
         Some(TargetWeights::load(&plan.target)?)
+    } else {
+        None
+    };
+    let vocab = if plan.model.spec.takes_vocab_map() {
+        let given = plan.drafter.vocab_map.as_deref().map(std::path::Path::new);
+        Some(resolve_vocab_map(plan, given)?)
     } else {
         None
     };
@@ -153,6 +163,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
             data_positions: Some(checkpoint.state.data_positions),
             stream_producers: checkpoint.state.stream_producers,
             frozen,
+            vocab,
         });
     }
     if let Some(file) = &options.init {
@@ -164,6 +175,7 @@ fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start, RunError> 
         data_positions: None,
         stream_producers: Vec::new(),
         frozen,
+        vocab,
     })
 }
 
@@ -461,7 +473,7 @@ impl Threads<'_> {
                     nonfinite_limit: self.options.max_nonfinite_in_row.max(1),
                 };
                 let start = self.start.state.clone();
-                let frozen = self.start.frozen.as_ref();
+                let frozen = (self.start.frozen.as_ref(), self.start.vocab.as_ref());
                 let communicator = ordinal.and_then(|_| communicators.next());
                 let (shared, round, gradients) = (
                     Arc::clone(self.shared),

@@ -101,6 +101,9 @@ pub struct BucketShapes {
     pub din: usize,
     /// Precision the hidden states are held in.
     pub hs_dtype: HsDtype,
+    /// Width of one token's `last_hidden_states` (the target's final-norm output, in `hs_dtype`) when the plan's
+    /// drafter reads them, else `None`: batches then carry none and cost no byte more.
+    pub last_hidden: Option<usize>,
 }
 
 impl BucketShapes {
@@ -115,6 +118,11 @@ impl BucketShapes {
                 .collect(),
             din: plan.target.hs_width(),
             hs_dtype: plan.target.hs_dtype_or_widest(),
+            last_hidden: plan
+                .model
+                .spec
+                .reads_last_hidden_states()
+                .then_some(plan.target.hidden),
         }
     }
 
@@ -139,6 +147,9 @@ impl BucketShapes {
         batch.sequences = sequences;
         batch.din = self.din;
         batch.hs.resize(tokens * self.din);
+        if let (Some(last), Some(hidden)) = (batch.last_hidden_states.as_mut(), self.last_hidden) {
+            last.resize(tokens * hidden);
+        }
         batch.input_ids.resize(tokens, 0);
         batch.loss_mask.resize(tokens, 0);
         batch.seq_lens.resize(sequences, 0);
@@ -153,7 +164,9 @@ impl BucketShapes {
             sequences: 0,
             din: self.din,
             hs: HsData::with_capacity(self.hs_dtype, tokens * self.din),
-            last_hidden_states: None,
+            last_hidden_states: self
+                .last_hidden
+                .map(|hidden| HsData::with_capacity(self.hs_dtype, tokens * hidden)),
             input_ids: Vec::with_capacity(tokens),
             seq_lens: Vec::with_capacity(max_sequences),
             loss_mask: Vec::with_capacity(tokens),
@@ -176,6 +189,13 @@ impl BucketShapes {
             && batch.din == self.din
             && batch.hs.dtype() == self.hs_dtype
             && batch.hs.len() == tokens * self.din
+            && match (&batch.last_hidden_states, self.last_hidden) {
+                (None, None) => true,
+                (Some(last), Some(hidden)) => {
+                    last.dtype() == self.hs_dtype && last.len() == tokens * hidden
+                }
+                _ => false,
+            }
             && batch.input_ids.len() == tokens
             && batch.loss_mask.len() == tokens
             && batch.seq_lens.len() == sequences
@@ -261,24 +281,29 @@ pub fn resolve_hs_dtype(plan: &Plan) -> Result<Plan, SourceError> {
     if let (None, SourceSpec::Safetensors { pattern, .. }) =
         (plan.target.hs_dtype, &plan.target.source)
     {
-        let mut widest = HsDtype::Bf16;
-        for (i, path) in self::safetensors::expand_pattern(pattern)?
-            .iter()
-            .enumerate()
-        {
-            let file = TensorFile::open(path)?;
-            let dtype = match file.info(self::safetensors::HIDDEN_STATES).map(|t| t.dtype) {
-                Some(::safetensors::Dtype::BF16) => HsDtype::Bf16,
-                Some(::safetensors::Dtype::F16) => HsDtype::F16,
-                // F32, or a file the dataset's own checks will refuse with a precise error.
-                _ => HsDtype::F32,
-            };
-            widest = match (i, widest, dtype) {
-                (0, _, first) => first,
-                (_, a, b) if a == b => a,
-                _ => HsDtype::F32,
-            };
+        // `last_hidden_states`, when the drafter reads them, are held in the same precision: they count too.
+        let mut names = vec![self::safetensors::HIDDEN_STATES];
+        if plan.model.spec.reads_last_hidden_states() {
+            names.push(self::safetensors::LAST_HIDDEN_STATES);
         }
+        let mut widest = None;
+        for path in self::safetensors::expand_pattern(pattern)? {
+            let file = TensorFile::open(&path)?;
+            for name in &names {
+                let dtype = match file.info(name).map(|t| t.dtype) {
+                    Some(::safetensors::Dtype::BF16) => HsDtype::Bf16,
+                    Some(::safetensors::Dtype::F16) => HsDtype::F16,
+                    // F32, or a file the dataset's own checks will refuse with a precise error.
+                    _ => HsDtype::F32,
+                };
+                widest = match widest {
+                    None => Some(dtype),
+                    Some(a) if a == dtype => Some(a),
+                    Some(_) => Some(HsDtype::F32),
+                };
+            }
+        }
+        let widest = widest.unwrap_or(HsDtype::Bf16);
         plan.target.hs_dtype = Some(widest);
     }
     Ok(plan)
@@ -442,6 +467,11 @@ impl BatchPool {
             || batch.hs.capacity() < tokens * self.shapes.din
             || batch.input_ids.capacity() < tokens
             || batch.loss_mask.capacity() < tokens
+            || match (&batch.last_hidden_states, self.shapes.last_hidden) {
+                (None, None) => false,
+                (Some(last), Some(hidden)) => last.capacity() < tokens * hidden,
+                _ => true,
+            }
         {
             return Err(SourceError::Buffer(
                 "buffer returned to a pool it does not belong to".into(),

@@ -8,7 +8,9 @@
 //! **Format** (see `docs/sources.md` for a script that writes it from Hugging Face `transformers`): each file
 //! holds `hidden_states [N, S, D]` (F32, BF16 or F16; `D = hidden × tap layers`, the tapped layers concatenated
 //! per token), `input_ids [N, S]` (I32 or I64, each `0 ≤ id < vocab`) and optionally `loss_mask [N, S]` (bool,
-//! any integer or float; nonzero = the token may serve as a label). Other tensors are ignored.
+//! any integer or float; nonzero = the token may serve as a label). A drafter that reads the target's final-norm
+//! output (`eagle3`) also needs `last_hidden_states [N, S, hidden]` (F32, BF16 or F16): what the target's
+//! `lm_head` consumes, checked like `hidden_states`. Other tensors are ignored.
 //!
 //! **Lengths.** Without `loss_mask` every sequence has length `S`. With it, a sequence ends after its last
 //! nonzero mask entry: the positions after it can never be labels, so the hidden states there would train
@@ -49,6 +51,8 @@ pub const HIDDEN_STATES: &str = "hidden_states";
 pub const INPUT_IDS: &str = "input_ids";
 /// Optional loss mask tensor name.
 pub const LOSS_MASK: &str = "loss_mask";
+/// The target's final-norm output, `[N, S, hidden]`, required when the plan's drafter reads it (`eagle3`).
+pub const LAST_HIDDEN_STATES: &str = "last_hidden_states";
 
 /// One checked file: its shape and whether it has a mask.
 #[derive(Debug, Clone)]
@@ -204,6 +208,51 @@ impl SafetensorsDataset {
     pub fn sequences(&self) -> usize {
         self.members.len()
     }
+
+    /// Calls `visit(ids, mask)` for every sequence of the first `batches` planned batches (all when `None`), in
+    /// the unshuffled order of one epoch, reading only `input_ids` and `loss_mask` (no hidden state): what a
+    /// draft vocabulary counts (`model::eagle3::vocab`).
+    ///
+    /// # Errors
+    /// A file that cannot be read or changed since it was checked, or `visit`'s error.
+    pub fn visit_token_rows(
+        &self,
+        batches: Option<usize>,
+        mut visit: impl FnMut(&Path, &[i64], &[u8]) -> Result<(), SourceError>,
+    ) -> Result<(), SourceError> {
+        let mut open: Option<(u32, TensorFile)> = None;
+        let (mut ids, mut mask, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+        let planned = &self.batches[..batches.unwrap_or(usize::MAX).min(self.batches.len())];
+        for member in planned.iter().flat_map(|b| b.members.clone()) {
+            let seq = self.members[member];
+            let data_file = &self.files[seq.file as usize];
+            if open.as_ref().is_none_or(|(index, _)| *index != seq.file) {
+                open = Some((seq.file, TensorFile::open(&data_file.path)?));
+            }
+            let file = &mut open.as_mut().expect("opened above").1;
+            let (first, len) = (seq.row as usize * data_file.seq, seq.len as usize);
+            let changed = |tensor: &str| -> SourceError {
+                let problem = TensorProblem::BadHeader("file changed since it was checked".into());
+                TensorFileError::tensor(&data_file.path, tensor, problem).into()
+            };
+            ids.resize(len, 0);
+            let dtype = file.read_tensor_elements(INPUT_IDS, first..first + len, &mut bytes)?;
+            if !decode_ids(dtype, &bytes, &mut ids) {
+                return Err(changed(INPUT_IDS));
+            }
+            mask.resize(len, 1);
+            if data_file.has_mask {
+                let dtype = file.read_tensor_elements(LOSS_MASK, first..first + len, &mut bytes)?;
+                if !decode_mask(dtype, &bytes, &mut mask) {
+                    return Err(changed(LOSS_MASK));
+                }
+            } else {
+                mask.fill(1);
+            }
+            visit(&data_file.path, &ids, &mask)?;
+        }
+        Ok(())
+    }
 }
 
 pub(crate) fn too_long(
@@ -298,6 +347,34 @@ pub fn check_tensors(
                 expected,
             },
         ));
+    }
+    if let Some(hidden) = shapes.last_hidden {
+        let last = file.require_tensor(LAST_HIDDEN_STATES)?;
+        let problem = if !is_float_dtype(last.dtype) {
+            Some(TensorProblem::WrongDtype {
+                found: last.dtype,
+                expected: "F32, BF16 or F16",
+            })
+        } else if last.shape.len() != 3 {
+            Some(TensorProblem::WrongRank {
+                found: last.shape.len(),
+                shape: last.shape.clone(),
+                expected: 3,
+            })
+        } else if last.shape != [rows, seq, hidden] {
+            Some(TensorProblem::WrongShape {
+                found: last.shape.clone(),
+                expected: format!(
+                    "[{rows}, {seq}, {hidden}] (the target's final-norm output, hidden {hidden}, for each token \
+                     of {HIDDEN_STATES})"
+                ),
+            })
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(bad(LAST_HIDDEN_STATES, problem));
+        }
     }
     let check_rows =
         |name: &str, dtype: Dtype, shape: &[usize], ok: fn(Dtype) -> bool, kinds: &'static str| {
@@ -585,6 +662,23 @@ impl SafetensorsSource {
             };
             return Err(TensorFileError::tensor(&path, HIDDEN_STATES, problem).into());
         }
+        if let (Some(last), Some(hidden)) =
+            (out.last_hidden_states.as_mut(), dataset.shapes.last_hidden)
+        {
+            let elements = first * hidden..(first + len) * hidden;
+            let (dtype, bytes) = file.element_bytes(LAST_HIDDEN_STATES, elements)?;
+            if !decode_floats_into(dtype, bytes, last, base * hidden) {
+                return Err(changed(LAST_HIDDEN_STATES));
+            }
+            let rows = last.as_slice().slice(base * hidden..(base + len) * hidden);
+            if let Some((at, value)) = rows.first_non_finite() {
+                let problem = TensorProblem::NonFinite {
+                    value,
+                    at: first * hidden + at,
+                };
+                return Err(TensorFileError::tensor(&path, LAST_HIDDEN_STATES, problem).into());
+            }
+        }
         self.ids = ids;
         Ok(())
     }
@@ -627,6 +721,12 @@ impl HsSource for SafetensorsSource {
             out.input_ids[start..end].fill(0);
             out.loss_mask[start..end].fill(0);
             out.hs.zero(start * din..end * din);
+            if let (Some(last), Some(hidden)) = (
+                out.last_hidden_states.as_mut(),
+                self.dataset.shapes.last_hidden,
+            ) {
+                last.zero(start * hidden..end * hidden);
+            }
         }
         out.source_position = self.next;
         self.dataset

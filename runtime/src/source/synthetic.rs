@@ -25,6 +25,17 @@
 //! `lm_head`: the scale makes the logits of an unaligned, RMS-normalised vector about unit variance, as a
 //! trained head's are, and those of an aligned one about `√hidden` above the rest.
 //!
+//! **Final hidden state** (`last_hidden_states`, what an `eagle3` drafter's teacher reads: the final-norm
+//! output the target's `lm_head` consumes). For token `x_t` it is `Σ_k c_k · embedding(s_k(x_t))` over the
+//! chain's successors, with `c_k = ln(p_k / p_rest) / √hidden` (`p_k` the successor's probability, `p_rest` that
+//! of any one other token). Through the `lm_head` above, successor `k` then scores about `ln(p_k / p_rest)` above
+//! an unrelated token, so the softmax of the target's own logits approximates the chain's next-token
+//! distribution. Cross terms of the random embeddings blur it: at the quickstart's size (hidden 64, vocabulary
+//! 512) the argmax is one of the four successors for at least 95% of tokens and the likeliest one for about
+//! 60% (`runtime/tests/source_last_hidden.rs`). The teacher is a fixed function of the token, which a drafter
+//! learns. It uses no randomness, so the token and hidden-state streams are the same with or without it, and it
+//! is computed only when the plan's drafter reads it.
+//!
 //! **Batches.** The batch at global position `p` is a pure function of `(seed, p)`: its RNG is seeded from both.
 //! Its bucket is drawn with probability proportional to `P(length in bucket) / sequences per item`, the rate at
 //! which a stream of uniformly distributed lengths routed to buckets would complete items; its sequence
@@ -109,6 +120,8 @@ pub struct SyntheticTarget {
     layer_perm: Vec<u32>,
     /// Per layer, `hidden` signs.
     layer_sign: Vec<f32>,
+    /// Weight of each successor's embedding in the final hidden state (module docs).
+    last_weights: [f32; SUCCESSORS],
 }
 
 impl SyntheticTarget {
@@ -154,6 +167,13 @@ impl SyntheticTarget {
             layer_sign
                 .extend((0..hidden).map(|_| if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 }));
         }
+        let rest = (1.0 - SUCCESSOR_CDF[SUCCESSORS - 1]) / vocab as f64;
+        let mut last_weights = [0.0; SUCCESSORS];
+        let mut previous = 0.0;
+        for (weight, &cumulative) in last_weights.iter_mut().zip(&SUCCESSOR_CDF) {
+            *weight = ((cumulative - previous) / rest).ln() as f32 / (hidden as f32).sqrt();
+            previous = cumulative;
+        }
         Ok(Self {
             seed,
             vocab,
@@ -165,6 +185,7 @@ impl SyntheticTarget {
             layer_weights,
             layer_perm,
             layer_sign,
+            last_weights,
         })
     }
 
@@ -200,6 +221,14 @@ impl SyntheticTarget {
             self.add_embedding(token as u32, scale, row);
         }
         table
+    }
+
+    /// Writes the final hidden state after `current` (`hidden` floats, module docs) into `out`.
+    pub fn last_hidden_state(&self, current: u32, out: &mut [f32]) {
+        out.fill(0.0);
+        for (k, &weight) in self.last_weights.iter().enumerate() {
+            self.add_embedding(self.successor(current, k), weight, out);
+        }
     }
 
     /// The chain's `k`-th successor of `token` (`k < SUCCESSORS`; `k = 0` is the most likely).
@@ -298,6 +327,8 @@ pub struct SyntheticSource {
     components: Vec<f32>,
     /// One token's hidden state in f32, before it is stored in the batch's precision.
     row: Vec<f32>,
+    /// One token's final hidden state in f32, when the batches carry them.
+    last_row: Vec<f32>,
 }
 
 impl SyntheticSource {
@@ -367,8 +398,18 @@ impl SyntheticSource {
             .rposition(|share| !share.is_empty())
             .expect("the longest length fits");
         let components = vec![0.0; 4 * target.hidden];
+        if shapes
+            .last_hidden
+            .is_some_and(|hidden| hidden != target.hidden)
+        {
+            return config(format!(
+                "plan last_hidden_states width {:?} ≠ target hidden {}",
+                shapes.last_hidden, target.hidden
+            ));
+        }
         Ok(Self {
             row: vec![0.0; target.din()],
+            last_row: vec![0.0; shapes.last_hidden.unwrap_or(0)],
             target,
             shapes: shapes.clone(),
             bucket_cdf,
@@ -432,10 +473,18 @@ impl HsSource for SyntheticSource {
                     &mut rng,
                 );
                 out.hs.store_f32((base + t) * din, &self.row);
+                if let Some(last) = out.last_hidden_states.as_mut() {
+                    self.target.last_hidden_state(token, &mut self.last_row);
+                    last.store_f32((base + t) * self.last_row.len(), &self.last_row);
+                }
             }
             out.input_ids[base + len..base + padded].fill(0);
             out.loss_mask[base + len..base + padded].fill(0);
             out.hs.zero((base + len) * din..(base + padded) * din);
+            if let Some(last) = out.last_hidden_states.as_mut() {
+                let hidden = self.last_row.len();
+                last.zero((base + len) * hidden..(base + padded) * hidden);
+            }
         }
         out.source_position = self.next;
         self.next += self.producers as u64;

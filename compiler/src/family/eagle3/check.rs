@@ -39,6 +39,7 @@ impl ModelArgs for Eagle3Args {
     const READS_TARGET_WEIGHTS: bool = true;
     const TAPS: Option<usize> = Some(EAGLE3_TAPS);
     const TAKES_VOCAB_MAP: bool = true;
+    const READS_LAST_HIDDEN_STATES: bool = true;
     type Spec = Eagle3Spec;
 
     fn check(errs: &mut Errs, call: &Call) -> Option<Self> {

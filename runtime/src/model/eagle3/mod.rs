@@ -29,8 +29,10 @@
 
 mod backward;
 mod buffers;
+pub mod export;
 mod family;
 mod offsets;
+pub mod vocab;
 
 use std::time::Instant;
 

@@ -129,6 +129,7 @@ fn handshake(mut connection: Connection, state: &ServerState) {
         delivered: Some(delivered),
         largest_bucket: config.shapes.buckets.last().map(|&(len, _)| len),
         batch_tokens: Some(config.target.batch_tokens),
+        last_hidden_states: config.shapes.last_hidden.is_some(),
         ..Reply::default()
     };
     let peer = connection.peer().to_string();

@@ -18,7 +18,9 @@ use safetensors::Dtype;
 use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use crate::batch::{HsBatch, HsDtype};
-use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors, too_long};
+use crate::source::safetensors::{
+    HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors, too_long,
+};
 use crate::source::{BucketShapes, SourceError};
 use crate::tensor_file::{
     TensorBlob, TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids,
@@ -63,6 +65,40 @@ pub(super) struct Message {
     ids: Vec<i64>,
 }
 
+/// The first non-finite value of the kept tokens of tensor `name` (`width` per token, rows of `seq` tokens of
+/// which `lengths` are kept), or one the conversion into `held` would make infinite.
+fn scan_rows(
+    blob: &TensorBlob,
+    name: &str,
+    width: usize,
+    lengths: &[usize],
+    seq: usize,
+    held: HsDtype,
+) -> Result<(), TensorProblem> {
+    for (row, &len) in lengths.iter().enumerate() {
+        let first = row * seq * width;
+        let (dtype, bytes) = blob
+            .element_bytes(name, first..first + len * width)
+            .map_err(|e| e.problem)?;
+        let found = first_non_finite(dtype, bytes)
+            .map(|(at, value)| TensorProblem::NonFinite {
+                value,
+                at: first + at,
+            })
+            .or_else(|| {
+                first_overflow(dtype, held, bytes).map(|(at, value)| TensorProblem::Overflows {
+                    value,
+                    at: first + at,
+                    held: held.name(),
+                })
+            });
+        if let Some(problem) = found {
+            return Err(problem);
+        }
+    }
+    Ok(())
+}
+
 impl Message {
     /// Parses and checks the first `len` bytes of `bytes`. On an error the buffer comes back for reuse.
     pub(super) fn parse(
@@ -80,36 +116,26 @@ impl Message {
         };
         // As the file source: a NaN in the data would surface as a non-finite loss and be blamed on the run. So
         // would a finite value that the conversion into `hs_dtype` (f32 into bf16) rounds to an infinity: found
-        // here, it refuses this message only, before any of its items is queued.
-        let din = shapes.din;
-        for (row, &len) in checked.lengths.iter().enumerate() {
-            let first = row * checked.seq * din;
-            let found = blob
-                .element_bytes(HIDDEN_STATES, first..first + len * din)
-                .map(|(dtype, bytes)| {
-                    first_non_finite(dtype, bytes)
-                        .map(|(at, value)| TensorProblem::NonFinite {
-                            value,
-                            at: first + at,
-                        })
-                        .or_else(|| {
-                            first_overflow(dtype, shapes.hs_dtype, bytes).map(|(at, value)| {
-                                TensorProblem::Overflows {
-                                    value,
-                                    at: first + at,
-                                    held: shapes.hs_dtype.name(),
-                                }
-                            })
-                        })
-                });
-            let problem = match found {
-                Ok(None) => continue,
-                Ok(Some(problem)) => problem,
-                Err(e) => e.problem,
-            };
-            let origin = blob.origin().to_path_buf();
-            let error = TensorFileError::tensor(&origin, HIDDEN_STATES, problem);
-            return Err((Box::new(error.into()), blob.into_bytes()));
+        // here, it refuses this message only, before any of its items is queued. `last_hidden_states`, when the
+        // drafter reads them, are held in the same precision and checked the same way, after the hidden states.
+        let floats = std::iter::once((HIDDEN_STATES, shapes.din)).chain(
+            shapes
+                .last_hidden
+                .map(|hidden| (LAST_HIDDEN_STATES, hidden)),
+        );
+        for (name, width) in floats {
+            if let Err(problem) = scan_rows(
+                &blob,
+                name,
+                width,
+                &checked.lengths,
+                checked.seq,
+                shapes.hs_dtype,
+            ) {
+                let origin = blob.origin().to_path_buf();
+                let error = TensorFileError::tensor(&origin, name, problem);
+                return Err((Box::new(error.into()), blob.into_bytes()));
+            }
         }
         let rows = match bucket_rows(&checked.lengths, shapes) {
             Ok(rows) => rows,
@@ -150,6 +176,11 @@ impl Message {
             out.input_ids[start..end].fill(0);
             out.loss_mask[start..end].fill(0);
             out.hs.zero(start * din..end * din);
+            if let (Some(last), Some(hidden)) =
+                (out.last_hidden_states.as_mut(), shapes.last_hidden)
+            {
+                last.zero(start * hidden..end * hidden);
+            }
             self.next += 1;
             if open.filled(bucket, 1, shapes) {
                 return Ok(Some(bucket));
@@ -194,25 +225,31 @@ impl Message {
         } else {
             mask.fill(1);
         }
-        let (dtype, bytes) = self
-            .blob
-            .element_bytes(HIDDEN_STATES, first * din..(first + len) * din)?;
-        if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
-            return Err(corrupt(HIDDEN_STATES));
-        }
-        // The message was scanned for NaN when it was parsed; only a narrowing conversion (f32 into bf16, bf16
-        // into f16) can make a new infinity, by rounding a huge finite value.
-        let widening = matches!(
-            (dtype, out.hs.dtype()),
-            (_, HsDtype::F32) | (Dtype::BF16, HsDtype::Bf16) | (Dtype::F16, HsDtype::F16)
-        );
-        let hs = out.hs.as_slice().slice(base * din..(base + len) * din);
-        if let Some((at, value)) = (!widening).then(|| hs.first_non_finite()).flatten() {
-            let problem = TensorProblem::NonFinite {
-                value,
-                at: first * din + at,
-            };
-            return Err(TensorFileError::tensor(&origin, HIDDEN_STATES, problem).into());
+        let hidden = out.last_hidden();
+        let last = out.last_hidden_states.as_mut().zip(hidden);
+        let floats = std::iter::once((HIDDEN_STATES, din, &mut out.hs))
+            .chain(last.map(|(data, hidden)| (LAST_HIDDEN_STATES, hidden, data)));
+        for (name, width, data) in floats {
+            let (dtype, bytes) = self
+                .blob
+                .element_bytes(name, first * width..(first + len) * width)?;
+            if !decode_floats_into(dtype, bytes, data, base * width) {
+                return Err(corrupt(name));
+            }
+            // The message was scanned for NaN when it was parsed; only a narrowing conversion (f32 into bf16, bf16
+            // into f16) can make a new infinity, by rounding a huge finite value.
+            let widening = matches!(
+                (dtype, data.dtype()),
+                (_, HsDtype::F32) | (Dtype::BF16, HsDtype::Bf16) | (Dtype::F16, HsDtype::F16)
+            );
+            let rows = data.as_slice().slice(base * width..(base + len) * width);
+            if let Some((at, value)) = (!widening).then(|| rows.first_non_finite()).flatten() {
+                let problem = TensorProblem::NonFinite {
+                    value,
+                    at: first * width + at,
+                };
+                return Err(TensorFileError::tensor(&origin, name, problem).into());
+            }
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! [`super::message::Message::parse`].
 //!
 //! ```text
-//!  frame ──header, input_ids, loss_mask──▶ check_tensors, bucket_rows
+//!  frame ──header, input_ids, loss_mask, last_hidden_states──▶ check_tensors, bucket_rows
 //!        ├─ one bucket, room enough, hidden_states last ──▶ each row read into its slot of the open item, a
 //!        │                                   chunk at a time, every chunk scanned for NaN/inf while in cache
 //!        │                                   ──full: fill_next swaps it with the pooled batch (no copy)──▶ queue
@@ -33,7 +33,9 @@ use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use super::wire::{Connection, WireError};
 use crate::batch::{HsBatch, HsData, HsDtype};
-use crate::source::safetensors::{HIDDEN_STATES, INPUT_IDS, LOSS_MASK, check_tensors};
+use crate::source::safetensors::{
+    HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors,
+};
 use crate::source::{BucketShapes, SourceError};
 use crate::tensor_file::{
     TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids, decode_mask,
@@ -264,6 +266,15 @@ fn read_head(
     if data_start as u64 + data_len as u64 != len || hs.data_offsets.1 != data_len {
         return Ok(None);
     }
+    // `last_hidden_states`, when the drafter reads them, are copied from the prefix: they must precede
+    // `hidden_states` (the Python producer sends them so).
+    if shapes.last_hidden.is_some()
+        && metadata
+            .info(LAST_HIDDEN_STATES)
+            .is_some_and(|last| last.data_offsets.1 > hs.data_offsets.0)
+    {
+        return Ok(None);
+    }
     body.read_into(buffer, data_start + hs.data_offsets.0)?;
     let mut prefix = Prefix {
         origin,
@@ -373,8 +384,9 @@ fn raw_bytes_mut(data: &mut HsData, range: Range<usize>) -> &mut [u8] {
     }
 }
 
-/// Writes the ids, mask and length of the slots from `first_slot` on that the message's rows fill, and zeroes
-/// their padding.
+/// Writes the ids, mask, length and (when the drafter reads them) `last_hidden_states` of the slots from
+/// `first_slot` on that the message's rows fill, and zeroes their padding. `last_hidden_states` are scanned as
+/// `hidden_states` are (non-finite values, and finite ones the conversion into the held precision overflows).
 fn fill_tokens(
     head: &Head,
     prefix: &Prefix<'_>,
@@ -413,6 +425,37 @@ fn fill_tokens(
         out.input_ids[start..end].fill(0);
         out.loss_mask[start..end].fill(0);
         out.hs.zero(start * din..end * din);
+        let hidden = out.last_hidden();
+        if let (Some(last), Some(hidden)) = (out.last_hidden_states.as_mut(), hidden) {
+            let first = row * head.seq * hidden;
+            let (dtype, bytes) =
+                prefix.element_bytes(LAST_HIDDEN_STATES, first..first + len * hidden)?;
+            let held = last.dtype();
+            let problem = first_non_finite(dtype, bytes)
+                .map(|(i, value)| TensorProblem::NonFinite {
+                    value,
+                    at: first + i,
+                })
+                .or_else(|| {
+                    first_overflow(dtype, held, bytes).map(|(i, value)| TensorProblem::Overflows {
+                        value,
+                        at: first + i,
+                        held: held.name(),
+                    })
+                });
+            if let Some(problem) = problem {
+                return Err(
+                    TensorFileError::tensor(prefix.origin, LAST_HIDDEN_STATES, problem).into(),
+                );
+            }
+            if !decode_floats_into(dtype, bytes, last, base * hidden) {
+                let problem = TensorProblem::BadHeader("data changed after it was checked".into());
+                return Err(
+                    TensorFileError::tensor(prefix.origin, LAST_HIDDEN_STATES, problem).into(),
+                );
+            }
+            last.zero(start * hidden..end * hidden);
+        }
     }
     Ok(())
 }

@@ -70,6 +70,10 @@ pub struct Reply {
     /// Hello: the plan's `batch_tokens` (token slots of one queue item), what a producer may gather per message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_tokens: Option<usize>,
+    /// Hello: the drafter reads the target's final-norm output (what its `lm_head` consumes), so every message
+    /// must carry `last_hidden_states [N, S, hidden]` beside `hidden_states` (absent, and not sent, otherwise).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last_hidden_states: bool,
     /// Hello and acks: messages of this producer acknowledged so far (over reconnects).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivered: Option<u64>,
