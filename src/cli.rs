@@ -1,11 +1,9 @@
-//! Command-line arguments (clap derive) and the dispatch from a [`Command`] to its module in `commands/`.
+//! Command-line arguments (clap derive); `commands::dispatch` sends a [`Command`] to its module in `commands/`.
 //!
 //! Exit codes: see `commands` (0 success, 1 errors, 2 usage errors through clap, 3 and 128 + N for `run`).
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
-
-use crate::commands;
 
 /// Train speculative-decoding drafters from a frozen target's hidden states.
 #[derive(Debug, Parser)]
@@ -16,7 +14,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// The subcommands; each has one `run` function in `commands/`.
+/// The subcommands; each has one `run` function in `commands/` (see `commands::dispatch`).
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Check `.pipe` files and report every error (exit 0 when all are valid, 1 when any has errors).
@@ -37,22 +35,6 @@ pub enum Command {
     /// Count the loss-masked tokens of an `eagle3` pipeline's source and write its draft vocabulary (`d2t`,
     /// `t2d`, SpecForge's rule) for the pipeline's `vocab_map`.
     Vocab(VocabArgs),
-}
-
-impl Command {
-    /// Runs the command; its error goes to [`commands::finish`].
-    pub fn run(self) -> commands::CommandResult {
-        match self {
-            Command::Check(args) => commands::check::run(&args),
-            Command::Compile(args) => commands::compile::run(&args),
-            Command::Run(args) => commands::run::run(&args),
-            Command::Diagnose(args) => commands::diagnose::run(&args),
-            Command::Eval(args) => commands::eval::run(&args),
-            Command::Simulate(args) => commands::simulate::run(&args),
-            Command::ExportCheck(args) => commands::export_check::run(&args),
-            Command::Vocab(args) => commands::vocab::run(&args),
-        }
-    }
 }
 
 /// Arguments of `draftpipe export-check`.

@@ -7,5 +7,5 @@ mod commands;
 use clap::Parser as _;
 
 fn main() -> std::process::ExitCode {
-    commands::finish(cli::Cli::parse().command.run())
+    commands::finish(commands::dispatch(cli::Cli::parse().command))
 }

@@ -28,8 +28,24 @@ use std::process::ExitCode;
 
 use draftpipe_compiler::{CompileError, Diagnostics};
 
+use crate::cli::Command;
+
 /// What a command returns: the exit status it chose, or the error [`finish`] reports.
 pub type CommandResult = anyhow::Result<ExitCode>;
+
+/// Runs `command` by its module; its error goes to [`finish`].
+pub fn dispatch(command: Command) -> CommandResult {
+    match command {
+        Command::Check(args) => check::run(&args),
+        Command::Compile(args) => compile::run(&args),
+        Command::Run(args) => run::run(&args),
+        Command::Diagnose(args) => diagnose::run(&args),
+        Command::Eval(args) => eval::run(&args),
+        Command::Simulate(args) => simulate::run(&args),
+        Command::ExportCheck(args) => export_check::run(&args),
+        Command::Vocab(args) => vocab::run(&args),
+    }
+}
 
 /// Exit code for input with errors and failed runs (usage errors exit 2 through clap).
 pub const EXIT_INVALID: u8 = 1;
