@@ -158,9 +158,10 @@ fn norm_weight_grad_is_deterministic_and_chunking_only_regroups_the_sum() {
         }
         let dp = Shared(dw.as_mut_ptr());
         launch(cols, |plane, col| {
-            let dp = dp;
             // SAFETY: `partials` holds `chunks · cols` written elements; `dw` holds `cols`.
-            unsafe { norm::column_sums(partials.as_ptr(), dp.0, chunks, cols, false, plane, col) };
+            unsafe {
+                norm::column_sums(partials.as_ptr(), dp.ptr(), chunks, cols, false, plane, col)
+            };
         });
         if rows_per_chunk == 64 {
             assert_eq!(
