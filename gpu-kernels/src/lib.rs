@@ -21,13 +21,13 @@
 //! | --- | --- | --- |
 //! | [`norm::rmsnorm_forward`], [`norm::rmsnorm_backward_input`] | a plane per row | row |
 //! | [`norm::rmsnorm_weight_grad_partials`] | a thread per index | `chunk · cols + col` |
-//! | [`norm::column_sums`] | a thread per column | column |
+//! | [`norm::column_sums`] | a plane per column | column |
 //! | [`activation`] kernels, [`adamw::adamw_update`] | element range | chunk |
 //! | [`loss::build_labels`] | a thread per index | `head · tokens + token` |
 //! | [`loss::head_loss_scales`] | a thread per head | head |
 //! | [`loss::vocab_loss_row`] | a plane per token row | row |
 //! | [`reduce::sum_partials`], [`reduce::sum_squares_partials`] | a plane per chunk | chunk |
-//! | [`reduce::finish_sum`], [`reduce::finish_grad_norm`] | one plane | — |
+//! | [`reduce::finish_sum`], [`reduce::finish_grad_norm`] | one plane (≤ [`reduce::MAX_PARTIALS`] partials) | — |
 //! | [`embedding::embedding_gather`] | element range | chunk |
 //! | [`rope::rope`] | element range over (row, pair) | chunk |
 //! | [`loss::weighted_vocab_loss_row`] | a plane per token row | row |

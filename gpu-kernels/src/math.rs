@@ -192,31 +192,38 @@ fn host_rsqrt(x: f32) -> f32 {
 
 #[cfg(target_arch = "nvptx64")]
 mod device {
-    //! The PTX approximate instructions behind the helpers above.
-    use core::arch::asm;
+    //! The PTX approximate instructions behind the helpers above, through LLVM's NVVM intrinsics: LLVM knows
+    //! they read no memory and have no side effects, so it may hoist, share and schedule them (an `asm!` block
+    //! without `pure` options is a fixed point it must leave in place).
 
+    unsafe extern "unadjusted" {
+        #[link_name = "llvm.nvvm.ex2.approx.ftz.f"]
+        fn nvvm_ex2_approx_ftz_f(x: f32) -> f32;
+        #[link_name = "llvm.nvvm.lg2.approx.ftz.f"]
+        fn nvvm_lg2_approx_ftz_f(x: f32) -> f32;
+        #[link_name = "llvm.nvvm.rsqrt.approx.ftz.f"]
+        fn nvvm_rsqrt_approx_ftz_f(x: f32) -> f32;
+    }
+
+    /// `ex2.approx.ftz.f32`: `2^x`.
     #[inline(always)]
     pub fn ex2(x: f32) -> f32 {
-        let y: f32;
         // SAFETY: a pure register-to-register instruction.
-        unsafe { asm!("ex2.approx.ftz.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x) };
-        y
+        unsafe { nvvm_ex2_approx_ftz_f(x) }
     }
 
+    /// `lg2.approx.ftz.f32`: `log2 x`.
     #[inline(always)]
     pub fn lg2(x: f32) -> f32 {
-        let y: f32;
         // SAFETY: a pure register-to-register instruction.
-        unsafe { asm!("lg2.approx.ftz.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x) };
-        y
+        unsafe { nvvm_lg2_approx_ftz_f(x) }
     }
 
+    /// `rsqrt.approx.ftz.f32`: `1 / sqrt(x)`.
     #[inline(always)]
     pub fn rsqrt(x: f32) -> f32 {
-        let y: f32;
         // SAFETY: a pure register-to-register instruction.
-        unsafe { asm!("rsqrt.approx.ftz.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x) };
-        y
+        unsafe { nvvm_rsqrt_approx_ftz_f(x) }
     }
 }
 

@@ -1,5 +1,7 @@
 //! RMSNorm `y = x / sqrt(mean(x²) + eps) ⊙ w`: forward, input gradient, and the weight gradient as a
-//! deterministic two-pass reduction over rows.
+//! deterministic two-pass reduction over rows: a thread per (chunk of rows, column) writes partials, then a plane
+//! per column adds them (its lanes split the partial rows, the butterfly joins the lanes), so neither pass runs
+//! one thread down a long column (a q/k-norm weight gradient has head_dim columns, 64 or 128, over up to 16k rows per head).
 //!
 //! The forward keeps `1/rms` per row so the backward does not recompute it. The row kernels run on a
 //! [`Plane`]: a warp per row on the GPU, the lanes as a loop on the host.
@@ -125,10 +127,11 @@ pub unsafe fn rmsnorm_weight_grad_partials(
     }
 }
 
-/// Sums a row-major `[rows, cols]` matrix over its rows: `out[col] = Σ_r values[r · cols + col]`, in row
-/// order (deterministic). Written to `out` when `accumulate` is false, added to it when true.
+/// Sums a row-major `[rows, cols]` matrix over its rows: `out[col] = Σ_r values[r · cols + col]`, by a tree:
+/// lane `l` of the plane adds rows `l, l + 32, …` in ascending order, the butterfly adds the 32 lane sums
+/// (deterministic). Written to `out` when `accumulate` is false, added to it when true.
 ///
-/// Launch: one index per column (`cols` indices).
+/// Launch: one plane per column (`cols` planes).
 ///
 /// # Safety
 /// `values` holds `rows · cols` elements and `out` `cols`; `col < cols`.
@@ -139,18 +142,18 @@ pub unsafe fn column_sums(
     rows: usize,
     cols: usize,
     accumulate: bool,
+    plane: impl Plane,
     col: usize,
 ) {
-    let mut sum = 0.0f32;
     // SAFETY: every `r · cols + col` with `r < rows` is inside `values`; `col` is inside `out`.
     unsafe {
-        for r in 0..rows {
-            sum += *values.add(r * cols + col);
-        }
-        if accumulate {
-            *out.add(col) += sum;
-        } else {
-            *out.add(col) = sum;
+        let sum = plane.sum(rows, |r| *values.add(r * cols + col));
+        if plane.is_leader() {
+            if accumulate {
+                *out.add(col) += sum;
+            } else {
+                *out.add(col) = sum;
+            }
         }
     }
 }

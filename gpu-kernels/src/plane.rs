@@ -522,24 +522,22 @@ pub mod lane_rows {
 
 #[cfg(target_arch = "nvptx64")]
 mod device {
-    //! The warp shuffle (`core::arch::nvptx` has none).
-    use core::arch::asm;
+    //! The warp shuffle, through LLVM's own NVVM intrinsic (`core::arch::nvptx` has none). LLVM declares the
+    //! intrinsic `convergent`, so no pass moves or duplicates it into lane-divergent control flow; an inline
+    //! `asm!` block carries no such attribute, and a pass that did would leave lanes out of the exchange.
 
-    /// `shfl.sync.bfly` over the full warp: lane `l` gets lane `l ^ mask`'s `value`. The clamp operand is
+    unsafe extern "unadjusted" {
+        #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
+        fn nvvm_shfl_sync_bfly_i32(member_mask: u32, value: u32, lane_mask: u32, clamp: u32)
+        -> u32;
+    }
+
+    /// `shfl.sync.bfly.b32` over the full warp: lane `l` gets lane `l ^ mask`'s `value`. The clamp operand is
     /// `0x1f` (the last lane of a 32-lane segment), not 32.
     #[inline(always)]
     pub fn shuffle_xor_b32(value: u32, mask: u32) -> u32 {
-        let out: u32;
         // SAFETY: every lane of the warp executes the shuffle together (the `Warp::new` contract).
-        unsafe {
-            asm!(
-                "shfl.sync.bfly.b32 {out}, {value}, {mask}, 0x1f, 0xffffffff;",
-                out = out(reg32) out,
-                value = in(reg32) value,
-                mask = in(reg32) mask,
-            )
-        };
-        out
+        unsafe { nvvm_shfl_sync_bfly_i32(u32::MAX, value, mask, 0x1f) }
     }
 }
 

@@ -1,12 +1,40 @@
-//! Deterministic two-pass reductions: per-chunk partial sums (first pass, one plane per chunk), then one plane
-//! that adds the partials (second pass). Used for the loss total and the global gradient norm.
+//! Deterministic two-pass reductions, a tree of two levels: per-chunk partial sums (first pass, one plane per
+//! chunk), then one plane that adds the partials (second pass). Used for the loss total and the global gradient
+//! norm.
+//!
+//! ```text
+//!  n values ──▶ ceil(n / chunk_len) ≤ MAX_PARTIALS planes, each a chunk ──▶ partials ──▶ one plane ──▶ result
+//!               chunk_len = partial_chunk_len(n, REDUCE_CHUNK)                           ≤ 256 partials per lane
+//! ```
+//!
+//! The fan-in of the second pass is bounded: past `MAX_PARTIALS · min_chunk_len` values the chunks grow instead
+//! of their count, so the last pass never runs one warp over a million partials (a 1B-parameter gradient norm
+//! at chunks of 1024 would), and the first pass still has enough planes to fill the GPU.
 //!
 //! The lanes of a plane read adjacent elements (coalesced on the GPU, a 32-wide vector loop on the host); the
-//! lane split and the butterfly fix the order of additions, so the same inputs give the same bits. Lane sums of
-//! the loss accumulate in f64, those of squared gradients in f32 (one chunk's share per lane), and both are
-//! combined across lanes and partials in f64.
+//! lane split and the butterfly fix the order of additions, and the chunk length is a function of `n` alone, so
+//! the same inputs give the same bits. Lane sums of the loss accumulate in f64, those of squared gradients in f32
+//! (one chunk's share per lane), and both are combined across lanes and partials in f64.
 
-use crate::plane::Plane;
+use crate::plane::{Plane, WIDTH};
+
+/// The most partial sums a first pass writes: 8192 planes are 8192 warps, about one resident wave of an H200
+/// (132 SMs at 64 warps each), and the second pass's lanes then read at most 256 partials each.
+pub const MAX_PARTIALS: usize = 8192;
+
+/// The chunk length of a two-pass reduction over `n` values that asks for chunks of `min_chunk_len`: that
+/// length while it gives at most [`MAX_PARTIALS`] chunks, otherwise the shortest multiple of the plane width
+/// that does. `ceil(n / result) ≤ ceil(n / min_chunk_len)`, so a partials buffer sized for `min_chunk_len`
+/// holds them.
+#[inline(always)]
+pub const fn partial_chunk_len(n: usize, min_chunk_len: usize) -> usize {
+    let bounded = n.div_ceil(MAX_PARTIALS).next_multiple_of(WIDTH);
+    if bounded > min_chunk_len {
+        bounded
+    } else {
+        min_chunk_len
+    }
+}
 
 /// The element range `[start, end)` of one chunk, clipped to `n`.
 #[inline(always)]

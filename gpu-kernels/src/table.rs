@@ -78,13 +78,13 @@ macro_rules! kernel_table {
                     x, inv_rms, dy, partials, rows, cols, rows_per_chunk, index
                 ),
             }
-            /// Column sums of a `[rows, cols]` matrix (`accumulate != 0`: added to `out`).
+            /// Column sums of a `[rows, cols]` matrix, a plane per column (`accumulate != 0`: added to `out`).
             column_sums {
                 reads: [values: f32 = rows * cols],
                 writes: [out: f32 = cols],
                 scalars: [rows: usize, cols: usize, accumulate: u32],
-                launch: threads(cols),
-                body: |col| $crate::norm::column_sums(values, out, rows, cols, accumulate != 0, col),
+                launch: planes(cols),
+                body: |plane, col| $crate::norm::column_sums(values, out, rows, cols, accumulate != 0, plane, col),
             }
             /// SwiGLU forward over `n = rows · inter` outputs from `[gate | up]` rows.
             swiglu_forward {

@@ -327,6 +327,131 @@ fn sum_partials_and_finish_sum_match_host() {
     assert_close("sum", &download(&s, &gt), &total, 1e-5, 1e-5, seed);
 }
 
+/// The plane kernels (a warp per row) at rows shorter than a warp and lengths that are not a multiple of 32:
+/// lanes past the row's end take no element but still join every shuffle, so a shuffle LLVM moved into the
+/// lane-dependent loop (the hazard of an inline-asm shuffle) would read lanes that never arrive.
+#[test]
+fn plane_kernels_handle_short_and_ragged_rows() {
+    let Some(k) = launcher("plane_kernels_handle_short_and_ragged_rows") else {
+        return;
+    };
+    let s = k.stream().clone();
+    let (mut r, seed) = rng();
+    for cols in [1usize, 5, 31, 32, 33, 45, 100] {
+        let (rows, chunk, eps) = (7usize, 3usize, 1e-6);
+        let chunks = rows.div_ceil(chunk);
+        let x = uniform(&mut r, rows * cols, -2.0, 2.0);
+        let w = uniform(&mut r, cols, 0.5, 1.5);
+        let dy = uniform(&mut r, rows * cols, -1.0, 1.0);
+        let (mut y, mut inv, mut dx) = (
+            vec![0.0; rows * cols],
+            vec![0.0; rows],
+            vec![0.0; rows * cols],
+        );
+        let (mut partials, mut dw) = (vec![0.0; chunks * cols], vec![0.0; cols]);
+        launch::rmsnorm_forward(&x, &w, &mut y, &mut inv, cols, eps, rows);
+        launch::rmsnorm_backward_input(&x, &w, &inv, &dy, &mut dx, cols, 0, rows);
+        launch::rmsnorm_weight_grad_partials(&x, &inv, &dy, &mut partials, rows, cols, chunk);
+        launch::column_sums(&partials, &mut dw, chunks, cols, 0);
+
+        let ((_x, x_), (_w, w_), (_dy, dy_)) = (upload(&s, &x), upload(&s, &w), upload(&s, &dy));
+        let ((gy, gy_), (_ginv, ginv_), (gdx, gdx_)) = (
+            poisoned(&s, rows * cols),
+            poisoned(&s, rows),
+            poisoned(&s, rows * cols),
+        );
+        let ((_p, gp_), (gdw, gdw_)) = (poisoned(&s, chunks * cols), poisoned(&s, cols));
+        k.rmsnorm_forward(x_, w_, gy_, ginv_, cols, eps, rows)
+            .unwrap();
+        k.rmsnorm_backward_input(x_, w_, ginv_, dy_, gdx_, cols, 0, rows)
+            .unwrap();
+        k.rmsnorm_weight_grad_partials(x_, ginv_, dy_, gp_, rows, cols, chunk)
+            .unwrap();
+        k.column_sums(gp_, gdw_, chunks, cols, 0).unwrap();
+        let what = |name: &str| format!("{name} at {cols} columns");
+        assert_close(&what("rmsnorm y"), &download(&s, &gy), &y, 2e-5, 1e-6, seed);
+        assert_close(
+            &what("rmsnorm dx"),
+            &download(&s, &gdx),
+            &dx,
+            1e-4,
+            1e-5,
+            seed,
+        );
+        assert_close(
+            &what("rmsnorm dw"),
+            &download(&s, &gdw),
+            &dw,
+            1e-4,
+            1e-5,
+            seed,
+        );
+    }
+    for vocab in [2usize, 17, 31, 33, 77] {
+        let rows = 5;
+        let logits = uniform(&mut r, rows * vocab, -8.0, 8.0);
+        let labels: Vec<i32> = (0..rows).map(|row| ((row * 7) % vocab) as i32).collect();
+        let (mut grad, mut row_loss) = (logits.clone(), vec![0.0f32; rows]);
+        launch::vocab_loss_row(&labels, &[0.5], &mut grad, &mut row_loss, vocab, rows);
+        let ((_l, labels_), (_s, scale_)) = (upload(&s, &labels), upload(&s, &[0.5f32]));
+        let ((glogits, glogits_), (gloss, gloss_)) = (upload(&s, &logits), poisoned(&s, rows));
+        k.vocab_loss_row(labels_, scale_, glogits_, gloss_, vocab, rows)
+            .unwrap();
+        let what = |name: &str| format!("{name} at vocabulary {vocab}");
+        assert_close(
+            &what("row loss"),
+            &download(&s, &gloss),
+            &row_loss,
+            1e-4,
+            1e-7,
+            seed,
+        );
+        assert_close(
+            &what("logits grad"),
+            &download(&s, &glogits),
+            &grad,
+            1e-4,
+            1e-9,
+            seed,
+        );
+    }
+    // Chunks of 45 values and fewer than 32 partials: ragged lanes in both passes.
+    for (n, chunk) in [(1000usize, 45usize), (70, 7), (31, 1024)] {
+        let values = uniform(&mut r, n, -1.0, 1.0);
+        let chunks = n.div_ceil(chunk);
+        let (mut partials, mut total, mut norm, mut clip) =
+            (vec![0.0; chunks], [0.0f32], [0.0f32], [0.0f32]);
+        launch::sum_partials(&values, &mut partials, n, chunk);
+        launch::finish_sum(&partials, &mut total, chunks);
+        launch::sum_squares_partials(&values, &mut partials, n, chunk);
+        launch::finish_grad_norm(&partials, &mut norm, &mut clip, chunks, 1.0);
+        let ((_v, v_), (_p, p_)) = (upload(&s, &values), poisoned(&s, chunks));
+        let ((gt, gt_), (gn, gn_), (gc, gc_)) = (poisoned(&s, 1), poisoned(&s, 1), poisoned(&s, 1));
+        k.sum_partials(v_, p_, n, chunk).unwrap();
+        k.finish_sum(p_, gt_, chunks).unwrap();
+        k.sum_squares_partials(v_, p_, n, chunk).unwrap();
+        k.finish_grad_norm(p_, gn_, gc_, chunks, 1.0).unwrap();
+        let what = |name: &str| format!("{name} of {n} values in chunks of {chunk}");
+        assert_close(&what("sum"), &download(&s, &gt), &total, 1e-5, 1e-5, seed);
+        assert_close(
+            &what("grad norm"),
+            &download(&s, &gn),
+            &norm,
+            1e-5,
+            0.0,
+            seed,
+        );
+        assert_close(
+            &what("clip scale"),
+            &download(&s, &gc),
+            &clip,
+            1e-5,
+            0.0,
+            seed,
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
 fn a_short_buffer_is_an_error_not_a_launch() {

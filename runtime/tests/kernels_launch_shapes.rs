@@ -135,7 +135,10 @@ fn norm_weight_grad_is_deterministic_and_chunking_only_regroups_the_sum() {
     let mut again = vec![f32::NAN; cols];
     kernels::rmsnorm_weight_grad(&x, &inv, &dy, &mut again, &mut partials, 64);
     assert_eq!(first, again, "same inputs, same chunking: bitwise equal");
-    for rows_per_chunk in [1, 7, 300, 301, 1000] {
+    use warp_on_threads::{Shared, launch};
+    // The column sums run as the GPU runs them, a simulated warp per column; at the host's chunking of 64 they
+    // must give its bits.
+    for rows_per_chunk in [1, 7, 64, 300, 301, 1000] {
         let chunks = rows.div_ceil(rows_per_chunk);
         let mut dw = vec![f32::NAN; cols];
         for index in 0..chunks * cols {
@@ -153,11 +156,19 @@ fn norm_weight_grad_is_deterministic_and_chunking_only_regroups_the_sum() {
                 )
             };
         }
-        for col in 0..cols {
+        let dp = Shared(dw.as_mut_ptr());
+        launch(cols, |plane, col| {
             // SAFETY: `partials` holds `chunks · cols` written elements; `dw` holds `cols`.
             unsafe {
-                norm::column_sums(partials.as_ptr(), dw.as_mut_ptr(), chunks, cols, false, col)
+                norm::column_sums(partials.as_ptr(), dp.ptr(), chunks, cols, false, plane, col)
             };
+        });
+        if rows_per_chunk == 64 {
+            assert_eq!(
+                bits(&dw),
+                bits(&first),
+                "a warp per column against the host plane"
+            );
         }
         for c in 0..cols {
             let scale: f32 = (0..rows)

@@ -244,6 +244,111 @@ fn flash_entries_use_tensor_cores_within_their_budgets() {
     }
 }
 
+/// The statements of every inline-assembly block of `ptx` (between llc's `// begin inline asm` and `// end
+/// inline asm` markers), comments and braces dropped.
+fn inline_asm_statements(ptx: &str) -> Vec<String> {
+    let mut statements = Vec::new();
+    let mut inside = false;
+    for line in ptx.lines() {
+        let line = line.trim();
+        if line == "// begin inline asm" {
+            inside = true;
+        } else if line == "// end inline asm" {
+            inside = false;
+        } else if inside {
+            let code = line.split("//").next().unwrap_or_default();
+            statements.extend(
+                code.split(';')
+                    .map(|s| {
+                        s.trim()
+                            .trim_start_matches('{')
+                            .trim_end_matches('}')
+                            .trim()
+                    })
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+    }
+    statements
+}
+
+/// The inline assembly the kernels may still emit (docs/gpu.md, "Warp instructions"): `ldmatrix` with the
+/// address add and scratch register around it (its intrinsic costs the flash entries registers and spills), the
+/// shared-array address of a flash entry (`cvta.shared` of a module-scope symbol Rust cannot name), the empty
+/// `// opaque` pin (a comment, dropped above), and the `exit` of LLVM's trap.
+const ALLOWED_INLINE_ASM: &[&str] = &[
+    "ldmatrix.sync.aligned.m8n8.x4.b16 ",
+    "ldmatrix.sync.aligned.m8n8.x4.trans.b16 ",
+    ".reg .b64 at",
+    "add.s64 at, ",
+    "cvta.shared.u64 ",
+    "exit",
+];
+
+/// Every warp-synchronous instruction but `ldmatrix`, and the approximate maths, come from LLVM's NVVM
+/// intrinsics (LLVM knows the former are convergent and the latter pure), so the PTX has each instruction and no
+/// inline-assembly block holds anything but the listed leftovers.
+#[test]
+fn warp_instructions_come_from_intrinsics_not_inline_asm() {
+    let ptx = match EMBEDDED_PTX {
+        Ok(ptx) => ptx,
+        Err(reason) => {
+            return skip_or_fail(&format!("the runtime was built without PTX: {reason}"));
+        }
+    };
+    for instruction in [
+        "shfl.sync.bfly.b32",
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "bar.sync",
+        "ex2.approx.ftz.f32",
+        "lg2.approx.ftz.f32",
+        "rsqrt.approx.ftz.f32",
+    ] {
+        assert!(ptx.contains(instruction), "the PTX has no {instruction}");
+    }
+    let statements = inline_asm_statements(ptx);
+    let stray: Vec<&String> = statements
+        .iter()
+        .filter(|s| {
+            !ALLOWED_INLINE_ASM
+                .iter()
+                .any(|allowed| s.starts_with(allowed))
+        })
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "inline assembly beyond the allowed leftovers: {stray:?}"
+    );
+}
+
+#[test]
+fn inline_asm_reader_finds_a_stray_shuffle() {
+    let ptx = "\tadd.s32 %r1, %r2, 1;\n\t// begin inline asm\n\t// opaque %rd4\n\t// end inline asm\n\
+               \t// begin inline asm\n\tshfl.sync.bfly.b32 %r3, %r1, 16, 0x1f, 0xffffffff;\n\t// end inline asm\n\
+               \t// begin inline asm\n\t{ .reg .b64 at; add.s64 at, %rd1, %rd2;\n\
+               \tldmatrix.sync.aligned.m8n8.x4.b16 {%r4, %r5, %r6, %r7}, [at]; }\n\t// end inline asm\n";
+    let statements = inline_asm_statements(ptx);
+    assert_eq!(
+        statements,
+        [
+            "shfl.sync.bfly.b32 %r3, %r1, 16, 0x1f, 0xffffffff",
+            ".reg .b64 at",
+            "add.s64 at, %rd1, %rd2",
+            "ldmatrix.sync.aligned.m8n8.x4.b16 {%r4, %r5, %r6, %r7}, [at]",
+        ]
+    );
+    let stray: Vec<&String> = statements
+        .iter()
+        .filter(|s| {
+            !ALLOWED_INLINE_ASM
+                .iter()
+                .any(|allowed| s.starts_with(allowed))
+        })
+        .collect();
+    assert_eq!(stray.len(), 1, "{stray:?}");
+}
+
 /// The byte width of each `.param` of every `.entry` in `ptx`, in order: `(name, widths)`.
 fn entry_parameters(ptx: &str) -> Vec<(String, Vec<usize>)> {
     let mut entries = Vec::new();

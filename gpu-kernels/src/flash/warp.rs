@@ -26,9 +26,19 @@
 //! are not documented; the tests' tolerances (bf16 inputs, [`super`]) are far wider than either difference.
 //!
 //! Device side: `mma` through `llvm.nvvm.mma.m16n8k16.row.col.bf16`, the shuffle through
-//! `llvm.nvvm.shfl.sync.bfly.f32`, the barriers through `llvm.nvvm.barrier0` and `llvm.nvvm.bar.warp.sync`
-//! (LLVM knows all of them are convergent). `ldmatrix` is inline assembly: its intrinsic takes an
-//! `addrspace(3)` pointer, which Rust cannot name; the generic-address form reads the same shared memory.
+//! `llvm.nvvm.shfl.sync.bfly.f32`, the block barrier through `llvm.nvvm.barrier0` (`_syncthreads`); LLVM
+//! declares all three convergent, so no pass moves them into lane-divergent control flow. No body needs a
+//! warp-only barrier (`bar.warp.sync`): a warp's lanes exchange data only through `shfl`, `mma` and `ldmatrix`,
+//! which synchronise the warp themselves. `ldmatrix` stays inline assembly. LLVM 22 has its intrinsic (the
+//! `.p0` overload of `llvm.nvvm.ldmatrix.sync.aligned.m8n8.x4[.trans].b16` takes the generic address these
+//! bodies hold) and emits the same instruction from it, but its code generation then raises the flash entries'
+//! register pressure: with ptxas 13.0.88 (sm_90) `flash_backward_kv_d128` spilled 168 bytes instead of 40 (over
+//! the PTX check's bound of 64), `flash_forward_d64` took 168 registers instead of 130 and `flash_backward_q_d64`
+//! 219 instead of 174; fences around the call (an empty clobbering `asm!`) and an opaque base per call did not
+//! bring it back. The cost of the assembly: LLVM does not know the block is convergent. Every call sits in
+//! warp-uniform control flow (loop trips and branches depend on the block index, not the lane), so only a pass
+//! that sank it into a lane-dependent branch could split the warp; none does today, and no test can show it
+//! never will (docs/gpu.md, "Warp instructions").
 
 /// One value per lane of the lanes a thread runs: `N = 1` on the GPU (this lane), `N = 32` in the host model
 /// (the whole warp, lane `i` in element `i`).
@@ -137,7 +147,7 @@ pub trait MatrixWarp<const N: usize>: Copy {
     /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: `d = a · b + c`.
     fn mma(self, a: &FragA<N>, b: &FragB<N>, c: Accum<N>) -> Accum<N>;
 
-    /// `ldmatrix.sync.aligned.m8n8.x4.shared.b16` (`trans`: with `.trans`), each lane giving one row address:
+    /// `ldmatrix.sync.aligned.m8n8.x4.b16` (`trans`: with `.trans`), each lane giving one row address:
     /// `rows + offset` (`offset` in bf16, the same on every lane: the device adds it inside the instruction
     /// sequence, so each call site keeps one base register instead of its own 64-bit address).
     ///

@@ -23,6 +23,7 @@
 pub use draftpipe_gpu_kernels::adamw::{AdamWConstants, AdamWStep, Schedule};
 pub use draftpipe_gpu_kernels::loss::IGNORE_LABEL;
 use draftpipe_gpu_kernels::plane::HostPlane;
+use draftpipe_gpu_kernels::reduce::partial_chunk_len;
 
 /// Elements per call of an element-range kernel on the host.
 pub const HOST_CHUNK: usize = 4096;
@@ -370,9 +371,11 @@ pub fn vocab_loss(
     launch::vocab_loss_row(labels, &[scale], logits, row_loss, vocab, rows);
 }
 
-/// Deterministic sum of `values` through `partials` (at least `ceil(n / chunk_len)` elements).
+/// Deterministic sum of `values` through `partials` (at least `ceil(n / chunk_len)` elements), in chunks of
+/// `chunk_len` or longer ([`partial_chunk_len`]: at most `MAX_PARTIALS` of them).
 pub fn sum(values: &[f32], chunk_len: usize, partials: &mut [f32]) -> f32 {
     assert!(chunk_len > 0, "sum: empty chunk");
+    let chunk_len = partial_chunk_len(values.len(), chunk_len);
     let chunks = values.len().div_ceil(chunk_len);
     launch::sum_partials(values, partials, values.len(), chunk_len);
     let mut total = [0.0];
@@ -381,7 +384,8 @@ pub fn sum(values: &[f32], chunk_len: usize, partials: &mut [f32]) -> f32 {
 }
 
 /// Global L2 norm of `values` and the clip scale for `max_norm` (`≤ 0`: no clipping), by the deterministic
-/// two-pass reduction through `partials` (at least `ceil(n / chunk_len)` elements).
+/// two-pass reduction through `partials` (at least `ceil(n / chunk_len)` elements), in chunks of `chunk_len` or
+/// longer ([`partial_chunk_len`]).
 pub fn grad_norm(
     values: &[f32],
     chunk_len: usize,
@@ -389,6 +393,7 @@ pub fn grad_norm(
     max_norm: f32,
 ) -> (f32, f32) {
     assert!(chunk_len > 0, "grad_norm: empty chunk");
+    let chunk_len = partial_chunk_len(values.len(), chunk_len);
     let chunks = values.len().div_ceil(chunk_len);
     launch::sum_squares_partials(values, partials, values.len(), chunk_len);
     let (mut norm, mut scale) = ([0.0], [0.0]);

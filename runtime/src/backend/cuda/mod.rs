@@ -80,6 +80,7 @@ use draftpipe_compiler::workspace::{
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
+use draftpipe_gpu_kernels::reduce::partial_chunk_len;
 
 use super::{
     AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
@@ -870,11 +871,12 @@ impl Backend for CudaBackend {
         out: Dst<'_, Self, f32>,
     ) -> BackendResult {
         let n = values.len();
-        let chunks = n.div_ceil(REDUCE_CHUNK);
+        let chunk_len = partial_chunk_len(n, REDUCE_CHUNK);
+        let chunks = n.div_ceil(chunk_len);
         assert!(partials.len() >= chunks && out.len() == 1, "sum: sizes");
         let partials = ptr_mut(partials);
         self.kernels
-            .sum_partials(ptr(values), partials, n, REDUCE_CHUNK)?;
+            .sum_partials(ptr(values), partials, n, chunk_len)?;
         self.kernels.finish_sum(partials, ptr_mut(out), chunks)?;
         Ok(())
     }
@@ -887,7 +889,8 @@ impl Backend for CudaBackend {
         norm_and_clip: Dst<'_, Self, f32>,
     ) -> BackendResult {
         let n = values.len();
-        let chunks = n.div_ceil(REDUCE_CHUNK);
+        let chunk_len = partial_chunk_len(n, REDUCE_CHUNK);
+        let chunks = n.div_ceil(chunk_len);
         assert!(
             partials.len() >= chunks && norm_and_clip.len() == 2,
             "grad_norm: sizes"
@@ -895,7 +898,7 @@ impl Backend for CudaBackend {
         let partials = ptr_mut(partials);
         let norm = ptr_mut(norm_and_clip);
         self.kernels
-            .sum_squares_partials(ptr(values), partials, n, REDUCE_CHUNK)?;
+            .sum_squares_partials(ptr(values), partials, n, chunk_len)?;
         self.kernels.finish_grad_norm(
             partials,
             element(norm, 0),
