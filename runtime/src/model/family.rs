@@ -42,6 +42,62 @@ pub struct FamilyPlan<'a> {
     pub hs_dtype: HsDtype,
 }
 
+/// The [`Family`] methods every family writes alike, over the fields every family has by the same names:
+/// `self.optimizer`, `self.state`, and in `self.ws` the update buffers (`grad_norm_partials`,
+/// `step_scalars`, `adamw_step`, `adamw_state`) and the input slots (`inputs`). Used inside a family's
+/// `impl Family<B>`, so a new family writes only what is its own.
+macro_rules! family_state_parts {
+    () => {
+        fn update_parts(&mut self) -> $crate::model::update::UpdateParts<'_, B> {
+            let ws = &mut self.ws;
+            (
+                &self.optimizer,
+                &mut self.state,
+                $crate::model::update::UpdateBuffers {
+                    grad_norm_partials: &mut ws.grad_norm_partials,
+                    step_scalars: &mut ws.step_scalars,
+                    adamw_step: &mut ws.adamw_step,
+                    adamw_state: &mut ws.adamw_state,
+                },
+            )
+        }
+
+        fn optimizer(&self) -> &$crate::model::update::Optimizer {
+            &self.optimizer
+        }
+
+        fn optimizer_mut(&mut self) -> &mut $crate::model::update::Optimizer {
+            &mut self.optimizer
+        }
+
+        fn state(&self) -> &$crate::model::update::FlatBuffers<B> {
+            &self.state
+        }
+
+        fn state_mut(
+            &mut self,
+        ) -> (
+            &mut $crate::model::update::FlatBuffers<B>,
+            &mut $crate::backend::Buf<B, f64>,
+        ) {
+            (&mut self.state, &mut self.ws.adamw_state)
+        }
+
+        fn step_scalars(&self) -> &$crate::backend::Buf<B, f32> {
+            &self.ws.step_scalars
+        }
+
+        fn inputs(&self) -> &[$crate::backend::InputSlot<B>] {
+            &self.ws.inputs
+        }
+
+        fn input_mut(&mut self, slot: usize) -> &mut $crate::backend::InputSlot<B> {
+            &mut self.ws.inputs[slot]
+        }
+    };
+}
+pub(crate) use family_state_parts;
+
 /// A family built on a backend, with the workspace layout its buffers were allocated from.
 pub type Built<B> = (Box<dyn Family<B>>, WorkspaceLayout);
 

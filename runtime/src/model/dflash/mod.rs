@@ -30,8 +30,8 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{
-    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Buf,
-    HsOperand, InputSlot, Operand, Precision,
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult,
+    HsOperand, Operand, Precision,
 };
 use crate::batch::HsBatch;
 use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
@@ -40,7 +40,7 @@ use crate::model::layers::{
     swiglu_mlp_backward, swiglu_mlp_forward,
 };
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
-use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
+use crate::model::update::{FlatBuffers, Optimizer};
 
 pub mod serving;
 
@@ -636,48 +636,7 @@ impl<B: Backend> Family<B> for Dflash<B> {
         self.loss(be, shape, slot)
     }
 
-    /// The optimizer, state and update buffers the shared update runs on.
-    fn update_parts(&mut self) -> UpdateParts<'_, B> {
-        let ws = &mut self.ws;
-        (
-            &self.optimizer,
-            &mut self.state,
-            UpdateBuffers {
-                grad_norm_partials: &mut ws.grad_norm_partials,
-                step_scalars: &mut ws.step_scalars,
-                adamw_step: &mut ws.adamw_step,
-                adamw_state: &mut ws.adamw_state,
-            },
-        )
-    }
-
-    fn optimizer(&self) -> &Optimizer {
-        &self.optimizer
-    }
-
-    fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.optimizer
-    }
-
-    fn state(&self) -> &FlatBuffers<B> {
-        &self.state
-    }
-
-    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>) {
-        (&mut self.state, &mut self.ws.adamw_state)
-    }
-
-    fn step_scalars(&self) -> &Buf<B, f32> {
-        &self.ws.step_scalars
-    }
-
-    fn inputs(&self) -> &[InputSlot<B>] {
-        &self.ws.inputs
-    }
-
-    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B> {
-        &mut self.ws.inputs[slot]
-    }
+    crate::model::family::family_state_parts!();
 
     fn input_width_and_vocab(&self) -> (usize, usize) {
         (self.spec().taps * self.spec().hidden, self.spec().vocab)

@@ -4,12 +4,11 @@
 use draftpipe_compiler::plan::{Eagle3Spec, WorkspaceLayout};
 
 use super::{Eagle3, Eagle3Offsets};
-use crate::backend::{Backend, BackendResult, Buf, InputSlot};
+use crate::backend::{Backend, BackendResult};
 use crate::batch::HsBatch;
 use crate::model::family::{BlockMetrics, BuildError, Built, Family, FamilyPlan, FrozenTables};
 use crate::model::serving::FamilySpec;
 use crate::model::step::{PhaseTimes, StepShape};
-use crate::model::update::{FlatBuffers, Optimizer, UpdateBuffers, UpdateParts};
 
 /// The architecture SGLang and vLLM load an EAGLE-3 draft as.
 pub const ARCHITECTURE: &str = "LlamaForCausalLMEagle3";
@@ -48,47 +47,7 @@ impl<B: Backend> Family<B> for Eagle3<B> {
         self.evaluate(be, shape, slot)
     }
 
-    fn update_parts(&mut self) -> UpdateParts<'_, B> {
-        let ws = &mut self.ws;
-        (
-            &self.optimizer,
-            &mut self.state,
-            UpdateBuffers {
-                grad_norm_partials: &mut ws.grad_norm_partials,
-                step_scalars: &mut ws.step_scalars,
-                adamw_step: &mut ws.adamw_step,
-                adamw_state: &mut ws.adamw_state,
-            },
-        )
-    }
-
-    fn optimizer(&self) -> &Optimizer {
-        &self.optimizer
-    }
-
-    fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.optimizer
-    }
-
-    fn state(&self) -> &FlatBuffers<B> {
-        &self.state
-    }
-
-    fn state_mut(&mut self) -> (&mut FlatBuffers<B>, &mut Buf<B, f64>) {
-        (&mut self.state, &mut self.ws.adamw_state)
-    }
-
-    fn step_scalars(&self) -> &Buf<B, f32> {
-        &self.ws.step_scalars
-    }
-
-    fn inputs(&self) -> &[InputSlot<B>] {
-        &self.ws.inputs
-    }
-
-    fn input_mut(&mut self, slot: usize) -> &mut InputSlot<B> {
-        &mut self.ws.inputs[slot]
-    }
+    crate::model::family::family_state_parts!();
 
     fn input_width_and_vocab(&self) -> (usize, usize) {
         (self.spec().taps * self.spec().hidden, self.spec().vocab)
