@@ -229,3 +229,69 @@ fn a_run_trains_with_the_given_vocab_map_and_refuses_one_of_other_sizes() {
         "{stderr}"
     );
 }
+
+/// `--save` of an eagle3 run writes SGLang's `LlamaForCausalLMEagle3` export: `config.json` with its
+/// architecture and draft vocabulary, `model.safetensors` with the trained tensors and the run's `d2t` (I64) and
+/// `t2d` (BOOL), no embedding; `export-check` passes it for both engines, and `--resume` reads it back (the
+/// vocabulary tensors are not part of the replica).
+#[test]
+fn a_saved_eagle3_run_is_sglangs_export_and_resumes() {
+    let dir = scratch("vocab", "save");
+    let pipe = eagle3_pipe(
+        &dir,
+        "synthetic(seed = 3, lengths = 4..16)",
+        "    steps     = 3\n",
+    );
+    let run = draftpipe(
+        &[
+            "run",
+            pipe.to_str().unwrap(),
+            "--run-dir",
+            "r",
+            "--save",
+            "out",
+        ],
+        &dir,
+    );
+    assert_eq!(run.status.code(), Some(0), "{}", text(&run.stderr));
+    let out = dir.join("out");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["architectures"][0], "LlamaForCausalLMEagle3",
+        "{config}"
+    );
+    assert_eq!(config["draft_vocab_size"], 6, "{config}");
+    let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+    let weights = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let d2t: TensorView<'_> = weights.tensor("d2t").unwrap();
+    assert_eq!((d2t.dtype(), d2t.shape()), (Dtype::I64, &[6usize][..]));
+    let t2d = weights.tensor("t2d").unwrap();
+    assert_eq!((t2d.dtype(), t2d.shape()), (Dtype::BOOL, &[40usize][..]));
+    assert!(weights.tensor("fc.weight").is_ok() && weights.tensor("lm_head.weight").is_ok());
+    assert!(weights.names().iter().all(|n| !n.contains("embed")));
+
+    let check = draftpipe(&["export-check", out.to_str().unwrap()], &dir);
+    assert_eq!(
+        check.status.code(),
+        Some(0),
+        "{}{}",
+        text(&check.stdout),
+        text(&check.stderr)
+    );
+
+    let resumed = draftpipe(
+        &[
+            "run",
+            pipe.to_str().unwrap(),
+            "--run-dir",
+            "r2",
+            "--resume",
+            "out",
+            "--steps",
+            "5",
+        ],
+        &dir,
+    );
+    assert_eq!(resumed.status.code(), Some(0), "{}", text(&resumed.stderr));
+}

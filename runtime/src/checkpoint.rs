@@ -76,6 +76,16 @@ pub enum CheckpointError {
     /// A tensor file is unreadable, or a tensor is missing, unexpected or mis-shaped for the plan.
     #[error(transparent)]
     Tensor(#[from] TensorFileError),
+    /// The family's own export (`eagle3`'s weights, vocabulary tensors and config) could not be written.
+    #[error("{}: the {family} export could not be written: {source}", dir.display())]
+    Export {
+        /// The directory being written.
+        dir: PathBuf,
+        /// The family.
+        family: &'static str,
+        /// The cause.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A filesystem operation failed.
     #[error("{}: {source}", path.display())]
     Io {
@@ -482,17 +492,23 @@ fn write_staged(
             data: &params[v.range()],
         })
         .collect();
-    write_tensors_as(
-        &staging.join(MODEL_FILE),
-        &model_tensors,
-        weights.dtype(),
-        metadata.clone(),
-    )?;
-    hf::write_config(
-        &staging.join(CONFIG_FILE),
-        registry::spec(&model.spec),
-        export,
-    )?;
+    let family = registry::spec(&model.spec);
+    match family.write_export(staging, &model_tensors, export) {
+        Some(written) => written.map_err(|source| CheckpointError::Export {
+            dir: staging.to_path_buf(),
+            family: family.name(),
+            source,
+        })?,
+        None => {
+            write_tensors_as(
+                &staging.join(MODEL_FILE),
+                &model_tensors,
+                weights.dtype(),
+                metadata.clone(),
+            )?;
+            hf::write_config(&staging.join(CONFIG_FILE), family, export)?;
+        }
+    }
 
     let names: Vec<(String, String, String)> = model
         .layout
@@ -810,7 +826,14 @@ pub fn load_weights(file: &Path, model: &ModelPlan) -> Result<Vec<f32>, Checkpoi
     let mut weights = TensorFile::open(file)?;
     let mut params = vec![0.0; model.parameters];
     check_buffer(model, "the parameter buffer", params.len())?;
-    let expected = read_layout(&mut weights, model, "", &mut params)?;
+    let mut expected = read_layout(&mut weights, model, "", &mut params)?;
+    // The family's frozen export tensors (`eagle3`'s `d2t`/`t2d`) are not part of the replica.
+    expected.extend(
+        registry::spec(&model.spec)
+            .export_extra_tensors()
+            .iter()
+            .map(|name| name.to_string()),
+    );
     reject_unexpected(&weights, &expected)?;
     Ok(params)
 }

@@ -82,6 +82,7 @@ fn save(dir: &Path, model: &ModelPlan, dtype: WeightsDtype) -> [Vec<f32>; 3] {
         ExportOptions {
             dtype,
             target_layers: Some(TARGET_LAYERS),
+            vocab_map: None,
         },
     )
     .unwrap();
@@ -216,6 +217,7 @@ fn config_for_dflash_5x3_matches_the_hand_checked_file() {
     let export = ExportOptions {
         dtype: WeightsDtype::Bf16,
         target_layers: plan.target.layers,
+        vocab_map: None,
     };
     let generated = dflash_config(&spec, export);
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/dflash-5x3.config.json");

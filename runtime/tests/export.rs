@@ -67,6 +67,7 @@ fn save(dir: &Path, model: &ModelPlan, target_layers: Option<usize>) -> [Vec<f32
         ExportOptions {
             dtype: WeightsDtype::Bf16,
             target_layers,
+            vocab_map: None,
         },
     )
     .unwrap();

@@ -7,8 +7,13 @@
 //!  ModelSpec ──registry::spec──▶ &dyn FamilySpec ──▶ pipeline (target weights?) │ checkpoint (config.json) │ run
 //! ```
 
+use std::path::Path;
+
 use safetensors::Dtype;
 use serde_json::Value;
+
+use crate::model::eagle3::vocab::VocabMap;
+use crate::tensor_file::F32Tensor;
 
 /// A family's facts the runtime reads from the plan's spec (see the module docs). The defaults describe a
 /// family that reads no target tensors and exports no serving config (`mlp`).
@@ -22,9 +27,27 @@ pub trait FamilySpec {
         false
     }
 
+    /// Writes the family's whole export (weights and `config.json`) into `dir` itself, when its files are not
+    /// the plain layout tensors plus [`FamilySpec::serving_config`] (`eagle3`: integer and boolean vocabulary
+    /// tensors beside the weights); `None`: the checkpoint writes the plain form.
+    fn write_export(
+        &self,
+        _dir: &Path,
+        _weights: &[F32Tensor<'_>],
+        _export: ExportOptions<'_>,
+    ) -> Option<Result<(), Box<dyn std::error::Error + Send + Sync>>> {
+        None
+    }
+
+    /// Tensors the family's `model.safetensors` holds besides the trained layout (frozen, not loaded into the
+    /// replica), which a resume or `--init` accepts and skips.
+    fn export_extra_tensors(&self) -> &'static [&'static str] {
+        &[]
+    }
+
     /// The serving `config.json` an export of this model writes beside `model.safetensors`, saved with
     /// `export`; `None` when the family exports none.
-    fn serving_config(&self, _export: ExportOptions) -> Option<Value> {
+    fn serving_config(&self, _export: ExportOptions<'_>) -> Option<Value> {
         None
     }
 
@@ -70,15 +93,18 @@ impl WeightsDtype {
     }
 }
 
-/// What a save writes beside the buffers: the dtype of `model.safetensors` and the target's depth for
-/// `config.json`'s `num_target_layers`.
+/// What a save writes beside the buffers: the dtype of `model.safetensors`, the target's depth for
+/// `config.json`'s `num_target_layers`, and the draft vocabulary of a family that has one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ExportOptions {
+pub struct ExportOptions<'a> {
     /// The dtype `model.safetensors` is stored in (`--save-dtype`).
     pub dtype: WeightsDtype,
     /// The target's depth ([`TargetStage::layers`](draftpipe_compiler::plan::TargetStage::layers)); `None` when
     /// nothing says it.
     pub target_layers: Option<usize>,
+    /// The run's draft vocabulary (`eagle3`: `d2t`/`t2d`, exported beside the weights); `None` for a family
+    /// without one.
+    pub vocab_map: Option<&'a VocabMap>,
 }
 
 /// The key, under [`DRAFTPIPE_KEY`], set to `true` when `num_target_layers` is the least depth the taps allow

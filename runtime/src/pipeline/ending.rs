@@ -87,7 +87,7 @@ pub(super) fn save_at_end(
         [&state.params, &state.exp_avg, &state.exp_avg_sq],
         &training,
         &stopped_by,
-        super::save::export_options(plan, options),
+        super::save::export_options(plan, options, shared),
     );
     if saved.is_ok() {
         *shared

@@ -232,7 +232,7 @@ pub fn run_with_sources(
         interrupt,
         first_positions,
         start.state.step,
-        stream,
+        (stream, start.vocab.clone()),
     ));
     let drafters = plan.drafter.placement.workers.len();
     let telemetry = Arc::new(Telemetry::new(

@@ -10,11 +10,17 @@ use super::error::RunError;
 use super::options::RunOptions;
 use super::shared::Shared;
 
-/// What a save of `plan` writes beside the buffers: the `--save-dtype` and the target's depth.
-pub(super) fn export_options(plan: &Plan, options: &RunOptions) -> ExportOptions {
+/// What a save of `plan` writes beside the buffers: the `--save-dtype`, the target's depth and the run's draft
+/// vocabulary.
+pub(super) fn export_options<'a>(
+    plan: &Plan,
+    options: &RunOptions,
+    shared: &'a Shared,
+) -> ExportOptions<'a> {
     ExportOptions {
         dtype: options.save_dtype,
         target_layers: plan.target.layers,
+        vocab_map: shared.vocab_map.as_ref(),
     }
 }
 
@@ -42,7 +48,7 @@ pub(super) fn save(
         &plan.model,
         [&state.params, &state.exp_avg, &state.exp_avg_sq],
         &training,
-        export_options(plan, options),
+        export_options(plan, options, shared),
     ) {
         shared.fail(RunError::Checkpoint(error));
     }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::batch::HsBatch;
 use crate::checkpoint::ProducerRecord;
+use crate::model::eagle3::vocab::VocabMap;
 use crate::queue::HsQueue;
 use crate::source::{BatchPool, StreamStatus};
 
@@ -51,6 +52,8 @@ pub(super) struct Shared {
     pub(super) end: EndState,
     /// The stream's producer names and counts, when the source is a stream (saved with each checkpoint).
     pub(super) stream: Option<StreamStatus>,
+    /// The run's draft vocabulary (`eagle3`), exported with each save.
+    pub(super) vocab_map: Option<VocabMap>,
 }
 
 impl Shared {
@@ -61,7 +64,7 @@ impl Shared {
         interrupt: Arc<AtomicBool>,
         first_positions: Vec<u64>,
         first_optimizer_step: u64,
-        stream: Option<StreamStatus>,
+        (stream, vocab_map): (Option<StreamStatus>, Option<VocabMap>),
     ) -> Self {
         Self {
             queue,
@@ -76,6 +79,7 @@ impl Shared {
             producer_errors: Mutex::new(Vec::new()),
             end: EndState::new(first_optimizer_step),
             stream,
+            vocab_map,
         }
     }
 

@@ -1,14 +1,17 @@
 //! The `eagle3` family as the drafter sees it: [`Family`] for [`Eagle3`] (its registry entry is [`build`]),
 //! [`FamilySpec`] for the compiler's [`Eagle3Spec`], and the per-TTT-step metrics of its read-back values.
 
+use std::path::Path;
+
 use draftpipe_compiler::plan::{Eagle3Spec, WorkspaceLayout};
 
 use super::{Eagle3, Eagle3Offsets};
 use crate::backend::{Backend, BackendResult};
 use crate::batch::HsBatch;
 use crate::model::family::{BlockMetrics, BuildError, Built, Family, FamilyPlan, FrozenTables};
-use crate::model::serving::FamilySpec;
+use crate::model::serving::{ExportOptions, FamilySpec};
 use crate::model::step::{PhaseTimes, StepShape};
+use crate::tensor_file::F32Tensor;
 
 /// The architecture SGLang and vLLM load an EAGLE-3 draft as.
 pub const ARCHITECTURE: &str = "LlamaForCausalLMEagle3";
@@ -123,5 +126,24 @@ impl FamilySpec for Eagle3Spec {
 
     fn architecture(&self) -> Option<&'static str> {
         Some(ARCHITECTURE)
+    }
+
+    /// SGLang's `LlamaForCausalLMEagle3` export ([`super::export::write_eagle3_export`]), when the save has the
+    /// run's draft vocabulary.
+    fn write_export(
+        &self,
+        dir: &Path,
+        weights: &[F32Tensor<'_>],
+        export: ExportOptions<'_>,
+    ) -> Option<Result<(), Box<dyn std::error::Error + Send + Sync>>> {
+        let map = export.vocab_map?;
+        Some(
+            super::export::write_eagle3_export(dir, self, weights, map, export.dtype)
+                .map_err(Into::into),
+        )
+    }
+
+    fn export_extra_tensors(&self) -> &'static [&'static str] {
+        &[super::vocab::D2T, super::vocab::T2D]
     }
 }

@@ -44,7 +44,7 @@ pub const T2D: &str = "t2d";
 pub const SYNTHETIC_COUNT_BATCHES: u64 = 1000;
 
 /// Token counts of the training data, in the order SpecForge's `Counter` would hold them.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenCounts {
     /// Loss-masked occurrences of each target id.
     counts: Vec<u64>,
