@@ -168,6 +168,40 @@ fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
     );
 }
 
+/// Steps of `eagle3-quickstart.pipe` the binary test trains (the file's 3000 are its own).
+const EAGLE3_QUICKSTART_TEST_STEPS: u64 = 100;
+
+#[test]
+fn the_eagle3_quickstart_run_raises_tau() {
+    let dir = scratch("eagle3-quickstart");
+    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/eagle3-quickstart.pipe");
+    let steps = EAGLE3_QUICKSTART_TEST_STEPS.to_string();
+    let out = draftpipe(
+        &["run", pipe.to_str().unwrap(), "--steps", &steps, "--json"],
+        &dir,
+    );
+    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
+    let lines = json_lines(&out);
+    assert_eq!(
+        lines.last().unwrap()["step"].as_u64(),
+        Some(EAGLE3_QUICKSTART_TEST_STEPS)
+    );
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("runs/eagle3-quickstart/summary.json")).unwrap(),
+    )
+    .unwrap();
+    let first_tau = summary["loss_curve"][0]["tau"].as_f64();
+    let final_tau = summary["final_tau"].as_f64().unwrap();
+    // τ is SpecForge's simulated acceptance length over the 7 TTT steps. Measured (2026-12-02, dev profile,
+    // two busy cores, one run): τ 1.005 at step 1, 1.20 at step 68, 1.31 at step 110 (loss 12.1 at step 1, 15.0
+    // at step 5, 11.5 at step 110); this test's 100 steps: final τ 1.285, final loss 11.97. Stated margin: the
+    // mean τ of the last 10 of 100 steps at least 1.1.
+    assert!(
+        final_tau >= 1.1,
+        "final τ {final_tau} (measured 1.2–1.3 around step 100; first {first_tau:?})"
+    );
+}
+
 /// Steps of the README's main job in the test (the file's 12000 are its own; the export is the same).
 const MAIN_JOB_TEST_STEPS: &str = "30";
 
