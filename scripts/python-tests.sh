@@ -2,8 +2,9 @@
 # The Python producer library's tests (clients/python), against the real `draftpipe` binary: a venv under
 # target/ with numpy, pytest, torch and transformers from PyPI (torch from PyPI is the CUDA build, ~5.6 GB;
 # it is installed once per venv and reused), the package installed from the tree, then pytest; then the DFlash
-# parity check against PyTorch (scripts/dflash_parity.py), the tiny acceptance walk (scripts/acceptance-walk.sh
-# --tiny) and the first DFlash stream run (scripts/dflash-stream-example.sh) when torch is there.
+# and EAGLE-3 parity checks against PyTorch (scripts/dflash_parity.py, scripts/eagle3_parity.py), the tiny
+# acceptance walk (scripts/acceptance-walk.sh --tiny) and the first DFlash stream run
+# (scripts/dflash-stream-example.sh) when torch is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,11 +45,13 @@ if [ "$status" -eq 5 ]; then
     exit 1
 fi
 
-# DFlash parity: 3 AdamW steps of `draftpipe run` against PyTorch, weight by weight (needs torch); then the
+# DFlash and EAGLE-3 parity: 3 AdamW steps of `draftpipe run` against PyTorch, weight by weight, and EAGLE-3's
+# loss at the initial weights (needs torch; seconds each); then the
 # acceptance walk at its CI size (a target trained here, regenerated responses, a drafter streamed into
 # `draftpipe run`, the draft-and-verify loop equal to greedy decoding; about two minutes on two busy cores).
 if "$venv/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; then
     "$venv/bin/python" scripts/dflash_parity.py || status=1
+    "$venv/bin/python" scripts/eagle3_parity.py || status=1
     PYTHON="$venv/bin/python" scripts/acceptance-walk.sh --tiny target/acceptance-walk-tiny || status=1
     # The first DFlash stream run of docs/sources.md, as written: a random-weight target's own replies streamed
     # into pipelines/dflash-stream.pipe; the loss must fall and tau rise (about 20 s of training).
@@ -58,6 +61,6 @@ if "$venv/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; t
     rm -rf target/fill-ratio
     PROMPTS=40 "$venv/bin/python" scripts/fill_ratio.py "$DRAFTPIPE_BIN" clients/python target/fill-ratio new || status=1
 else
-    echo "python-tests: dflash parity and the acceptance walk skipped: torch/transformers are not installed (see above)" >&2
+    echo "python-tests: the dflash and eagle3 parity and the acceptance walk skipped: torch/transformers are not installed (see above)" >&2
 fi
 exit "$status"
