@@ -63,7 +63,9 @@ fn last_value(r: usize, t: usize, k: usize) -> f64 {
     ((r * 29 + t * 7 + k * 3) % 37) as f64 / 4.0 - 4.5
 }
 
-/// A file of 2 rows of 6 tokens, rows kept 6 and 3 long, with `last` as its `last_hidden_states`.
+/// A file of 2 rows of 6 tokens whose loss masks end at tokens 6 and 3 (kept 6 and 4 long for an eagle3
+/// drafter, which reads the token after the last label; 6 and 3 for the others), with `last` as its
+/// `last_hidden_states`.
 fn data_file(path: &Path, last: Option<(Dtype, Vec<usize>, Vec<f64>)>) {
     let mut tensors = vec![
         (
@@ -127,7 +129,7 @@ fn files_carry_last_hidden_states_for_an_eagle3_drafter_and_nothing_for_the_othe
     for slot in 0..4 {
         for t in 0..8 {
             for k in 0..HIDDEN {
-                let kept = [6, 3, 0, 0][slot];
+                let kept = [6, 4, 0, 0][slot];
                 let want = if t < kept {
                     last_value(slot, t, k) as f32
                 } else {
@@ -150,6 +152,28 @@ fn files_carry_last_hidden_states_for_an_eagle3_drafter_and_nothing_for_the_othe
             .buffer()
             .allocated_bytes()
     );
+}
+
+/// SpecForge's offline EAGLE-3 shifts the ids and the teacher left by one, so the row of a sequence's last label
+/// reads the next token and its final hidden state: an eagle3 plan keeps that position (up to `S`, the first row's
+/// mask reaching its end), and another drafter, which reads nothing after the last label, pads it.
+#[test]
+fn an_eagle3_sequence_keeps_the_token_after_its_last_label() {
+    let dir = temp_dir("last-hidden-after-label");
+    let path = dir.join("a.safetensors");
+    data_file(&path, Some(good_last()));
+    let eagle = only_batch(&eagle3(plan(files(&path)))).unwrap();
+    let mlp = only_batch(&plan(files(&path))).unwrap();
+    // Row 1 holds ids 6..12 and its mask ends after token 2; token 3 is id 9.
+    let ids = |batch: &HsBatch, slot: usize| batch.input_ids[slot * 8..slot * 8 + 8].to_vec();
+    assert_eq!(ids(&eagle, 0), [0, 1, 2, 3, 4, 5, 0, 0]);
+    assert_eq!(ids(&eagle, 1), [6, 7, 8, 9, 0, 0, 0, 0]);
+    assert_eq!(ids(&mlp, 1), [6, 7, 8, 0, 0, 0, 0, 0]);
+    let last = eagle.last_hidden_states.as_ref().unwrap();
+    assert_eq!(last.get((8 + 3) * HIDDEN), last_value(1, 3, 0) as f32);
+    assert_eq!(last.get((8 + 4) * HIDDEN), 0.0);
+    // The kept token is no label: the loss mask stays 0 there.
+    assert_eq!(eagle.loss_mask[8..16], [1, 1, 1, 0, 0, 0, 0, 0]);
 }
 
 /// The error opening (or reading) an eagle3 plan over a file with `last` as its `last_hidden_states`.
@@ -292,7 +316,8 @@ fn a_stream_asks_for_last_hidden_states_and_places_them_on_either_path() {
         let last = got.last_hidden_states.as_ref().unwrap();
         for slot in 0..2 {
             for t in 0..16 {
-                let kept = [16, 9][slot];
+                // The mask covers 9 tokens of the second row: an eagle3 drafter keeps the one after them.
+                let kept = [16, 10][slot];
                 for k in 0..HIDDEN {
                     let want = if t < kept {
                         last_value(slot, t, k) as f32

@@ -126,6 +126,14 @@ impl BucketShapes {
         }
     }
 
+    /// Positions a sequence keeps after its last loss-masked token: 1 when the drafter reads
+    /// `last_hidden_states` (EAGLE-3 shifts its ids and its teacher left by one, so the last label's row reads the
+    /// next position's token and final hidden state, as SpecForge's offline path does), else 0 (nothing after the
+    /// last label is read).
+    pub fn kept_after_last_label(&self) -> usize {
+        usize::from(self.last_hidden.is_some())
+    }
+
     /// The smallest bucket whose padded length holds a sequence of `len` tokens, or `None` if none does.
     pub fn bucket_for_len(&self, len: usize) -> Option<usize> {
         self.buckets.iter().position(|&(padded, _)| len <= padded)

@@ -14,8 +14,10 @@
 //!
 //! **Lengths.** Without `loss_mask` every sequence has length `S`. With it, a sequence ends after its last
 //! nonzero mask entry: the positions after it can never be labels, so the hidden states there would train
-//! nothing, and right padding costs no compute. A sequence whose mask is all zero is skipped. A sequence longer
-//! than the largest bucket is an error (truncating silently would change the data).
+//! nothing, and right padding costs no compute. A drafter that reads `last_hidden_states` (`eagle3`) keeps one
+//! position more (up to `S`): its ids and teacher are shifted left by one, so the last label's row reads the next
+//! token and its final hidden state ([`BucketShapes::kept_after_last_label`]). A sequence whose mask is all zero
+//! is skipped. A sequence longer than the largest bucket is an error (truncating silently would change the data).
 //!
 //! **Order.** Files are read in sorted path order and sequences in row order; each goes to the smallest bucket
 //! that holds it, and a bucket's item is emitted when it is full, so batch positions follow the stream. At the
@@ -441,6 +443,7 @@ pub fn check_tensors(
     let mut ids_row = vec![0i64; seq];
     let mut mask_row = vec![1u8; seq];
     let mut lengths = Vec::with_capacity(rows);
+    let kept_after = shapes.kept_after_last_label();
     for row in 0..rows {
         let elements = row * seq..(row + 1) * seq;
         let dtype = file.read_tensor_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
@@ -468,7 +471,7 @@ pub fn check_tensors(
             mask_row
                 .iter()
                 .rposition(|&m| m != 0)
-                .map_or(0, |last| last + 1),
+                .map_or(0, |last| (last + 1 + kept_after).min(seq)),
         );
     }
     Ok(CheckedTensors {
