@@ -188,11 +188,10 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 @dataclass
 class Eagle3Loss:
-    """A batch's loss `Σ_k decay^k · loss_k` with each step's (unweighted) `loss_k`, and per step the rows whose
-    draft argmax is the target's (`correct`) among the supervised ones (`supervised`)."""
+    """A batch's loss `Σ_k decay^k · loss_k`, and per TTT step the rows whose draft argmax is the target's
+    (`correct`) among those the shifted loss mask counts (`supervised`): SpecForge's accuracy."""
 
     loss: torch.Tensor
-    step_losses: list[torch.Tensor]
     correct: list[int]
     supervised: list[int]
 
@@ -228,13 +227,11 @@ def eagle3_loss(
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     total = torch.zeros((), dtype=hidden_states.dtype)
-    step_losses, correct, supervised = [], [], []
+    correct, supervised = [], []
     for k in range(d.ttt):
         e = embed[shift_left(ids, k)]
-        c = torch.cat(
-            (rms_norm(e, w[prefix + "input_layernorm.weight"], eps), rms_norm(h, w[prefix + "hidden_norm.weight"], eps)),
-            dim=-1,
-        )
+        embedded = rms_norm(e, w[prefix + "input_layernorm.weight"], eps)
+        c = torch.cat((embedded, rms_norm(h, w[prefix + "hidden_norm.weight"], eps)), dim=-1)
         positions = torch.arange(seq) + k
 
         def project(name: str, heads: int) -> torch.Tensor:
@@ -255,11 +252,10 @@ def eagle3_loss(
         p = shift_left(teach.p, k)
         step_loss = -(mask * (p * torch.log_softmax(logits, dim=-1)).sum(-1)).sum() / (bsz * seq)
         total = total + decay**k * step_loss
-        step_losses.append(step_loss)
         with torch.no_grad():
             draft_token = logits.argmax(-1)
             predicted = draft_token + d2t[draft_token]
             counted = shift_left(loss_mask, k) > 0
             correct.append(int(((predicted == shift_left(teach.token, k)) & counted).sum()))
             supervised.append(int(counted.sum()))
-    return Eagle3Loss(loss=total, step_losses=step_losses, correct=correct, supervised=supervised)
+    return Eagle3Loss(loss=total, correct=correct, supervised=supervised)
