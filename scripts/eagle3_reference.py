@@ -21,8 +21,8 @@ from issue 22's EAGLE-3 semantics and SpecForge's code, read for each rule:
   (`(q · k_j).sum(-1)`); one softmax over the concatenation in f32; GQA by `repeat_kv`; RMSNorm eps 1e-6; the MLP
   is SwiGLU (`silu(gate) · up`, then `down`).
 - `specforge/core/loss.py` (`LogSoftmaxLoss`): a step's loss is `−Σ mask · Σ p log q` over every row of the
-  batch divided by B · S (padding rows included); `specforge/benchmarks/benchmark_loss.py`: the total is
-  `Σ_k 0.8^k · loss_k`, not renormalised.
+  batch divided by B · S (padding rows included); `specforge/training/strategies/base.py`: the total is
+  `Σ_k ploss_decay^k · loss_k` (`ploss_decay = 0.8`), not renormalised.
 
 Parameters are a dict name → tensor under SGLang's `LlamaForCausalLMEagle3` names (the names of draftpipe's
 `model.safetensors`). Everything runs in the dtype of the inputs (f64 for the reference, f32 to measure what
