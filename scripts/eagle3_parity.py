@@ -29,7 +29,9 @@ Deliberate mistakes (`--mistake`, planted in the reference; each must make this 
 weight 0.7 instead of 0.8), `dense-cache` (a cached step's keys seen causally like step 0's instead of only the
 query's own row), `unnormalised` (the teacher's full-vocabulary probabilities of the draft tokens, not
 renormalised over the draft vocabulary). Checked: each of the three fails it (the weights, the moments and the
-loss at the initial weights all mismatch).
+loss at the initial weights all mismatch). So do, planted by hand, RoPE at position t for every step instead of
+t + k, and GQA's query head h reading kv head h mod kv_heads instead of h / (heads / kv_heads); and so did
+draftpipe itself before its files source kept the token after a sequence's last label (docs/eagle3.md).
 
 Exit 0 when every tensor matches, 1 otherwise (each mismatch named), 2 when draftpipe itself fails.
 Usage: python scripts/eagle3_parity.py [--draftpipe target/debug/draftpipe] [--keep DIR] [--mistake KIND]
