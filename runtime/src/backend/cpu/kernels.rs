@@ -25,6 +25,9 @@ pub use draftpipe_gpu_kernels::loss::IGNORE_LABEL;
 use draftpipe_gpu_kernels::plane::HostPlane;
 use draftpipe_gpu_kernels::reduce::partial_chunk_len;
 
+use super::CpuBackend;
+use crate::backend::Kernel;
+
 /// Elements per call of an element-range kernel on the host.
 pub const HOST_CHUNK: usize = 4096;
 
@@ -211,6 +214,35 @@ pub(crate) fn for_each_part(count: usize, part: impl Fn(std::ops::Range<usize>) 
 }
 
 draftpipe_gpu_kernels::kernel_table!(host_launchers);
+
+/// Generates [`run`]: the CPU backend's [`Backend::launch`](crate::backend::Backend::launch), one arm per kernel
+/// of the table calling its host launcher with the variant's fields in the table's order.
+macro_rules! host_dispatch {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident {
+            reads: [$($read:ident: $read_ty:ty = $read_len:expr),* $(,)?],
+            writes: [$($write:ident: $write_ty:ty = $write_len:expr),* $(,)?],
+            scalars: [$($scalar:ident: $scalar_ty:ty),* $(,)?],
+            launch: $shape:ident($($count:expr)?),
+            body: |$($bind:ident),*| $body:expr,
+        }
+    )*) => {
+        /// Runs `kernel` through its host launcher ([`launch`]).
+        ///
+        /// # Panics
+        /// As the launcher: when a slice is shorter than the table declares.
+        pub(crate) fn run(kernel: Kernel<'_, CpuBackend>) {
+            match kernel {
+                $(Kernel::$name { $($read,)* $($write,)* $($scalar,)* } => {
+                    launch::$name($($read,)* $($write,)* $($scalar,)*)
+                })*
+            }
+        }
+    };
+}
+
+draftpipe_gpu_kernels::kernel_table!(host_dispatch);
 
 /// RMSNorm forward over `rows = x.len() / weight.len()` rows; `y = x / rms ⊙ weight`, `inv_rms[r] = 1/rms`.
 pub fn rmsnorm_forward(x: &[f32], weight: &[f32], y: &mut [f32], inv_rms: &mut [f32], eps: f32) {
