@@ -13,7 +13,9 @@
 //! A variant's fields are the entry's, in the table's order (reads, writes, scalars): reads as the backend's
 //! [`Read`](super::Backend::Read) argument, writes as its [`Write`](super::Backend::Write), scalars as declared.
 //! The table's element types are kept (AdamW's step scalars are an [`AdamWStep`]; 16-bit hidden states `u16`
-//! bits): an operation turns its buffers' views into those with [`Reinterpret`].
+//! bits): an operation turns its buffers' views into those with [`Reinterpret`]. On CUDA an argument is a device
+//! address, which holds no borrow of its buffer: an operation builds its `Kernel` from its views and launches it
+//! at once, so the views' borrows (which rule out a written buffer aliasing another argument) cover the launch.
 
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 
