@@ -30,8 +30,8 @@
 //!
 //! What the backend is made of lives beside it, all through `cudarc`: device discovery ([`discover_devices`],
 //! never panics without a driver), the kernels' PTX (built from `gpu-kernels` by `build.rs`, loaded as one
-//! [`KernelModule`]) and their generated [`Launcher`], cuBLAS ([`Gemm`]),
-//! NCCL ([`GradientAllReduce`]), the captured graphs and the pinned staging of an input slot.
+//! [`KernelModule`]) and their generated [`Launcher`] (with `Launcher::launch`, this backend's `launch`), cuBLAS
+//! ([`Gemm`]), NCCL ([`GradientAllReduce`]), the captured graphs and the pinned staging of an input slot.
 //!
 //! ```text
 //!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel) ──▶ Launcher
