@@ -2,11 +2,19 @@
 //! agree with the declaration generated from it.
 //!
 //! ```text
-//!  kernel_table!(generator) ──▶ gpu-kernels/src/ptx.rs        extern "ptx-kernel" entry points (nvptx64)
-//!                          ├──▶ runtime/src/cpu/kernels.rs   host launchers over slices (lengths checked)
-//!                          ├──▶ runtime/src/cuda/launch.rs   CUDA launcher, one method per kernel, typed pointers
-//!                          └──▶ KERNELS (below)              names and argument widths, for the PTX check
+//!  kernel_table!(generator) ──▶ gpu-kernels/src/ptx.rs                extern "ptx-kernel" entry points (nvptx64)
+//!                          ├──▶ runtime/src/backend/kernel.rs        `Kernel`, one variant per entry: the backends'
+//!                          │                                         one entry point, `Backend::launch`
+//!                          ├──▶ runtime/src/backend/cpu/kernels.rs   host launchers over slices (lengths checked),
+//!                          │                                         and the CPU's `launch`: a match onto them
+//!                          ├──▶ runtime/src/backend/cuda/launch.rs   CUDA launcher, one method per kernel, typed
+//!                          │                                         pointers, and the CUDA `launch` onto them
+//!                          └──▶ KERNELS (below)                      names and argument widths, for the PTX check
 //! ```
+//!
+//! The operations a model calls (`rmsnorm_forward`, the two-pass `sum`, the losses, EAGLE-3's) are written once,
+//! as provided methods of the runtime's `Backend` trait that build `Kernel`s; no backend writes a method per
+//! kernel. Where a backend runs its own body instead of the table's, [`HOST_BODIES`] declares it.
 //!
 //! An entry reads:
 //!
@@ -37,7 +45,7 @@
 //! `blocks(count, warps, shared)`: the PTX entry points and [`FLASH_KERNELS`] come from it, the runtime's
 //! launchers do not (no backend launches those kernels yet; the host runs their bodies through the warp model
 //! of the tests). For attention, the CPU backend runs its own lanes and the CUDA backend the `attention_*`
-//! entries of this table.
+//! entries of this table ([`HOST_BODIES`]).
 
 /// `ceil(a / b)`, and 0 for `b = 0` (a count computed on the device must not reach a division panic).
 #[inline(always)]
@@ -476,6 +484,46 @@ macro_rules! kernel_table {
         }
     };
 }
+
+/// An operation of the runtime's `Backend` trait that the CPU backend runs with its own host body instead of the
+/// table's kernels, which every other backend (CUDA) launches: the table's bodies are shaped for a warp, and
+/// for these the host has a faster layout of the same mathematics (docs/kernels.md, "Attention and RoPE on the
+/// host").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostBody {
+    /// The `Backend` method the CPU backend overrides.
+    pub operation: &'static str,
+    /// Where its host body lives, from the workspace root.
+    pub body: &'static str,
+    /// The table's kernels the other backends launch for it, in order.
+    pub kernels: &'static [&'static str],
+}
+
+/// Which body runs where: every `Backend` operation over the table's kernels runs them on every backend, except
+/// these, which the CPU backend runs with its own body. The operations that are no table kernel at all are
+/// backend methods of their own on every backend: the products (`gemm`, `gemm_hs`), `fill`, `copy`, staging and
+/// the gradient all-reduce. docs/kernels.md's table of it is checked against this list by a test.
+pub const HOST_BODIES: &[HostBody] = &[
+    HostBody {
+        operation: "rope",
+        body: "runtime/src/backend/cpu/rope.rs",
+        kernels: &["rope"],
+    },
+    HostBody {
+        operation: "attention_forward",
+        body: "runtime/src/backend/cpu/attention/lanes.rs",
+        kernels: &["attention_forward"],
+    },
+    HostBody {
+        operation: "attention_backward",
+        body: "runtime/src/backend/cpu/attention/lanes.rs",
+        kernels: &[
+            "attention_delta",
+            "attention_backward_q",
+            "attention_backward_kv",
+        ],
+    },
+];
 
 /// One kernel's entry in [`KERNELS`]: its name and the byte width of each argument of its entry point, in
 /// order (pointers are 8 bytes on nvptx64).

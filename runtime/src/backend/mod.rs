@@ -2,55 +2,52 @@
 //! (`crate::model`) and runs on the CPU and on CUDA alike.
 //!
 //! ```text
-//!  model::mlp (forward, loss, backward, update) ──calls──▶ Backend ──▶ CpuBackend  (slices, matrixmultiply,
-//!                                                            │                     host launchers; runs at once)
-//!                                                            └──────▶ CudaBackend (cudarc on the compute
-//!                                                                                  stream; enqueue only)
+//!  model::mlp, dflash, eagle3 ──calls──▶ Backend's operations ──▶ Backend::launch(Kernel) ──▶ CpuBackend  (host
+//!  (forward, loss, backward,             (provided here and in       (one generated match      launchers; runs at
+//!   update)                               `eagle3.rs`, once)          per backend)              once)
+//!                                                                                         └──▶ CudaBackend (PTX
+//!                                                                                              on the compute
+//!                                                                                              stream; enqueue only)
 //! ```
 //!
 //! A backend owns device buffers ([`Buf`]); the model borrows views of them ([`Src`] to read, [`Dst`] to write),
-//! so Rust's borrow rules forbid on every backend the aliasing a kernel does not support. Every operation on
-//! the step path (matrix products, one method per kernel, `fill`, `copy`, the gradient average) only enqueues on
-//! CUDA, so one step's calls can be captured as a graph ([`Backend::run_part`]); on the CPU each runs at once.
-//! Scalars a step produces (loss, gradient norm, AdamW's step count) stay in device buffers: nothing on the step
-//! path reads back.
+//! so Rust's borrow rules forbid on every backend the aliasing a kernel does not support. A kernel of the table
+//! is reached through one entry point, [`Backend::launch`] of a [`Kernel`]: the operations the model calls
+//! (`rmsnorm_forward`, the two-pass `sum`, the losses, …) are provided by the trait over it, so a backend writes
+//! no method per kernel. Every operation on the step path (matrix products, kernel launches, `fill`, `copy`, the
+//! gradient average) only enqueues on CUDA, so one step's calls can be captured as a graph
+//! ([`Backend::run_part`]); on the CPU each runs at once. Scalars a step produces (loss, gradient norm, AdamW's
+//! step count) stay in device buffers: nothing on the step path reads back.
 
 pub mod attention;
 pub mod cpu;
 pub mod cuda;
 pub mod eagle3;
-
-use std::marker::PhantomData;
+mod kernel;
+mod operations;
+mod views;
 
 use draftpipe_compiler::plan::BackendKind;
 pub use draftpipe_compiler::plan::Precision;
+use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK};
+use draftpipe_gpu_kernels::adamw::AdamWStep;
+use draftpipe_gpu_kernels::reduce::partial_chunk_len;
 
+use attention::AttentionSizes;
 pub use attention::{AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape};
 pub use draftpipe_gpu_kernels::adamw::{
     SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR, Schedule,
 };
+pub use kernel::{Kernel, Reinterpret};
+pub use views::{
+    Buf, Dst, Element, HsBuf, HsOperand, HsSrc, Matrix, MatrixData, Operand, Src, gemm_shape,
+};
 
-use crate::batch::{HsBatch, HsData, HsDtype, HsSlice};
+use crate::batch::{HsBatch, HsData, HsSlice};
 use cuda::error::CudaError;
 
-/// What a device buffer can hold.
-pub trait Element:
-    Copy
-    + Default
-    + Send
-    + Sync
-    + 'static
-    + cudarc::driver::DeviceRepr
-    + cudarc::driver::ValidAsZeroBits
-{
-}
-impl Element for f32 {}
-impl Element for f64 {}
-impl Element for i32 {}
-impl Element for u32 {}
-impl Element for u8 {}
-impl Element for half::bf16 {}
-impl Element for half::f16 {}
+/// The floats of an [`AdamWStep`] as a step buffer holds them.
+const ADAMW_STEP_FLOATS: usize = size_of::<AdamWStep>() / size_of::<f32>();
 
 /// Why a backend operation failed (the CPU backend never fails; its shape checks panic, since the model sizes
 /// every buffer from one layout and a mismatch is a bug).
@@ -76,234 +73,6 @@ pub(crate) fn missing_last_hidden_states() -> BackendError {
 
 /// Result of a backend operation.
 pub type BackendResult<T = ()> = Result<T, BackendError>;
-
-/// A buffer of `len` elements on backend `B`.
-pub struct Buf<B: Backend, T: Element> {
-    raw: B::Raw<T>,
-    len: usize,
-}
-
-impl<B: Backend, T: Element> Buf<B, T> {
-    /// Wraps a backend's raw allocation of `len` elements.
-    pub(crate) fn from_raw(raw: B::Raw<T>, len: usize) -> Self {
-        Self { raw, len }
-    }
-
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True when the buffer holds no element.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Elements `start..start + len`, to read.
-    ///
-    /// # Panics
-    /// When the range is outside the buffer (a bug in the model: it sizes views from the layout).
-    #[track_caller]
-    pub fn at(&self, start: usize, len: usize) -> Src<'_, B, T> {
-        assert!(
-            start.checked_add(len).is_some_and(|end| end <= self.len),
-            "view {start}+{len} outside a buffer of {}",
-            self.len
-        );
-        Src {
-            raw: &self.raw,
-            start,
-            len,
-            _backend: PhantomData,
-        }
-    }
-
-    /// Every element, to read.
-    pub fn all(&self) -> Src<'_, B, T> {
-        self.at(0, self.len)
-    }
-
-    /// Elements `start..start + len`, to write.
-    ///
-    /// # Panics
-    /// As [`Buf::at`].
-    #[track_caller]
-    pub fn at_mut(&mut self, start: usize, len: usize) -> Dst<'_, B, T> {
-        assert!(
-            start.checked_add(len).is_some_and(|end| end <= self.len),
-            "view {start}+{len} outside a buffer of {}",
-            self.len
-        );
-        Dst {
-            raw: &mut self.raw,
-            start,
-            len,
-            _backend: PhantomData,
-        }
-    }
-
-    /// Every element, to write.
-    pub fn all_mut(&mut self) -> Dst<'_, B, T> {
-        let len = self.len;
-        self.at_mut(0, len)
-    }
-}
-
-/// A read view of a [`Buf`].
-pub struct Src<'a, B: Backend, T: Element> {
-    raw: &'a B::Raw<T>,
-    start: usize,
-    len: usize,
-    _backend: PhantomData<fn() -> B>,
-}
-
-impl<B: Backend, T: Element> Clone for Src<'_, B, T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<B: Backend, T: Element> Copy for Src<'_, B, T> {}
-
-impl<'a, B: Backend, T: Element> Src<'a, B, T> {
-    /// Elements in the view.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True when the view is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The backend's allocation, first element and length (for backend implementations).
-    pub(crate) fn parts(&self) -> (&'a B::Raw<T>, usize, usize) {
-        (self.raw, self.start, self.len)
-    }
-}
-
-/// A write view of a [`Buf`].
-pub struct Dst<'a, B: Backend, T: Element> {
-    raw: &'a mut B::Raw<T>,
-    start: usize,
-    len: usize,
-    _backend: PhantomData<fn() -> B>,
-}
-
-impl<'a, B: Backend, T: Element> Dst<'a, B, T> {
-    /// Elements in the view.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True when the view is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The same elements, re-borrowed (to pass a view on without giving it up).
-    pub fn reborrow(&mut self) -> Dst<'_, B, T> {
-        Dst {
-            raw: &mut *self.raw,
-            start: self.start,
-            len: self.len,
-            _backend: PhantomData,
-        }
-    }
-
-    /// The backend's allocation, first element and length (for backend implementations).
-    pub(crate) fn parts(self) -> (&'a mut B::Raw<T>, usize, usize) {
-        (self.raw, self.start, self.len)
-    }
-}
-
-/// A view a [`Matrix`] can hold: something with a length.
-pub trait MatrixData: Copy {
-    /// Elements in the view.
-    fn elements(&self) -> usize;
-}
-
-impl<B: Backend> MatrixData for Src<'_, B, f32> {
-    fn elements(&self) -> usize {
-        self.len()
-    }
-}
-
-/// A row-major matrix operand of a product: `rows × cols` as stored, used transposed when `transposed`.
-/// [`Operand`] holds f32 elements ([`Backend::gemm`]), [`HsOperand`] hidden states in their own precision
-/// ([`Backend::gemm_hs`]).
-#[derive(Clone, Copy)]
-pub struct Matrix<D> {
-    /// The stored elements (`rows · cols`).
-    pub data: D,
-    /// Stored rows.
-    pub rows: usize,
-    /// Stored columns.
-    pub cols: usize,
-    /// Whether the product uses the transpose.
-    pub transposed: bool,
-}
-
-/// A matrix operand of [`Backend::gemm`].
-pub type Operand<'a, B> = Matrix<Src<'a, B, f32>>;
-
-impl<D: MatrixData> Matrix<D> {
-    /// `data` as a row-major `[rows, cols]` matrix.
-    ///
-    /// # Panics
-    /// When the view's length is not `rows · cols`.
-    #[track_caller]
-    pub fn new(data: D, rows: usize, cols: usize) -> Self {
-        assert_eq!(
-            data.elements(),
-            rows * cols,
-            "matrix view does not match its shape"
-        );
-        Self {
-            data,
-            rows,
-            cols,
-            transposed: false,
-        }
-    }
-
-    /// The same matrix, used transposed.
-    pub fn t(self) -> Self {
-        Self {
-            transposed: !self.transposed,
-            ..self
-        }
-    }
-
-    /// Rows and columns as used.
-    pub fn shape(&self) -> (usize, usize) {
-        if self.transposed {
-            (self.cols, self.rows)
-        } else {
-            (self.rows, self.cols)
-        }
-    }
-}
-
-/// `(m, n, k)` of `c[m, n] = a[m, k] · b[k, n]`.
-///
-/// # Panics
-/// When the shapes do not agree (a bug in the model).
-#[track_caller]
-pub fn gemm_shape<A: MatrixData, M: MatrixData>(
-    c_len: usize,
-    a: &Matrix<A>,
-    b: &Matrix<M>,
-) -> (usize, usize, usize) {
-    let (m, k) = a.shape();
-    let (kb, n) = b.shape();
-    assert_eq!(k, kb, "inner dimensions differ");
-    assert_eq!(
-        c_len,
-        m * n,
-        "output view does not match the product's shape"
-    );
-    (m, n, k)
-}
 
 /// AdamW's constant hyper-parameters, as the device's step-advance kernel takes them.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -418,127 +187,23 @@ pub struct InputSlot<B: Backend> {
     pub loss_mask: Buf<B, u8>,
 }
 
-/// Hidden states on a backend, in the precision they are held in (the workspace layout's dtype of `input*.hs`).
-pub enum HsBuf<B: Backend> {
-    /// 32-bit floats.
-    F32(Buf<B, f32>),
-    /// bfloat16.
-    Bf16(Buf<B, half::bf16>),
-    /// IEEE half.
-    F16(Buf<B, half::f16>),
-}
-
-impl<B: Backend> HsBuf<B> {
-    /// Elements.
-    pub fn len(&self) -> usize {
-        match self {
-            Self::F32(b) => b.len(),
-            Self::Bf16(b) => b.len(),
-            Self::F16(b) => b.len(),
-        }
-    }
-
-    /// True when the buffer holds no element.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The element type.
-    pub fn dtype(&self) -> HsDtype {
-        match self {
-            Self::F32(_) => HsDtype::F32,
-            Self::Bf16(_) => HsDtype::Bf16,
-            Self::F16(_) => HsDtype::F16,
-        }
-    }
-
-    /// Elements `start..start + len`, to read.
-    ///
-    /// # Panics
-    /// As [`Buf::at`].
-    #[track_caller]
-    pub fn at(&self, start: usize, len: usize) -> HsSrc<'_, B> {
-        match self {
-            Self::F32(b) => HsSrc::F32(b.at(start, len)),
-            Self::Bf16(b) => HsSrc::Bf16(b.at(start, len)),
-            Self::F16(b) => HsSrc::F16(b.at(start, len)),
-        }
-    }
-}
-
-/// A read view of an [`HsBuf`].
-pub enum HsSrc<'a, B: Backend> {
-    /// 32-bit floats.
-    F32(Src<'a, B, f32>),
-    /// bfloat16.
-    Bf16(Src<'a, B, half::bf16>),
-    /// IEEE half.
-    F16(Src<'a, B, half::f16>),
-}
-
-impl<B: Backend> Clone for HsSrc<'_, B> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<B: Backend> Copy for HsSrc<'_, B> {}
-
-impl<B: Backend> HsSrc<'_, B> {
-    /// Elements in the view.
-    pub fn len(&self) -> usize {
-        match self {
-            Self::F32(v) => v.len(),
-            Self::Bf16(v) => v.len(),
-            Self::F16(v) => v.len(),
-        }
-    }
-
-    /// True when the view is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// A matrix operand of [`Backend::gemm_hs`]: an [`Operand`] whose elements may be hidden states in their own
-/// precision.
-pub type HsOperand<'a, B> = Matrix<HsSrc<'a, B>>;
-
-impl<B: Backend> MatrixData for HsSrc<'_, B> {
-    fn elements(&self) -> usize {
-        self.len()
-    }
-}
-
-impl<'a, B: Backend> Matrix<HsSrc<'a, B>> {
-    /// The operand as an f32 [`Operand`], when its elements are f32.
-    pub fn as_f32(&self) -> Option<Operand<'a, B>> {
-        match self.data {
-            HsSrc::F32(data) => Some(Operand {
-                data,
-                rows: self.rows,
-                cols: self.cols,
-                transposed: self.transposed,
-            }),
-            _ => None,
-        }
-    }
-}
-
-impl<'a, B: Backend> From<Operand<'a, B>> for HsOperand<'a, B> {
-    fn from(op: Operand<'a, B>) -> Self {
-        Self {
-            data: HsSrc::F32(op.data),
-            rows: op.rows,
-            cols: op.cols,
-            transposed: op.transposed,
-        }
-    }
-}
-
 /// The operations a model step is written with. See the module docs for the execution model.
+///
+/// What a backend implements is what differs between devices: memory, staging, the step's framing, `fill` and
+/// `copy`, the products, the gradient average, and [`Backend::launch`], one generated match over [`Kernel`].
+/// Every other operation is provided here once, over `launch`: it derives the kernel's sizes from the views,
+/// checks them (a mismatch is a bug in the model: it panics, on every backend alike) and launches the table's
+/// kernels. A backend with its own body for an operation overrides it; which do is declared beside the kernel
+/// table (`draftpipe_gpu_kernels::table::HOST_BODIES`).
 pub trait Backend: Sized + Send + 'static {
     /// A raw allocation of `T`s.
     type Raw<T: Element>: Send;
+
+    /// A kernel's read argument (CPU: a slice; CUDA: a typed device pointer).
+    type Read<'a, T: 'a>: Copy;
+
+    /// A kernel's write argument (CPU: a mutable slice; CUDA: a typed device pointer).
+    type Write<'a, T: 'a>;
 
     /// Which backend this is (the workspace layout differs per backend).
     fn kind(&self) -> BackendKind;
@@ -621,204 +286,43 @@ pub trait Backend: Sized + Send + 'static {
         precision: Precision,
     ) -> BackendResult;
 
-    /// RMSNorm forward over `inv_rms.len()` rows of `weight.len()` columns.
-    fn rmsnorm_forward(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        weight: Src<'_, Self, f32>,
-        y: Dst<'_, Self, f32>,
-        inv_rms: Dst<'_, Self, f32>,
-        eps: f32,
-    ) -> BackendResult;
-
-    /// RMSNorm input gradient (`dx = …`, or `dx += …` with `accumulate`).
-    #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_backward_input(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        weight: Src<'_, Self, f32>,
-        inv_rms: Src<'_, Self, f32>,
-        dy: Src<'_, Self, f32>,
-        dx: Dst<'_, Self, f32>,
-        accumulate: bool,
-    ) -> BackendResult;
-
-    /// RMSNorm weight gradient (overwritten) by the two-pass reduction through `partials`.
-    fn rmsnorm_weight_grad(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        inv_rms: Src<'_, Self, f32>,
-        dy: Src<'_, Self, f32>,
-        dweight: Dst<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// `act = silu(gate) ⊙ up` over rows `[gate | up]` of width `2·inter`.
-    fn swiglu_forward(
-        &mut self,
-        gate_up: Src<'_, Self, f32>,
-        act: Dst<'_, Self, f32>,
-        inter: usize,
-    ) -> BackendResult;
-
-    /// Gradients of both SwiGLU inputs.
-    fn swiglu_backward(
-        &mut self,
-        gate_up: Src<'_, Self, f32>,
-        dact: Src<'_, Self, f32>,
-        dgate_up: Dst<'_, Self, f32>,
-        inter: usize,
-    ) -> BackendResult;
-
-    /// `h = z + silu(a)`.
-    fn head_residual_forward(
-        &mut self,
-        z: Src<'_, Self, f32>,
-        a: Src<'_, Self, f32>,
-        h: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// `da = dh · silu'(a)` and `dz += dh`.
-    fn head_residual_backward(
-        &mut self,
-        a: Src<'_, Self, f32>,
-        dh: Src<'_, Self, f32>,
-        da: Dst<'_, Self, f32>,
-        dz: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// Labels `[heads, tokens]` from the batch's ids, mask and sequence lengths.
-    #[allow(clippy::too_many_arguments)]
-    fn build_labels(
-        &mut self,
-        input_ids: Src<'_, Self, u32>,
-        loss_mask: Src<'_, Self, u8>,
-        seq_lens: Src<'_, Self, u32>,
-        labels: Dst<'_, Self, i32>,
-        padded_len: usize,
-        vocab: usize,
-    ) -> BackendResult;
-
-    /// Valid-label counts and loss scales per head.
-    fn head_loss_scales(
-        &mut self,
-        labels: Src<'_, Self, i32>,
-        head_decay: f32,
-        counts: Dst<'_, Self, u32>,
-        scales: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// Fused cross-entropy of a logits chunk, gradient in place; `scale` is one device scalar.
-    fn vocab_loss(
-        &mut self,
-        logits: Dst<'_, Self, f32>,
-        labels: Src<'_, Self, i32>,
-        scale: Src<'_, Self, f32>,
-        row_loss: Dst<'_, Self, f32>,
-        vocab: usize,
-    ) -> BackendResult;
-
-    /// `out[0] = Σ values` (deterministic, two passes through `partials`).
-    fn sum(
-        &mut self,
-        values: Src<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-        out: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// `norm_and_clip = [‖values‖₂, clip scale for max_norm]` (two passes through `partials`).
-    fn grad_norm(
-        &mut self,
-        values: Src<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-        max_norm: f32,
-        norm_and_clip: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// Advances AdamW's device state `[steps, β1^steps, β2^steps]` and writes the step's scalars when the
-    /// gradient norm is finite; changes nothing on a skipped step.
-    fn adamw_advance(
-        &mut self,
-        grad_norm: Src<'_, Self, f32>,
-        hyper: AdamWHyper,
-        state: Dst<'_, Self, f64>,
-        step: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// One fused AdamW pass (a no-op when the norm is not finite).
-    #[allow(clippy::too_many_arguments)]
-    fn adamw_update(
-        &mut self,
-        params: Dst<'_, Self, f32>,
-        grads: Src<'_, Self, f32>,
-        exp_avg: Dst<'_, Self, f32>,
-        exp_avg_sq: Dst<'_, Self, f32>,
-        norm_and_clip: Src<'_, Self, f32>,
-        step: Src<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// `out[r] = table[ids[r]]`: rows of a frozen embedding table `[vocab, hidden]` by token id
-    /// (`hidden = out.len() / ids.len()`; no gradient).
-    fn embedding_gather(
-        &mut self,
-        table: Src<'_, Self, f32>,
-        ids: Src<'_, Self, u32>,
-        out: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// RoPE in place over `x = [positions.len(), heads, head_dim]` (Hugging Face's `rotate_half` pairs
-    /// `(j, j + head_dim/2)`, frequency `theta^(−2j/head_dim)`); `inverse` rotates back (the backward).
-    fn rope(
-        &mut self,
-        x: Dst<'_, Self, f32>,
-        positions: Src<'_, Self, u32>,
-        theta: f32,
-        heads: usize,
-        head_dim: usize,
-        inverse: bool,
-    ) -> BackendResult;
-
-    /// Weighted fused cross-entropy of a logits chunk `[rows, vocab]`: the gradient
-    /// `weights[r] · norm · (softmax − onehot)` in place, `row_loss = weights[r] · norm · CE`, `correct = 1`
-    /// where the row's argmax is its label (labels −1: zero gradient, loss and `correct`); `norm` is one
-    /// device scalar, `1 / Σ weights`.
-    #[allow(clippy::too_many_arguments)]
-    fn weighted_vocab_loss(
-        &mut self,
-        logits: Dst<'_, Self, f32>,
-        labels: Src<'_, Self, i32>,
-        weights: Src<'_, Self, f32>,
-        norm: Src<'_, Self, f32>,
-        row_loss: Dst<'_, Self, f32>,
-        correct: Dst<'_, Self, f32>,
-        vocab: usize,
-    ) -> BackendResult;
-
-    /// Attention with two key ranges per query (see [`attention`]): `out [Q, heads, head_dim]` and the
-    /// log-sum-exp `lse [Q, heads]` the backward reads (−∞ for a query without keys, whose output is 0).
-    fn attention_forward(
-        &mut self,
-        inputs: AttentionInputs<'_, Self>,
-        shape: AttentionShape,
-        out: Dst<'_, Self, f32>,
-        lse: Dst<'_, Self, f32>,
-    ) -> BackendResult;
-
-    /// Attention backward: every gradient of `grads` overwritten, deterministically (no atomics); `delta`
-    /// is scratch of `[Q, heads]` (`rowsum(dout ∘ out)`).
-    fn attention_backward(
-        &mut self,
-        inputs: AttentionInputs<'_, Self>,
-        shape: AttentionShape,
-        saved: AttentionSaved<'_, Self>,
-        delta: Dst<'_, Self, f32>,
-        grads: AttentionGrads<'_, Self>,
-    ) -> BackendResult;
-
     /// Averages `grads` over the data-parallel replicas, when the backend has a group (CPU: the host
     /// all-reduce; CUDA: NCCL, enqueued between the captured parts, never inside a graph).
     fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult;
 
-    // EAGLE-3's kernels (`backend::eagle3`).
-    crate::backend::eagle3::eagle3_backend_methods!(declare);
+    /// Launches one kernel of the table: on the CPU at once (its host launcher), on CUDA enqueued on the compute
+    /// stream. The table's launchers check every argument against the length the table declares.
+    fn launch(&mut self, kernel: Kernel<'_, Self>) -> BackendResult;
+
+    /// A read view as a kernel argument.
+    fn read<'a, T: Element>(view: Src<'a, Self, T>) -> Self::Read<'a, T>;
+
+    /// A write view as a kernel argument.
+    fn write<'a, T: Element>(view: Dst<'a, Self, T>) -> Self::Write<'a, T>;
+
+    /// A write argument split into its first `mid` elements and the rest (two outputs of one kernel in one
+    /// small buffer, such as `[norm, clip]`).
+    ///
+    /// # Panics
+    /// When `mid` is past the argument's end.
+    fn split_write<'a, T: 'a>(
+        view: Self::Write<'a, T>,
+        mid: usize,
+    ) -> (Self::Write<'a, T>, Self::Write<'a, T>);
+
+    /// A read argument's elements as the kernel's element type `U` (see [`Reinterpret`]).
+    fn reinterpret_read<'a, T: Reinterpret<U> + 'a, U: 'a>(
+        view: Self::Read<'a, T>,
+    ) -> Self::Read<'a, U>;
+
+    /// A write argument's elements as the kernel's element type `U` (see [`Reinterpret`]).
+    fn reinterpret_write<'a, T: Reinterpret<U> + 'a, U: 'a>(
+        view: Self::Write<'a, T>,
+    ) -> Self::Write<'a, U>;
+
+    // The operations over the table's kernels every family shares (`backend::operations`).
+    crate::backend::operations::kernel_operations!();
+
+    // EAGLE-3's operations (`backend::eagle3`).
+    crate::backend::eagle3::eagle3_operations!();
 }

@@ -3,7 +3,11 @@
 //! ```text
 //!  kernel table (gpu-kernels/src/table.rs) ──▶ launch::NAME(reads, writes, scalars): checks every slice against
 //!                                             its declared length, then runs the launch shape on the host
-//!  the functions below ──▶ the step's API: sizes taken from the slices, composite launches (two-pass sums)
+//!                                         └──▶ run(Kernel): the CPU backend's `Backend::launch`, a match onto
+//!                                             the launchers
+//!  the functions below ──▶ the kernels over plain slices for the kernel tests and benches: sizes taken from the
+//!                          slices, composite launches (two-pass sums); the backend's operations do the same
+//!                          over its views (`backend/operations.rs`)
 //! ```
 //!
 //! Host launch shapes: `threads(count)` is a loop over the indices, `planes(count)` runs a
@@ -20,10 +24,13 @@
 //! Every launcher panics when a buffer is shorter than its shape needs: the step sizes all buffers from one
 //! bucket shape, so a mismatch is a bug, and the check is what makes the `unsafe` kernel calls sound.
 
-pub use draftpipe_gpu_kernels::adamw::{AdamWConstants, AdamWStep, Schedule};
+pub use draftpipe_gpu_kernels::adamw::AdamWStep;
 pub use draftpipe_gpu_kernels::loss::IGNORE_LABEL;
 use draftpipe_gpu_kernels::plane::HostPlane;
 use draftpipe_gpu_kernels::reduce::partial_chunk_len;
+
+use super::CpuBackend;
+use crate::backend::Kernel;
 
 /// Elements per call of an element-range kernel on the host.
 pub const HOST_CHUNK: usize = 4096;
@@ -211,6 +218,35 @@ pub(crate) fn for_each_part(count: usize, part: impl Fn(std::ops::Range<usize>) 
 }
 
 draftpipe_gpu_kernels::kernel_table!(host_launchers);
+
+/// Generates [`run`]: the CPU backend's [`Backend::launch`](crate::backend::Backend::launch), one arm per kernel
+/// of the table calling its host launcher with the variant's fields in the table's order.
+macro_rules! host_dispatch {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident {
+            reads: [$($read:ident: $read_ty:ty = $read_len:expr),* $(,)?],
+            writes: [$($write:ident: $write_ty:ty = $write_len:expr),* $(,)?],
+            scalars: [$($scalar:ident: $scalar_ty:ty),* $(,)?],
+            launch: $shape:ident($($count:expr)?),
+            body: |$($bind:ident),*| $body:expr,
+        }
+    )*) => {
+        /// Runs `kernel` through its host launcher ([`launch`]).
+        ///
+        /// # Panics
+        /// As the launcher: when a slice is shorter than the table declares.
+        pub(crate) fn run(kernel: Kernel<'_, CpuBackend>) {
+            match kernel {
+                $(Kernel::$name { $($read,)* $($write,)* $($scalar,)* } => {
+                    launch::$name($($read,)* $($write,)* $($scalar,)*)
+                })*
+            }
+        }
+    };
+}
+
+draftpipe_gpu_kernels::kernel_table!(host_dispatch);
 
 /// RMSNorm forward over `rows = x.len() / weight.len()` rows; `y = x / rms ⊙ weight`, `inv_rms[r] = 1/rms`.
 pub fn rmsnorm_forward(x: &[f32], weight: &[f32], y: &mut [f32], inv_rms: &mut [f32], eps: f32) {
@@ -429,49 +465,6 @@ pub fn adamw_update(
     );
 }
 
-/// Advances AdamW's device state `[steps, β1^steps, β2^steps]` and writes the step's scalars (seven floats in
-/// [`AdamWStep`] order, the learning rate from `schedule`) when `grad_norm` is finite; a skipped step changes
-/// nothing.
-pub fn adamw_advance(
-    grad_norm: f32,
-    constants: AdamWConstants,
-    schedule: Schedule,
-    state: &mut [f64],
-    step: &mut [f32],
-) {
-    let AdamWConstants {
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-    } = constants;
-    let mut scalars = [adamw_step_from_floats(step)];
-    launch::adamw_advance(
-        &[grad_norm],
-        state,
-        &mut scalars,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        schedule.kind,
-        schedule.warmup,
-        schedule.total,
-    );
-    let [scalars] = scalars;
-    step.copy_from_slice(&[
-        scalars.lr,
-        scalars.beta1,
-        scalars.beta2,
-        scalars.eps,
-        scalars.weight_decay,
-        scalars.step_size,
-        scalars.bias_correction2_sqrt,
-    ]);
-}
-
 /// `out[r] = table[ids[r]]` for `rows = ids.len()` rows of `hidden = out.len() / rows` columns.
 ///
 /// # Panics
@@ -535,34 +528,6 @@ pub fn weighted_vocab_loss(
         vocab,
         rows,
     );
-}
-
-/// The [`AdamWStep`] stored as seven floats in field order (its `repr(C)` layout).
-///
-/// # Panics
-/// When `floats` does not hold seven elements.
-pub fn adamw_step_from_floats(floats: &[f32]) -> AdamWStep {
-    let &[
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step_size,
-        bias_correction2_sqrt,
-    ] = floats
-    else {
-        panic!("an AdamWStep is seven floats, got {}", floats.len());
-    };
-    AdamWStep {
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step_size,
-        bias_correction2_sqrt,
-    }
 }
 
 /// The AdamW scalars of step `step` (1-based, after incrementing), bias corrections computed in f64 as PyTorch

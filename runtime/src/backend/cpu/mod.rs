@@ -1,14 +1,15 @@
-//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` ([`gemm`]), every kernel to
-//! its host launcher ([`kernels`], AVX2 + FMA when the CPU has both), attention and RoPE to their host bodies
-//! ([`attention`], [`rope`]). Everything runs at once on the calling thread (or the drafter's
-//! [`HostThreads`]), so a step's results are ready when the step returns.
+//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` ([`gemm`]), every kernel
+//! [`Backend::launch`] gets to its host launcher (`kernels::run`, the generated match; AVX2 + FMA when the CPU
+//! has both), and the operations the table declares host bodies for (`HOST_BODIES`: attention and RoPE) to
+//! those ([`attention`], [`rope`]), overriding the trait's launches of the table's kernels. Everything runs at
+//! once on the calling thread (or the drafter's [`HostThreads`]), so a step's results are ready when the step
+//! returns.
 //!
 //! Reduced precisions are emulated: both operands of a product are rounded (bf16: round to nearest even, 8-bit
 //! mantissa; TF32: 10-bit) into two scratch buffers first, then multiplied in f32, which is what tensor cores
 //! compute up to the order of the f32 accumulation. So the backend-generic tests cover the GPU's numerics here.
 
 pub mod attention;
-mod eagle3;
 pub(crate) mod gemm;
 pub mod kernels;
 pub mod rope;
@@ -22,14 +23,15 @@ use std::sync::Arc;
 use draftpipe_compiler::plan::{BackendKind, WorkspaceLayout};
 
 use super::{
-    AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
-    BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
-    Operand, Precision, Src, StepPart, StepResults, gemm_shape, missing_last_hidden_states,
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendError,
+    BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot, Kernel,
+    Operand, Precision, Reinterpret, Src, StepPart, StepResults, gemm_shape,
+    missing_last_hidden_states,
 };
 use crate::allreduce::AllReduce;
 use crate::batch::HsSlice;
 use attention::{AttentionGradSlices, AttentionSlices, HostKernels};
-use draftpipe_compiler::workspace::{NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS};
+use draftpipe_compiler::workspace::STEP_SCALARS;
 use gemm::{Mat, Strided, gemm, gemm_strided};
 
 /// The host as a backend. See the module docs.
@@ -284,6 +286,8 @@ fn stage_hs(dst: &mut HsBuf<CpuBackend>, src: HsSlice<'_>) -> BackendResult {
 
 impl Backend for CpuBackend {
     type Raw<T: Element> = Vec<T>;
+    type Read<'a, T: 'a> = &'a [T];
+    type Write<'a, T: 'a> = &'a mut [T];
 
     fn kind(&self) -> BackendKind {
         BackendKind::Cpu
@@ -434,233 +438,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rmsnorm_forward(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        weight: Src<'_, Self, f32>,
-        y: Dst<'_, Self, f32>,
-        inv_rms: Dst<'_, Self, f32>,
-        eps: f32,
-    ) -> BackendResult {
-        kernels::rmsnorm_forward(
-            slice(x),
-            slice(weight),
-            slice_mut(y),
-            slice_mut(inv_rms),
-            eps,
-        );
-        Ok(())
-    }
-
-    fn rmsnorm_backward_input(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        weight: Src<'_, Self, f32>,
-        inv_rms: Src<'_, Self, f32>,
-        dy: Src<'_, Self, f32>,
-        dx: Dst<'_, Self, f32>,
-        accumulate: bool,
-    ) -> BackendResult {
-        kernels::rmsnorm_backward_input(
-            slice(x),
-            slice(weight),
-            slice(inv_rms),
-            slice(dy),
-            slice_mut(dx),
-            accumulate,
-        );
-        Ok(())
-    }
-
-    fn rmsnorm_weight_grad(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        inv_rms: Src<'_, Self, f32>,
-        dy: Src<'_, Self, f32>,
-        dweight: Dst<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        kernels::rmsnorm_weight_grad(
-            slice(x),
-            slice(inv_rms),
-            slice(dy),
-            slice_mut(dweight),
-            slice_mut(partials),
-            NORM_ROWS_PER_CHUNK,
-        );
-        Ok(())
-    }
-
-    fn swiglu_forward(
-        &mut self,
-        gate_up: Src<'_, Self, f32>,
-        act: Dst<'_, Self, f32>,
-        inter: usize,
-    ) -> BackendResult {
-        kernels::swiglu_forward(slice(gate_up), slice_mut(act), inter);
-        Ok(())
-    }
-
-    fn swiglu_backward(
-        &mut self,
-        gate_up: Src<'_, Self, f32>,
-        dact: Src<'_, Self, f32>,
-        dgate_up: Dst<'_, Self, f32>,
-        inter: usize,
-    ) -> BackendResult {
-        kernels::swiglu_backward(slice(gate_up), slice(dact), slice_mut(dgate_up), inter);
-        Ok(())
-    }
-
-    fn head_residual_forward(
-        &mut self,
-        z: Src<'_, Self, f32>,
-        a: Src<'_, Self, f32>,
-        h: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        kernels::head_residual_forward(slice(z), slice(a), slice_mut(h));
-        Ok(())
-    }
-
-    fn head_residual_backward(
-        &mut self,
-        a: Src<'_, Self, f32>,
-        dh: Src<'_, Self, f32>,
-        da: Dst<'_, Self, f32>,
-        dz: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        kernels::head_residual_backward(slice(a), slice(dh), slice_mut(da), slice_mut(dz));
-        Ok(())
-    }
-
-    fn build_labels(
-        &mut self,
-        input_ids: Src<'_, Self, u32>,
-        loss_mask: Src<'_, Self, u8>,
-        seq_lens: Src<'_, Self, u32>,
-        labels: Dst<'_, Self, i32>,
-        padded_len: usize,
-        vocab: usize,
-    ) -> BackendResult {
-        kernels::build_labels(
-            slice(input_ids),
-            slice(loss_mask),
-            slice(seq_lens),
-            slice_mut(labels),
-            padded_len,
-            vocab,
-        );
-        Ok(())
-    }
-
-    fn head_loss_scales(
-        &mut self,
-        labels: Src<'_, Self, i32>,
-        head_decay: f32,
-        counts: Dst<'_, Self, u32>,
-        scales: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        kernels::head_loss_scales(
-            slice(labels),
-            head_decay,
-            slice_mut(counts),
-            slice_mut(scales),
-        );
-        Ok(())
-    }
-
-    fn vocab_loss(
-        &mut self,
-        logits: Dst<'_, Self, f32>,
-        labels: Src<'_, Self, i32>,
-        scale: Src<'_, Self, f32>,
-        row_loss: Dst<'_, Self, f32>,
-        vocab: usize,
-    ) -> BackendResult {
-        kernels::vocab_loss(
-            slice_mut(logits),
-            slice(labels),
-            slice(scale)[0],
-            slice_mut(row_loss),
-            vocab,
-        );
-        Ok(())
-    }
-
-    fn sum(
-        &mut self,
-        values: Src<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-        out: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        slice_mut(out)[0] = kernels::sum(slice(values), REDUCE_CHUNK, slice_mut(partials));
-        Ok(())
-    }
-
-    fn grad_norm(
-        &mut self,
-        values: Src<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-        max_norm: f32,
-        norm_and_clip: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        let (norm, clip) =
-            kernels::grad_norm(slice(values), REDUCE_CHUNK, slice_mut(partials), max_norm);
-        slice_mut(norm_and_clip).copy_from_slice(&[norm, clip]);
-        Ok(())
-    }
-
-    fn adamw_advance(
-        &mut self,
-        grad_norm: Src<'_, Self, f32>,
-        hyper: AdamWHyper,
-        state: Dst<'_, Self, f64>,
-        step: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        kernels::adamw_advance(
-            slice(grad_norm)[0],
-            hyper.constants(),
-            hyper.schedule(),
-            slice_mut(state),
-            slice_mut(step),
-        );
-        Ok(())
-    }
-
-    fn adamw_update(
-        &mut self,
-        params: Dst<'_, Self, f32>,
-        grads: Src<'_, Self, f32>,
-        exp_avg: Dst<'_, Self, f32>,
-        exp_avg_sq: Dst<'_, Self, f32>,
-        norm_and_clip: Src<'_, Self, f32>,
-        step: Src<'_, Self, f32>,
-    ) -> BackendResult {
-        let &[norm, clip] = slice(norm_and_clip) else {
-            panic!("adamw_update: the norm and clip view holds two elements");
-        };
-        kernels::adamw_update(
-            slice_mut(params),
-            slice(grads),
-            slice_mut(exp_avg),
-            slice_mut(exp_avg_sq),
-            norm,
-            clip,
-            kernels::adamw_step_from_floats(slice(step)),
-        );
-        Ok(())
-    }
-
-    fn embedding_gather(
-        &mut self,
-        table: Src<'_, Self, f32>,
-        ids: Src<'_, Self, u32>,
-        out: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        kernels::embedding_gather(slice(table), slice(ids), slice_mut(out));
-        Ok(())
-    }
-
+    /// The host body (`HOST_BODIES`): a row's angles once, every head rotated with them.
     fn rope(
         &mut self,
         x: Dst<'_, Self, f32>,
@@ -681,31 +459,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn weighted_vocab_loss(
-        &mut self,
-        logits: Dst<'_, Self, f32>,
-        labels: Src<'_, Self, i32>,
-        weights: Src<'_, Self, f32>,
-        norm: Src<'_, Self, f32>,
-        row_loss: Dst<'_, Self, f32>,
-        correct: Dst<'_, Self, f32>,
-        vocab: usize,
-    ) -> BackendResult {
-        let &[norm] = slice(norm) else {
-            panic!("weighted_vocab_loss: the norm is one element");
-        };
-        kernels::weighted_vocab_loss(
-            slice_mut(logits),
-            slice(labels),
-            slice(weights),
-            norm,
-            slice_mut(row_loss),
-            slice_mut(correct),
-            vocab,
-        );
-        Ok(())
-    }
-
+    /// The host body (`HOST_BODIES`): the lanes of `cpu/attention/lanes.rs`.
     fn attention_forward(
         &mut self,
         inputs: AttentionInputs<'_, Self>,
@@ -723,6 +477,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// The host body (`HOST_BODIES`), which also checks every key range against the query ranges.
     fn attention_backward(
         &mut self,
         inputs: AttentionInputs<'_, Self>,
@@ -760,7 +515,71 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    crate::backend::eagle3::eagle3_backend_methods!(delegate);
+    fn launch(&mut self, kernel: Kernel<'_, Self>) -> BackendResult {
+        check_device_data(&kernel);
+        kernels::run(kernel);
+        Ok(())
+    }
+
+    fn read<'a, T: Element>(view: Src<'a, Self, T>) -> &'a [T] {
+        slice(view)
+    }
+
+    fn write<'a, T: Element>(view: Dst<'a, Self, T>) -> &'a mut [T] {
+        slice_mut(view)
+    }
+
+    fn split_write<'a, T: 'a>(view: &'a mut [T], mid: usize) -> (&'a mut [T], &'a mut [T]) {
+        view.split_at_mut(mid)
+    }
+
+    fn reinterpret_read<'a, T: Reinterpret<U> + 'a, U: 'a>(view: &'a [T]) -> &'a [U] {
+        let len = reinterpreted_len::<T, U>(view.len());
+        // SAFETY: `Reinterpret` promises that whole `U`s of `T`s are valid and need no stricter alignment;
+        // `len` `U`s cover exactly the slice's bytes.
+        unsafe { std::slice::from_raw_parts(view.as_ptr().cast::<U>(), len) }
+    }
+
+    fn reinterpret_write<'a, T: Reinterpret<U> + 'a, U: 'a>(view: &'a mut [T]) -> &'a mut [U] {
+        let len = reinterpreted_len::<T, U>(view.len());
+        // SAFETY: as in `reinterpret_read`; the unique borrow moves into the result.
+        unsafe { std::slice::from_raw_parts_mut(view.as_mut_ptr().cast::<U>(), len) }
+    }
+}
+
+/// The `U`s that `len` `T`s hold.
+///
+/// # Panics
+/// When they are not a whole number of `U`s.
+fn reinterpreted_len<T, U>(len: usize) -> usize {
+    let bytes = len * size_of::<T>();
+    assert!(
+        size_of::<U>() > 0 && bytes.is_multiple_of(size_of::<U>()),
+        "{len} elements of {} bytes are not whole elements of {}",
+        size_of::<T>(),
+        size_of::<U>()
+    );
+    bytes / size_of::<U>()
+}
+
+/// The checks of device data that only the host can make before a launch: token ids and labels inside the
+/// tables they index (the GPU's kernels trust the model's batch checks; a wrong id here is a bug, and a panic
+/// names it instead of a read past the table).
+fn check_device_data(kernel: &Kernel<'_, CpuBackend>) {
+    match kernel {
+        Kernel::vocab_loss_row { labels, vocab, .. }
+        | Kernel::weighted_vocab_loss_row { labels, vocab, .. } => {
+            if let Some(bad) = labels.iter().find(|&&l| l >= *vocab as i32) {
+                panic!("label {bad} outside a vocabulary of {vocab}");
+            }
+        }
+        Kernel::embedding_gather { ids, vocab, .. } => {
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= *vocab) {
+                panic!("embedding_gather: token id {bad} outside a table of {vocab} rows");
+            }
+        }
+        _ => {}
+    }
 }
 
 #[cfg(test)]

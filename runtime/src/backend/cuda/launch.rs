@@ -1,6 +1,7 @@
 //! The CUDA launcher, generated from the kernel table (`gpu-kernels/src/table.rs`): one method per kernel, its
 //! arguments in the table's order (reads, writes, scalars), device buffers as typed [`DevicePtr`]s whose
-//! lengths are checked against the table's declared lengths before the launch is enqueued. No per-launch
+//! lengths are checked against the table's declared lengths before the launch is enqueued, and
+//! [`Launcher::launch`], the generated match from a [`Kernel`] to those methods. No per-launch
 //! events or syncs, so the same calls work eagerly and inside stream capture.
 
 use std::marker::PhantomData;
@@ -10,7 +11,8 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use draftpipe_gpu_kernels::plane::WIDTH;
 
-use super::{CudaError, KernelModule};
+use super::{CudaBackend, CudaError, KernelModule};
+use crate::backend::Kernel;
 
 /// Threads per block of every launch: one thread per index, or eight planes (warps) of 32 lanes.
 pub const BLOCK_THREADS: u32 = 256;
@@ -69,6 +71,12 @@ impl<T> DevicePtr<T> {
             len: self.len * size_of::<T>() / size_of::<U>().max(1),
             element: PhantomData,
         }
+    }
+
+    /// The first `mid` elements and the rest, or `None` when `mid` is past the end.
+    pub fn split_at(self, mid: usize) -> Option<(Self, Self)> {
+        let rest = self.offset(mid)?;
+        Some((Self { len: mid, ..self }, rest))
     }
 
     /// The address `index` elements further, or `None` past the end.
@@ -153,6 +161,16 @@ macro_rules! cuda_launcher {
             /// The stream every launch goes to.
             pub fn stream(&self) -> &Arc<CudaStream> {
                 &self.stream
+            }
+
+            /// Enqueues `kernel` through its method below, the variant's fields in the table's order (the CUDA
+            /// backend's [`Backend::launch`](crate::backend::Backend::launch)).
+            pub fn launch(&self, kernel: Kernel<'_, CudaBackend>) -> Result<(), CudaError> {
+                match kernel {
+                    $(Kernel::$name { $($read,)* $($write,)* $($scalar,)* } => {
+                        self.$name($($read,)* $($write,)* $($scalar,)*)
+                    })*
+                }
             }
 
             $(

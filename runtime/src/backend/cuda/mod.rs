@@ -30,8 +30,8 @@
 //!
 //! What the backend is made of lives beside it, all through `cudarc`: device discovery ([`discover_devices`],
 //! never panics without a driver), the kernels' PTX (built from `gpu-kernels` by `build.rs`, loaded as one
-//! [`KernelModule`]) and their generated [`Launcher`], the DFlash launches (`dflash.rs`), cuBLAS ([`Gemm`]),
-//! NCCL ([`GradientAllReduce`]), the captured graphs and the pinned staging of an input slot.
+//! [`KernelModule`]) and their generated [`Launcher`] (with `Launcher::launch`, this backend's `launch`), cuBLAS
+//! ([`Gemm`]), NCCL ([`GradientAllReduce`]), the captured graphs and the pinned staging of an input slot.
 //!
 //! ```text
 //!  build.rs ──▶ embedded PTX ──▶ KernelModule (one CUmodule, a CudaFunction per kernel) ──▶ Launcher
@@ -47,8 +47,6 @@
 mod allreduce;
 mod blas;
 mod device;
-mod dflash;
-mod eagle3;
 pub(super) mod error;
 mod graphs;
 mod launch;
@@ -75,17 +73,13 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr as _, PinnedHostSlice,
 };
 use draftpipe_compiler::plan::{BackendKind, LaunchMode, WorkspaceLayout};
-use draftpipe_compiler::workspace::{
-    CUBLAS_WORKSPACE_BYTES, Dtype, NORM_ROWS_PER_CHUNK, REDUCE_CHUNK, STEP_SCALARS,
-};
-use draftpipe_gpu_kernels::adamw::AdamWStep;
+use draftpipe_compiler::workspace::{CUBLAS_WORKSPACE_BYTES, Dtype, STEP_SCALARS};
 use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
-use draftpipe_gpu_kernels::reduce::partial_chunk_len;
 
 use super::{
-    AdamWHyper, AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend,
-    BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
-    Operand, Precision, Src, StepPart, StepResults, gemm_shape, missing_last_hidden_states,
+    Backend, BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc,
+    InputSlot, Kernel, Operand, Precision, Reinterpret, Src, StepPart, StepResults, gemm_shape,
+    missing_last_hidden_states,
 };
 use crate::batch::HsDtype;
 
@@ -109,13 +103,6 @@ pub(crate) fn ptr_mut<T: Element>(view: Dst<'_, CudaBackend, T>) -> DevicePtr<T>
     unsafe { DevicePtr::from_raw(raw.ptr + (start * size_of::<T>()) as CUdeviceptr, len) }
 }
 
-/// The element `index` of a pointer (a one-element view of a small device vector such as `[norm, clip]`).
-fn element<T>(pointer: DevicePtr<T>, index: usize) -> DevicePtr<T> {
-    pointer
-        .offset(index)
-        .unwrap_or_else(|| panic!("element {index} of a {}-element view", pointer.len()))
-}
-
 /// The hidden-state dtype of the layout's buffer `name`, when it has one of the three.
 fn hs_dtype(layout: &WorkspaceLayout, name: &str) -> Option<HsDtype> {
     match layout.buffers.iter().find(|b| b.name == name)?.dtype {
@@ -124,17 +111,6 @@ fn hs_dtype(layout: &WorkspaceLayout, name: &str) -> Option<HsDtype> {
         Dtype::F16 => Some(HsDtype::F16),
         _ => None,
     }
-}
-
-/// The seven floats of a step's AdamW scalars as the kernels' [`AdamWStep`].
-fn adamw_step(floats: DevicePtr<f32>) -> DevicePtr<AdamWStep> {
-    assert_eq!(
-        floats.len() * size_of::<f32>(),
-        size_of::<AdamWStep>(),
-        "adamw step: size"
-    );
-    // SAFETY: `AdamWStep` is `repr(C)` of seven f32s, so the bytes are valid and aligned for it.
-    unsafe { floats.cast() }
 }
 
 /// A captured step part. `CudaGraph` holds raw driver handles and so is not `Send`, but a graph exec may be
@@ -175,11 +151,6 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// The kernel launcher on the compute stream (a family's own kernels launch through it).
-    pub(crate) fn launcher(&self) -> &Launcher {
-        &self.kernels
-    }
-
     /// Device `ordinal` with streams, kernels, cuBLAS (with the layout's `cublas_workspace`) and the pinned
     /// staging of `layout`'s input slots; graphs per step part when `launch` is [`LaunchMode::Graph`].
     ///
@@ -381,6 +352,8 @@ fn slot_hs_pointer(slot: &mut HsBuf<CudaBackend>, n: usize) -> SlotHs {
 
 impl Backend for CudaBackend {
     type Raw<T: Element> = DeviceBuffer<T>;
+    type Read<'a, T: 'a> = DevicePtr<T>;
+    type Write<'a, T: 'a> = DevicePtr<T>;
 
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
@@ -638,401 +611,6 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn rmsnorm_forward(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        weight: Src<'_, Self, f32>,
-        y: Dst<'_, Self, f32>,
-        inv_rms: Dst<'_, Self, f32>,
-        eps: f32,
-    ) -> BackendResult {
-        let (rows, cols) = (inv_rms.len(), weight.len());
-        assert!(
-            x.len() == rows * cols && y.len() == rows * cols,
-            "rmsnorm_forward: sizes"
-        );
-        self.kernels.rmsnorm_forward(
-            ptr(x),
-            ptr(weight),
-            ptr_mut(y),
-            ptr_mut(inv_rms),
-            cols,
-            eps,
-            rows,
-        )?;
-        Ok(())
-    }
-
-    fn rmsnorm_backward_input(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        weight: Src<'_, Self, f32>,
-        inv_rms: Src<'_, Self, f32>,
-        dy: Src<'_, Self, f32>,
-        dx: Dst<'_, Self, f32>,
-        accumulate: bool,
-    ) -> BackendResult {
-        let (rows, cols) = (inv_rms.len(), weight.len());
-        let n = rows * cols;
-        assert!(
-            x.len() == n && dy.len() == n && dx.len() == n,
-            "rmsnorm_backward_input: sizes"
-        );
-        self.kernels.rmsnorm_backward_input(
-            ptr(x),
-            ptr(weight),
-            ptr(inv_rms),
-            ptr(dy),
-            ptr_mut(dx),
-            cols,
-            u32::from(accumulate),
-            rows,
-        )?;
-        Ok(())
-    }
-
-    fn rmsnorm_weight_grad(
-        &mut self,
-        x: Src<'_, Self, f32>,
-        inv_rms: Src<'_, Self, f32>,
-        dy: Src<'_, Self, f32>,
-        dweight: Dst<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        let (rows, cols) = (inv_rms.len(), dweight.len());
-        let chunks = rows.div_ceil(NORM_ROWS_PER_CHUNK);
-        assert!(
-            x.len() == rows * cols && dy.len() == rows * cols && partials.len() >= chunks * cols,
-            "rmsnorm_weight_grad: sizes"
-        );
-        let partials = ptr_mut(partials);
-        self.kernels.rmsnorm_weight_grad_partials(
-            ptr(x),
-            ptr(inv_rms),
-            ptr(dy),
-            partials,
-            rows,
-            cols,
-            NORM_ROWS_PER_CHUNK,
-        )?;
-        self.kernels
-            .column_sums(partials, ptr_mut(dweight), chunks, cols, 0)?;
-        Ok(())
-    }
-
-    fn swiglu_forward(
-        &mut self,
-        gate_up: Src<'_, Self, f32>,
-        act: Dst<'_, Self, f32>,
-        inter: usize,
-    ) -> BackendResult {
-        let n = act.len();
-        assert!(
-            gate_up.len() == 2 * n && n.is_multiple_of(inter.max(1)),
-            "swiglu_forward: sizes"
-        );
-        self.kernels
-            .swiglu_forward(ptr(gate_up), ptr_mut(act), inter, n)?;
-        Ok(())
-    }
-
-    fn swiglu_backward(
-        &mut self,
-        gate_up: Src<'_, Self, f32>,
-        dact: Src<'_, Self, f32>,
-        dgate_up: Dst<'_, Self, f32>,
-        inter: usize,
-    ) -> BackendResult {
-        let n = dact.len();
-        assert!(
-            gate_up.len() == 2 * n
-                && dgate_up.len() == gate_up.len()
-                && n.is_multiple_of(inter.max(1)),
-            "swiglu_backward: sizes"
-        );
-        self.kernels
-            .swiglu_backward(ptr(gate_up), ptr(dact), ptr_mut(dgate_up), inter, n)?;
-        Ok(())
-    }
-
-    fn head_residual_forward(
-        &mut self,
-        z: Src<'_, Self, f32>,
-        a: Src<'_, Self, f32>,
-        h: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        let n = h.len();
-        assert!(z.len() == n && a.len() == n, "head_residual_forward: sizes");
-        self.kernels
-            .head_residual_forward(ptr(z), ptr(a), ptr_mut(h), n)?;
-        Ok(())
-    }
-
-    fn head_residual_backward(
-        &mut self,
-        a: Src<'_, Self, f32>,
-        dh: Src<'_, Self, f32>,
-        da: Dst<'_, Self, f32>,
-        dz: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        let n = a.len();
-        assert!(
-            dh.len() == n && da.len() == n && dz.len() == n,
-            "head_residual_backward: sizes"
-        );
-        self.kernels
-            .head_residual_backward(ptr(a), ptr(dh), ptr_mut(da), ptr_mut(dz), n)?;
-        Ok(())
-    }
-
-    fn build_labels(
-        &mut self,
-        input_ids: Src<'_, Self, u32>,
-        loss_mask: Src<'_, Self, u8>,
-        seq_lens: Src<'_, Self, u32>,
-        labels: Dst<'_, Self, i32>,
-        padded_len: usize,
-        vocab: usize,
-    ) -> BackendResult {
-        let tokens = input_ids.len();
-        assert!(
-            padded_len > 0
-                && tokens == seq_lens.len() * padded_len
-                && loss_mask.len() == tokens
-                && labels.len().is_multiple_of(tokens.max(1)),
-            "build_labels: sizes"
-        );
-        let heads = labels.len() / tokens.max(1);
-        self.kernels.build_labels(
-            ptr(input_ids),
-            ptr(loss_mask),
-            ptr(seq_lens),
-            ptr_mut(labels),
-            padded_len,
-            tokens,
-            vocab,
-            heads,
-        )?;
-        Ok(())
-    }
-
-    fn head_loss_scales(
-        &mut self,
-        labels: Src<'_, Self, i32>,
-        head_decay: f32,
-        counts: Dst<'_, Self, u32>,
-        scales: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        let heads = counts.len();
-        assert!(
-            heads > 0 && scales.len() == heads && labels.len().is_multiple_of(heads),
-            "head_loss_scales: sizes"
-        );
-        let tokens = labels.len() / heads;
-        self.kernels.head_loss_scales(
-            ptr(labels),
-            ptr_mut(counts),
-            ptr_mut(scales),
-            tokens,
-            heads,
-            head_decay,
-        )?;
-        Ok(())
-    }
-
-    fn vocab_loss(
-        &mut self,
-        logits: Dst<'_, Self, f32>,
-        labels: Src<'_, Self, i32>,
-        scale: Src<'_, Self, f32>,
-        row_loss: Dst<'_, Self, f32>,
-        vocab: usize,
-    ) -> BackendResult {
-        let rows = labels.len();
-        assert!(
-            logits.len() == rows * vocab && row_loss.len() == rows && scale.len() == 1,
-            "vocab_loss: sizes"
-        );
-        self.kernels.vocab_loss_row(
-            ptr(labels),
-            ptr(scale),
-            ptr_mut(logits),
-            ptr_mut(row_loss),
-            vocab,
-            rows,
-        )?;
-        Ok(())
-    }
-
-    fn sum(
-        &mut self,
-        values: Src<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-        out: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        let n = values.len();
-        let chunk_len = partial_chunk_len(n, REDUCE_CHUNK);
-        let chunks = n.div_ceil(chunk_len);
-        assert!(partials.len() >= chunks && out.len() == 1, "sum: sizes");
-        let partials = ptr_mut(partials);
-        self.kernels
-            .sum_partials(ptr(values), partials, n, chunk_len)?;
-        self.kernels.finish_sum(partials, ptr_mut(out), chunks)?;
-        Ok(())
-    }
-
-    fn grad_norm(
-        &mut self,
-        values: Src<'_, Self, f32>,
-        partials: Dst<'_, Self, f32>,
-        max_norm: f32,
-        norm_and_clip: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        let n = values.len();
-        let chunk_len = partial_chunk_len(n, REDUCE_CHUNK);
-        let chunks = n.div_ceil(chunk_len);
-        assert!(
-            partials.len() >= chunks && norm_and_clip.len() == 2,
-            "grad_norm: sizes"
-        );
-        let partials = ptr_mut(partials);
-        let norm = ptr_mut(norm_and_clip);
-        self.kernels
-            .sum_squares_partials(ptr(values), partials, n, chunk_len)?;
-        self.kernels.finish_grad_norm(
-            partials,
-            element(norm, 0),
-            element(norm, 1),
-            chunks,
-            max_norm,
-        )?;
-        Ok(())
-    }
-
-    fn adamw_advance(
-        &mut self,
-        grad_norm: Src<'_, Self, f32>,
-        hyper: AdamWHyper,
-        state: Dst<'_, Self, f64>,
-        step: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        assert!(
-            grad_norm.len() == 1 && state.len() == 3 && step.len() == 7,
-            "adamw_advance: sizes"
-        );
-        let (constants, schedule) = (hyper.constants(), hyper.schedule());
-        self.kernels.adamw_advance(
-            ptr(grad_norm),
-            ptr_mut(state),
-            adamw_step(ptr_mut(step)),
-            constants.lr,
-            constants.beta1,
-            constants.beta2,
-            constants.eps,
-            constants.weight_decay,
-            schedule.kind,
-            schedule.warmup,
-            schedule.total,
-        )?;
-        Ok(())
-    }
-
-    fn adamw_update(
-        &mut self,
-        params: Dst<'_, Self, f32>,
-        grads: Src<'_, Self, f32>,
-        exp_avg: Dst<'_, Self, f32>,
-        exp_avg_sq: Dst<'_, Self, f32>,
-        norm_and_clip: Src<'_, Self, f32>,
-        step: Src<'_, Self, f32>,
-    ) -> BackendResult {
-        let n = params.len();
-        assert!(
-            grads.len() == n
-                && exp_avg.len() == n
-                && exp_avg_sq.len() == n
-                && norm_and_clip.len() == 2
-                && step.len() == 7,
-            "adamw_update: sizes"
-        );
-        let norm = ptr(norm_and_clip);
-        self.kernels.adamw_update(
-            ptr(grads),
-            element(norm, 0),
-            element(norm, 1),
-            adamw_step(ptr(step)),
-            ptr_mut(params),
-            ptr_mut(exp_avg),
-            ptr_mut(exp_avg_sq),
-            n,
-        )?;
-        Ok(())
-    }
-
-    fn embedding_gather(
-        &mut self,
-        table: Src<'_, Self, f32>,
-        ids: Src<'_, Self, u32>,
-        out: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        dflash::embedding_gather(&self.kernels, table, ids, out)
-    }
-
-    fn rope(
-        &mut self,
-        x: Dst<'_, Self, f32>,
-        positions: Src<'_, Self, u32>,
-        theta: f32,
-        heads: usize,
-        head_dim: usize,
-        inverse: bool,
-    ) -> BackendResult {
-        dflash::rope(&self.kernels, x, positions, theta, heads, head_dim, inverse)
-    }
-
-    fn weighted_vocab_loss(
-        &mut self,
-        logits: Dst<'_, Self, f32>,
-        labels: Src<'_, Self, i32>,
-        weights: Src<'_, Self, f32>,
-        norm: Src<'_, Self, f32>,
-        row_loss: Dst<'_, Self, f32>,
-        correct: Dst<'_, Self, f32>,
-        vocab: usize,
-    ) -> BackendResult {
-        dflash::weighted_vocab_loss(
-            &self.kernels,
-            logits,
-            labels,
-            weights,
-            norm,
-            row_loss,
-            correct,
-            vocab,
-        )
-    }
-
-    fn attention_forward(
-        &mut self,
-        inputs: AttentionInputs<'_, Self>,
-        shape: AttentionShape,
-        out: Dst<'_, Self, f32>,
-        lse: Dst<'_, Self, f32>,
-    ) -> BackendResult {
-        dflash::attention_forward(&self.kernels, inputs, shape, out, lse)
-    }
-
-    fn attention_backward(
-        &mut self,
-        inputs: AttentionInputs<'_, Self>,
-        shape: AttentionShape,
-        saved: AttentionSaved<'_, Self>,
-        delta: Dst<'_, Self, f32>,
-        grads: AttentionGrads<'_, Self>,
-    ) -> BackendResult {
-        dflash::attention_backward(&self.kernels, inputs, shape, saved, delta, grads)
-    }
-
     fn average_gradients(&mut self, grads: Dst<'_, Self, f32>) -> BackendResult {
         if let Some(all_reduce) = &self.all_reduce {
             let n = grads.len();
@@ -1045,5 +623,31 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    crate::backend::eagle3::eagle3_backend_methods!(delegate);
+    fn launch(&mut self, kernel: Kernel<'_, Self>) -> BackendResult {
+        self.kernels.launch(kernel)?;
+        Ok(())
+    }
+
+    fn read<'a, T: Element>(view: Src<'a, Self, T>) -> DevicePtr<T> {
+        ptr(view)
+    }
+
+    fn write<'a, T: Element>(view: Dst<'a, Self, T>) -> DevicePtr<T> {
+        ptr_mut(view)
+    }
+
+    fn split_write<'a, T: 'a>(view: DevicePtr<T>, mid: usize) -> (DevicePtr<T>, DevicePtr<T>) {
+        view.split_at(mid)
+            .unwrap_or_else(|| panic!("split at {mid} of a {}-element view", view.len()))
+    }
+
+    fn reinterpret_read<'a, T: Reinterpret<U> + 'a, U: 'a>(view: DevicePtr<T>) -> DevicePtr<U> {
+        // SAFETY: `Reinterpret` promises that whole `U`s of `T`s are valid and need no stricter alignment.
+        unsafe { view.cast() }
+    }
+
+    fn reinterpret_write<'a, T: Reinterpret<U> + 'a, U: 'a>(view: DevicePtr<T>) -> DevicePtr<U> {
+        // SAFETY: as in `reinterpret_read`.
+        unsafe { view.cast() }
+    }
 }
