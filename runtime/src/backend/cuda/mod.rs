@@ -55,6 +55,7 @@ mod launch;
 mod module;
 mod nccl;
 mod staging;
+mod step_path;
 
 pub use allreduce::{GradientAllReduce, GroupAbort};
 pub use blas::{Gemm, HalfType, Op};
@@ -63,7 +64,9 @@ pub use error::CudaError;
 use graphs::{PartGraphs, PartRun, ended_capture};
 pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
 pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
-use staging::{PinnedInput, SlotHs, SlotPointers};
+use staging::{PinnedInput, PlanStaging, SlotHs, SlotPointers, plan_staging_bytes};
+pub use step_path::{CallCounts, StepPathCounts};
+use step_path::{StepPathCall, StepPathCounter};
 
 use std::sync::Arc;
 
@@ -163,6 +166,7 @@ pub struct CudaBackend {
     launch: LaunchMode,
     graphs: PartGraphs<StepPart, StepGraph>,
     pinned: Vec<PinnedInput>,
+    plan_staging: Vec<PlanStaging>,
     copied: Vec<CudaEvent>,
     slot_free: Vec<CudaEvent>,
     readback: [PinnedHostSlice<f32>; 2],
@@ -172,6 +176,7 @@ pub struct CudaBackend {
     all_reduce: Option<GradientAllReduce>,
     half_operand: Option<HalfOperand>,
     allocated: u64,
+    step_path: StepPathCounter,
 }
 
 impl CudaBackend {
@@ -212,6 +217,9 @@ impl CudaBackend {
         let pinned = (0..layout.input_slots)
             .map(|_| PinnedInput::new(&ctx, slot_hs, (tokens, din, sequences), last_hidden))
             .collect::<Result<Vec<_>, _>>()?;
+        let plan_staging = (0..layout.input_slots)
+            .map(|_| PlanStaging::new(&ctx, plan_staging_bytes(layout)))
+            .collect::<Result<Vec<_>, _>>()?;
         let half_operand = match (
             hs_dtype(layout, "gemm_hs_operand"),
             layout.elements("gemm_hs_operand"),
@@ -244,6 +252,7 @@ impl CudaBackend {
             stop: [timing()?, timing()?],
             done: [host_waited()?, host_waited()?],
             pinned,
+            plan_staging,
             graphs: PartGraphs::new(),
             ctx,
             compute,
@@ -254,6 +263,7 @@ impl CudaBackend {
             all_reduce: None,
             half_operand,
             allocated: cublas_bytes as u64 + half_bytes,
+            step_path: StepPathCounter::default(),
         };
         backend.compute.synchronize()?;
         Ok(backend)
@@ -270,10 +280,23 @@ impl CudaBackend {
         &self.ctx
     }
 
-    /// A pinned, cached host buffer of `len` elements (transfers outside the step path).
-    fn pinned_buffer<T: Element>(&self, len: usize) -> Result<PinnedHostSlice<T>, CudaError> {
+    /// The synchronisations and allocations made on the step path so far (see `step_path.rs`): after a
+    /// bucket's first step, `steady` stays 0.
+    pub fn step_path_counts(&self) -> StepPathCounts {
+        self.step_path.counts()
+    }
+
+    /// A pinned, cached host buffer of `len` elements (transfers outside the step path; counted).
+    fn pinned_buffer<T: Element>(&mut self, len: usize) -> Result<PinnedHostSlice<T>, CudaError> {
+        self.step_path.record(StepPathCall::PinnedAlloc);
         // SAFETY: plain numbers; flags 0 gives cached memory, readable by the host.
         Ok(unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }?)
+    }
+
+    /// Waits for everything queued on the compute stream (outside the step path; counted).
+    fn synchronize_compute(&mut self) -> Result<(), CudaError> {
+        self.step_path.record(StepPathCall::Sync);
+        Ok(self.compute.synchronize()?)
     }
 
     /// `c ← alpha · a · b + beta · c` where `half` (a when `half_is_a`, else b) holds 16-bit hidden states and
@@ -391,6 +414,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc<T: Element>(&mut self, len: usize) -> BackendResult<Buf<Self, T>> {
+        self.step_path.record(StepPathCall::DeviceAlloc);
         // cudarc refuses empty allocations; a zero-length buffer holds one element nobody reads.
         let slice = self
             .compute
@@ -420,7 +444,7 @@ impl Backend for CudaBackend {
             )
         }
         .map_err(CudaError::from)?;
-        self.compute.synchronize().map_err(CudaError::from)?;
+        self.synchronize_compute()?;
         Ok(())
     }
 
@@ -438,7 +462,7 @@ impl Backend for CudaBackend {
             )
         }
         .map_err(CudaError::from)?;
-        self.compute.synchronize().map_err(CudaError::from)?;
+        self.synchronize_compute()?;
         dst.copy_from_slice(&pinned.as_slice().map_err(CudaError::from)?[..n]);
         Ok(())
     }
@@ -449,10 +473,12 @@ impl Backend for CudaBackend {
         batch: HostBatch<'_>,
         input: &mut InputSlot<Self>,
     ) -> BackendResult {
+        self.step_path.staging();
         // The slot's previous step must have consumed it before its pinned copy is overwritten.
         self.slot_free[slot]
             .synchronize()
             .map_err(CudaError::from)?;
+        self.plan_staging[slot].reset();
         let tokens = batch.input_ids.len();
         let n = batch.hs.len();
         let last_hidden_states = match (&mut input.last_hidden_states, batch.last_hidden_states) {
@@ -481,7 +507,26 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn stage_upload<T: Element>(
+        &mut self,
+        slot: usize,
+        dst: Dst<'_, Self, T>,
+        src: &[T],
+    ) -> BackendResult {
+        // SAFETY: `stage(slot)` waited for `slot_free[slot]` and reset the arena, so its earlier copies have run;
+        // `dst` is a view of the layout's buffer (at least `src.len()` long, checked in `enqueue`), which outlives
+        // the copy; `copied[slot]`, recorded after it below, orders it before the step that reads the slot.
+        unsafe {
+            self.plan_staging[slot].enqueue("plan", src, ptr_mut(dst), self.copy.cu_stream())?;
+        }
+        self.copied[slot]
+            .record(&self.copy)
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+
     fn begin_step(&mut self, slot: usize, ring: usize) -> BackendResult {
+        self.step_path.began();
         self.compute
             .wait(&self.copied[slot])
             .map_err(CudaError::from)?;
@@ -496,11 +541,15 @@ impl Backend for CudaBackend {
         part: StepPart,
         body: &mut dyn FnMut(&mut Self) -> BackendResult,
     ) -> BackendResult {
-        if self.launch == LaunchMode::Eager {
-            return body(self);
-        }
         match self.graphs.next(&part) {
-            PartRun::Eager => return body(self),
+            PartRun::Eager => {
+                // A bucket's first step: lazy setup may allocate here (counted apart).
+                self.step_path.first_run(true);
+                let ran = body(self);
+                self.step_path.first_run(false);
+                return ran;
+            }
+            _ if self.launch == LaunchMode::Eager => return body(self),
             PartRun::Capture => {
                 let graph = self.capture(body)?;
                 self.graphs.insert(part, StepGraph(graph));
@@ -542,6 +591,7 @@ impl Backend for CudaBackend {
 
     fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
         self.done[ring].synchronize().map_err(CudaError::from)?;
+        self.step_path.read();
         let values = self.readback[ring].as_slice().map_err(CudaError::from)?;
         if values.len() < STEP_SCALARS {
             return Err(CudaError::LengthMismatch {
