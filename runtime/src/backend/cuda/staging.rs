@@ -179,6 +179,19 @@ unsafe fn stage_hs(
             (PinnedHs::F16(staging), SlotHs::F16(dst), HsSlice::F16(src)) => {
                 copy_async(what, staging, src, dst, stream)?
             }
+            (PinnedHs::Bf16(staging), SlotHs::Bf16(dst), HsSlice::F16(src)) => {
+                // The layout holds f16 hidden states in bf16 slots (`WorkspaceLayout::with_hs_dtype`): their
+                // products are bf16 ones, which round them to bf16 anyway.
+                let n = src.len();
+                check_len(what, dst.len(), n)?;
+                let staged = &mut staging.as_mut_slice().map_err(CudaError::from)?[..n];
+                f16_to_bf16_into(src, staged);
+                enqueue_htod(
+                    &staging.as_slice().map_err(CudaError::from)?[..n],
+                    dst,
+                    stream,
+                )?;
+            }
             (PinnedHs::F32(staging), SlotHs::F32(dst), src) => {
                 let n = src.len();
                 check_len(what, dst.len(), n)?;
@@ -204,6 +217,13 @@ unsafe fn stage_hs(
         }
     }
     Ok(())
+}
+
+/// `src` rounded to bfloat16 (to nearest, ties to even, as the tensor cores' bf16 conversion) into `out`.
+fn f16_to_bf16_into(src: &[f16], out: &mut [bf16]) {
+    for (out, &x) in out.iter_mut().zip(src) {
+        *out = bf16::from_f32(x.to_f32());
+    }
 }
 
 fn check_len(what: &'static str, slot: usize, batch: usize) -> Result<(), CudaError> {
@@ -369,6 +389,25 @@ impl PlanStaging {
 mod tests {
     use super::*;
     use draftpipe_compiler::workspace::{Dtype, WorkspaceBuffer};
+
+    #[test]
+    fn f16_hidden_states_round_to_nearest_even_bf16() {
+        // 1 + 2⁻⁸ is a tie between bf16's 1 and 1 + 2⁻⁷: to even, 1; 1 + 3·2⁻⁸ rounds up to 1 + 2⁻⁶; the
+        // smallest f16 subnormal and f16's largest value are bf16-exact or round as f32 would.
+        let src = [
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            2f32.powi(-24),
+            -65504.0,
+        ]
+        .map(f16::from_f32);
+        let mut out = [bf16::ZERO; 4];
+        f16_to_bf16_into(&src, &mut out);
+        assert_eq!(
+            out.map(bf16::to_f32),
+            [1.0, 1.0 + 2f32.powi(-6), 2f32.powi(-24), -65536.0]
+        );
+    }
 
     #[test]
     fn a_plan_arena_packs_aligned_arrays_until_it_is_full() {
