@@ -271,7 +271,8 @@ unsafe fn enqueue_htod<T: DeviceRepr>(
 
 /// The layout's buffers of input slot 0 that [`PinnedInput`] does not stage (what a family builds on the host
 /// per batch: `dflash`'s block plan), as bytes of a [`PlanStaging`] arena: each rounded up to
-/// [`PLAN_ALIGN`], as the arena packs them.
+/// [`PLAN_ALIGN`], as the arena packs them, with [`PLAN_ALIGN`] more so that a buffer may be staged in two
+/// parts (`dflash`'s positions: the context rows, then the block rows).
 pub(crate) fn plan_staging_bytes(layout: &WorkspaceLayout) -> usize {
     const BATCH: [&str; 5] = ["hs", "last_hs", "input_ids", "seq_lens", "loss_mask"];
     layout
@@ -279,7 +280,7 @@ pub(crate) fn plan_staging_bytes(layout: &WorkspaceLayout) -> usize {
         .iter()
         .filter_map(|b| b.name.strip_prefix("input0.").map(|field| (field, b)))
         .filter(|(field, _)| !BATCH.contains(field))
-        .map(|(_, b)| (b.elements * b.dtype.bytes()).next_multiple_of(PLAN_ALIGN))
+        .map(|(_, b)| (b.elements * b.dtype.bytes()).next_multiple_of(PLAN_ALIGN) + PLAN_ALIGN)
         .sum()
 }
 
@@ -460,10 +461,10 @@ mod tests {
                 buffer("logits", Dtype::F32, 100),
             ],
         };
-        // 20 → 32, 20 → 32, 4 → 16: what `claim` packs them into, in any order.
-        assert_eq!(plan_staging_bytes(&layout), 80);
+        // 20 → 32, 20 → 32, 4 → 16, each with 16 to spare: room for every buffer in two parts, in any order.
+        assert_eq!(plan_staging_bytes(&layout), 128);
         let mut cursor = PlanCursor::new(plan_staging_bytes(&layout));
-        for bytes in [4, 20, 20] {
+        for bytes in [4, 4, 8, 12, 20] {
             cursor.claim(bytes).expect("fits");
         }
     }
