@@ -117,6 +117,8 @@ struct InFlight {
 
 /// A drafter (any model family) on backend `B`. See the module docs.
 pub struct Drafter<B: Backend> {
+    /// Declared before `model`, so it drops first: the CUDA backend's `Drop` waits for its streams before the
+    /// model's device buffers, which work in flight may still read, are freed.
     backend: B,
     model: Box<dyn Family<B>>,
     buckets: Vec<BucketPlan>,
