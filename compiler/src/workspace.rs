@@ -148,7 +148,14 @@ impl WorkspaceLayout {
     /// host→device copy moves 16-bit values) and the products read them as 16-bit GEMM inputs against a 16-bit
     /// copy of the other operand, `gemm_hs_operand` ([`WorkspaceLayout::hs_operand_elements`]); at f32 or TF32
     /// the CUDA slots stay f32 and the host widens while filling the pinned staging buffer, since cuBLAS has no
-    /// product of 16-bit by f32 operands. `None` on overflow.
+    /// product of 16-bit by f32 operands.
+    ///
+    /// f16 hidden states on CUDA are held in bf16 slots (the host rounds them while staging) and
+    /// `gemm_hs_operand` is bf16: cuBLAS multiplies f16 only by f16, and an f16 copy of the `fc` weight
+    /// gradient's upstream gradient (1e-8 to 1e-5 at real vocabularies, below f16's normal range from 6.1e-5)
+    /// would lose its bits or become zero, where bf16 keeps f32's range. A bf16 product rounds the hidden states
+    /// to bf16 anyway, so nothing else changes; the CPU's tiles round at the same points. EAGLE-3's
+    /// `last_hs`, which no 16-bit product reads, stays f16. `None` on overflow.
     pub fn with_hs_dtype(mut self, backend: BackendKind, hs: HsDtype) -> Option<Self> {
         let dtype = match hs {
             HsDtype::F32 => return Some(self),
@@ -158,13 +165,17 @@ impl WorkspaceLayout {
         if backend == BackendKind::Cuda && self.hs_operand_elements == 0 {
             return Some(self);
         }
+        let product_dtype = match backend {
+            BackendKind::Cuda => Dtype::Bf16,
+            BackendKind::Cpu => dtype,
+        };
         let mut din = 0;
         for buffer in &mut self.buffers {
             // `input{slot}.last_hs` (EAGLE-3's teacher input) arrives in the batch's dtype too.
             if buffer.name.starts_with("input") && buffer.name.ends_with(".last_hs") {
                 buffer.dtype = dtype;
             } else if buffer.name.starts_with("input") && buffer.name.ends_with(".hs") {
-                buffer.dtype = dtype;
+                buffer.dtype = product_dtype;
                 din = buffer.elements / self.tokens.max(1);
             }
         }
@@ -174,7 +185,7 @@ impl WorkspaceLayout {
                 Dtype::F32,
                 HS_TILE_ROWS.min(self.tokens).checked_mul(din)?,
             ),
-            BackendKind::Cuda => ("gemm_hs_operand", dtype, self.hs_operand_elements),
+            BackendKind::Cuda => ("gemm_hs_operand", product_dtype, self.hs_operand_elements),
         };
         self.buffers.push(WorkspaceBuffer {
             name: name.to_owned(),

@@ -167,3 +167,56 @@ fn cuda_input_slots_hold_bf16_at_bf16_precision_beside_one_16_bit_operand_copy()
         Some((Dtype::Bf16, tokens * width))
     );
 }
+
+/// f16 hidden states on CUDA at bf16 precision are held in bf16 slots beside a bf16 operand copy: an f16 copy
+/// of the `fc` weight gradient's upstream gradient (1e-8 to 1e-5) would underflow (issue 19, "16-bit
+/// gradients"). The CPU keeps f16 slots (its tiles round to bf16 as it multiplies), and EAGLE-3's `last_hs`,
+/// which no 16-bit product reads, stays f16 on both.
+#[test]
+fn f16_hidden_states_reach_cuda_products_as_bf16() {
+    use draftpipe_compiler::plan::{BackendKind, Precision, WorkspaceLayout};
+    use draftpipe_compiler::workspace::{Dtype, WorkspaceBuffer};
+
+    let f16_text = DFLASH.replace("hs_dtype     = bf16", "hs_dtype     = f16");
+    assert_ne!(f16_text, DFLASH, "the pipeline names its hs_dtype");
+    let plan = compile_source("dflash.pipe", &f16_text).unwrap();
+    assert_eq!(plan.drafter.precision, Precision::Bf16);
+    let dtype = |layout: &WorkspaceLayout, name: &str| {
+        layout
+            .buffers
+            .iter()
+            .find(|b| b.name == name)
+            .map(|b| b.dtype)
+    };
+    let gpu = plan.workspace_layout(Device::Gpu(5)).unwrap();
+    assert_eq!(dtype(&gpu, "input0.hs"), Some(Dtype::Bf16));
+    assert_eq!(dtype(&gpu, "input1.hs"), Some(Dtype::Bf16));
+    assert_eq!(dtype(&gpu, "gemm_hs_operand"), Some(Dtype::Bf16));
+    let cpu = plan.workspace_layout(Device::Cpu).unwrap();
+    assert_eq!(dtype(&cpu, "input0.hs"), Some(Dtype::F16));
+
+    let with_last_hs = |backend| {
+        let layout = WorkspaceLayout {
+            tokens: 4,
+            sequences: 1,
+            chunk_rows: 4,
+            input_slots: 1,
+            hs_operand_elements: 16,
+            buffers: ["input0.hs", "input0.last_hs"]
+                .map(|name| WorkspaceBuffer {
+                    name: name.to_owned(),
+                    dtype: Dtype::F32,
+                    elements: 16,
+                })
+                .to_vec(),
+        };
+        layout.with_hs_dtype(backend, HsDtype::F16).unwrap()
+    };
+    let cuda = with_last_hs(BackendKind::Cuda);
+    assert_eq!(dtype(&cuda, "input0.hs"), Some(Dtype::Bf16));
+    assert_eq!(dtype(&cuda, "input0.last_hs"), Some(Dtype::F16));
+    assert_eq!(
+        dtype(&with_last_hs(BackendKind::Cpu), "input0.last_hs"),
+        Some(Dtype::F16)
+    );
+}

@@ -1,14 +1,18 @@
 //! What only CUDA has: the graph and eager launch modes give the same steps (losses within 1e-6 relative,
-//! parameters within 1e-6 relative L2 after 5 steps), and replicas on every device that average identical
-//! gradients with NCCL (eagerly, between the captured parts) follow the single drafter. The comparisons with
+//! parameters within 1e-6 relative L2 after 5 steps), replicas on every device that average identical
+//! gradients with NCCL (eagerly, between the captured parts) follow the single drafter, and a DFlash bucket's
+//! steps after its first neither synchronise nor allocate (the backend's step-path counter reads 0). The comparisons with
 //! the CPU are in `backend_step.rs`, for every backend. Skips only without a driver (and the NCCL test without
 //! NCCL), saying so; `DRAFTPIPE_REQUIRE_GPU=1` makes both skips failures.
 
 mod backends;
 mod cpu_step_support;
+mod dflash_support;
 
 use cpu_step_support::{adamw, bucket, loss, model, random_batch};
-use draftpipe_compiler::plan::{LaunchMode, MlpSpec, Precision};
+use draftpipe_compiler::plan::{
+    DFLASH_RMS_NORM_EPS, DflashSpec, LaunchMode, MlpSpec, ModelPlan, Precision,
+};
 use draftpipe_runtime::backend::cuda::{GradientAllReduce, discover_devices};
 use draftpipe_runtime::batch::{HsBatch, HsDtype};
 use draftpipe_runtime::drafter::cuda::CudaDrafter;
@@ -147,4 +151,65 @@ fn all_reduced_replicas_follow_the_single_drafter() {
             );
         }
     }
+}
+
+/// Three steps of one DFlash bucket (graphs on: eager first run, capture, replay), each batch staged while the
+/// step before runs: after the bucket's first step, no stream synchronisation, device allocation or pinned
+/// allocation happened on the step path (before the plan went through the slot's pinned arena, every staged
+/// batch made nine of each).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
+fn a_dflash_bucket_stages_and_steps_without_syncs_or_allocations_after_its_first_step() {
+    if backends::cuda_or_skip("a_dflash_bucket_stages_and_steps_without_syncs").is_none() {
+        return;
+    }
+    let spec = DflashSpec {
+        hidden: 32,
+        taps: 2,
+        tap_layers: vec![1, 2],
+        vocab: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        intermediate: 48,
+        block: 4,
+        anchors: 4,
+        mask_token: 63,
+        rope_theta: 10000.0,
+        rms_norm_eps: DFLASH_RMS_NORM_EPS,
+    };
+    let model = ModelPlan::new(spec.clone());
+    let (padded_len, sequences) = (32, 2);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
+    let mut drafter = CudaDrafter::on_device(
+        0,
+        &model,
+        (loss(1.0, 32), adamw(3e-3), Precision::Bf16),
+        (&[bucket(padded_len, sequences)], HsDtype::F32),
+        LaunchMode::Graph,
+        None,
+    )
+    .expect("CUDA drafter");
+    let frozen: Vec<f32> = dflash_support::uniform(&mut rng, spec.vocab * spec.hidden, 1.0)
+        .iter()
+        .map(|&x| x as f32)
+        .collect();
+    drafter.upload_frozen(&frozen, &frozen).expect("frozen");
+    drafter
+        .upload_state(&FlatState::init(&model, 1))
+        .expect("upload");
+    let din = spec.taps * spec.hidden;
+    let mut outcomes = Vec::new();
+    for _ in 0..3 {
+        let batch = dflash_support::random_batch(&mut rng, padded_len, sequences, din, spec.vocab);
+        drafter.stage(&batch).expect("stage");
+        outcomes.extend(drafter.step().expect("step"));
+    }
+    outcomes.extend(drafter.finish().expect("finish"));
+    assert_eq!(outcomes.len(), 3);
+    assert!(outcomes.iter().all(|o| o.loss.is_finite()), "{outcomes:?}");
+    let counts = drafter.backend().step_path_counts();
+    println!("step path: {counts:?}");
+    assert_eq!(counts.steady.total(), 0, "{counts:?}");
 }

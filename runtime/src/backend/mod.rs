@@ -234,6 +234,21 @@ pub trait Backend: Sized + Send + 'static {
         input: &mut InputSlot<Self>,
     ) -> BackendResult;
 
+    /// Copies `src` into `dst`, a buffer the next step reading input slot `slot` needs beside the batch (what a
+    /// family builds on the host per batch: `dflash`'s block plan), after [`Backend::stage`] of that slot and
+    /// ordered like the batch: on CUDA through the slot's pinned plan staging on the copy stream, before the next
+    /// step that reads the slot, never waiting nor allocating. The default copies at once ([`Backend::upload`]),
+    /// right for a synchronous backend.
+    fn stage_upload<T: Element>(
+        &mut self,
+        slot: usize,
+        dst: Dst<'_, Self, T>,
+        src: &[T],
+    ) -> BackendResult {
+        let _ = slot;
+        self.upload(dst, src)
+    }
+
     /// Marks the start of the step reading `slot` (CUDA: the compute stream waits for the slot's copy and
     /// records the step's start event in `ring`).
     fn begin_step(&mut self, slot: usize, ring: usize) -> BackendResult;

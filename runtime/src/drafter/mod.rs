@@ -26,7 +26,9 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use draftpipe_compiler::plan::{AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision};
+use draftpipe_compiler::plan::{
+    AdamWSpec, BackendKind, BucketPlan, LossSpec, ModelPlan, Precision,
+};
 
 use crate::backend::{Backend, HostBatch, StepPart};
 use crate::batch::{HsBatch, HsDtype};
@@ -115,6 +117,8 @@ struct InFlight {
 
 /// A drafter (any model family) on backend `B`. See the module docs.
 pub struct Drafter<B: Backend> {
+    /// Declared before `model`, so it drops first: the CUDA backend's `Drop` waits for its streams before the
+    /// model's device buffers, which work in flight may still read, are freed.
     backend: B,
     model: Box<dyn Family<B>>,
     buckets: Vec<BucketPlan>,
@@ -328,9 +332,13 @@ impl<B: Backend> Drafter<B> {
                 got: batch.din,
             });
         }
-        // A slot widens a narrower batch exactly; it never rounds one.
+        // A slot widens a narrower batch exactly; it never rounds one, except that CUDA holds f16 batches in bf16
+        // slots (its products of them are bf16 ones: `WorkspaceLayout::with_hs_dtype`).
         let slot_dtype = self.model.input_hs_dtype();
-        if batch.hs.dtype() != slot_dtype && slot_dtype != HsDtype::F32 {
+        let held_as_bf16 = batch.hs.dtype() == HsDtype::F16
+            && slot_dtype == HsDtype::Bf16
+            && self.backend.kind() == BackendKind::Cuda;
+        if batch.hs.dtype() != slot_dtype && slot_dtype != HsDtype::F32 && !held_as_bf16 {
             return Err(StepError::HsDtype {
                 expected: slot_dtype.name(),
                 got: batch.hs.dtype().name(),

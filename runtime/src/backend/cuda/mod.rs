@@ -1,9 +1,12 @@
 //! The CUDA backend: buffers are device allocations addressed by raw pointers, every step-path operation is
 //! enqueued on the compute stream (cuBLAS for the products, our PTX kernels for the rest) and nothing on it
-//! syncs or allocates, so a part of the step can be captured once as a graph and replayed.
+//! syncs or allocates, so a part of the step can be captured once as a graph and replayed. Every stream
+//! synchronisation and allocation the backend makes is counted where it falls on the step path
+//! ([`CudaBackend::step_path_counts`], `step_path.rs`).
 //!
 //! ```text
 //!  host   stage(slot): wait slot_free[slot] ─▶ pinned copy ─▶ copy stream: H2D into the slot ─▶ copied[slot]
+//!         stage_upload(slot): the family's plan ─▶ the slot's pinned arena ─▶ copy stream: H2D ─▶ copied[slot]
 //!  device begin_step: compute waits copied[slot], start[ring] ─▶ graph A (bucket, slot) ─▶ NCCL average (eager)
 //!         ─▶ graph B (update) ─▶ stop[ring], slot_free[slot] ─▶ D2H [grad_norm, clip, loss] ─▶ done[ring]
 //!  host   read_results(ring): wait done[ring] (blocking-sync event: the thread sleeps, no core spins)
@@ -20,13 +23,15 @@
 //! f32 master weights) and accumulate in f32 into an f32 output, so no bf16 copy has to be kept, and the master
 //! weights, gradients and AdamW moments stay f32.
 //!
-//! Hidden states held in bf16 (f16) stay so on the device at `bf16` precision: the input slots hold them as they
-//! arrive (the host→device copy moves 16-bit values), and the two products that read them (the `fc` forward and
-//! its weight gradient) are `cublasGemmEx` with 16-bit inputs, f32 accumulation and an f32 output. cuBLAS
-//! multiplies bf16 only by bf16, so the other operand (the f32 `fc` weight, or the f32 upstream gradient) is
-//! first rounded to the same 16-bit type by the `round_to_half` kernel into the layout's `gemm_hs_operand`: the
-//! value the tensor cores would have used at `bf16` precision anyway, for bf16 hidden states. At f32 or TF32
-//! the layout keeps f32 slots and the host widens while staging (cuBLAS has no 16-bit × f32 product).
+//! Hidden states held in 16 bits stay so on the device at `bf16` precision: the input slots hold them in bf16
+//! (the host→device copy moves 16-bit values; f16 batches are rounded to bf16 while staging), and the two
+//! products that read them (the `fc` forward and its weight gradient) are `cublasGemmEx` with bf16 inputs, f32
+//! accumulation and an f32 output. cuBLAS multiplies bf16 only by bf16, so the other operand (the f32 `fc`
+//! weight, or the f32 upstream gradient) is first rounded to bf16 by the `round_to_half` kernel into the
+//! layout's `gemm_hs_operand`: the value the tensor cores would have used at `bf16` precision anyway. Not f16
+//! for f16 batches: the weight gradient's upstream gradient (1e-8 to 1e-5 at real vocabularies) would underflow
+//! in f16, where bf16 keeps f32's exponent range. At f32 or TF32 the layout keeps f32 slots and the host widens
+//! while staging (cuBLAS has no 16-bit × f32 product).
 //!
 //! What the backend is made of lives beside it, all through `cudarc`: device discovery ([`discover_devices`],
 //! never panics without a driver), the kernels' PTX (built from `gpu-kernels` by `build.rs`, loaded as one
@@ -53,28 +58,29 @@ mod launch;
 mod module;
 mod nccl;
 mod staging;
+mod step_path;
 
 pub use allreduce::{GradientAllReduce, GroupAbort};
 pub use blas::{Gemm, HalfType, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
 pub use error::CudaError;
-use graphs::{PartGraphs, PartRun, ended_capture};
+use graphs::{PartGraphs, StepGraph};
 pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
 pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
-use staging::{PinnedInput, SlotHs, SlotPointers};
+use staging::{PinnedInput, PlanStaging, SlotHs, SlotPointers, plan_staging_bytes};
+pub use step_path::{CallCounts, StepPathCounts};
+use step_path::{StepPathCall, StepPathCounter};
 
 use std::sync::Arc;
 
 use cudarc::driver::result as driver;
-use cudarc::driver::sys::{
-    CUdeviceptr, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode_enum,
-};
+use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr as _, PinnedHostSlice,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr as _, PinnedHostSlice,
 };
 use draftpipe_compiler::plan::{BackendKind, LaunchMode, WorkspaceLayout};
 use draftpipe_compiler::workspace::{CUBLAS_WORKSPACE_BYTES, Dtype, STEP_SCALARS};
-use draftpipe_gpu_kernels::convert::{FORMAT_BF16, FORMAT_F16};
+use draftpipe_gpu_kernels::convert::FORMAT_BF16;
 
 use super::{
     Backend, BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc,
@@ -113,14 +119,6 @@ fn hs_dtype(layout: &WorkspaceLayout, name: &str) -> Option<HsDtype> {
     }
 }
 
-/// A captured step part. `CudaGraph` holds raw driver handles and so is not `Send`, but a graph exec may be
-/// launched from any thread (cudarc binds the context on launch); the backend owning it uses it from one
-/// thread at a time.
-struct StepGraph(CudaGraph);
-
-// SAFETY: see above; the graph is only reached through `&mut CudaBackend`.
-unsafe impl Send for StepGraph {}
-
 /// The 16-bit copy of a product's f32 operand when the other holds 16-bit hidden states (the layout's
 /// `gemm_hs_operand`), and the 16-bit type it holds.
 struct HalfOperand {
@@ -139,6 +137,7 @@ pub struct CudaBackend {
     launch: LaunchMode,
     graphs: PartGraphs<StepPart, StepGraph>,
     pinned: Vec<PinnedInput>,
+    plan_staging: Vec<PlanStaging>,
     copied: Vec<CudaEvent>,
     slot_free: Vec<CudaEvent>,
     readback: [PinnedHostSlice<f32>; 2],
@@ -148,6 +147,7 @@ pub struct CudaBackend {
     all_reduce: Option<GradientAllReduce>,
     half_operand: Option<HalfOperand>,
     allocated: u64,
+    step_path: StepPathCounter,
 }
 
 impl CudaBackend {
@@ -183,6 +183,9 @@ impl CudaBackend {
         let pinned = (0..layout.input_slots)
             .map(|_| PinnedInput::new(&ctx, slot_hs, (tokens, din, sequences), last_hidden))
             .collect::<Result<Vec<_>, _>>()?;
+        let plan_staging = (0..layout.input_slots)
+            .map(|_| PlanStaging::new(&ctx, plan_staging_bytes(layout)))
+            .collect::<Result<Vec<_>, _>>()?;
         let half_operand = match (
             hs_dtype(layout, "gemm_hs_operand"),
             layout.elements("gemm_hs_operand"),
@@ -215,6 +218,7 @@ impl CudaBackend {
             stop: [timing()?, timing()?],
             done: [host_waited()?, host_waited()?],
             pinned,
+            plan_staging,
             graphs: PartGraphs::new(),
             ctx,
             compute,
@@ -225,6 +229,7 @@ impl CudaBackend {
             all_reduce: None,
             half_operand,
             allocated: cublas_bytes as u64 + half_bytes,
+            step_path: StepPathCounter::default(),
         };
         backend.compute.synchronize()?;
         Ok(backend)
@@ -241,10 +246,23 @@ impl CudaBackend {
         &self.ctx
     }
 
-    /// A pinned, cached host buffer of `len` elements (transfers outside the step path).
-    fn pinned_buffer<T: Element>(&self, len: usize) -> Result<PinnedHostSlice<T>, CudaError> {
+    /// The synchronisations and allocations made on the step path so far (see `step_path.rs`): after a
+    /// bucket's first step, `steady` stays 0.
+    pub fn step_path_counts(&self) -> StepPathCounts {
+        self.step_path.counts()
+    }
+
+    /// A pinned, cached host buffer of `len` elements (transfers outside the step path; counted).
+    fn pinned_buffer<T: Element>(&mut self, len: usize) -> Result<PinnedHostSlice<T>, CudaError> {
+        self.step_path.record(StepPathCall::PinnedAlloc);
         // SAFETY: plain numbers; flags 0 gives cached memory, readable by the host.
         Ok(unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }?)
+    }
+
+    /// Waits for everything queued on the compute stream (outside the step path; counted).
+    fn synchronize_compute(&mut self) -> Result<(), CudaError> {
+        self.step_path.record(StepPathCall::Sync);
+        Ok(self.compute.synchronize()?)
     }
 
     /// `c ← alpha · a · b + beta · c` where `half` (a when `half_is_a`, else b) holds 16-bit hidden states and
@@ -259,15 +277,20 @@ impl CudaBackend {
         (alpha, beta): (f32, f32),
         precision: Precision,
     ) -> BackendResult {
-        let (half_addr, input) = match half.data {
-            HsSrc::Bf16(view) => (ptr(view).addr(), HalfType::Bf16),
-            HsSrc::F16(view) => (ptr(view).addr(), HalfType::F16),
+        let half_addr = match half.data {
+            HsSrc::Bf16(view) => ptr(view).addr(),
+            // The layout holds f16 batches in bf16 slots: an f16 copy of the weight gradient's upstream gradient
+            // (1e-8..1e-5) would underflow (`WorkspaceLayout::with_hs_dtype`).
+            HsSrc::F16(_) => {
+                return Err(BackendError::Unsupported(
+                    "a CUDA product of f16 hidden states (the layout holds them in bf16 input slots, since \
+                     an f16 copy of the upstream gradient underflows)"
+                        .to_owned(),
+                ));
+            }
             HsSrc::F32(_) => unreachable!("gemm_half: the hidden-state operand is f32"),
         };
-        let dtype = match input {
-            HalfType::Bf16 => HsDtype::Bf16,
-            HalfType::F16 => HsDtype::F16,
-        };
+        let (input, dtype) = (HalfType::Bf16, HsDtype::Bf16);
         if precision != Precision::Bf16 {
             return Err(BackendError::Unsupported(format!(
                 "a {precision:?} product with {} hidden states on CUDA (their input slots hold f32 at f32 and \
@@ -288,12 +311,8 @@ impl CudaBackend {
         let n_wide = wide.data.len();
         // SAFETY: the copy's allocation holds `copy.len ≥ n_wide` u16s.
         let rounded = unsafe { DevicePtr::<u16>::from_raw(copy.buffer.ptr, copy.len) };
-        let format = match input {
-            HalfType::Bf16 => FORMAT_BF16,
-            HalfType::F16 => FORMAT_F16,
-        };
         self.kernels
-            .round_to_half(ptr(wide.data), rounded, n_wide, format)?;
+            .round_to_half(ptr(wide.data), rounded, n_wide, FORMAT_BF16)?;
         let op = |transposed: bool| if transposed { Op::T } else { Op::N };
         let half_side = (op(half.transposed), half_addr);
         let wide_side = (op(wide.transposed), rounded.addr());
@@ -310,24 +329,6 @@ impl CudaBackend {
                 .row_major_16(a, b, ptr_mut(c).addr(), (m, n, k), (alpha, beta), input)
         }?;
         Ok(())
-    }
-
-    fn capture(
-        &mut self,
-        body: &mut dyn FnMut(&mut Self) -> BackendResult,
-    ) -> BackendResult<CudaGraph> {
-        self.compute
-            .begin_capture(CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(CudaError::from)?;
-        let (enqueued, graph) = ended_capture(self, body, |backend| {
-            backend.compute.end_capture(CUgraphInstantiate_flags(0))
-        });
-        enqueued?;
-        let graph = graph
-            .map_err(CudaError::from)?
-            .ok_or(CudaError::EmptyCapture)?;
-        graph.upload().map_err(CudaError::from)?;
-        Ok(graph)
     }
 }
 
@@ -364,6 +365,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc<T: Element>(&mut self, len: usize) -> BackendResult<Buf<Self, T>> {
+        self.step_path.record(StepPathCall::DeviceAlloc);
         // cudarc refuses empty allocations; a zero-length buffer holds one element nobody reads.
         let slice = self
             .compute
@@ -393,7 +395,7 @@ impl Backend for CudaBackend {
             )
         }
         .map_err(CudaError::from)?;
-        self.compute.synchronize().map_err(CudaError::from)?;
+        self.synchronize_compute()?;
         Ok(())
     }
 
@@ -411,7 +413,7 @@ impl Backend for CudaBackend {
             )
         }
         .map_err(CudaError::from)?;
-        self.compute.synchronize().map_err(CudaError::from)?;
+        self.synchronize_compute()?;
         dst.copy_from_slice(&pinned.as_slice().map_err(CudaError::from)?[..n]);
         Ok(())
     }
@@ -422,10 +424,12 @@ impl Backend for CudaBackend {
         batch: HostBatch<'_>,
         input: &mut InputSlot<Self>,
     ) -> BackendResult {
+        self.step_path.staging();
         // The slot's previous step must have consumed it before its pinned copy is overwritten.
         self.slot_free[slot]
             .synchronize()
             .map_err(CudaError::from)?;
+        self.plan_staging[slot].reset();
         let tokens = batch.input_ids.len();
         let n = batch.hs.len();
         let last_hidden_states = match (&mut input.last_hidden_states, batch.last_hidden_states) {
@@ -454,7 +458,26 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn stage_upload<T: Element>(
+        &mut self,
+        slot: usize,
+        dst: Dst<'_, Self, T>,
+        src: &[T],
+    ) -> BackendResult {
+        // SAFETY: `stage(slot)` waited for `slot_free[slot]` and reset the arena, so its earlier copies have run;
+        // `dst` is a view of the layout's buffer (at least `src.len()` long, checked in `enqueue`), which outlives
+        // the copy; `copied[slot]`, recorded after it below, orders it before the step that reads the slot.
+        unsafe {
+            self.plan_staging[slot].enqueue("plan", src, ptr_mut(dst), self.copy.cu_stream())?;
+        }
+        self.copied[slot]
+            .record(&self.copy)
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+
     fn begin_step(&mut self, slot: usize, ring: usize) -> BackendResult {
+        self.step_path.began();
         self.compute
             .wait(&self.copied[slot])
             .map_err(CudaError::from)?;
@@ -469,20 +492,7 @@ impl Backend for CudaBackend {
         part: StepPart,
         body: &mut dyn FnMut(&mut Self) -> BackendResult,
     ) -> BackendResult {
-        if self.launch == LaunchMode::Eager {
-            return body(self);
-        }
-        match self.graphs.next(&part) {
-            PartRun::Eager => return body(self),
-            PartRun::Capture => {
-                let graph = self.capture(body)?;
-                self.graphs.insert(part, StepGraph(graph));
-            }
-            PartRun::Replay => {}
-        }
-        let graph = self.graphs.get(&part).ok_or(CudaError::EmptyCapture)?;
-        graph.0.launch().map_err(CudaError::from)?;
-        Ok(())
+        graphs::run_part(self, part, body)
     }
 
     fn end_step(&mut self, slot: usize, ring: usize, scalars: Src<'_, Self, f32>) -> BackendResult {
@@ -515,6 +525,7 @@ impl Backend for CudaBackend {
 
     fn read_results(&mut self, ring: usize) -> BackendResult<StepResults> {
         self.done[ring].synchronize().map_err(CudaError::from)?;
+        self.step_path.read();
         let values = self.readback[ring].as_slice().map_err(CudaError::from)?;
         if values.len() < STEP_SCALARS {
             return Err(CudaError::LengthMismatch {

@@ -3,7 +3,7 @@
 //! `lm_head` in a chunked weighted loss, the full backward, and the update every model shares.
 //!
 //! ```text
-//!  stage     host: block plan (anchors, ids, positions, mask ranges, labels, weights) ──upload──▶ plan slot
+//!  stage     host: block plan (anchors, ids, positions, mask ranges, labels, weights) ──stage_upload──▶ plan slot
 //!  context   c = hidden_norm(hs·fcᵀ)                                        [T, H], once per sequence
 //!  blocks    x₀ = embed[block ids]                                          [Q, H], frozen embedding
 //!  layer     n = rmsnorm(x); q = rope(q_norm(n·Wqᵀ)); k/v of the block rows from n, of the context rows
@@ -18,8 +18,9 @@
 //!
 //! Nothing here reads back or allocates on the step path: every size is the bucket's, the loss, the per-slot
 //! correct counts and AdamW's state stay in device buffers, so the CUDA backend can capture each part as a graph.
-//! The block plan is uploaded when the batch is staged (on CUDA that upload waits for the stream, so staging a
-//! DFlash batch does not yet overlap the step in flight; the mlp's does).
+//! The block plan is copied when the batch is staged, through [`Backend::stage_upload`]: on CUDA into the input
+//! slot's pinned plan arena and from there on the copy stream with the hidden states, so staging a DFlash batch
+//! neither waits for the step in flight nor allocates.
 
 pub mod blocks;
 mod buffers;
@@ -672,21 +673,23 @@ impl<B: Backend> Family<B> for Dflash<B> {
         let plan = &self.plan;
         let dev = &mut self.ws.plans[slot];
         let (t, q) = (plan.context_positions.len(), plan.query_rows());
-        be.upload(dev.block_ids.at_mut(0, q), &plan.block_ids)?;
-        be.upload(dev.positions.at_mut(0, t), &plan.context_positions)?;
-        be.upload(dev.positions.at_mut(t, q), &plan.block_positions)?;
-        be.upload(dev.query_ranges.at_mut(0, 4 * q), &plan.query_ranges)?;
-        be.upload(
+        be.stage_upload(slot, dev.block_ids.at_mut(0, q), &plan.block_ids)?;
+        be.stage_upload(slot, dev.positions.at_mut(0, t), &plan.context_positions)?;
+        be.stage_upload(slot, dev.positions.at_mut(t, q), &plan.block_positions)?;
+        be.stage_upload(slot, dev.query_ranges.at_mut(0, 4 * q), &plan.query_ranges)?;
+        be.stage_upload(
+            slot,
             dev.context_key_ranges.at_mut(0, 2 * t),
             &plan.context_key_ranges,
         )?;
-        be.upload(
+        be.stage_upload(
+            slot,
             dev.block_key_ranges.at_mut(0, 2 * q),
             &plan.block_key_ranges,
         )?;
-        be.upload(dev.labels.at_mut(0, q), &plan.labels)?;
-        be.upload(dev.weights.at_mut(0, q), &plan.weights)?;
-        be.upload(dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
+        be.stage_upload(slot, dev.labels.at_mut(0, q), &plan.labels)?;
+        be.stage_upload(slot, dev.weights.at_mut(0, q), &plan.weights)?;
+        be.stage_upload(slot, dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
         Ok(Some(self.plan.slot_labels.clone()))
     }
 }
