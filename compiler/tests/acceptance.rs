@@ -74,7 +74,8 @@ fn the_section_becomes_the_plans_acceptance_spec_with_its_defaults() {
     );
     let summary = Summary(&full).to_string();
     assert!(
-        summary.contains("acceptance: every 5 steps, the draft-and-verify loop against t on p.jsonl"),
+        summary
+            .contains("acceptance: every 5 steps, the draft-and-verify loop against t on p.jsonl"),
         "{summary}"
     );
     // The plan's JSON round-trips, and a plan without the section has none.
@@ -109,13 +110,19 @@ fn bad_keys_and_values_are_spanned_errors() {
         "missing required key `prompts` in `acceptance`",
         "missing required key `every` in `acceptance`",
     ] {
-        assert!(missing.contains(expected), "missing {expected:?} in:\n{missing}");
+        assert!(
+            missing.contains(expected),
+            "missing {expected:?} in:\n{missing}"
+        );
     }
     let twice = errors(&format!(
         "{}acceptance {{ target = \"t\" prompts = \"p\" every = 1 }}\n",
         pipeline(DFLASH, r#"target = "t" prompts = "p" every = 1"#)
     ));
-    assert!(twice.contains("a pipeline has one `acceptance` section"), "{twice}");
+    assert!(
+        twice.contains("a pipeline has one `acceptance` section"),
+        "{twice}"
+    );
 }
 
 #[test]
