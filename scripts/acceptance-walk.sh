@@ -80,6 +80,10 @@ else
 fi
 # A queue item holds 8 conversations (bucket 256, 2048 tokens), filled across messages and epochs: one step each.
 steps=$(( (prompts * epochs + 7) / 8 ))
+# The learning-rate schedule is laid out over the file's `steps` (not `--steps`): set it to the steps streamed,
+# or the 5% warmup of the file's 100000 steps would keep the rate near zero for the whole walk.
+sed -i -e "s/^    steps     = 100000$/    steps     = $steps/" "$pipe"
+grep -q "^    steps     = $steps\$" "$pipe" || { echo "acceptance-walk: cannot set steps in $pipe" >&2; exit 1; }
 # The run's own acceptance check: the draft-and-verify loop on the held-out prompts at half the steps and at the
 # end, in the background (the interpreter is this walk's, through DRAFTPIPE_PYTHON).
 cat >> "$pipe" <<ACCEPTANCE

@@ -40,8 +40,7 @@ fn compile(text: &str) -> Plan {
 
 fn errors(text: &str) -> String {
     compile_source("acceptance.pipe", text)
-        .err()
-        .expect("the file is invalid")
+        .expect_err("the file is invalid")
         .to_string()
 }
 
