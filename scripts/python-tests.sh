@@ -46,7 +46,8 @@ fi
 
 # DFlash parity: 3 AdamW steps of `draftpipe run` against PyTorch, weight by weight (needs torch); then the
 # acceptance walk at its CI size (a target trained here, regenerated responses, a drafter streamed into
-# `draftpipe run`, the draft-and-verify loop equal to greedy decoding; about two minutes on two busy cores).
+# `draftpipe run` that checks itself at half its steps and at the end (its pipeline's `acceptance` section), the
+# draft-and-verify loop equal to greedy decoding and to the run's own check; about two minutes on two busy cores).
 if "$venv/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; then
     "$venv/bin/python" scripts/dflash_parity.py || status=1
     PYTHON="$venv/bin/python" scripts/acceptance-walk.sh --tiny target/acceptance-walk-tiny || status=1
