@@ -52,12 +52,18 @@ fn setup(name: &str, every: u64, rate: u32, extra: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/dflash-quickstart.pipe"),
     )
     .unwrap();
-    let pipe = quickstart.replace(
-        "    source       = synthetic",
-        &format!("    max_rate     = {rate}\n    source       = synthetic"),
-    ) + &format!(
-        "\nacceptance {{\n    target = \"target-model\"\n    prompts = \"held-out.jsonl\"\n    every = {every}\n    {extra}\n}}\n"
-    );
+    let pipe = quickstart
+        .replace(
+            "    source       = synthetic",
+            &format!("    max_rate     = {rate}\n    source       = synthetic"),
+        )
+        .replace(
+            "telemetry { every = 1s }",
+            "telemetry { every = 200ms  trace = \"trace.json\" }",
+        )
+        + &format!(
+            "\nacceptance {{\n    target = \"target-model\"\n    prompts = \"held-out.jsonl\"\n    every = {every}\n    {extra}\n}}\n"
+        );
     std::fs::write(dir.join("run.pipe"), pipe).unwrap();
     std::fs::create_dir_all(dir.join("target-model")).unwrap();
     std::fs::write(dir.join("target-model/config.json"), "{}").unwrap();
@@ -138,6 +144,11 @@ fn checks_run_every_n_steps_on_the_export_and_show_in_the_status_line_and_the_su
     let final_line: serde_json::Value =
         serde_json::from_str(status.lines().last().unwrap()).unwrap();
     assert_eq!(final_line["acceptance"]["step"], 40, "{final_line}");
+    let trace = std::fs::read_to_string(dir.join("trace.json")).unwrap();
+    assert!(
+        trace.contains("\"name\":\"acceptance τ\""),
+        "a counter track in the trace"
+    );
 }
 
 #[test]
