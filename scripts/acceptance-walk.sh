@@ -6,7 +6,8 @@
 #      `draftpipe run` with a DFlash drafter of block 8 (pipelines/dflash-tiny-target.pipe), saved with --save,
 #   4. run the draft-and-verify loop on held-out prompts (python -m draftpipe_client.speculative): real tau,
 #      acceptance per position, target forwards per token, equality with greedy decoding, and the
-#      teacher-forced tau with the train/serve gap.
+#      teacher-forced tau with the train/serve gap; the run's own acceptance checks (the pipeline's `acceptance`
+#      section, every half of the steps) must give the stand-alone loop's tau on the same export.
 #
 #   scripts/acceptance-walk.sh [--tiny] [--reuse] [WORKDIR]
 #
@@ -79,6 +80,22 @@ else
 fi
 # A queue item holds 8 conversations (bucket 256, 2048 tokens), filled across messages and epochs: one step each.
 steps=$(( (prompts * epochs + 7) / 8 ))
+# The learning-rate schedule is laid out over the file's `steps` (not `--steps`): set it to the steps streamed,
+# or the 5% warmup of the file's 100000 steps would keep the rate near zero for the whole walk.
+sed -i -e "s/^    steps     = 100000$/    steps     = $steps/" "$pipe"
+grep -q "^    steps     = $steps\$" "$pipe" || { echo "acceptance-walk: cannot set steps in $pipe" >&2; exit 1; }
+# The run's own acceptance check: the draft-and-verify loop on the held-out prompts at half the steps and at the
+# end, in the background (the interpreter is this walk's, through DRAFTPIPE_PYTHON).
+cat >> "$pipe" <<ACCEPTANCE
+
+acceptance {
+    target         = "$work/target"
+    prompts        = "$work/eval-subset.jsonl"
+    every          = $(( (steps + 1) / 2 ))
+    max_new_tokens = $new_tokens
+}
+ACCEPTANCE
+export DRAFTPIPE_PYTHON="$python"
 "$bin" run "$pipe" --steps "$steps" --save "$work/draft" --save-every "$steps" --run-dir "$work/run" \
     > "$work/run.log" 2>&1 &
 run_pid=$!
@@ -111,4 +128,39 @@ stage "3b. the export as SGLang's and vLLM's loaders read it"
 stage "4. the draft-and-verify loop on held-out prompts"
 "$python" -m draftpipe_client.speculative --draft "$work/draft" --target "$work/target" \
     --prompts "$work/eval-subset.jsonl" --max-new-tokens "$new_tokens" --json "$work/acceptance.json"
+
+stage "4b. the run's own checks against the stand-alone loop"
+# The newest check's export keeps its weights: when it is the final step's, it holds the weights --save wrote,
+# so stage 4's figures are the stand-alone loop's on it; otherwise the loop runs on that export here.
+last=$("$python" - "$work/run/summary.json" <<'PY'
+import json, sys
+summary = json.load(open(sys.argv[1]))
+rows = (summary.get("acceptance") or {}).get("measurements") or []
+if not rows:
+    sys.exit(f"acceptance-walk: summary.json has no acceptance row: {summary.get('acceptance')}")
+print(rows[-1]["step"], rows[-1]["export"], summary["steps"])
+PY
+)
+read -r last_step last_export final_step <<< "$last"
+alone="$work/acceptance.json"
+if [ "$last_step" != "$final_step" ]; then
+    alone="$work/acceptance-step-$last_step.json"
+    "$python" -m draftpipe_client.speculative --draft "$last_export" --target "$work/target" \
+        --prompts "$work/eval-subset.jsonl" --max-new-tokens "$new_tokens" --json "$alone"
+fi
+"$python" - "$work/run/summary.json" "$alone" <<'PY'
+import json, sys
+summary, alone = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+record = summary["acceptance"]
+for row in record["measurements"]:
+    print(f"run's check at step {row['step']}: tau {row['tau']:.6f}, teacher-forced {row['teacher_forced_tau']:.6f}, "
+          f"{row['wall_s']:.1f} s")
+print(f"skipped (busy) {record['skipped_busy']}, failed {len(record['failures'])}")
+row = record["measurements"][-1]
+for key in ("tau", "teacher_forced_tau"):
+    if abs(row[key] - alone[key]) > 1e-6:
+        sys.exit(f"acceptance-walk: the run's {key} at step {row['step']} is {row[key]}, "
+                 f"the stand-alone loop's on the same export {alone[key]}")
+print(f"the run's tau at step {row['step']} equals the stand-alone loop's ({alone['tau']:.6f})")
+PY
 echo "acceptance-walk: done in $((SECONDS - started)) s; figures in $work/acceptance.json"

@@ -48,7 +48,8 @@ fi
 # DFlash and EAGLE-3 parity: 3 AdamW steps of `draftpipe run` against PyTorch, weight by weight, and EAGLE-3's
 # loss at the initial weights (needs torch; seconds each); then the
 # acceptance walk at its CI size (a target trained here, regenerated responses, a drafter streamed into
-# `draftpipe run`, the draft-and-verify loop equal to greedy decoding; about two minutes on two busy cores).
+# `draftpipe run` that checks itself at half its steps and at the end (its pipeline's `acceptance` section), the
+# draft-and-verify loop equal to greedy decoding and to the run's own check; about two minutes on two busy cores).
 if "$venv/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; then
     "$venv/bin/python" scripts/dflash_parity.py || status=1
     "$venv/bin/python" scripts/eagle3_parity.py || status=1

@@ -38,6 +38,8 @@ pub enum Section {
     Drafter(StageSection),
     /// `telemetry { ... }`.
     Telemetry(TelemetrySection),
+    /// `acceptance { ... }`.
+    Acceptance(AcceptanceSection),
     /// Any other `word ... { ... }`, kept so the checker can name it.
     Unknown(UnknownSection),
 }
@@ -51,6 +53,7 @@ impl Section {
             Section::Target(s) | Section::Drafter(s) => s.span,
             Section::Queue(s) => s.span,
             Section::Telemetry(s) => s.span,
+            Section::Acceptance(s) => s.span,
             Section::Unknown(s) => s.span,
         }
     }
@@ -144,6 +147,17 @@ pub struct QueueSection {
 /// `telemetry { ... }`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TelemetrySection {
+    /// Settings.
+    pub block: Block,
+    /// The keyword.
+    pub header: Span,
+    /// The whole section.
+    pub span: Span,
+}
+
+/// `acceptance { ... }`: the held-out prompts and the target the draft-and-verify loop measures the drafter with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AcceptanceSection {
     /// Settings.
     pub block: Block,
     /// The keyword.

@@ -47,8 +47,9 @@ pub mod workspace;
 use std::path::{Path, PathBuf};
 
 pub use check::{
-    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY,
-    DEFAULT_STEP_DECAY, MAX_DEVICES, MAX_PARAMETERS, adamw_defaults, closest, device_name,
+    DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MIN_READY, DEFAULT_STEP_DECAY, DEFAULT_TIMEOUT_MS, MAX_DEVICES, MAX_PARAMETERS,
+    adamw_defaults, closest, device_name,
 };
 pub use diagnostic::{Diagnostic, Diagnostics};
 pub use parse::parse;

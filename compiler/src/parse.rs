@@ -72,6 +72,7 @@ impl Lower {
             Rule::queue_section => Section::Queue(self.parse_queue_section(pair)),
             Rule::drafter_section => Section::Drafter(self.parse_drafter_section(pair)),
             Rule::telemetry_section => Section::Telemetry(self.parse_telemetry_section(pair)),
+            Rule::acceptance_section => Section::Acceptance(self.parse_acceptance_section(pair)),
             Rule::unknown_section => Section::Unknown(self.parse_unknown_section(pair)),
             rule => unreachable!("grammar: section cannot be {rule:?}"),
         }
@@ -214,6 +215,22 @@ impl Lower {
             .into();
         let block = self.parse_block(inner.next().expect("grammar: telemetry block"));
         TelemetrySection {
+            block,
+            header,
+            span,
+        }
+    }
+
+    fn parse_acceptance_section(&mut self, pair: Pair<'_, Rule>) -> AcceptanceSection {
+        let span = pair.as_span().into();
+        let mut inner = pair.into_inner();
+        let header = inner
+            .next()
+            .expect("grammar: acceptance keyword")
+            .as_span()
+            .into();
+        let block = self.parse_block(inner.next().expect("grammar: acceptance block"));
+        AcceptanceSection {
             block,
             header,
             span,

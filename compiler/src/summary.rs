@@ -240,7 +240,20 @@ impl fmt::Display for Summary<'_> {
             .trace
             .as_deref()
             .map_or(String::new(), |t| format!(", trace to {t}"));
-        write!(f, "telemetry: every {} ms{trace}", plan.telemetry.every_ms)
+        write!(f, "telemetry: every {} ms{trace}", plan.telemetry.every_ms)?;
+        if let Some(a) = &plan.acceptance {
+            write!(
+                f,
+                "\nacceptance: every {} steps, the draft-and-verify loop against {} on {} ({} new tokens \
+                 per prompt, at most {} s per check)",
+                a.every,
+                a.target,
+                a.prompts,
+                a.max_new_tokens,
+                a.timeout_ms as f64 / 1e3
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -126,6 +126,7 @@ fn describe(rule: Rule) -> &'static str {
         | Rule::queue_section
         | Rule::drafter_section
         | Rule::telemetry_section
+        | Rule::acceptance_section
         | Rule::unknown_section
         | Rule::section => "a section",
         Rule::EOI => "end of input",
@@ -149,6 +150,7 @@ fn describe(rule: Rule) -> &'static str {
         Rule::kw_queue => "`queue`",
         Rule::kw_drafter => "`drafter`",
         Rule::kw_telemetry => "`telemetry`",
+        Rule::kw_acceptance => "`acceptance`",
         Rule::kw_on => "`on`",
         Rule::kw_from => "`from`",
         Rule::kw_to => "`to`",
@@ -185,7 +187,7 @@ fn help_for_rules(positives: &[Rule]) -> Option<&'static str> {
     if has(Rule::pipeline_decl) || has(Rule::unknown_section) {
         Some(
             "top-level sections are `pipeline \"NAME\"`, `devices { }`, `target NAME on DEVICES { }`, \
-             `queue NAME from TARGET to DRAFTER { }`, `drafter NAME on DEVICES { }` and `telemetry { }`",
+             `queue NAME from TARGET to DRAFTER { }`, `drafter NAME on DEVICES { }`, `telemetry { }` and `acceptance { }`",
         )
     } else if has(Rule::value) {
         Some(VALUE_HELP)

@@ -478,37 +478,8 @@ fn write_staged(
     let staged_state = training_state_dir(staging);
     fs::create_dir_all(&staged_state).map_err(io_error(&staged_state))?;
 
-    let metadata = HashMap::from([
-        ("format".to_string(), "pt".to_string()),
-        ("step".to_string(), state.step.to_string()),
-        ("plan".to_string(), state.plan_name.clone()),
-    ]);
-    let model_tensors: Vec<F32Tensor<'_>> = model
-        .layout
-        .iter()
-        .map(|v| F32Tensor {
-            name: &v.name,
-            shape: &v.shape,
-            data: &params[v.range()],
-        })
-        .collect();
-    let family = registry::spec(&model.spec);
-    match family.write_export(staging, &model_tensors, export) {
-        Some(written) => written.map_err(|source| CheckpointError::Export {
-            dir: staging.to_path_buf(),
-            family: family.name(),
-            source,
-        })?,
-        None => {
-            write_tensors_as(
-                &staging.join(MODEL_FILE),
-                &model_tensors,
-                weights.dtype(),
-                metadata.clone(),
-            )?;
-            hf::write_config(&staging.join(CONFIG_FILE), family, export)?;
-        }
-    }
+    let metadata = export_metadata(state.step, &state.plan_name);
+    write_engine_files(staging, model, params, export, metadata.clone())?;
 
     let names: Vec<(String, String, String)> = model
         .layout
@@ -567,6 +538,68 @@ fn write_staged(
     write_synced(&state_path, &json)?;
     sync_dir(&staged_state)?;
     sync_dir(staging)
+}
+
+/// The safetensors metadata of a save's files: the step and the plan that wrote them.
+fn export_metadata(step: u64, plan_name: &str) -> HashMap<String, String> {
+    HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("step".to_string(), step.to_string()),
+        ("plan".to_string(), plan_name.to_string()),
+    ])
+}
+
+/// Writes what engines read of a save into `dir`: the family's own export (`write_export`) or the weights file
+/// and `config.json`.
+fn write_engine_files(
+    dir: &Path,
+    model: &ModelPlan,
+    params: &[f32],
+    export: ExportOptions,
+    metadata: HashMap<String, String>,
+) -> Result<(), CheckpointError> {
+    let model_tensors: Vec<F32Tensor<'_>> = model
+        .layout
+        .iter()
+        .map(|v| F32Tensor {
+            name: &v.name,
+            shape: &v.shape,
+            data: &params[v.range()],
+        })
+        .collect();
+    let family = registry::spec(&model.spec);
+    match family.write_export(dir, &model_tensors, export) {
+        Some(written) => written.map_err(|source| CheckpointError::Export {
+            dir: dir.to_path_buf(),
+            family: family.name(),
+            source,
+        }),
+        None => {
+            write_tensors_as(
+                &dir.join(MODEL_FILE),
+                &model_tensors,
+                export.dtype.dtype(),
+                metadata,
+            )?;
+            hf::write_config(&dir.join(CONFIG_FILE), family, export).map(|_| ())
+        }
+    }
+}
+
+/// Writes only the engines' files of `params` (what `--save` puts at the top of its directory: `config.json`
+/// and the weights, no optimizer state) into `dir`, created when absent: the export the acceptance check
+/// loads. Non-finite weights are refused before anything is written.
+pub fn write_export(
+    dir: &Path,
+    model: &ModelPlan,
+    params: &[f32],
+    (step, plan_name): (u64, &str),
+    export: ExportOptions,
+) -> Result<(), CheckpointError> {
+    check_buffer(model, "params", params.len())?;
+    check_values(dir, model, "params", params)?;
+    fs::create_dir_all(dir).map_err(io_error(dir))?;
+    write_engine_files(dir, model, params, export, export_metadata(step, plan_name))
 }
 
 /// What an operator can do about a write that failed for want of room: the disk is full, or the process's

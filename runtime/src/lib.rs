@@ -6,6 +6,7 @@
 //!                          drafter::Drafter ──▶ model::Family (registry: mlp │ dflash) ──▶ backend: cpu │ cuda
 //! ```
 
+pub mod acceptance;
 pub mod allreduce;
 pub mod backend;
 pub mod batch;

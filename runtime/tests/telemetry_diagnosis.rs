@@ -97,6 +97,7 @@ fn summary(depths: Vec<u64>, producer_blocked_s: f64, drafters: Vec<DrafterSumma
         loss_curve: Vec::new(),
         spans_dropped: 0,
         ending: None,
+        acceptance: None,
     }
 }
 

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
 use draftpipe_compiler::plan::Plan;
+use draftpipe_runtime::acceptance::ACCEPTANCE_DIR;
 use draftpipe_runtime::backend::cpu::{GEMM_THREADS_VAR, gemm_threads};
 use draftpipe_runtime::checkpoint::CONFIG_FILE;
 use draftpipe_runtime::export_check::{CheckOptions, check_export};
@@ -115,6 +116,24 @@ fn report(
         say(format_args!(
             "run directory: {} (draftpipe diagnose {0})",
             dir.display()
+        ))?;
+    }
+    if let (Some(record), Some(dir)) = (&outcome.summary.acceptance, &options.run_dir) {
+        let newest = record.measurements.last().map_or_else(
+            || "no figures".to_owned(),
+            |m| {
+                let forced = m
+                    .teacher_forced_tau
+                    .map_or(String::new(), |tf| format!(", teacher-forced {tf:.3}"));
+                format!("newest τ {:.3} at step {}{forced}", m.tau, m.step)
+            },
+        );
+        say(format_args!(
+            "acceptance: {} checks ({newest}), {} skipped while one ran, {} failed: {}",
+            record.measurements.len(),
+            record.skipped_busy.len(),
+            record.failures.len(),
+            dir.join(ACCEPTANCE_DIR).display()
         ))?;
     }
     if let Some(trace) = &options.trace {

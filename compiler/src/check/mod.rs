@@ -8,6 +8,7 @@
 //! Each check reads what it can, records what is wrong and goes on; the plan is built only when nothing was
 //! recorded, so a file with errors yields all of them and no plan.
 
+mod acceptance;
 mod devices;
 pub(crate) mod fields;
 mod stages;
@@ -16,7 +17,8 @@ pub use suggest::closest;
 pub(crate) mod values;
 
 use crate::ast::{
-    PipelineDecl, PipelineFile, QueueSection, Section, StageSection, TelemetrySection,
+    AcceptanceSection, PipelineDecl, PipelineFile, QueueSection, Section, StageSection,
+    TelemetrySection,
 };
 use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
@@ -27,6 +29,7 @@ use crate::plan::{
 };
 use crate::span::Span;
 
+pub use acceptance::{DEFAULT_MAX_NEW_TOKENS, DEFAULT_TIMEOUT_MS};
 pub use devices::{MAX_DEVICES, device_name};
 pub use stages::{
     DEFAULT_CHUNK_TOKENS, DEFAULT_EVERY_MS, DEFAULT_HEAD_DECAY, DEFAULT_MIN_READY,
@@ -38,13 +41,14 @@ type Errs = Vec<Diagnostic>;
 /// Largest supported parameter count (4 TiB of f32 parameters); it also bounds the cost model's arithmetic.
 pub const MAX_PARAMETERS: u128 = 1 << 40;
 
-const SECTION_KEYWORDS: [&str; 6] = [
+const SECTION_KEYWORDS: [&str; 7] = [
     "pipeline",
     "devices",
     "target",
     "queue",
     "drafter",
     "telemetry",
+    "acceptance",
 ];
 
 /// The top-level sections of a file, sorted by kind.
@@ -56,6 +60,7 @@ struct Sections<'a> {
     queues: Vec<&'a QueueSection>,
     drafters: Vec<&'a StageSection>,
     telemetry: Vec<&'a TelemetrySection>,
+    acceptance: Vec<&'a AcceptanceSection>,
 }
 
 /// Checks `file` and builds its plan, or returns every error found.
@@ -94,6 +99,11 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     let schedule = drafter
         .as_ref()
         .and_then(|(_, d)| stages::check_schedule(d, &mut errs));
+    let acceptance = acceptance::check_acceptance(
+        sections.acceptance.first().copied(),
+        drafter.as_ref().and_then(|(_, d)| d.model_kind),
+        &mut errs,
+    );
     if let (Some((ts, t)), Some((_, d))) = (&target, &drafter) {
         check_model_against_target(ts, t, d, &mut errs);
     }
@@ -135,6 +145,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
             .and_then(|(((s, d), p), schedule)| stages::drafter_stage(s, d, p, schedule)),
         drafter_section,
         telemetry,
+        acceptance,
     );
     let (
         Some(name),
@@ -143,6 +154,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         Some((drafter, model)),
         Some(drafter_section),
         Some(telemetry),
+        Some(acceptance),
     ) = stages
     else {
         return Err(errs);
@@ -233,6 +245,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         host_memory,
         schedule,
         telemetry,
+        acceptance,
     })
 }
 
@@ -352,6 +365,7 @@ fn sort_sections<'a>(file: &'a PipelineFile, errs: &mut Errs) -> Sections<'a> {
             Section::Queue(q) => s.queues.push(q),
             Section::Drafter(d) => s.drafters.push(d),
             Section::Telemetry(t) => s.telemetry.push(t),
+            Section::Acceptance(a) => s.acceptance.push(a),
             Section::Unknown(u) => errs.push(
                 Diagnostic::error(
                     u.keyword.span,
@@ -367,7 +381,7 @@ fn sort_sections<'a>(file: &'a PipelineFile, errs: &mut Errs) -> Sections<'a> {
         }
     }
     let file_start = Span::new(0, 0);
-    let rules: [(&str, Vec<Span>, bool, &str); 6] = [
+    let rules: [(&str, Vec<Span>, bool, &str); 7] = [
         (
             "pipeline",
             s.pipeline.iter().map(|p| p.span).collect(),
@@ -401,6 +415,12 @@ fn sort_sections<'a>(file: &'a PipelineFile, errs: &mut Errs) -> Sections<'a> {
         (
             "telemetry",
             s.telemetry.iter().map(|t| t.header).collect(),
+            false,
+            "",
+        ),
+        (
+            "acceptance",
+            s.acceptance.iter().map(|a| a.header).collect(),
             false,
             "",
         ),

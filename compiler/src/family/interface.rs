@@ -82,6 +82,9 @@ pub(crate) trait ModelArgs: Sized + 'static {
     /// Whether the drafter reads the target's final-norm output (`last_hidden_states`, `[N, S, hidden]`) beside
     /// the tapped layers: the sources then carry it in every batch.
     const READS_LAST_HIDDEN_STATES: bool = false;
+    /// Whether the Python client's draft-and-verify loop (`draftpipe_client.speculative`) drafts with this
+    /// family's export, so a pipeline may name an `acceptance` check.
+    const ACCEPTANCE_LOOP: bool = false;
     /// The spec the arguments and the target make.
     type Spec;
 

@@ -158,6 +158,9 @@ pub(crate) struct Registered {
     pub takes_vocab_map: bool,
     /// Whether it reads `last_hidden_states`.
     pub reads_last_hidden_states: bool,
+    /// Whether `python -m draftpipe_client.speculative` has a draft-and-verify loop for its export (the
+    /// pipeline's `acceptance` section).
+    pub acceptance_loop: bool,
     /// Checks `model = NAME(...)`'s arguments.
     pub check: fn(&mut Errs, &Call) -> Option<Box<dyn CheckedModel>>,
 }
@@ -175,6 +178,7 @@ impl Registered {
             taps: A::TAPS,
             takes_vocab_map: A::TAKES_VOCAB_MAP,
             reads_last_hidden_states: A::READS_LAST_HIDDEN_STATES,
+            acceptance_loop: A::ACCEPTANCE_LOOP,
             check: check_boxed::<A>,
         }
     }

@@ -44,6 +44,10 @@ pub struct Plan {
     pub schedule: Vec<StepPhase>,
     /// Status-line period and trace output.
     pub telemetry: TelemetrySpec,
+    /// The draft-and-verify check `draftpipe run` runs every N steps, when the pipeline has an `acceptance`
+    /// section.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance: Option<AcceptanceSpec>,
 }
 
 /// The drafter model: family and dimensions, parameter count and named flat layout.

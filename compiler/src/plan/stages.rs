@@ -412,3 +412,22 @@ pub struct TelemetrySpec {
     /// Chrome/Perfetto trace output path, when requested.
     pub trace: Option<String>,
 }
+
+/// `acceptance { ... }`: every `every` steps the run exports the drafter and runs the draft-and-verify loop
+/// (`python -m draftpipe_client.speculative`) on it in the background, against `target` on `prompts`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AcceptanceSpec {
+    /// The target the loop verifies with: a `transformers` model directory (as written: relative paths are
+    /// the run's working directory's, as every path of a pipeline).
+    pub target: String,
+    /// The held-out prompts: JSON lines with `messages`, `text` or `input_ids`.
+    pub prompts: String,
+    /// Optimizer steps between two checks.
+    pub every: u64,
+    /// Tokens each prompt's decode generates at most.
+    pub max_new_tokens: u64,
+    /// The Python interpreter, when the pipeline names one (else `DRAFTPIPE_PYTHON`, else `python3`).
+    pub python: Option<String>,
+    /// The longest one check may run, in milliseconds; past it the child is killed.
+    pub timeout_ms: u64,
+}

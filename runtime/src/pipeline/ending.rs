@@ -10,7 +10,7 @@ use draftpipe_compiler::plan::Plan;
 use crate::checkpoint::{TrainingState, save_last_good_checkpoint};
 use crate::drafter::DrafterError;
 use crate::params::FlatState;
-use crate::telemetry::{EndReason, RunEnding, RunSummary, write_summary};
+use crate::telemetry::{AcceptanceSummary, EndReason, RunEnding, RunSummary, write_summary};
 
 use super::error::RunError;
 use super::options::{RunOptions, StopReason};
@@ -145,13 +145,14 @@ pub(super) fn saved_after_error(shared: &Shared) -> Option<(u64, PathBuf)> {
         .clone()
 }
 
-/// Puts `ending` into the summary and rewrites `summary.json` with it.
+/// Puts `ending` and the acceptance record into the summary and rewrites `summary.json` with them.
 pub(super) fn record(
     summary: &mut RunSummary,
-    ending: RunEnding,
+    (ending, acceptance): (RunEnding, Option<AcceptanceSummary>),
     options: &RunOptions,
 ) -> Result<(), RunError> {
     summary.ending = Some(ending);
+    summary.acceptance = acceptance;
     if let Some(dir) = &options.run_dir {
         write_summary(dir, summary)?;
     }

@@ -45,6 +45,9 @@ pub enum RunError {
     /// The `eagle3` drafter's draft vocabulary (its `vocab_map`, or the counts of its source) could not be had.
     #[error("draft vocabulary: {0}")]
     VocabMap(#[from] crate::model::eagle3::vocab::VocabMapError),
+    /// The pipeline's `acceptance` check names files this machine does not have.
+    #[error("acceptance: {0}")]
+    Acceptance(#[from] crate::acceptance::AcceptanceError),
     /// A drafter failed: a batch it cannot train on, or its device failed.
     #[error("drafter {worker}{} failed", on_device(*device))]
     Step {

@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
+use crate::acceptance::AcceptanceMonitor;
 use crate::allreduce::AllReduce;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::HostThreads;
@@ -54,7 +55,8 @@ use crate::source::{
 };
 use crate::target_weights::TargetWeights;
 use crate::telemetry::{
-    Diagnosis, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig, RunSummary, Telemetry,
+    AcceptanceProbe, Diagnosis, DrafterRecorder, QueueSnapshot, Reporter, ReporterConfig,
+    RunSummary, Telemetry,
 };
 
 impl SeqLen for Box<HsBatch> {
@@ -218,6 +220,11 @@ pub fn run_with_sources(
     // After the devices: a plan for GPUs this machine lacks is first of all that, whatever its host memory.
     host_memory::check(plan)?;
     let start = starting_state(plan, options)?;
+    let acceptance = plan
+        .acceptance
+        .as_ref()
+        .map(|spec| AcceptanceMonitor::new(spec, options.run_dir.as_deref()).map(Arc::new))
+        .transpose()?;
     let (producers, source_status, stream) = open_producers(plan, open, &start)?;
     let first_positions = start
         .data_positions
@@ -232,7 +239,7 @@ pub fn run_with_sources(
         interrupt,
         first_positions,
         start.state.step,
-        (stream, start.vocab.clone()),
+        (stream, start.vocab.clone(), acceptance),
     ));
     let drafters = plan.drafter.placement.workers.len();
     let telemetry = Arc::new(Telemetry::new(
@@ -245,7 +252,12 @@ pub fn run_with_sources(
         plan,
         options,
         &telemetry,
-        (step_limit, start.step, source_status),
+        (
+            step_limit,
+            start.step,
+            source_status,
+            shared.acceptance.clone(),
+        ),
         out,
     )?;
     let threads = Threads {
@@ -306,7 +318,12 @@ fn reporter<W: Write + Send>(
     plan: &Plan,
     options: &RunOptions,
     telemetry: &Arc<Telemetry>,
-    (step_limit, first_step, source_status): (Option<u64>, u64, Option<SourceStatusProbe>),
+    (step_limit, first_step, source_status, acceptance): (
+        Option<u64>,
+        u64,
+        Option<SourceStatusProbe>,
+        Option<Arc<AcceptanceMonitor>>,
+    ),
     out: W,
 ) -> Result<Reporter<W>, RunError> {
     let mut config = ReporterConfig::new(
@@ -321,6 +338,8 @@ fn reporter<W: Write + Send>(
     config.run_dir = options.run_dir.clone();
     config.trace_path = options.trace.clone();
     config.source_status = source_status;
+    config.acceptance_status =
+        acceptance.map(|monitor| AcceptanceProbe::new(move || monitor.status()));
     Ok(Reporter::new(config, Arc::clone(telemetry), out)?)
 }
 
@@ -546,6 +565,11 @@ fn finish<W: Write + Send>(
     reporter: Option<Reporter<W>>,
     (stop, step, step_limit): (StopReason, u64, Option<u64>),
 ) -> Result<RunOutcome, RunError> {
+    // The last check ends (or is killed) before the final status line, which then shows it.
+    let acceptance = shared
+        .acceptance
+        .as_ref()
+        .map(|monitor| monitor.finish(&shared.interrupt));
     let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared.queue.stats())));
     let producer_errors = std::mem::take(
         &mut *shared
@@ -583,7 +607,7 @@ fn finish<W: Write + Send>(
     );
     let nothing_trained = ending.reason == crate::telemetry::EndReason::NothingTrained;
     if let Some(summary) = summary.as_mut()
-        && let Err(error) = ending::record(summary, ending, options)
+        && let Err(error) = ending::record(summary, (ending, acceptance), options)
     {
         fatal.get_or_insert(error);
     }

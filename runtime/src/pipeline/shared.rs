@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::acceptance::AcceptanceMonitor;
 use crate::batch::HsBatch;
 use crate::checkpoint::ProducerRecord;
 use crate::model::eagle3::vocab::VocabMap;
@@ -54,6 +55,8 @@ pub(super) struct Shared {
     pub(super) stream: Option<StreamStatus>,
     /// The run's draft vocabulary (`eagle3`), exported with each save.
     pub(super) vocab_map: Option<VocabMap>,
+    /// The pipeline's `acceptance` check, which worker 0 starts every `every` steps.
+    pub(super) acceptance: Option<Arc<AcceptanceMonitor>>,
 }
 
 impl Shared {
@@ -64,7 +67,11 @@ impl Shared {
         interrupt: Arc<AtomicBool>,
         first_positions: Vec<u64>,
         first_optimizer_step: u64,
-        (stream, vocab_map): (Option<StreamStatus>, Option<VocabMap>),
+        (stream, vocab_map, acceptance): (
+            Option<StreamStatus>,
+            Option<VocabMap>,
+            Option<Arc<AcceptanceMonitor>>,
+        ),
     ) -> Self {
         Self {
             queue,
@@ -80,6 +87,7 @@ impl Shared {
             end: EndState::new(first_optimizer_step),
             stream,
             vocab_map,
+            acceptance,
         }
     }
 

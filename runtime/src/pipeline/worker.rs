@@ -27,9 +27,10 @@ use std::time::{Duration, Instant};
 
 use draftpipe_compiler::plan::{Device, Plan, SyncMode};
 
-use super::save::save;
+use super::save::{export_options, save};
 use crate::allreduce::AllReduce;
 use crate::backend::Backend;
+use crate::checkpoint::write_export;
 use crate::drafter::{Drafter, DrafterError, StepOutcome};
 use crate::params::FlatState;
 use crate::telemetry::{DrafterPhase, DrafterRecorder, StepTokens};
@@ -288,6 +289,9 @@ impl<'a, B: Backend> Worker<'a, B> {
                 self.checkpoint()?;
                 self.lap(DrafterPhase::Other);
             }
+            if self.context.worker == 0 && !self.context.shared.should_stop() {
+                self.acceptance_check()?;
+            }
             if stop_after || self.context.shared.fatal_raised.load(Ordering::Acquire) {
                 return Ok(if self.limit_reached(self.step) {
                     StopReason::StepLimit
@@ -384,6 +388,31 @@ impl<'a, B: Backend> Worker<'a, B> {
             shared.consumed_positions()
         };
         Ok((state, positions))
+    }
+
+    /// At a step the pipeline's `acceptance` check is due: exports the replica for it unless the previous
+    /// check is still running (then the step is skipped); the check itself runs in the background.
+    fn acceptance_check(&mut self) -> Result<(), DrafterError> {
+        let Some(monitor) = self.context.shared.acceptance.clone() else {
+            return Ok(());
+        };
+        if !monitor.due(self.step) || monitor.skip_if_busy(self.step) {
+            return Ok(());
+        }
+        let (state, _) = self.replica()?;
+        let context = &self.context;
+        let export = export_options(context.plan, context.options, &context.shared);
+        monitor.start(self.step, |dir| {
+            write_export(
+                dir,
+                &context.plan.model,
+                &state.params,
+                (self.step, &context.plan.name),
+                export,
+            )
+        });
+        self.lap(DrafterPhase::Other);
+        Ok(())
     }
 
     /// Writes a periodic checkpoint.

@@ -15,6 +15,7 @@
 //! [`Reporter::finish`] and print [`Diagnosis::from_summary`]. `draftpipe diagnose RUN_DIR` is
 //! [`load_summary`] then [`Diagnosis::from_summary`].
 
+mod acceptance;
 mod counts;
 mod diagnosis;
 mod ending;
@@ -28,6 +29,9 @@ mod validate;
 
 use std::path::PathBuf;
 
+pub use acceptance::{
+    AcceptanceFailure, AcceptanceMeasurement, AcceptanceStatus, AcceptanceSummary,
+};
 pub use counts::{
     BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, StepTokens, TelemetrySnapshot,
 };
@@ -39,7 +43,7 @@ pub use diagnosis::{
 pub use ending::{EndReason, RunEnding};
 pub use phase::{DrafterPhase, ProducerPhase};
 pub use recorder::{DrafterRecorder, FINAL_STEPS, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
-pub use reporter::{BAR_WIDTH, OutputMode, Reporter, ReporterConfig};
+pub use reporter::{AcceptanceProbe, BAR_WIDTH, OutputMode, Reporter, ReporterConfig};
 pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine, progress_bar};
 pub use summary::{
     BucketStepTimes, DepthSample, DrafterSummary, DrafterTimeline, LossSample, PhaseTotal,

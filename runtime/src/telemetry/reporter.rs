@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::TelemetryError;
+use super::acceptance::AcceptanceStatus;
 use super::counts::TelemetrySnapshot;
 use super::recorder::Telemetry;
 use super::status::{QueueSnapshot, StatusLine};
@@ -72,6 +73,25 @@ pub struct ReporterConfig {
     pub queue_min_ready: usize,
     /// The source's own status field (`producers=[3/5 connected]`), when it has one.
     pub source_status: Option<crate::source::SourceStatusProbe>,
+    /// The acceptance check's column, when the pipeline has an `acceptance` section.
+    pub acceptance_status: Option<AcceptanceProbe>,
+}
+
+/// The acceptance check's status-line column, read by the telemetry thread at each line.
+#[derive(Clone)]
+pub struct AcceptanceProbe(Arc<dyn Fn() -> AcceptanceStatus + Send + Sync>);
+
+impl AcceptanceProbe {
+    /// A probe that calls `status` each time the line is drawn.
+    pub fn new(status: impl Fn() -> AcceptanceStatus + Send + Sync + 'static) -> Self {
+        Self(Arc::new(status))
+    }
+}
+
+impl std::fmt::Debug for AcceptanceProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AcceptanceProbe").field(&(self.0)()).finish()
+    }
 }
 
 impl ReporterConfig {
@@ -94,6 +114,7 @@ impl ReporterConfig {
             queue_capacity,
             queue_min_ready,
             source_status: None,
+            acceptance_status: None,
         }
     }
 }
@@ -263,6 +284,11 @@ impl<W: Write> Reporter<W> {
             StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
                 .with_rate_window(window_start, &current);
         line.source = self.config.source_status.as_ref().map(|probe| probe.read());
+        line.acceptance = self
+            .config
+            .acceptance_status
+            .as_ref()
+            .map(|probe| (probe.0)());
         // The label names the window asked for; the first lines of a run cover what there is so far.
         line.rate_window_s = window.as_secs_f64();
         self.rate_history.push_back(current.clone());
@@ -403,6 +429,7 @@ impl<W: Write> Reporter<W> {
             loss_curve: self.loss_curve.into_vec(),
             spans_dropped: snapshot.spans_dropped,
             ending: None,
+            acceptance: None,
         };
         if let Some(dir) = &self.config.run_dir {
             write_summary(dir, &summary)?;

@@ -109,6 +109,10 @@ pub struct StatusLine {
     /// The source's own field (`producers=[3/5 connected]`), when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// The acceptance check's column (`accept τ 2.310 @ step 400`), when the pipeline has an `acceptance`
+    /// section.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance: Option<super::acceptance::AcceptanceStatus>,
 }
 
 fn per_second(count: u64, over: Duration) -> f64 {
@@ -221,6 +225,7 @@ impl StatusLine {
                 .filter(|wait| !wait.is_zero())
                 .map(|wait| wait.as_secs_f64()),
             source: None,
+            acceptance: None,
         }
     }
 
@@ -353,6 +358,9 @@ impl fmt::Display for StatusLine {
         }
         if let Some(tau) = self.tau {
             write!(f, " τ {tau:.3}")?;
+        }
+        if let Some(acceptance) = &self.acceptance {
+            write!(f, " | {acceptance}")?;
         }
         if self.skipped > 0 {
             write!(f, " | skipped {}", self.skipped)?;

@@ -401,6 +401,10 @@ pub struct RunSummary {
     /// How the run ended (set by the pipeline after the telemetry's totals; absent from older summaries).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ending: Option<super::ending::RunEnding>,
+    /// The draft-and-verify checks of a pipeline with an `acceptance` section (set by the pipeline once the
+    /// last check has ended; absent without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance: Option<super::acceptance::AcceptanceSummary>,
 }
 
 fn one_step() -> u64 {

@@ -1,5 +1,6 @@
 //! The Chrome/Perfetto trace: one track per producer and drafter, one complete (`"ph": "X"`) event per
-//! recorded phase span, and counter (`"ph": "C"`) tracks with every status line's tokens/s and per-drafter busy,
+//! recorded phase span, and counter (`"ph": "C"`) tracks with every status line's tokens/s, the acceptance
+//! check's τ (with an `acceptance` section) and per-drafter busy,
 //! wait and GPU shares.
 //!
 //! Memory is bounded by keeping the **last** `max_spans_per_worker` spans of each worker: the telemetry thread
@@ -44,6 +45,8 @@ struct StatusCounters {
     token_slots_per_s: Option<f64>,
     window_s: f64,
     drafters: Vec<DrafterStatus>,
+    /// The acceptance check's newest real τ and teacher-forced τ, once there is one.
+    acceptance_tau: Option<(f64, Option<f64>)>,
 }
 
 impl TraceBuffer {
@@ -72,6 +75,10 @@ impl TraceBuffer {
             token_slots_per_s: line.token_slots_per_s,
             window_s: line.rate_window_s,
             drafters: line.drafters.clone(),
+            acceptance_tau: line
+                .acceptance
+                .as_ref()
+                .and_then(|a| a.tau.map(|tau| (tau, a.teacher_forced_tau))),
         });
     }
 
@@ -225,6 +232,20 @@ impl TraceBuffer {
                     }),
                 };
                 event(out, &rate)?;
+            }
+            if let Some((tau, teacher_forced)) = status.acceptance_tau {
+                let mut args = serde_json::json!({ "real τ": tau });
+                if let Some(teacher_forced) = teacher_forced {
+                    args["teacher-forced τ"] = teacher_forced.into();
+                }
+                let accept = Counter {
+                    name: "acceptance τ".into(),
+                    ph: "C",
+                    pid: DRAFTER_PID,
+                    ts: status.ts_us,
+                    args,
+                };
+                event(out, &accept)?;
             }
             for (i, drafter) in status.drafters.iter().enumerate() {
                 let mut args = serde_json::json!({

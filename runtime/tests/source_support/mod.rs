@@ -96,6 +96,7 @@ pub fn plan(
             every_ms: 1000,
             trace: None,
         },
+        acceptance: None,
     };
     plan.host_memory = draftpipe_compiler::cost::host_memory(
         (

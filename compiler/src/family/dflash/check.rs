@@ -38,6 +38,7 @@ impl ModelArgs for DflashArgs {
     const ARTICLE: &'static str = "a";
     const WEIGHTING: (&'static str, &'static str) = ("position_decay", "the dflash block's slots");
     const READS_TARGET_WEIGHTS: bool = true;
+    const ACCEPTANCE_LOOP: bool = true;
     type Spec = DflashSpec;
 
     fn check(errs: &mut Errs, call: &Call) -> Option<Self> {
