@@ -7,7 +7,7 @@
 //! ```
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::batch::HsBatch;
@@ -54,6 +54,8 @@ pub(super) struct Shared {
     pub(super) stream: Option<StreamStatus>,
     /// The run's draft vocabulary (`eagle3`), exported with each save.
     pub(super) vocab_map: Option<VocabMap>,
+    /// Stepped all-reduce rounds whose replicas' batches had different padded lengths (counted by worker 0).
+    pub(super) mixed_rounds: AtomicU64,
 }
 
 impl Shared {
@@ -80,6 +82,7 @@ impl Shared {
             end: EndState::new(first_optimizer_step),
             stream,
             vocab_map,
+            mixed_rounds: AtomicU64::new(0),
         }
     }
 
@@ -132,6 +135,13 @@ impl Shared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Counts a stepped all-reduce round that mixed buckets (`same_bucket` false).
+    pub(super) fn count_round(&self, same_bucket: bool) {
+        if !same_bucket {
+            self.mixed_rounds.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub(super) fn producer_finished(&self) {
