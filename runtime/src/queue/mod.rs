@@ -26,6 +26,11 @@
 //!   [`QueueConfig::seed`]); `round_robin` visits them the same way and takes the oldest item of
 //!   the bucket; `fifo` takes the oldest item overall. Round-robin serves every non-empty bucket
 //!   within one round of `buckets.len()` takes, so no bucket starves.
+//! - **Rounds** ([`HsQueue::with_rounds`], [`HsQueue::pop_round`]): a queue built for a
+//!   data-parallel group of `members` hands out rounds instead of single items: one bucket per
+//!   round, chosen by the pull policy among the buckets that hold `members` items, one item of it
+//!   per member, claimed whole, so the replicas of one all-reduce step never mix bucket lengths.
+//!   The semantics, end of data included, are in `rounds.rs` ([`RoundItem`]).
 //! - **Statistics** ([`HsQueue::stats`]) are atomics read without a lock: depth in total and per
 //!   bucket, pushes, pops, time each side spent blocked, and how often the queue was seen full or
 //!   below the watermark: a queue pinned at capacity means the consumers are the bottleneck, one
@@ -163,6 +168,61 @@
 //! }
 //! producer.join().unwrap();
 //! assert_eq!(taken, 1000);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A group of two drafters taking rounds: both get the same bucket every round.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::thread;
+//! use draftpipe_compiler::plan::PullPolicy;
+//! use draftpipe_runtime::queue::{HsQueue, QueueConfig, SeqLen};
+//!
+//! struct Len(usize);
+//! impl SeqLen for Len {
+//!     fn seq_len(&self) -> usize {
+//!         self.0
+//!     }
+//! }
+//!
+//! let config = QueueConfig {
+//!     capacity: 8,
+//!     min_ready: 2,
+//!     buckets: vec![256, 1024],
+//!     pull: PullPolicy::RandomInBucket,
+//!     seed: 1,
+//! };
+//! // At least buckets × (members − 1) + 1 = 3, so a full queue always holds a round.
+//! let queue = Arc::new(HsQueue::with_rounds(config, 2)?);
+//! let producer = {
+//!     let queue = Arc::clone(&queue);
+//!     thread::spawn(move || {
+//!         for i in 0..101 {
+//!             queue.push(Len(if i % 3 == 0 { 900 } else { 100 })).unwrap();
+//!         }
+//!         queue.close();
+//!     })
+//! };
+//! let members: Vec<_> = (0..2)
+//!     .map(|member| {
+//!         let queue = Arc::clone(&queue);
+//!         thread::spawn(move || {
+//!             let mut buckets = Vec::new();
+//!             // Parks until the group can claim a round; None once no bucket holds one.
+//!             while let Some(round) = queue.pop_round(member) {
+//!                 buckets.push(round.bucket);
+//!             }
+//!             buckets
+//!         })
+//!     })
+//!     .collect();
+//! producer.join().unwrap();
+//! let seen: Vec<Vec<usize>> = members.into_iter().map(|m| m.join().unwrap()).collect();
+//! assert_eq!(seen[0], seen[1]);
+//! // 67 short and 34 long items: 33 and 17 rounds; one short item is no round and stays queued.
+//! assert_eq!(seen[0].len(), 50);
+//! assert_eq!(queue.stats().per_bucket, vec![1, 0]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
