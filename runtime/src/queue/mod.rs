@@ -30,7 +30,7 @@
 //!   data-parallel group of `members` hands out rounds instead of single items: one bucket per
 //!   round, chosen by the pull policy among the buckets that hold `members` items, one item of it
 //!   per member, claimed whole, so the replicas of one all-reduce step never mix bucket lengths.
-//!   The semantics, end of data included, are in `rounds.rs` ([`RoundItem`]).
+//!   The semantics, end of data included: docs/queue.md, "Rounds", and `rounds.rs`.
 //! - **Statistics** ([`HsQueue::stats`]) are atomics read without a lock: depth in total and per
 //!   bucket, pushes, pops, time each side spent blocked, and how often the queue was seen full or
 //!   below the watermark: a queue pinned at capacity means the consumers are the bottleneck, one
@@ -170,61 +170,6 @@
 //! assert_eq!(taken, 1000);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
-//!
-//! A group of two drafters taking rounds: both get the same bucket every round.
-//!
-//! ```
-//! use std::sync::Arc;
-//! use std::thread;
-//! use draftpipe_compiler::plan::PullPolicy;
-//! use draftpipe_runtime::queue::{HsQueue, QueueConfig, SeqLen};
-//!
-//! struct Len(usize);
-//! impl SeqLen for Len {
-//!     fn seq_len(&self) -> usize {
-//!         self.0
-//!     }
-//! }
-//!
-//! let config = QueueConfig {
-//!     capacity: 8,
-//!     min_ready: 2,
-//!     buckets: vec![256, 1024],
-//!     pull: PullPolicy::RandomInBucket,
-//!     seed: 1,
-//! };
-//! // At least buckets × (members − 1) + 1 = 3, so a full queue always holds a round.
-//! let queue = Arc::new(HsQueue::with_rounds(config, 2)?);
-//! let producer = {
-//!     let queue = Arc::clone(&queue);
-//!     thread::spawn(move || {
-//!         for i in 0..101 {
-//!             queue.push(Len(if i % 3 == 0 { 900 } else { 100 })).unwrap();
-//!         }
-//!         queue.close();
-//!     })
-//! };
-//! let members: Vec<_> = (0..2)
-//!     .map(|member| {
-//!         let queue = Arc::clone(&queue);
-//!         thread::spawn(move || {
-//!             let mut buckets = Vec::new();
-//!             // Parks until the group can claim a round; None once no bucket holds one.
-//!             while let Some(round) = queue.pop_round(member) {
-//!                 buckets.push(round.bucket);
-//!             }
-//!             buckets
-//!         })
-//!     })
-//!     .collect();
-//! producer.join().unwrap();
-//! let seen: Vec<Vec<usize>> = members.into_iter().map(|m| m.join().unwrap()).collect();
-//! assert_eq!(seen[0], seen[1]);
-//! // 67 short and 34 long items: 33 and 17 rounds; one short item is no round and stays queued.
-//! assert_eq!(seen[0].len(), 50);
-//! assert_eq!(queue.stats().per_bucket, vec![1, 0]);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
 
 pub mod baseline;
 mod config;
@@ -306,30 +251,6 @@ impl<T> HsQueue<T> {
     pub fn new(config: QueueConfig) -> Result<Self, QueueConfigError> {
         config.validate()?;
         Ok(Self::build(config, None))
-    }
-
-    /// Builds an empty queue that hands rounds to a group of `members` (see [`RoundItem`] and
-    /// [`pop_round`](Self::pop_round)): one bucket per round, one item of it per member.
-    ///
-    /// # Errors
-    /// [`QueueConfigError`] when the configuration fails [`QueueConfig::validate`], or
-    /// [`QueueConfigError::NoMembers`], or [`QueueConfigError::CapacityBelowRound`] when a full queue
-    /// could hold no round (`capacity < buckets × (members − 1) + 1`).
-    pub fn with_rounds(config: QueueConfig, members: usize) -> Result<Self, QueueConfigError> {
-        config.validate()?;
-        if members == 0 {
-            return Err(QueueConfigError::NoMembers);
-        }
-        let needed = config.round_capacity(members);
-        if config.capacity < needed {
-            return Err(QueueConfigError::CapacityBelowRound {
-                capacity: config.capacity,
-                buckets: config.buckets.len(),
-                members,
-                needed,
-            });
-        }
-        Ok(Self::build(config, Some(Rounds::new(members))))
     }
 
     fn build(config: QueueConfig, rounds: Option<Rounds<T>>) -> Self {

@@ -53,7 +53,7 @@ use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use super::sync::{AtomicU64, Mutex, Ordering, seqcst_order_point};
-use super::{HsQueue, PopError};
+use super::{HsQueue, PopError, QueueConfig, QueueConfigError};
 
 /// One member's batch of a round: the round's number (from 0), its bucket and the item.
 pub struct RoundItem<T> {
@@ -138,6 +138,87 @@ enum RoundClaim {
 }
 
 impl<T> HsQueue<T> {
+    /// Builds an empty queue that hands rounds to a group of `members` (see [`RoundItem`] and
+    /// [`pop_round`](Self::pop_round)): one bucket per round, one item of it per member.
+    ///
+    /// # Errors
+    /// [`QueueConfigError`] when the configuration fails [`QueueConfig::validate`], or
+    /// [`QueueConfigError::NoMembers`], or [`QueueConfigError::CapacityBelowRound`] when a full queue
+    /// could hold no round (`capacity < buckets × (members − 1) + 1`).
+    ///
+    /// # Examples
+    ///
+    /// A group of two drafters taking rounds: both get the same bucket every round.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::thread;
+    /// use draftpipe_compiler::plan::PullPolicy;
+    /// use draftpipe_runtime::queue::{HsQueue, QueueConfig, SeqLen};
+    ///
+    /// struct Len(usize);
+    /// impl SeqLen for Len {
+    ///     fn seq_len(&self) -> usize {
+    ///         self.0
+    ///     }
+    /// }
+    ///
+    /// let config = QueueConfig {
+    ///     capacity: 8,
+    ///     min_ready: 2,
+    ///     buckets: vec![256, 1024],
+    ///     pull: PullPolicy::RandomInBucket,
+    ///     seed: 1,
+    /// };
+    /// // At least buckets × (members − 1) + 1 = 3, so a full queue always holds a round.
+    /// let queue = Arc::new(HsQueue::with_rounds(config, 2)?);
+    /// let producer = {
+    ///     let queue = Arc::clone(&queue);
+    ///     thread::spawn(move || {
+    ///         for i in 0..101 {
+    ///             queue.push(Len(if i % 3 == 0 { 900 } else { 100 })).unwrap();
+    ///         }
+    ///         queue.close();
+    ///     })
+    /// };
+    /// let members: Vec<_> = (0..2)
+    ///     .map(|member| {
+    ///         let queue = Arc::clone(&queue);
+    ///         thread::spawn(move || {
+    ///             let mut buckets = Vec::new();
+    ///             // Parks until the group can claim a round; None once no bucket holds one.
+    ///             while let Some(round) = queue.pop_round(member) {
+    ///                 buckets.push(round.bucket);
+    ///             }
+    ///             buckets
+    ///         })
+    ///     })
+    ///     .collect();
+    /// producer.join().unwrap();
+    /// let seen: Vec<Vec<usize>> = members.into_iter().map(|m| m.join().unwrap()).collect();
+    /// assert_eq!(seen[0], seen[1]);
+    /// // 67 short and 34 long items: 33 and 17 rounds; one short item is no round and stays queued.
+    /// assert_eq!(seen[0].len(), 50);
+    /// assert_eq!(queue.stats().per_bucket, vec![1, 0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_rounds(config: QueueConfig, members: usize) -> Result<Self, QueueConfigError> {
+        config.validate()?;
+        if members == 0 {
+            return Err(QueueConfigError::NoMembers);
+        }
+        let needed = config.round_capacity(members);
+        if config.capacity < needed {
+            return Err(QueueConfigError::CapacityBelowRound {
+                capacity: config.capacity,
+                buckets: config.buckets.len(),
+                members,
+                needed,
+            });
+        }
+        Ok(Self::build(config, Some(Rounds::new(members))))
+    }
+
     /// Takes this member's batch of the next round if it can be had now, without blocking.
     ///
     /// # Errors
