@@ -404,7 +404,7 @@ impl Threads<'_> {
                     spawner.spawn(scope, "telemetry".into(), move || {
                         // A reporter that cannot write (say, stdout closed) stops the run rather than leaving
                         // it to train unobserved; the workers see the failure at their next step.
-                        match reporter.run(reporter_stop, || queue_snapshot(&shared)) {
+                        match reporter.run(reporter_stop, || queue_snapshot(shared)) {
                             Ok(()) => Some(reporter),
                             Err(error) => {
                                 shared.fail(RunError::Telemetry(error));
@@ -554,7 +554,7 @@ fn finish<W: Write + Send>(
     reporter: Option<Reporter<W>>,
     (stop, step, step_limit): (StopReason, u64, Option<u64>),
 ) -> Result<RunOutcome, RunError> {
-    let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(&shared)));
+    let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared)));
     let producer_errors = std::mem::take(
         &mut *shared
             .producer_errors
