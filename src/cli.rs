@@ -183,7 +183,7 @@ pub struct SimulateArgs {
     #[arg(long, allow_negative_numbers = true, value_name = "GFLOPS", conflicts_with_all = ["from", "step_time"])]
     pub drafter_gflops: Option<f64>,
     /// A what-if, `KEY=VALUE[,KEY=VALUE...]` (repeatable): queue.capacity, queue.min_ready, queue.pull,
-    /// drafter.devices, drafter.step_time, drafter.sync, producer.workers, producer.rate.
+    /// queue.rounds, drafter.devices, drafter.step_time, drafter.sync, producer.workers, producer.rate.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
     /// Print the plan and each `--set` as its own variant, side by side (without it, all `--set`s apply together).

@@ -1,5 +1,5 @@
 //! Loom model checks of the queue protocol: every interleaving (up to a preemption bound) of a
-//! few threads on a tiny queue. Run with
+//! few threads on a tiny queue (and a group's rounds, `HsQueue::with_rounds`). Run with
 //! `RUSTFLAGS="--cfg loom" cargo test -p draftpipe-runtime --test queue_loom --release`.
 //!
 //! Under `cfg(loom)` the queue's counters, slot bitmaps, slot cells, mutexes and condition
@@ -152,5 +152,56 @@ fn two_consumers_split_two_items() {
             consumer.join().unwrap();
         }
         assert_eq!(total.load(Ordering::SeqCst), 3);
+    });
+}
+
+fn rounds_queue(capacity: usize, members: usize) -> Arc<HsQueue<Item>> {
+    Arc::new(
+        HsQueue::with_rounds(
+            QueueConfig {
+                capacity,
+                min_ready: 1,
+                buckets: vec![2, 4],
+                pull: PullPolicy::RandomInBucket,
+                seed: 3,
+            },
+            members,
+        )
+        .unwrap(),
+    )
+}
+
+/// A group of two parked for a round while a producer pushes one item of bucket 1 and two of bucket 0, then
+/// closes: the members must wake (no lost wake-up between the claim, the fill and the other member's take),
+/// both get an item of bucket 0 in round 0, and both end with `None` (the lone bucket-1 item is no round).
+#[test]
+fn a_round_reaches_both_parked_members_and_the_close_ends_them() {
+    model(2, || {
+        let q = rounds_queue(3, 2);
+        let producer = {
+            let q = Arc::clone(&q);
+            thread::spawn(move || {
+                for len in [3, 1, 2] {
+                    assert!(q.push(Item(len)).is_ok());
+                }
+                q.close();
+            })
+        };
+        let other = {
+            let q = Arc::clone(&q);
+            thread::spawn(move || {
+                let round = q.pop_round(1).map(|r| (r.round, r.bucket, r.item.0));
+                (round, q.pop_round(1).is_none())
+            })
+        };
+        let mine = q.pop_round(0).map(|r| (r.round, r.bucket, r.item.0));
+        assert!(q.pop_round(0).is_none());
+        producer.join().unwrap();
+        let (theirs, ended) = other.join().unwrap();
+        assert!(ended);
+        let (mine, theirs) = (mine.unwrap(), theirs.unwrap());
+        assert_eq!((mine.0, mine.1, theirs.0, theirs.1), (0, 0, 0, 0));
+        assert_eq!(mine.2 + theirs.2, 3, "items 1 and 2, once each");
+        assert_eq!(q.stats().depth, 1);
     });
 }

@@ -31,6 +31,7 @@ fn model(
         produce_std_s: 0.0,
         drafters,
         lockstep: true,
+        rounds: false,
         all_reduce_s: 0.0,
         step_common_share: 0.0,
         producer_origin: "test".into(),
@@ -58,7 +59,7 @@ fn arbitrary_model() -> impl Strategy<Value = Model> {
         0.001f64..1.0,
         1usize..5,
         prop::collection::vec((0.05f64..1.0, 1usize..9, 0.001f64..1.0, 0.0f64..0.4), 1..4),
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
         prop_oneof![
             Just(PullPolicy::RandomInBucket),
             Just(PullPolicy::RoundRobin),
@@ -66,7 +67,13 @@ fn arbitrary_model() -> impl Strategy<Value = Model> {
         ],
     )
         .prop_map(
-            |(capacity, ready, producers, produce, drafters, buckets, lockstep, pull)| {
+            |(capacity, ready, producers, produce, drafters, buckets, (lockstep, rounds), pull)| {
+                // Rounds need a capacity that always holds one (the runtime refuses less).
+                let capacity = if rounds {
+                    capacity.max(buckets.len() * (drafters - 1) + 1)
+                } else {
+                    capacity
+                };
                 let mut m = model(
                     capacity,
                     (ready * capacity as f64) as usize,
@@ -89,6 +96,7 @@ fn arbitrary_model() -> impl Strategy<Value = Model> {
                     .collect();
                 m.produce_std_s = produce * 0.2;
                 m.lockstep = lockstep;
+                m.rounds = rounds;
                 m.pull = pull;
                 m
             },
@@ -139,6 +147,8 @@ proptest! {
     /// data); the producers are the bottleneck.
     #[test]
     fn infinitely_fast_drafters_wait(mut m in arbitrary_model(), seed in any::<u64>()) {
+        // The single pop's watermark: a round needs one item per drafter of one bucket, so it may queue more.
+        m.rounds = false;
         for bucket in &mut m.buckets {
             bucket.step_mean_s = 0.0;
             bucket.step_std_s = 0.0;
@@ -232,4 +242,54 @@ fn producers_that_deliver_in_bursts_are_named_bursty_as_the_diagnosis_names_them
     // The same mean rate delivered evenly: the producer sets the pace, nobody blocks.
     let even = model(4, 1, 1, 0.1, 1, 0.08).predict(3600.0, 3);
     assert_eq!(even.bottleneck, Bottleneck::Producers, "{even}");
+}
+
+/// Three lockstep drafters over two buckets of equal share, one step 1 s and the other 3.5 s (the ratio of
+/// `dflash-5x3.pipe`'s 2048 and 8192 buckets per token), producers never the bottleneck.
+fn two_bucket_lockstep(rounds: bool) -> Model {
+    let mut m = model(30, 4, 8, 0.01, 3, 0.0);
+    m.buckets = [(1.0, 2048), (3.5, 8192)]
+        .into_iter()
+        .map(|(step_mean_s, tokens)| BucketModel {
+            padded_len: tokens,
+            tokens,
+            share: 0.5,
+            step_mean_s,
+            step_std_s: 0.0,
+        })
+        .collect();
+    m.rounds = rounds;
+    m
+}
+
+#[test]
+fn a_round_of_one_bucket_costs_that_buckets_step_not_the_slowest_members() {
+    let with = two_bucket_lockstep(true).predict(3600.0, 3);
+    let without = two_bucket_lockstep(false).predict(3600.0, 3);
+    // Rounds alternate the buckets (round-robin among those that hold a round): a round costs 1 s or 3.5 s.
+    let rounds_per_s = with.outcome.steps as f64 / with.outcome.measured_s;
+    assert!(
+        (rounds_per_s * 2.25 - 1.0).abs() < 0.02,
+        "{rounds_per_s} rounds/s\n{with}"
+    );
+    assert!(with.outcome.drafter_barrier < 1e-9, "{with}");
+    // Each drafter's own pop mixes the buckets in almost every round, which then costs the 3.5 s bucket.
+    let mixed_per_s = without.outcome.steps as f64 / without.outcome.measured_s;
+    assert!(mixed_per_s < 1.0 / 3.0, "{mixed_per_s} rounds/s\n{without}");
+    assert!(without.outcome.drafter_barrier > 0.1, "{without}");
+    assert!(with.outcome.tokens_per_s > 1.2 * without.outcome.tokens_per_s);
+}
+
+#[test]
+fn rounds_need_a_capacity_that_always_holds_one() {
+    let mut m = two_bucket_lockstep(true);
+    // Two buckets × (3 − 1) + 1 = 5.
+    m.capacity = 4;
+    let err = m.validate().unwrap_err().to_string();
+    assert!(err.contains("queue.capacity"), "{err}");
+    m.capacity = 5;
+    m.validate().unwrap();
+    m.capacity = 4;
+    m.rounds = false;
+    m.validate().unwrap();
 }

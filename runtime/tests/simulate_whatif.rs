@@ -21,6 +21,7 @@ fn base() -> Model {
         produce_std_s: 0.01,
         drafters: 3,
         lockstep: true,
+        rounds: true,
         all_reduce_s: 0.0,
         step_common_share: 0.0,
         producer_origin: "test".into(),

@@ -89,6 +89,8 @@ fn summary(depths: Vec<u64>, producer_blocked_s: f64, drafters: Vec<DrafterSumma
             consumer_blocked_s: 0.0,
             seen_full: 0,
             seen_below_watermark: 0,
+            rounds: 0,
+            mixed_rounds: 0,
             sample_period_ms: 10.0,
             depth_histogram: depths,
             max_depth: capacity,

@@ -24,8 +24,8 @@ use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
 use crate::family::{REGISTRY, TargetFacts};
 use crate::plan::{
-    DeclaredDevice, Device, DeviceMemory, HostMemory, ModelPlan, Plan, SourceSpec, StepPhase,
-    SyncMode,
+    DeclaredDevice, Device, DeviceMemory, HostMemory, ModelPlan, Placement, Plan, SourceSpec,
+    StepPhase, SyncMode,
 };
 use crate::span::Span;
 
@@ -117,6 +117,9 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
     }
     if let (Some((_, t)), Some((_, q))) = (&target, &queue) {
         check_buckets_against_target(t, q, &mut errs);
+    }
+    if let (Some((_, q)), Some((_, d)), Some(p)) = (&queue, &drafter, &drafter_placement) {
+        check_capacity_holds_a_round(q, d, p, &mut errs);
     }
     let mut placed = Vec::new();
     if let (Some(s), Some(p)) = (sections.targets.first(), &target_placement) {
@@ -506,6 +509,44 @@ fn check_queue_ends(q: &QueueSection, s: &Sections<'_>, errs: &mut Errs) {
 }
 
 /// Every bucket fits one item; the source's longest sequence fits the largest bucket.
+/// Data-parallel drafters (`sync = allreduce`, several workers) take rounds of one bucket, one batch per
+/// worker; a full queue with fewer than that in every bucket holds no round, and producers and drafters would
+/// wait on each other forever. The runtime's queue refuses it too (`HsQueue::with_rounds`).
+fn check_capacity_holds_a_round(
+    q: &stages::QueueParts,
+    d: &stages::DrafterParts,
+    placement: &Placement,
+    errs: &mut Errs,
+) {
+    let workers = placement.workers.len();
+    let (Some(capacity), Some(span), Some((buckets, buckets_span)), Some(SyncMode::AllReduce)) =
+        (q.capacity, q.capacity_span, &q.buckets, d.sync)
+    else {
+        return;
+    };
+    let needed = buckets.len() * workers.saturating_sub(1) + 1;
+    if workers > 1 && capacity < needed {
+        errs.push(
+            Diagnostic::error(
+                span,
+                format!(
+                    "`capacity` ({capacity}) cannot always hold a round for {workers} drafters: {} buckets need at \
+                     least {needed}",
+                    buckets.len()
+                ),
+            )
+            .label("a full queue may hold no round")
+            .related(*buckets_span, "buckets set")
+            .help(format!(
+                "under `sync = allreduce` the drafters take rounds of one bucket, one batch each; with {} in every \
+                 bucket the queue is full and holds no round: make `capacity` at least buckets × (drafters − 1) + \
+                 1 = {needed}, or use fewer buckets",
+                workers - 1
+            )),
+        );
+    }
+}
+
 fn check_buckets_against_target(t: &stages::TargetParts, q: &stages::QueueParts, errs: &mut Errs) {
     let Some((buckets, buckets_span)) = &q.buckets else {
         return;

@@ -444,6 +444,7 @@ pub(crate) fn target_stage(
 /// What the queue section yields; `None` fields had errors.
 pub(crate) struct QueueParts {
     pub capacity: Option<usize>,
+    pub capacity_span: Option<Span>,
     pub min_ready: Option<usize>,
     pub buckets: Option<(Vec<usize>, Span)>,
     pub pull: Option<PullPolicy>,
@@ -452,9 +453,10 @@ pub(crate) struct QueueParts {
 pub(crate) fn check_queue(section: &QueueSection, errs: &mut Errs) -> QueueParts {
     let context = format!("queue `{}`", section.name.name);
     let mut f = Fields::new(&section.block.entries, context, section.header, errs);
-    let capacity = f
-        .required("capacity", "16")
-        .and_then(|v| values::count_in(errs, "capacity", v, 1, MAX_CAPACITY));
+    let capacity_value = f.required("capacity", "16");
+    let capacity_span = capacity_value.map(|v| v.span);
+    let capacity =
+        capacity_value.and_then(|v| values::count_in(errs, "capacity", v, 1, MAX_CAPACITY));
     let min_ready = match f.optional("min_ready") {
         None => Some(DEFAULT_MIN_READY),
         Some(v) => values::count(errs, "min_ready", v, 0).and_then(|m| match capacity {
@@ -487,6 +489,7 @@ pub(crate) fn check_queue(section: &QueueSection, errs: &mut Errs) -> QueueParts
     f.finish(errs);
     QueueParts {
         capacity,
+        capacity_span,
         min_ready,
         buckets,
         pull,

@@ -92,7 +92,8 @@ fn spawned<T>(shared: &Shared, result: Result<T, RunError>) -> Option<T> {
 }
 
 /// Converts the queue's statistics into the telemetry's view of them.
-fn queue_snapshot(stats: QueueStats) -> QueueSnapshot {
+fn queue_snapshot(shared: &Shared) -> QueueSnapshot {
+    let stats: QueueStats = shared.queue.stats();
     QueueSnapshot {
         depth: stats.depth,
         capacity: stats.capacity,
@@ -104,6 +105,8 @@ fn queue_snapshot(stats: QueueStats) -> QueueSnapshot {
         consumer_blocked: stats.consumer_blocked,
         seen_full: stats.seen_full,
         seen_below_watermark: stats.seen_below_watermark,
+        rounds: stats.rounds,
+        mixed_rounds: shared.mixed_rounds.load(Ordering::Relaxed),
     }
 }
 
@@ -230,11 +233,16 @@ pub fn run_with_sources(
         .data_positions
         .clone()
         .unwrap_or_else(|| (0..producers.len() as u64).collect());
+    let queue_config = QueueConfig::from_spec(&plan.queue, plan_seed(plan) ^ start.step);
+    // Data-parallel workers step in lockstep, so the queue hands them rounds of one bucket.
+    let queue = match plan.drafter.placement.workers.len() {
+        members if members > 1 && plan.drafter.sync == SyncMode::AllReduce => {
+            HsQueue::with_rounds(queue_config, members)?
+        }
+        _ => HsQueue::new(queue_config)?,
+    };
     let shared = Arc::new(Shared::new(
-        HsQueue::new(QueueConfig::from_spec(
-            &plan.queue,
-            plan_seed(plan) ^ start.step,
-        ))?,
+        queue,
         BatchPool::for_plan(plan)?,
         interrupt,
         first_positions,
@@ -415,7 +423,7 @@ impl Threads<'_> {
                     spawner.spawn(scope, "telemetry".into(), move || {
                         // A reporter that cannot write (say, stdout closed) stops the run rather than leaving
                         // it to train unobserved; the workers see the failure at their next step.
-                        match reporter.run(reporter_stop, || queue_snapshot(shared.queue.stats())) {
+                        match reporter.run(reporter_stop, || queue_snapshot(shared)) {
                             Ok(()) => Some(reporter),
                             Err(error) => {
                                 shared.fail(RunError::Telemetry(error));
@@ -470,7 +478,7 @@ impl Threads<'_> {
         let plan = self.plan;
         let drafters = recorders.len();
         let synced = plan.drafter.sync == SyncMode::AllReduce;
-        let round = Arc::new(AllReduce::new(drafters, worker::ROUND_LEN));
+        let round = Arc::new(AllReduce::new(drafters, worker::round_len(drafters)));
         let gradients = (synced && gpus.is_none())
             .then(|| Arc::new(AllReduce::new(drafters, plan.model.parameters)));
         let mut communicators = communicators.into_iter();
@@ -570,7 +578,7 @@ fn finish<W: Write + Send>(
         .acceptance
         .as_ref()
         .map(|monitor| monitor.finish(&shared.interrupt));
-    let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared.queue.stats())));
+    let summary = reporter.map(|reporter| reporter.finish(&queue_snapshot(shared)));
     let producer_errors = std::mem::take(
         &mut *shared
             .producer_errors

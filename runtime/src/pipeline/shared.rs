@@ -7,7 +7,7 @@
 //! ```
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::acceptance::AcceptanceMonitor;
@@ -57,6 +57,8 @@ pub(super) struct Shared {
     pub(super) vocab_map: Option<VocabMap>,
     /// The pipeline's `acceptance` check, which worker 0 starts every `every` steps.
     pub(super) acceptance: Option<Arc<AcceptanceMonitor>>,
+    /// Stepped all-reduce rounds whose replicas' batches had different padded lengths (counted by worker 0).
+    pub(super) mixed_rounds: AtomicU64,
 }
 
 impl Shared {
@@ -88,6 +90,7 @@ impl Shared {
             stream,
             vocab_map,
             acceptance,
+            mixed_rounds: AtomicU64::new(0),
         }
     }
 
@@ -140,6 +143,13 @@ impl Shared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Counts a stepped all-reduce round that mixed buckets (`same_bucket` false).
+    pub(super) fn count_round(&self, same_bucket: bool) {
+        if !same_bucket {
+            self.mixed_rounds.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub(super) fn producer_finished(&self) {

@@ -19,6 +19,14 @@
 //! stops the others before they start. The round also carries the shared decision to stop after this step, and
 //! marks the data positions staged so far as the ones the step's update contains: the one checkpoint rule.
 //! Without `sync = allreduce` the workers are independent and skip the round.
+//!
+//! Synced workers pull *rounds* from the queue ([`HsQueue::pop_round_unless`]): one bucket per round, one
+//! batch of it per worker, so every replica of a step has the same padded length and none waits in the
+//! all-reduce for a longer bucket. A worker waiting for its round's batch is waiting on the queue (its data
+//! wait). The readiness round also carries each worker's padded length, and worker 0 counts a stepped round
+//! whose replicas' lengths differ (`mixed_rounds` in the summary: never, while the queue hands out rounds).
+//!
+//! [`HsQueue::pop_round_unless`]: crate::queue::HsQueue::pop_round_unless
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -43,8 +51,21 @@ use super::shared::Shared;
 /// nothing else would wake a pop parked below `min_ready` (a stream whose producers are idle or not connected).
 const STOP_POLL: Duration = Duration::from_millis(50);
 
-/// Length of the workers' round group: the readiness number.
-pub(super) const ROUND_LEN: usize = 1;
+/// Length of the readiness round of `workers` workers: the readiness number, then one padded length per worker.
+pub(super) fn round_len(workers: usize) -> usize {
+    1 + workers
+}
+
+/// What a readiness round tells every worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RoundView {
+    /// Every worker holds a staged batch and is still in the group: step.
+    pub(super) launch: bool,
+    /// The shared decision to stop after this step.
+    pub(super) stop: bool,
+    /// Every worker's batch has the same padded length (meaningful when `launch`).
+    pub(super) same_bucket: bool,
+}
 
 /// What a drafter thread starts with.
 pub(super) struct WorkerContext<'a> {
@@ -68,20 +89,32 @@ pub(super) struct Finished {
 }
 
 /// One round of `workers` data-parallel workers before a step (see the module docs): whether all of them hold
-/// a staged batch and are still in the group, so that each may start the step, and the shared decision to stop
-/// after it (`decide`, evaluated once per round by whichever worker completes it).
+/// a staged batch and are still in the group, so that each may start the step, the shared decision to stop
+/// after it (`decide`, evaluated once per round by whichever worker completes it), and whether their batches'
+/// padded lengths agree. `worker` says which slot of `buffer` (of [`round_len`]) carries this worker's
+/// `staged` padded length (`None`: no batch).
 pub(super) fn launch_round(
     group: &AllReduce,
-    workers: usize,
-    staged: bool,
+    (workers, worker): (usize, usize),
+    buffer: &mut [f32],
+    staged: Option<usize>,
     decide: impl FnOnce() -> bool,
-) -> (bool, bool) {
-    let mut missing = [if staged { 0.0 } else { 1.0 }];
-    let outcome = group.mean(&mut missing, decide);
-    (
-        outcome.participants == workers && missing[0] == 0.0,
-        outcome.stop,
-    )
+) -> RoundView {
+    buffer.fill(0.0);
+    match staged {
+        Some(padded_len) => buffer[1 + worker] = padded_len as f32,
+        None => buffer[0] = 1.0,
+    }
+    let outcome = group.mean(buffer, decide);
+    // A mean over all workers of one non-zero slot each: the slot times `workers` is that worker's length
+    // (exact after rounding for any length below 2^24).
+    let length = |mean: f32| (mean * workers as f32).round();
+    let first = length(buffer[1]);
+    RoundView {
+        launch: outcome.participants == workers && buffer[0] == 0.0,
+        stop: outcome.stop,
+        same_bucket: buffer[1..].iter().all(|&mean| length(mean) == first),
+    }
 }
 
 /// Trains with the drafter `open` builds on the starting replica `start` until the step limit, the end of the
@@ -119,6 +152,8 @@ pub(super) fn run<B: Backend>(
 /// NCCL collective this rank will never join, and the abort hooks end those communicators. A CPU worker leaves,
 /// which completes a round the others wait in.
 fn abort_or_leave(context: &WorkerContext<'_>) {
+    // A group short of a member cannot step together: the others take no more rounds from the queue.
+    context.shared.queue.leave_rounds();
     if matches!(context.device, Device::Gpu(_)) && context.plan.drafter.sync == SyncMode::AllReduce
     {
         context.round.abort();
@@ -142,6 +177,8 @@ struct Worker<'a, B: Backend> {
     /// The token counts of the batches staged and stepped whose outcomes have not arrived, oldest first: on
     /// CUDA an outcome arrives a step late, and outcomes arrive in step order.
     pending_tokens: VecDeque<StepTokens>,
+    /// The readiness round's buffer (synced workers), kept so a step allocates nothing.
+    round_buffer: Vec<f32>,
 }
 
 impl<'a, B: Backend> Worker<'a, B> {
@@ -155,6 +192,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             since: Instant::now(),
             recorded_until: Instant::now(),
             pending_tokens: VecDeque::with_capacity(2),
+            round_buffer: vec![0.0; round_len(plan.drafter.placement.workers.len())],
             context,
             drafter,
         }
@@ -175,7 +213,9 @@ impl<'a, B: Backend> Worker<'a, B> {
     fn run(mut self) -> Finished {
         let stop = match self.train() {
             Ok(stop) => {
-                // Leaving shortens the others' next round so they stop before a step.
+                // Leaving shortens the others' next round so they stop before a step, and ends the queue's
+                // rounds, so they take no batch they could not train.
+                self.context.shared.queue.leave_rounds();
                 self.context.round.leave(|| true);
                 stop
             }
@@ -240,11 +280,18 @@ impl<'a, B: Backend> Worker<'a, B> {
             }
             self.context.recorder.waiting(self.since);
             let shared = &self.context.shared;
-            let batch = shared
-                .queue
-                .pop_unless(|| shared.should_stop(), STOP_POLL)
-                .ok();
+            let stop = || shared.should_stop();
+            let batch = if shared.queue.round_members().is_some() {
+                shared
+                    .queue
+                    .pop_round_unless(self.context.worker, stop, STOP_POLL)
+                    .map(|round| round.item)
+                    .ok()
+            } else {
+                shared.queue.pop_unless(stop, STOP_POLL).ok()
+            };
             self.lap(DrafterPhase::DataWait);
+            let padded_len = batch.as_ref().map(|batch| batch.padded_len);
             let staged = match batch {
                 Some(batch) => {
                     self.context.recorder.begin_step(batch.padded_len);
@@ -262,7 +309,7 @@ impl<'a, B: Backend> Worker<'a, B> {
                 None => false,
             };
             self.lap(DrafterPhase::Copy);
-            let (all_ready, stop_after) = self.round(staged);
+            let (all_ready, stop_after) = self.round(padded_len.filter(|_| staged));
             if self.synced {
                 self.lap(DrafterPhase::AllReduce);
             }
@@ -302,18 +349,31 @@ impl<'a, B: Backend> Worker<'a, B> {
         }
     }
 
-    /// Whether to step (every worker holds a staged batch) and whether to stop after this step.
-    fn round(&self, staged: bool) -> (bool, bool) {
+    /// Whether to step (every worker holds a staged batch, of padded length `staged`) and whether to stop after
+    /// this step.
+    fn round(&mut self, staged: Option<usize>) -> (bool, bool) {
+        let mut buffer = std::mem::take(&mut self.round_buffer);
         let shared = &self.context.shared;
         let stop_after = || self.limit_reached(self.step + 1) || shared.should_stop();
         if self.synced {
             let workers = self.context.plan.drafter.placement.workers.len();
-            launch_round(&self.context.round, workers, staged, || {
-                shared.mark_trained();
-                stop_after()
-            })
+            let view = launch_round(
+                &self.context.round,
+                (workers, self.context.worker),
+                &mut buffer,
+                staged,
+                || {
+                    shared.mark_trained();
+                    stop_after()
+                },
+            );
+            if view.launch && self.context.worker == 0 {
+                shared.count_round(view.same_bucket);
+            }
+            self.round_buffer = buffer;
+            (view.launch, view.stop)
         } else {
-            (staged, stop_after())
+            (staged.is_some(), stop_after())
         }
     }
 
@@ -435,16 +495,29 @@ impl<'a, B: Backend> Worker<'a, B> {
 mod tests {
     use super::*;
 
-    /// Runs one round for workers that hold a batch or not (`None`: the worker has left the group).
-    fn round(members: &[Option<bool>]) -> Vec<(bool, bool)> {
-        let group = AllReduce::new(members.len(), ROUND_LEN);
+    /// Runs one round for workers that hold a batch of this padded length or none (`Some(None)`), or have left
+    /// the group (`None`); gives `(launch, stop, same_bucket)` per worker still in it.
+    fn round(members: &[Option<Option<usize>>]) -> Vec<(bool, bool, bool)> {
+        let workers = members.len();
+        let group = AllReduce::new(workers, round_len(workers));
         std::thread::scope(|scope| {
             let handles: Vec<_> = members
                 .iter()
-                .map(|member| {
+                .enumerate()
+                .map(|(worker, member)| {
                     let group = &group;
                     scope.spawn(move || match member {
-                        Some(staged) => Some(launch_round(group, members.len(), *staged, || true)),
+                        Some(staged) => {
+                            let mut buffer = vec![0.0; round_len(workers)];
+                            let view = launch_round(
+                                group,
+                                (workers, worker),
+                                &mut buffer,
+                                *staged,
+                                || true,
+                            );
+                            Some((view.launch, view.stop, view.same_bucket))
+                        }
                         None => {
                             group.leave(|| true);
                             None
@@ -461,13 +534,28 @@ mod tests {
 
     #[test]
     fn a_step_needs_every_worker_ready_and_present() {
-        assert_eq!(round(&[Some(true); 3]), vec![(true, true); 3]);
-        assert_eq!(
-            round(&[Some(true), Some(false), Some(true)]),
-            vec![(false, true); 3]
-        );
-        let after_a_leave = round(&[Some(true), None, Some(true)]);
+        assert_eq!(round(&[Some(Some(64)); 3]), vec![(true, true, true); 3]);
+        let one_without = round(&[Some(Some(64)), Some(None), Some(Some(64))]);
+        assert!(one_without.iter().all(|&(launch, stop, _)| !launch && stop));
+        let after_a_leave = round(&[Some(Some(64)), None, Some(Some(64))]);
         assert_eq!(after_a_leave.len(), 2);
-        assert!(after_a_leave.iter().all(|&(launch, _)| !launch));
+        assert!(after_a_leave.iter().all(|&(launch, _, _)| !launch));
+    }
+
+    #[test]
+    fn every_worker_sees_whether_the_rounds_buckets_agree() {
+        // Lengths up to the largest bucket a plan allows stay exact through the mean.
+        assert_eq!(
+            round(&[Some(Some(65_536)), Some(Some(65_536)), Some(Some(65_536))]),
+            vec![(true, true, true); 3]
+        );
+        assert_eq!(
+            round(&[Some(Some(2048)), Some(Some(8192)), Some(Some(2048))]),
+            vec![(true, true, false); 3]
+        );
+        assert_eq!(
+            round(&[Some(Some(4096)), Some(Some(4095))]),
+            vec![(true, true, false); 2]
+        );
     }
 }

@@ -89,6 +89,12 @@ impl QueueConfig {
     pub(crate) fn watermark(&self) -> usize {
         self.min_ready.max(1)
     }
+
+    /// The least capacity at which a full queue always holds a round of `members` items of one
+    /// bucket: with `members − 1` in every bucket, one more item completes a round (pigeonhole).
+    pub fn round_capacity(&self, members: usize) -> usize {
+        self.buckets.len() * members.saturating_sub(1) + 1
+    }
 }
 
 /// SplitMix64's output function: turns a counter into a well-mixed 64-bit value. The random pull

@@ -31,6 +31,25 @@ pub enum QueueConfigError {
     /// The first bucket bound is 0.
     #[error("bucket bounds must be at least 1")]
     ZeroBucket,
+    /// A queue with rounds for no member.
+    #[error("a queue with rounds needs at least one member")]
+    NoMembers,
+    /// A full queue could hold fewer than `members` items of every bucket, so no round: producers
+    /// would wait for room and the group for a round, forever.
+    #[error(
+        "queue capacity {capacity} is below {needed}: a group of {members} takes rounds of one bucket, and a \
+         full queue of {buckets} buckets holds a round only from buckets × (members − 1) + 1 = {needed} items"
+    )]
+    CapacityBelowRound {
+        /// The queue capacity.
+        capacity: usize,
+        /// The number of buckets.
+        buckets: usize,
+        /// The group's members.
+        members: usize,
+        /// The least capacity that always holds a round.
+        needed: usize,
+    },
     /// Two consecutive bucket bounds do not strictly increase.
     #[error("bucket bounds must strictly increase, but {next} follows {previous}")]
     BucketsNotIncreasing {
@@ -122,4 +141,29 @@ pub enum PopError {
     /// [`HsQueue::pop_unless`](super::HsQueue::pop_unless) was told to stop waiting.
     #[error("stopped waiting for an item")]
     Stopped,
+    /// A single pop on a queue with rounds (`member: None`), or a round pop by a member the queue
+    /// has no slot for (`members: 0`: a queue without rounds).
+    #[error("{}", not_a_member(*member, *members))]
+    NotAMember {
+        /// The member that asked for a round, `None` for a single pop.
+        member: Option<usize>,
+        /// The members of the queue's group (0: it has none).
+        members: usize,
+    },
+    /// A member left the group ([`HsQueue::leave_rounds`](super::HsQueue::leave_rounds)): the group
+    /// can no longer step together, so no round is handed out.
+    #[error("a member left the group: no more rounds")]
+    GroupLeft,
+}
+
+fn not_a_member(member: Option<usize>, members: usize) -> String {
+    match (member, members) {
+        (None, members) => format!(
+            "this queue hands out rounds to a group of {members}: take items with pop_round, not pop"
+        ),
+        (Some(_), 0) => "this queue has no rounds (build it with HsQueue::with_rounds)".to_owned(),
+        (Some(member), members) => {
+            format!("member {member} is not one of the group's {members} (0..{members})")
+        }
+    }
 }

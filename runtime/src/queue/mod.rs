@@ -26,6 +26,11 @@
 //!   [`QueueConfig::seed`]); `round_robin` visits them the same way and takes the oldest item of
 //!   the bucket; `fifo` takes the oldest item overall. Round-robin serves every non-empty bucket
 //!   within one round of `buckets.len()` takes, so no bucket starves.
+//! - **Rounds** ([`HsQueue::with_rounds`], [`HsQueue::pop_round`]): a queue built for a
+//!   data-parallel group of `members` hands out rounds instead of single items: one bucket per
+//!   round, chosen by the pull policy among the buckets that hold `members` items, one item of it
+//!   per member, claimed whole, so the replicas of one all-reduce step never mix bucket lengths.
+//!   The semantics, end of data included: docs/queue.md, "Rounds", and `rounds.rs`.
 //! - **Statistics** ([`HsQueue::stats`]) are atomics read without a lock: depth in total and per
 //!   bucket, pushes, pops, time each side spent blocked, and how often the queue was seen full or
 //!   below the watermark: a queue pinned at capacity means the consumers are the bottleneck, one
@@ -170,6 +175,7 @@ pub mod baseline;
 mod config;
 mod error;
 mod park;
+mod rounds;
 mod stats;
 mod store;
 mod sync;
@@ -181,9 +187,11 @@ pub use draftpipe_compiler::plan::PullPolicy;
 
 pub use config::{MAX_CAPACITY, QueueConfig};
 pub use error::{PopError, PushError, QueueConfigError};
+pub use rounds::RoundItem;
 pub use stats::QueueStats;
 
 use park::Parker;
+use rounds::Rounds;
 use stats::Counters;
 use store::Store;
 use sync::{AtomicU64, AtomicUsize, Ordering, seqcst_order_point};
@@ -212,6 +220,8 @@ pub struct HsQueue<T> {
     producers: Parker,
     consumers: Parker,
     counters: Counters,
+    /// The data-parallel group this queue hands rounds to (`None`: single pops).
+    rounds: Option<Rounds<T>>,
 }
 
 /// The outcome of a producer's reservation attempt.
@@ -240,22 +250,28 @@ impl<T> HsQueue<T> {
     /// [`QueueConfigError`] when the configuration fails [`QueueConfig::validate`].
     pub fn new(config: QueueConfig) -> Result<Self, QueueConfigError> {
         config.validate()?;
-        Ok(Self {
+        Ok(Self::build(config, None))
+    }
+
+    fn build(config: QueueConfig, rounds: Option<Rounds<T>>) -> Self {
+        // A round takes from one bucket, which one queue over all buckets cannot do: under rounds
+        // `fifo` keeps its order per bucket.
+        let layout = match config.pull {
+            PullPolicy::Fifo if rounds.is_some() => PullPolicy::RoundRobin,
+            pull => pull,
+        };
+        Self {
             watermark: config.watermark(),
             slots: CachePadded::new(AtomicUsize::new(0)),
             published: CachePadded::new(AtomicU64::new(0)),
             claimed: CachePadded::new(AtomicU64::new(0)),
-            store: Store::new(
-                config.pull,
-                config.buckets.len(),
-                config.capacity,
-                config.seed,
-            ),
+            store: Store::new(layout, config.buckets.len(), config.capacity, config.seed),
             producers: Parker::new(),
             consumers: Parker::new(),
             counters: Counters::new(),
+            rounds,
             config,
-        })
+        }
     }
 
     /// The configuration the queue was built with.
@@ -305,6 +321,10 @@ impl<T> HsQueue<T> {
             consumer_blocked: self.counters.consumer_blocked(),
             seen_full: self.counters.seen_full.load(Ordering::Relaxed),
             seen_below_watermark: self.counters.seen_below_watermark.load(Ordering::Relaxed),
+            rounds: self
+                .rounds
+                .as_ref()
+                .map_or(0, |rounds| rounds.claimed.load(Ordering::Relaxed)),
         }
     }
 
@@ -393,8 +413,10 @@ impl<T> HsQueue<T> {
     ///
     /// # Errors
     /// [`PopError::Empty`] or [`PopError::BelowWatermark`] while open (`Empty` also while a push
-    /// that reserved before close is still landing), [`PopError::Closed`] once closed and drained.
+    /// that reserved before close is still landing), [`PopError::Closed`] once closed and drained,
+    /// [`PopError::NotAMember`] on a queue [with rounds](Self::with_rounds).
     pub fn try_pop(&self) -> Result<T, PopError> {
+        self.single_pops()?;
         match self.claim() {
             Claim::Claimed => Ok(self.take_claimed()),
             Claim::Below { ready } => {
@@ -422,7 +444,7 @@ impl<T> HsQueue<T> {
     ///
     /// # Errors
     /// [`PopError::Timeout`] when nothing could be taken in time, [`PopError::Closed`] once closed
-    /// and drained.
+    /// and drained, [`PopError::NotAMember`] on a queue [with rounds](Self::with_rounds).
     pub fn pop_timeout(&self, timeout: Duration) -> Result<T, PopError> {
         self.pop_until(Instant::now().checked_add(timeout), None)
     }
@@ -434,9 +456,21 @@ impl<T> HsQueue<T> {
     ///
     /// # Errors
     /// [`PopError::Stopped`] when `stop` said so while waiting, [`PopError::Closed`] once closed
-    /// and drained.
+    /// and drained, [`PopError::NotAMember`] on a queue [with rounds](Self::with_rounds).
     pub fn pop_unless(&self, stop: impl Fn() -> bool, poll: Duration) -> Result<T, PopError> {
         self.pop_until(None, Some((&stop, poll)))
+    }
+
+    /// Items of a queue with rounds leave only by rounds, so that a round's bucket keeps the items
+    /// it was counted with.
+    fn single_pops(&self) -> Result<(), PopError> {
+        match &self.rounds {
+            Some(rounds) => Err(PopError::NotAMember {
+                member: None,
+                members: rounds.members,
+            }),
+            None => Ok(()),
+        }
     }
 
     fn pop_until(
@@ -444,6 +478,7 @@ impl<T> HsQueue<T> {
         deadline: Option<Instant>,
         stop: Option<(&dyn Fn() -> bool, Duration)>,
     ) -> Result<T, PopError> {
+        self.single_pops()?;
         match self.claim() {
             Claim::Claimed => return Ok(self.take_claimed()),
             Claim::Drained => return Err(PopError::Closed),
@@ -455,7 +490,28 @@ impl<T> HsQueue<T> {
             Claim::Settling => {}
         }
         let since = Instant::now();
-        let outcome = loop {
+        let outcome = self.wait_consumer(deadline, stop, || match self.claim() {
+            Claim::Claimed => Some(true),
+            Claim::Drained => Some(false),
+            Claim::Below { .. } | Claim::Settling => None,
+        });
+        self.counters.consumer_waited(since);
+        match outcome {
+            Ok(true) => Ok(self.take_claimed()),
+            Ok(false) => Err(PopError::Closed),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Parks a consumer until `attempt` returns `Some`, the deadline passes, or `stop` says so
+    /// (asked at least every `poll`). `attempt` runs inside the parker and must notify no consumer.
+    fn wait_consumer<R>(
+        &self,
+        deadline: Option<Instant>,
+        stop: Option<(&dyn Fn() -> bool, Duration)>,
+        mut attempt: impl FnMut() -> Option<R>,
+    ) -> Result<R, PopError> {
+        loop {
             let wake = match stop {
                 Some((_, poll)) => {
                     let next_poll = Instant::now().checked_add(poll);
@@ -466,26 +522,15 @@ impl<T> HsQueue<T> {
                 }
                 None => deadline,
             };
-            let outcome = self.consumers.wait_for(wake, || match self.claim() {
-                Claim::Claimed => Some(true),
-                Claim::Drained => Some(false),
-                Claim::Below { .. } | Claim::Settling => None,
-            });
-            match (outcome, stop) {
-                (Some(claimed), _) => break Ok(claimed),
+            match (self.consumers.wait_for(wake, &mut attempt), stop) {
+                (Some(done), _) => return Ok(done),
                 (None, _) if deadline.is_some_and(|d| Instant::now() >= d) => {
-                    break Err(PopError::Timeout);
+                    return Err(PopError::Timeout);
                 }
-                (None, Some((stop, _))) if stop() => break Err(PopError::Stopped),
+                (None, Some((stop, _))) if stop() => return Err(PopError::Stopped),
                 (None, Some(_)) => {}
-                (None, None) => break Err(PopError::Timeout),
+                (None, None) => return Err(PopError::Timeout),
             }
-        };
-        self.counters.consumer_waited(since);
-        match outcome {
-            Ok(true) => Ok(self.take_claimed()),
-            Ok(false) => Err(PopError::Closed),
-            Err(error) => Err(error),
         }
     }
 }

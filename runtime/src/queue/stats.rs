@@ -31,8 +31,11 @@ pub struct QueueStats {
     pub consumer_blocked: Duration,
     /// Push calls that found the queue full at least once.
     pub seen_full: u64,
-    /// Pop calls that found fewer than `min_ready` items queued (empty included) at least once.
+    /// Pop calls that found fewer than `min_ready` items queued (empty included) at least once;
+    /// on a queue with rounds, round pops that found no round to claim.
     pub seen_below_watermark: u64,
+    /// Rounds handed to the group of a queue [with rounds](super::HsQueue::with_rounds) (0 without).
+    pub rounds: u64,
 }
 
 /// The slow-path counters behind [`QueueStats`] (pushes and pops are the queue's own

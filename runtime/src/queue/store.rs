@@ -86,6 +86,31 @@ impl<T> Store<T> {
         }
     }
 
+    /// Removes one item of `bucket` by the pull policy (the oldest, or a uniformly random one). The
+    /// caller is the only taker, and the bucket holds an item (a round's claimant: see `rounds.rs`).
+    pub(crate) fn take_from(&self, bucket: usize) -> T {
+        let backoff = Backoff::new();
+        loop {
+            let item = match self {
+                // Rounds use the per-bucket layout (`HsQueue::with_rounds`); with one bucket the
+                // oldest overall is the oldest of the bucket.
+                Self::Fifo { .. } => self.take_once(),
+                Self::RoundRobin { buckets, .. } => buckets[bucket].pop(),
+                Self::RandomInBucket { buckets, rng, .. } => buckets[bucket].take_random(|| {
+                    mix64(
+                        rng.fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
+                            .wrapping_add(GOLDEN_GAMMA),
+                    )
+                }),
+            };
+            if let Some(item) = item {
+                return item;
+            }
+            // Only reached while the item's push is still writing it (`ArrayQueue`'s stamp).
+            backoff.spin();
+        }
+    }
+
     fn take_once(&self) -> Option<T> {
         match self {
             Self::Fifo { items, removed, .. } => {

@@ -5,6 +5,7 @@
 //!  queue:      per-bucket counts (fifo: arrival order), capacity, watermark max(min_ready, 1)
 //!  drafter d:  wait until depth ≥ watermark ─▶ pop (pull policy) ─▶ step (time ~ its bucket's distribution)
 //!              ─▶ lockstep: wait at the all-reduce for every drafter ─▶ all-reduce ─▶ next pop
+//!  rounds:     lockstep drafters pop together: one bucket holding an item per drafter, one item each
 //! ```
 //!
 //! The queue keeps the runtime's rules (`runtime/src/queue`, `docs/queue.md`): a push needs `depth < capacity`
@@ -14,6 +15,12 @@
 //! item. Items of one bucket are alike to the model (same tokens, same step-time distribution), so the random
 //! pick inside a bucket and the oldest-first pick time out the same. A waiting drafter or blocked producer is
 //! served in the order it began waiting, as the queue's parking does for the ones that sleep.
+//!
+//! With [`Model::rounds`] (what the runtime does under `sync = allreduce` with several drafters, see
+//! `runtime/src/queue/rounds.rs`) the group takes a round once all of it waits: the buckets holding one item
+//! per drafter, round-robin from a cursor, while `depth ≥ max(watermark, drafters)`; so a round's time is its
+//! one bucket's step on every drafter (each with its own spread). Without it, each drafter pops on its own and
+//! the round waits for the slowest bucket among them.
 //!
 //! Every figure is time-weighted over the measured part of the run (after a warm-up share of the simulated
 //! time, which starts empty, as a run does): the depth histogram, producers' blocked time, drafters' data wait
@@ -201,6 +208,19 @@ impl Queue {
         }
     }
 
+    /// The bucket of the next round of `members` items (the runtime's rule: buckets in turn among those that
+    /// hold a round), taking them; `None` if no bucket holds one.
+    fn pop_round(&mut self, members: usize) -> Option<usize> {
+        let n = self.counts.len();
+        let bucket = (0..n)
+            .map(|k| (self.cursor + k) % n)
+            .find(|&b| self.counts[b] >= members)?;
+        self.cursor = bucket + 1;
+        self.counts[bucket] -= members;
+        self.depth -= members;
+        Some(bucket)
+    }
+
     fn pop(&mut self) -> usize {
         let bucket = match self.pull {
             PullPolicy::Fifo => self.arrivals.pop_front().unwrap_or(0),
@@ -329,8 +349,35 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
                 round_z = random.normal();
             }
         }
+        // Under rounds, hand the whole group one round once all of it waits; each item lets one blocked
+        // producer in.
+        let rounds = model.rounds && model.lockstep && model.drafters > 1;
+        if rounds && waiting.len() == model.drafters && queue.depth >= watermark.max(model.drafters)
+        {
+            depth_changed(&mut depth_time, queue.depth, &mut depth_since);
+            if let Some(bucket) = queue.pop_round(model.drafters) {
+                let spec = &model.buckets[bucket];
+                while let Some(d) = waiting.pop_front() {
+                    let Drafter::Waiting { since } = drafters[d] else {
+                        unreachable!("only waiting drafters queue for items")
+                    };
+                    wait_time += measured(since, now);
+                    let z = common.sqrt() * round_z + (1.0 - common).sqrt() * random.normal();
+                    let step = lognormal(spec.step_mean_s, spec.step_std_s, z);
+                    drafters[d] = Drafter::Stepping { bucket };
+                    schedule(&mut heap, now + step, Event::Stepped(d));
+                    if let Some((p, since, item)) = blocked.pop_front() {
+                        blocked_time += measured(since, now);
+                        depth_changed(&mut depth_time, queue.depth, &mut depth_since);
+                        queue.push(item);
+                        let next = now + random.duration(model.produce_mean_s, model.produce_std_s);
+                        schedule(&mut heap, next, Event::Produced(p));
+                    }
+                }
+            }
+        }
         // Hand items to waiting drafters while the watermark holds; each pop lets one blocked producer in.
-        while queue.depth >= watermark {
+        while !rounds && queue.depth >= watermark {
             let Some(d) = waiting.pop_front() else { break };
             let Drafter::Waiting { since } = drafters[d] else {
                 unreachable!("only waiting drafters queue for items")

@@ -72,6 +72,10 @@ pub struct Model {
     pub drafters: usize,
     /// Drafters average gradients every step, so each round waits for the slowest.
     pub lockstep: bool,
+    /// Lockstep drafters take rounds of one bucket from the queue (the runtime's rule under `sync = allreduce`
+    /// with several drafters), so a round costs its bucket's step; without, each takes its own bucket and the
+    /// round costs the slowest of them.
+    pub rounds: bool,
     /// Seconds of the all-reduce itself, after the last replica arrives.
     pub all_reduce_s: f64,
     /// Share (0–1) of the step-time variance common to all drafters of a lockstep round: what slows the machine
@@ -201,6 +205,7 @@ impl Model {
             produce_std_s: 0.0,
             drafters: plan.drafter.placement.workers.len(),
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
+            rounds: plan.drafter.sync == SyncMode::AllReduce,
             all_reduce_s: 0.0,
             step_common_share: 0.0,
             producer_origin: origin,
@@ -323,6 +328,7 @@ impl Model {
             produce_std_s,
             drafters,
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
+            rounds: plan.drafter.sync == SyncMode::AllReduce,
             all_reduce_s: 0.0,
             step_common_share: 0.0,
             producer_origin: format!(
@@ -387,6 +393,16 @@ impl Model {
             .filter(|b| b.share > 0.0)
             .map(|b| b.step_mean_s)
             .fold(f64::INFINITY, f64::min);
+        let members = self.drafters;
+        let round_capacity = self.buckets.len() * members.saturating_sub(1) + 1;
+        if self.rounds && self.lockstep && members > 1 && self.capacity < round_capacity {
+            // The runtime refuses such a queue (`HsQueue::with_rounds`): full, it could hold no round.
+            return Err(SimulateError::OutOfRange {
+                what: "queue.capacity",
+                expected: "at least buckets × (drafters − 1) + 1 when lockstep drafters take rounds of one bucket",
+                found: self.capacity as f64,
+            });
+        }
         if self.produce_mean_s <= 0.0 && fastest_step <= 0.0 {
             return Err(SimulateError::OutOfRange {
                 what: "producer and drafter times",

@@ -127,8 +127,10 @@ impl fmt::Display for Prediction {
             "  drafters:  {} × step per bucket {}{} ({})",
             m.drafters,
             steps.join(", "),
-            if m.lockstep && m.drafters > 1 {
-                ", in lockstep (all-reduce)"
+            if m.lockstep && m.drafters > 1 && m.rounds {
+                ", in lockstep (all-reduce), rounds of one bucket"
+            } else if m.lockstep && m.drafters > 1 {
+                ", in lockstep (all-reduce), each its own bucket"
             } else {
                 ""
             },

@@ -20,7 +20,7 @@ use draftpipe_compiler::{Diagnostic, Diagnostics};
 use super::Model;
 
 /// The keys a what-if may set, with what each takes.
-pub const KEYS: [(&str, &str); 8] = [
+pub const KEYS: [(&str, &str); 9] = [
     ("queue.capacity", "items, at least 1"),
     ("queue.min_ready", "items, at most the capacity"),
     ("queue.pull", "random_in_bucket | round_robin | fifo"),
@@ -30,6 +30,10 @@ pub const KEYS: [(&str, &str); 8] = [
         "a duration (`450ms`, `0.5s`) or a factor (`0.8x`)",
     ),
     ("drafter.sync", "allreduce | none"),
+    (
+        "queue.rounds",
+        "true (lockstep drafters take rounds of one bucket) | false",
+    ),
     ("producer.workers", "producer workers, at least 1"),
     (
         "producer.rate",
@@ -216,6 +220,16 @@ impl WhatIf {
                     .help("expected `allreduce` or `none`")),
                 }
                 .map(|lockstep| model.lockstep = lockstep),
+                "queue.rounds" => match a.value.as_str() {
+                    "true" => Ok(true),
+                    "false" => Ok(false),
+                    other => Err(Diagnostic::error(
+                        a.value_span,
+                        format!("`queue.rounds` takes `true` or `false`, found `{other}`"),
+                    )
+                    .label("not a boolean")),
+                }
+                .map(|rounds| model.rounds = rounds),
                 "drafter.step_time" => duration_or_factor(a).map(|amount| {
                     for bucket in &mut model.buckets {
                         let scale = match amount {

@@ -33,6 +33,11 @@ pub struct QueueSnapshot {
     pub seen_full: u64,
     /// Times a pop found the queue below the watermark.
     pub seen_below_watermark: u64,
+    /// Rounds of one bucket the queue handed to a data-parallel group (0 without one).
+    pub rounds: u64,
+    /// Stepped all-reduce rounds whose replicas' batches had different padded lengths (0 while the queue hands
+    /// out rounds).
+    pub mixed_rounds: u64,
 }
 
 /// Queue fill as `q_hs=[depth/capacity]`.

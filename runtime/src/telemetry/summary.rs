@@ -277,6 +277,13 @@ pub struct QueueSummary {
     pub seen_full: u64,
     /// Times a pop found the queue below the watermark.
     pub seen_below_watermark: u64,
+    /// Rounds of one bucket handed to the data-parallel group (`sync = allreduce` with several drafters).
+    #[serde(default)]
+    pub rounds: u64,
+    /// Stepped all-reduce rounds whose replicas' batches had different padded lengths: 0, always, while the
+    /// queue hands out rounds (the drafters check it on every step).
+    #[serde(default)]
+    pub mixed_rounds: u64,
     /// Period of the depth samples in milliseconds (the telemetry thread's sampling period).
     pub sample_period_ms: f64,
     /// `depth_histogram[d]` = samples that saw depth `d` (length `capacity + 1`; deeper samples count in the
@@ -320,6 +327,8 @@ impl QueueSummary {
             consumer_blocked_s: 0.0,
             seen_full: 0,
             seen_below_watermark: 0,
+            rounds: 0,
+            mixed_rounds: 0,
             sample_period_ms,
             depth_histogram: vec![0; capacity + 1],
             max_depth: 0,
@@ -340,6 +349,8 @@ impl QueueSummary {
         self.consumer_blocked_s = queue.consumer_blocked.as_secs_f64();
         self.seen_full = queue.seen_full;
         self.seen_below_watermark = queue.seen_below_watermark;
+        self.rounds = queue.rounds;
+        self.mixed_rounds = queue.mixed_rounds;
     }
 }
 
