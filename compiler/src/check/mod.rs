@@ -524,6 +524,10 @@ fn check_capacity_holds_a_round(
     else {
         return;
     };
+    // Under `fifo` the drafters take no rounds (`Plan::drafters_take_rounds`).
+    if q.pull == Some(crate::plan::PullPolicy::Fifo) {
+        return;
+    }
     let needed = buckets.len() * workers.saturating_sub(1) + 1;
     if workers > 1 && capacity < needed {
         errs.push(

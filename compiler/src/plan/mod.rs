@@ -84,6 +84,16 @@ impl ModelPlan {
 }
 
 impl Plan {
+    /// Whether the drafters take rounds of one bucket from the queue: data-parallel workers (`sync = allreduce`,
+    /// more than one) under a pull policy that picks by bucket. `fifo` keeps its one order over all buckets
+    /// instead (rounds would make the order of a run depend on timing, and a resume would not retrace it), so
+    /// its synced replicas may step batches of different buckets.
+    pub fn drafters_take_rounds(&self) -> bool {
+        self.drafter.sync == SyncMode::AllReduce
+            && self.drafter.placement.workers.len() > 1
+            && self.queue.pull != PullPolicy::Fifo
+    }
+
     /// The workspace one drafter worker on `device` allocates (see [`WorkspaceLayout`]).
     /// `None` when a size overflows.
     pub fn workspace_layout(&self, device: Device) -> Option<WorkspaceLayout> {

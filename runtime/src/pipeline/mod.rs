@@ -234,12 +234,12 @@ pub fn run_with_sources(
         .clone()
         .unwrap_or_else(|| (0..producers.len() as u64).collect());
     let queue_config = QueueConfig::from_spec(&plan.queue, plan_seed(plan) ^ start.step);
-    // Data-parallel workers step in lockstep, so the queue hands them rounds of one bucket.
-    let queue = match plan.drafter.placement.workers.len() {
-        members if members > 1 && plan.drafter.sync == SyncMode::AllReduce => {
-            HsQueue::with_rounds(queue_config, members)?
-        }
-        _ => HsQueue::new(queue_config)?,
+    // Data-parallel workers step in lockstep, so the queue hands them rounds of one bucket (not under `fifo`:
+    // see `Plan::drafters_take_rounds`).
+    let queue = if plan.drafters_take_rounds() {
+        HsQueue::with_rounds(queue_config, plan.drafter.placement.workers.len())?
+    } else {
+        HsQueue::new(queue_config)?
     };
     let shared = Arc::new(Shared::new(
         queue,

@@ -205,7 +205,7 @@ impl Model {
             produce_std_s: 0.0,
             drafters: plan.drafter.placement.workers.len(),
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
-            rounds: plan.drafter.sync == SyncMode::AllReduce,
+            rounds: plan.drafters_take_rounds(),
             all_reduce_s: 0.0,
             step_common_share: 0.0,
             producer_origin: origin,
@@ -328,7 +328,7 @@ impl Model {
             produce_std_s,
             drafters,
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
-            rounds: plan.drafter.sync == SyncMode::AllReduce,
+            rounds: plan.drafters_take_rounds(),
             all_reduce_s: 0.0,
             step_common_share: 0.0,
             producer_origin: format!(
