@@ -139,9 +139,34 @@ fn compile_text_summarises_the_plan() {
         "gpu 7",
         "cost per step",
         "8192",
+        // The GPU time model: a row per bucket, the MFU over the mix, the assumptions with their sources.
+        "GPU step model (a model, not a measurement: H200 assumed, precision bf16, CUDA graphs, 3 replicas)",
+        "      8192    49.2 ms    91.0 ms     9.3 ms    15.1 ms   164.6 ms",
+        "2048 7.0%, 4096 18.6%, 8192 74.4%): 205.2 ms per step, MFU 51.9%",
+        "today's f32 CUDA-core kernels at 5-8 TFLOP/s: 1.21-1.93 s",
+        "arXiv:2407.08608",
+        "nccl-tests/issues/212",
     ] {
         assert!(stdout.contains(needle), "missing `{needle}` in\n{stdout}");
     }
+}
+
+#[test]
+fn compile_json_carries_the_gpu_model_beside_the_plan() {
+    let out = draftpipe(&["compile", "pipelines/dflash-5x3.pipe", "--emit", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    let model = &json["gpu_step_model"];
+    assert_eq!(model["buckets"].as_array().map(Vec::len), Some(3));
+    let mfu = model["mfu"].as_f64().expect("an MFU");
+    assert!((0.5..0.55).contains(&mfu), "{mfu}");
+    // The plan's own fields are all there: it still reads back as the plan.
+    let plan: draftpipe_compiler::Plan = serde_json::from_value(json.clone()).expect("the plan");
+    assert_eq!(plan.buckets.len(), 3);
+    // A CPU plan has no GPU model.
+    let out = draftpipe(&["compile", "pipelines/quickstart.pipe", "--emit", "json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert!(json.get("gpu_step_model").is_none());
 }
 
 #[test]

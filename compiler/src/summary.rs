@@ -4,6 +4,7 @@ use std::fmt::{self, Write as _};
 
 use crate::check::device_name;
 use crate::cost::format_bytes;
+use crate::cost::gpu::gpu_step_model;
 use crate::plan::{
     Device, LaunchMode, Placement, Plan, PullPolicy, ScheduleKind, SourceSpec, SyncMode,
 };
@@ -232,6 +233,17 @@ impl fmt::Display for Summary<'_> {
                 b.step_flops as f64 / 1e9,
                 b.step_bytes as f64 / 1e9
             )?;
+        }
+        // GPU drafters: the modelled step per bucket and the MFU (cost/gpu); a family without a kernel list says so.
+        if plan.drafter.placement.cpu_workers() < plan.drafter.placement.workers.len() {
+            match gpu_step_model(plan) {
+                Some(model) => writeln!(f, "\n{model}")?,
+                None => writeln!(
+                    f,
+                    "\nGPU step model: none for the {} family yet",
+                    plan.model.spec.kind()
+                )?,
+            }
         }
         let phases: Vec<String> = plan.schedule.iter().map(|p| format!("{p:?}")).collect();
         writeln!(f, "\nstep schedule: {}", phases.join(" → "))?;

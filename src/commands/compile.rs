@@ -1,9 +1,11 @@
-//! `draftpipe compile FILE [--emit text|json]`: print the plan of a valid file.
+//! `draftpipe compile FILE [--emit text|json]`: print the plan of a valid file. For GPU drafters the JSON
+//! carries the GPU time model beside the plan's own fields, as `gpu_step_model` (the text prints it too).
 
 use std::process::ExitCode;
 
 use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
+use draftpipe_compiler::cost::gpu::PlanJson;
 use draftpipe_compiler::summary::Summary;
 
 use super::{CommandResult, compile_failure, say};
@@ -15,7 +17,8 @@ pub fn run(args: &CompileArgs) -> CommandResult {
     match args.emit {
         Emit::Text => say(Summary(&plan))?,
         Emit::Json => {
-            say(serde_json::to_string_pretty(&plan).context("cannot serialise the plan")?)?
+            let json = PlanJson::of(&plan);
+            say(serde_json::to_string_pretty(&json).context("cannot serialise the plan")?)?
         }
     }
     Ok(ExitCode::SUCCESS)

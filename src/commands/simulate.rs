@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context as _;
+use draftpipe_compiler::cost::gpu::gpu_step_model;
 use draftpipe_compiler::{Plan, compile_file, plan::Device};
 use draftpipe_runtime::simulate::{
     Comparison, Model, StepTime, assumed_flops_per_s, parse_what_ifs,
@@ -101,17 +102,22 @@ fn base_model(args: &SimulateArgs, plan: &Plan) -> anyhow::Result<Model> {
                         .first()
                         .copied()
                         .unwrap_or(Device::Cpu);
-                    let flops_per_s = match args.drafter_gflops {
+                    match args.drafter_gflops {
                         Some(gflops) => {
                             anyhow::ensure!(
                                 gflops.is_finite() && gflops > 0.0,
                                 "--drafter-gflops must be positive, found {gflops}"
                             );
-                            gflops * 1e9
+                            StepTime::CostModel {
+                                flops_per_s: gflops * 1e9,
+                            }
                         }
-                        None => assumed_flops_per_s(device),
-                    };
-                    StepTime::CostModel { flops_per_s }
+                        // GPU drafters: the compiler's GPU time model, when their family has one.
+                        None if gpu_step_model(plan).is_some() => StepTime::GpuModel,
+                        None => StepTime::CostModel {
+                            flops_per_s: assumed_flops_per_s(device),
+                        },
+                    }
                 }
             };
             Model::from_plan(plan, args.producer_rate, step)?

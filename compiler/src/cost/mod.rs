@@ -30,6 +30,7 @@ use crate::plan::stages::{
 use crate::workspace::{BackendKind, WorkspaceLayout};
 
 pub(crate) mod arith;
+pub mod gpu;
 
 use arith::{F32, fit, wide};
 

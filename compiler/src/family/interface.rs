@@ -8,6 +8,7 @@
 //! ```
 
 use crate::ast::Call;
+use crate::cost::gpu::Work;
 use crate::diagnostic::Diagnostic;
 use crate::plan::derived::{BucketPlan, TensorView};
 use crate::plan::stages::{LossSpec, Precision, TargetStage, WeightsSpec};
@@ -43,6 +44,18 @@ pub trait Family {
     /// FLOPs and bytes moved of one training step on `bucket` (its shape; its cost fields are not read);
     /// `None` when a figure overflows `u64`.
     fn step_cost(&self, bucket: &BucketPlan, loss: &LossSpec) -> Option<(u64, u64)>;
+
+    /// The kernels the CUDA backend launches for one step of `bucket` at `precision`, each with its phase, for
+    /// the GPU time model ([`crate::cost::gpu`]); `None` for a family that has no such list yet (`compile` then
+    /// prints no GPU model for it).
+    fn gpu_step(
+        &self,
+        _bucket: &BucketPlan,
+        _loss: &LossSpec,
+        _precision: Precision,
+    ) -> Option<Vec<Work>> {
+        None
+    }
 
     /// Bytes of the target's frozen tensors one worker holds (embedding, `lm_head`); 0 by default.
     fn frozen_bytes(&self) -> Option<u64> {

@@ -4,7 +4,8 @@
 //! ```text
 //!  Plan ─┬─ queue: capacity, min_ready, buckets, pull ───────────────────────────┐
 //!        ├─ producers × rate per worker ◀─ --producer-rate │ --from RUN_DIR      ├─▶ Model ─ --set what-ifs ─▶ engine
-//!        └─ drafters × step time per bucket ◀─ cost model │ --step-time │ --from  ┘        (seeded, discrete-event)
+//!        └─ drafters × step time per bucket ◀─ GPU time model │ FLOPs at an assumed rate (CPU) │ --step-time │ --from
+//!                                                                              ┘        (seeded, discrete-event)
 //!                                                                                              │
 //!   Prediction: tokens/s, queue depth distribution, producers blocked, drafters waiting ◀──────┘
 //!               + the bottleneck by the same rule the run's diagnosis uses ([`Bottleneck::judge`])
@@ -18,6 +19,7 @@ mod engine;
 mod report;
 mod whatif;
 
+use draftpipe_compiler::cost::gpu::{bucket_shares, gpu_step_model};
 use draftpipe_compiler::plan::{Device, Plan, PullPolicy, SyncMode};
 
 use crate::telemetry::{Bottleneck, DrafterPhase, RunSummary, Waits};
@@ -105,6 +107,15 @@ pub enum SimulateError {
         /// What does not fit.
         reason: String,
     },
+    /// The GPU time model was asked for a plan it has no model of.
+    #[error(
+        "no GPU time model for this plan (its drafters are not on GPUs, or the {family} family has no kernel \
+         list yet); give --drafter-gflops or --step-time"
+    )]
+    NoGpuModel {
+        /// The drafter family.
+        family: &'static str,
+    },
     /// A number given on the command line is out of range.
     #[error("{what} must be {expected}, found {found}")]
     OutOfRange {
@@ -120,6 +131,9 @@ pub enum SimulateError {
 /// Where the drafters' step time comes from when no run is given.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StepTime {
+    /// The compiler's GPU time model (`draftpipe compile` prints it): each bucket's modelled forward, backward
+    /// and optimizer time on the plan's GPU, and its modelled NCCL all-reduce after the round's last replica.
+    GpuModel,
     /// The cost model's FLOPs per bucket at this many FLOP/s per drafter worker.
     CostModel {
         /// Sustained FLOP/s of one drafter worker.
@@ -134,8 +148,9 @@ pub enum StepTime {
 
 /// FLOP/s a drafter worker is assumed to sustain when nothing better is known: a CPU worker the quickstart's
 /// measured 68.85 GFLOP per 0.78 s step with two workers on two cores (README), a GPU worker 40% of an H200's
-/// dense bf16 peak (the share a well-fed training step reaches). Only the cost-model prediction uses them, and
-/// the report says so.
+/// dense bf16 peak. A GPU drafter whose family has a GPU time model gets [`StepTime::GpuModel`] instead; the
+/// flat rate is left for CPU drafters and for families without a kernel list. Only the cost-model prediction
+/// uses them, and the report says so.
 pub fn assumed_flops_per_s(device: Device) -> f64 {
     match device {
         Device::Cpu => 88e9,
@@ -172,22 +187,49 @@ impl Model {
             });
         }
         let shares = plan_bucket_shares(plan);
+        let gpu = match step {
+            StepTime::GpuModel => Some(gpu_step_model(plan).ok_or(SimulateError::NoGpuModel {
+                family: plan.model.spec.kind(),
+            })?),
+            StepTime::CostModel { .. } | StepTime::Fixed { .. } => None,
+        };
+        let step_s: Vec<f64> = match step {
+            StepTime::GpuModel => gpu
+                .iter()
+                .flat_map(|model| &model.buckets)
+                .map(|bucket| bucket.compute_s())
+                .collect(),
+            StepTime::CostModel { flops_per_s } => plan
+                .buckets
+                .iter()
+                .map(|bucket| bucket.step_flops as f64 / flops_per_s)
+                .collect(),
+            StepTime::Fixed { seconds } => vec![seconds; plan.buckets.len()],
+        };
         let buckets = plan
             .buckets
             .iter()
-            .zip(shares)
-            .map(|(bucket, share)| BucketModel {
+            .zip(shares.into_iter().zip(step_s))
+            .map(|(bucket, (share, step_mean_s))| BucketModel {
                 padded_len: bucket.padded_len,
                 tokens: bucket.tokens,
                 share,
-                step_mean_s: match step {
-                    StepTime::CostModel { flops_per_s } => bucket.step_flops as f64 / flops_per_s,
-                    StepTime::Fixed { seconds } => seconds,
-                },
+                step_mean_s,
                 step_std_s: 0.0,
             })
             .collect();
+        // The modelled all-reduce after a round's last replica (the same for every bucket: the whole gradient).
+        let all_reduce_s = gpu
+            .as_ref()
+            .and_then(|model| model.buckets.first())
+            .map_or(0.0, |bucket| bucket.phase_s[3]);
         let drafter_origin = match step {
+            StepTime::GpuModel => format!(
+                "the GPU time model (compile's): modelled forward + backward + optimizer per bucket on an \
+                 H200, all-reduce {:.1} ms, MFU {:.1}% over the mix (a model, no spread)",
+                all_reduce_s * 1e3,
+                gpu.as_ref().map_or(0.0, |model| 100.0 * model.mfu)
+            ),
             StepTime::CostModel { flops_per_s } => format!(
                 "cost model: the plan's FLOPs per step at an assumed {:.0} GFLOP/s per worker (no spread)",
                 flops_per_s / 1e9
@@ -206,7 +248,7 @@ impl Model {
             drafters: plan.drafter.placement.workers.len(),
             lockstep: plan.drafter.sync == SyncMode::AllReduce,
             rounds: plan.drafters_take_rounds(),
-            all_reduce_s: 0.0,
+            all_reduce_s,
             step_common_share: 0.0,
             producer_origin: origin,
             drafter_origin,
@@ -480,36 +522,8 @@ fn steady_share(summary: &RunSummary, phase: DrafterPhase) -> f64 {
     if wall > 0.0 { seconds / wall } else { 0.0 }
 }
 
-/// The share of items per bucket the plan's source produces: for a synthetic source with lengths uniform over
-/// `min..max`, the rate at which each bucket completes items (`P(length in bucket) / sequences per item`, the
-/// source's own rule); for recorded files, in proportion to the buckets' count (unknown until measured).
+/// The share of items per bucket the plan's source produces ([`bucket_shares`]: the compiler's, which its GPU
+/// model's MFU over the mix weighs the buckets by too).
 fn plan_bucket_shares(plan: &Plan) -> Vec<f64> {
-    use draftpipe_compiler::plan::SourceSpec;
-    let rates: Vec<f64> = match &plan.target.source {
-        SourceSpec::Synthetic {
-            min_len, max_len, ..
-        } => {
-            let mut lower = 0;
-            plan.buckets
-                .iter()
-                .map(|b| {
-                    let from = (*min_len).max(lower + 1);
-                    let to = (*max_len).min(b.padded_len + 1);
-                    lower = b.padded_len;
-                    let lengths = to.saturating_sub(from) as f64;
-                    if b.sequences == 0 {
-                        0.0
-                    } else {
-                        lengths / b.sequences as f64
-                    }
-                })
-                .collect()
-        }
-        _ => vec![1.0; plan.buckets.len()],
-    };
-    let total: f64 = rates.iter().sum();
-    rates
-        .iter()
-        .map(|r| if total > 0.0 { r / total } else { 0.0 })
-        .collect()
+    bucket_shares(&plan.target.source, &plan.buckets)
 }

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::cost::gpu::Work;
 use crate::family::interface::Family;
 use crate::plan::derived::{BucketPlan, TensorView, pack};
 use crate::plan::stages::{LossSpec, Precision, WeightsSpec};
@@ -10,6 +11,7 @@ use crate::workspace::{BackendKind, WorkspaceLayout};
 
 mod check;
 pub mod cost;
+pub mod gpu;
 mod workspace;
 
 pub(crate) use check::DflashArgs;
@@ -148,6 +150,15 @@ impl Family for DflashSpec {
             cost::step_flops(self, bucket.padded_len, bucket.sequences)?,
             cost::step_bytes(self, bucket, loss)?,
         ))
+    }
+
+    fn gpu_step(
+        &self,
+        bucket: &BucketPlan,
+        loss: &LossSpec,
+        precision: Precision,
+    ) -> Option<Vec<Work>> {
+        Some(gpu::step_work(self, bucket, loss, precision))
     }
 
     fn frozen_bytes(&self) -> Option<u64> {

@@ -7,12 +7,14 @@ use serde::{Deserialize, Serialize};
 use crate::ast::Call;
 use crate::check::fields::Fields;
 use crate::check::values::{self, MAX_DIM, MAX_REPEATS};
+use crate::cost::gpu::Work;
 use crate::family::interface::{Errs, Family, ModelArgs};
 use crate::plan::derived::{BucketPlan, TensorView, pack};
 use crate::plan::stages::{LossSpec, Precision, TargetStage, WeightsSpec};
 use crate::workspace::{BackendKind, WorkspaceLayout};
 
 pub mod cost;
+pub mod gpu;
 mod workspace;
 
 /// Dimensions of the `mlp` drafter.
@@ -113,6 +115,15 @@ impl Family for MlpSpec {
             cost::step_flops(self, bucket.tokens)?,
             cost::step_bytes(self, bucket.tokens)?,
         ))
+    }
+
+    fn gpu_step(
+        &self,
+        bucket: &BucketPlan,
+        loss: &LossSpec,
+        precision: Precision,
+    ) -> Option<Vec<Work>> {
+        Some(gpu::step_work(self, bucket, loss, precision))
     }
 
     fn summary(&self, parameters: &str, _weights: Option<&WeightsSpec>) -> String {
