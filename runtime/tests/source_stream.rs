@@ -105,6 +105,20 @@ fn consume(
     }
 }
 
+/// Runs `client_side` while a thread takes `producer`'s batches (stopped if `client_side` panics); the number
+/// of batches taken.
+fn counted(producer: Producer, pool: &BatchPool, client_side: impl FnOnce()) -> usize {
+    let stop = AtomicBool::new(false);
+    let mut taken = 0;
+    std::thread::scope(|scope| {
+        let (stop, taken) = (&stop, &mut taken);
+        scope.spawn(move || consume(producer, pool, stop, |_| *taken += 1));
+        let _stop_on_panic = StopOnDrop(stop);
+        client_side();
+    });
+    taken
+}
+
 /// Waits until the server has noticed that every producer hung up.
 fn wait_disconnected(status: &StreamStatus) {
     while status.connected().0 != 0 {
@@ -310,16 +324,7 @@ fn refused_then_recovers_holding(
 ) {
     let (mut producers, status, pool, log) = server_holding(1, token, max_message_bytes, hs_dtype);
     let address = status.address().to_string();
-    let stop = AtomicBool::new(false);
-    let taken = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        let (stop, pool, taken) = (&stop, &pool, &taken);
-        scope.spawn(move || {
-            consume(producers.remove(0), pool, stop, |_| {
-                taken.fetch_add(1, Ordering::SeqCst);
-            });
-        });
-        let _stop_on_panic = StopOnDrop(stop);
+    let taken = counted(producers.remove(0), &pool, || {
         let mut client = Client::connect(&address);
         let peer = client.local_name();
         let client_error = misbehave(&mut client);
@@ -338,11 +343,7 @@ fn refused_then_recovers_holding(
         assert!(ack.ok, "{ack:?}");
         assert!(good.done().done);
     });
-    assert_eq!(
-        taken.load(Ordering::SeqCst),
-        1,
-        "only the good producer's batch was queued"
-    );
+    assert_eq!(taken, 1, "only the good producer's batch was queued");
     assert_eq!(status.delivered(), [1]);
 }
 
@@ -464,16 +465,7 @@ fn a_producer_that_vanishes_mid_message_loses_nothing_acknowledged_and_may_recon
 fn vanish_then_reconnect(layout: Layout) {
     let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
     let address = status.address().to_string();
-    let stop = AtomicBool::new(false);
-    let taken = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        let (stop, pool, taken) = (&stop, &pool, &taken);
-        scope.spawn(move || {
-            consume(producers.remove(0), pool, stop, |_| {
-                taken.fetch_add(1, Ordering::SeqCst);
-            });
-        });
-        let _stop_on_panic = StopOnDrop(stop);
+    let taken = counted(producers.remove(0), &pool, || {
         let mut first = Client::connect(&address);
         assert!(first.hello(&hello("", "p")).ok);
         assert_eq!(
@@ -505,7 +497,7 @@ fn vanish_then_reconnect(layout: Layout) {
         );
         assert!(again.done().done);
     });
-    assert_eq!(taken.load(Ordering::SeqCst), 2);
+    assert_eq!(taken, 2);
     assert_eq!(status.delivered(), [2]);
 }
 
@@ -706,11 +698,7 @@ fn a_sequence_longer_than_the_largest_bucket_is_named_by_row_and_length() {
 fn counts_belong_to_names_and_a_restored_server_gives_them_back() {
     let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
     let address = status.address().to_string();
-    let stop = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let (stop, pool) = (&stop, &pool);
-        scope.spawn(move || consume(producers.remove(0), pool, stop, |_| {}));
-        let _stop_on_panic = StopOnDrop(stop);
+    counted(producers.remove(0), &pool, || {
         let mut first = Client::connect(&address);
         assert!(first.hello(&hello("", "p")).ok);
         assert_eq!(
