@@ -9,14 +9,11 @@ OUT/training_state/optimizer.safetensors with PyTorch's, tensor by tensor. It al
 Anchors: every sequence has fewer valid anchors than `anchors`, so draftpipe takes all of them, sorted, whatever
 its seed (the issue's rule); PyTorch takes the same.
 
-Tolerance: draftpipe computes in f32, in its own order; the reference runs in f64. Per tensor, what is compared
-is the change over the 3 steps (weights minus the initial ones; the AdamW moments, which carry the gradients,
-from zero). draftpipe must be within the larger of two bounds of the f64 reference on every element:
-TOLERANCE_FACTOR times the largest distance of a float32 PyTorch run from the f64 one (what f32 rounding alone
-does to these steps), or RELATIVE_TOLERANCE of the tensor's largest change (a gradient element sums ~10^3
-products, and f32 accumulation over n terms is good to about n·2^-24 ≈ 6e-5 of its size). Every kind must
-change by at least 100 times the f32 bound, so the comparison can fail; changing the decay from 7 to 6, or
-letting a query see its own anchor's context position, fails it.
+Tolerance (`parity_support.compare`): per tensor, the change over the 3 steps (weights minus the initial ones;
+the AdamW moments from zero) within the larger of 20 times what f32 rounding alone does to these steps (a float32
+PyTorch run against the f64 one) and 1e-4 of the tensor's largest change; every kind must change by at least 100
+times the f32 bound, so the comparison can fail; changing the decay from 7 to 6, or letting a query see its own
+anchor's context position, fails it.
 
 Exit 0 when every tensor matches, 1 otherwise (each mismatch named), 2 when draftpipe itself fails.
 Usage: python scripts/dflash_parity.py [--draftpipe target/debug/draftpipe] [--keep DIR]
@@ -24,23 +21,29 @@ Usage: python scripts/dflash_parity.py [--draftpipe target/debug/draftpipe] [--k
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dflash_reference import Dims, all_anchors, dflash_loss, random_params, schedule_factor  # noqa: E402
+from dflash_reference import Dims, all_anchors, dflash_loss, random_params  # noqa: E402
+from parity_support import (  # noqa: E402
+    SEQUENCES_PER_BATCH,
+    STEPS,
+    arguments,
+    check_config,
+    compare_saved,
+    frozen_target,
+    run_command,
+    run_draftpipe,
+    save,
+    verdict,
+    write_pipe,
+)
 
-STEPS = 3
 SEQ_LEN = 32
-SEQUENCES_PER_BATCH = 2
 TAP_LAYERS = [1, 2]
 DIMS = Dims(
     hidden=16,
@@ -57,11 +60,6 @@ DIMS = Dims(
     rope_theta=10000.0,
     position_decay=7.0,
 )
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
-SCHEDULE, WARMUP = "cosine", 1
-TOLERANCE_FACTOR = 20.0
-RELATIVE_TOLERANCE = 1e-4
-
 PIPE = """pipeline "dflash-parity"
 
 target t on cpu {{
@@ -111,30 +109,19 @@ def make_data(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return {"hidden_states": hidden, "input_ids": ids.to(torch.int64), "loss_mask": mask}
 
 
-def torch_steps(init, embed, lm_head, data, dtype):
-    """The 3 AdamW steps in PyTorch at `dtype`; returns the weights and the AdamW moments."""
-    params = {k: v.to(dtype).clone().requires_grad_(True) for k, v in init.items()}
-    optimizer = torch.optim.AdamW(params.values(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda applied: schedule_factor(SCHEDULE, WARMUP, STEPS, applied)
-    )
-    embed, lm_head = embed.to(dtype), lm_head.to(dtype)
-    for step in range(STEPS):
+def batch_loss(embed, lm_head, data):
+    """The reference's loss of batch `step` (the files source's batches are its rows in order), every valid
+    anchor taken."""
+
+    def loss(params, step, dtype):
         rows = slice(step * SEQUENCES_PER_BATCH, (step + 1) * SEQUENCES_PER_BATCH)
         hidden = data["hidden_states"][rows].to(dtype)
         ids, mask = data["input_ids"][rows], data["loss_mask"][rows]
         anchors, keep = all_anchors(mask, DIMS.anchors)
-        loss, _, _ = dflash_loss(DIMS, params, embed, lm_head, hidden, ids, mask, anchors, keep)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-    state = optimizer.state
-    return (
-        {k: v.detach() for k, v in params.items()},
-        {k: state[v]["exp_avg"] for k, v in params.items()},
-        {k: state[v]["exp_avg_sq"] for k, v in params.items()},
-    )
+        value, _, _ = dflash_loss(DIMS, params, embed.to(dtype), lm_head.to(dtype), hidden, ids, mask, anchors, keep)
+        return value
+
+    return loss
 
 
 def expected_config() -> dict:
@@ -155,113 +142,28 @@ def expected_config() -> dict:
     }
 
 
-def compare(what, found, reference, torch32, start) -> list[str]:
-    """Per tensor, draftpipe's change from `start` (the initial weights, or zero for the moments) against the
-    f64 reference's, within the tolerance of the module's docstring."""
-    problems = []
-    f32_error = max(float((torch32[k].double() - reference[k]).abs().max()) for k in reference)
-    worst, worst_name, moved = 0.0, "", 0.0
-    for name, ref in reference.items():
-        if name not in found:
-            problems.append(f"{what}: `{name}` missing from draftpipe's file")
-            continue
-        got = found[name].double()
-        if got.shape != ref.shape:
-            problems.append(f"{what}: `{name}` has shape {list(got.shape)}, expected {list(ref.shape)}")
-            continue
-        change = (ref - start[name]).abs().max().item()
-        moved = max(moved, change)
-        tolerance = max(TOLERANCE_FACTOR * f32_error, RELATIVE_TOLERANCE * change)
-        diff = (got - ref).abs()
-        if diff.max().item() / tolerance > worst:
-            worst, worst_name = diff.max().item() / tolerance, name
-        if diff.max().item() > tolerance:
-            at = int(diff.argmax())
-            problems.append(
-                f"{what}: `{name}` element {at}: draftpipe {got.flatten()[at].item():.9g}, "
-                f"PyTorch f64 {ref.flatten()[at].item():.9g} (|diff| {diff.max().item():.3g} > tolerance {tolerance:.3g})"
-            )
-    print(
-        f"{what}: PyTorch f32 − f64 at most {f32_error:.3g}; draftpipe − f64 at most {worst:.3f} of its tolerance "
-        f"(`{worst_name}`); largest change {moved:.3g}"
-    )
-    if moved < 100 * TOLERANCE_FACTOR * f32_error:
-        problems.append(f"{what}: changed only {moved:.3g}, too little against f32 rounding ({f32_error:.3g})")
-    return problems
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    root = Path(__file__).resolve().parent.parent
-    default_bin = os.environ.get("DRAFTPIPE_BIN", str(root / "target" / "debug" / "draftpipe"))
-    parser.add_argument("--draftpipe", default=default_bin, help="the draftpipe binary [%(default)s]")
-    parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
-    args = parser.parse_args()
+    args = arguments(__doc__).parse_args()
 
     with tempfile.TemporaryDirectory(prefix="dflash-parity-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         generator = torch.Generator().manual_seed(10)
-        embed = torch.randn(DIMS.vocab, DIMS.hidden, generator=generator)
-        lm_head = torch.randn(DIMS.vocab, DIMS.hidden, generator=generator) / DIMS.hidden**0.5
-        save_file({"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}, str(work / "target.safetensors"))
+        frozen = frozen_target(DIMS.hidden, DIMS.vocab, generator)
+        save(work, "target.safetensors", frozen)
         data = make_data(generator)
-        save_file(data, str(work / "data.safetensors"))
+        save(work, "data.safetensors", data)
         init = random_params(DIMS, generator)
-        (work / "init").mkdir(exist_ok=True)
-        save_file({k: v.contiguous() for k, v in init.items()}, str(work / "init" / "model.safetensors"))
-        pipe = work / "parity.pipe"
-        pipe.write_text(
-            PIPE.format(
-                **{k: getattr(DIMS, k) for k in DIMS.__dataclass_fields__},
-                tap_layers=TAP_LAYERS,
-                batch_tokens=SEQ_LEN * SEQUENCES_PER_BATCH,
-                seq_len=SEQ_LEN,
-                target=work / "target.safetensors",
-                data=work / "data.safetensors",
-                lr=LR,
-                b1=BETAS[0],
-                b2=BETAS[1],
-                eps=EPS,
-                wd=WEIGHT_DECAY,
-                schedule=SCHEDULE,
-                warmup=WARMUP,
-                steps=STEPS,
-            )
-        )
+        save(work, "init/model.safetensors", init)
+        pipe = write_pipe(work, PIPE, DIMS, TAP_LAYERS, SEQ_LEN)
         out = work / "out"
-        command = [
-            args.draftpipe, "run", str(pipe), "--init", str(work / "init"), "--steps", str(STEPS),
-            "--save", str(out), "--run-dir", str(work / "run"), "--json",
-        ]  # fmt: skip
-        run = subprocess.run(command, capture_output=True, text=True)
-        if run.returncode != 0:
-            print(f"draftpipe failed (exit {run.returncode}): {' '.join(command)}\n{run.stderr}", file=sys.stderr)
+        if not run_draftpipe([run_command(args.draftpipe, pipe, work, STEPS, "run", out)]):
             return 2
 
-        reference = torch_steps(init, embed, lm_head, data, torch.float64)
-        torch32 = torch_steps(init, embed, lm_head, data, torch.float32)
-        weights = load_file(str(out / "model.safetensors"))
-        optimizer = load_file(str(out / "training_state" / "optimizer.safetensors"))
-        moments = [{k: optimizer[f"{prefix}{k}"] for k in init if f"{prefix}{k}" in optimizer}
-                   for prefix in ("exp_avg.", "exp_avg_sq.")]  # fmt: skip
-
-        zeros = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in init.items()}
-        initial = {k: v.double() for k, v in init.items()}
-        problems = compare("weights", weights, reference[0], torch32[0], initial)
-        problems += compare("exp_avg", moments[0], reference[1], torch32[1], zeros)
-        problems += compare("exp_avg_sq", moments[1], reference[2], torch32[2], zeros)
-        if extra := sorted(set(weights) - set(init)):
-            problems.append(f"weights: unexpected tensors in draftpipe's file: {extra}")
-        config = json.loads((out / "config.json").read_text())
-        for key, value in expected_config().items():
-            if config.get(key) != value:
-                problems.append(f"config.json: `{key}` is {config.get(key)!r}, expected {value!r}")
-
-    for problem in problems:
-        print(f"MISMATCH {problem}", file=sys.stderr)
-    print(f"dflash parity: {len(init)} tensors, {STEPS} steps: {'FAILED' if problems else 'ok'}")
-    return 1 if problems else 0
+        loss = batch_loss(frozen["model.embed_tokens.weight"], frozen["lm_head.weight"], data)
+        _, problems = compare_saved(out, init, loss)
+        problems += check_config(out, expected_config())
+    return verdict("dflash", len(init), problems)
 
 
 if __name__ == "__main__":

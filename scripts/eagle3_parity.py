@@ -18,10 +18,10 @@ successor is read only as an input id and a teacher row), two of them before the
 zeros, as a shorter sequence is padded); TTT 4 (steps 2 and 3 read cached keys), GQA ratio 2 (4 heads over 2 kv
 heads), RoPE positions that differ per step.
 
-Tolerance (dflash_parity.py's rule, its `compare`): draftpipe computes in f32, in its own order; the reference
-runs in f64. Per tensor, what is compared is the change over the 3 steps (weights minus the initial ones; the
-AdamW moments from zero). draftpipe must be within the larger of TOLERANCE_FACTOR (20) times the largest
-distance of a float32 PyTorch run from the f64 one, and RELATIVE_TOLERANCE (1e-4) of the tensor's largest
+Tolerance (`parity_support.compare`, the dflash check's rule): draftpipe computes in f32, in its own order; the
+reference runs in f64. Per tensor, what is compared is the change over the 3 steps (weights minus the initial
+ones; the AdamW moments from zero). draftpipe must be within the larger of TOLERANCE_FACTOR (20) times the
+largest distance of a float32 PyTorch run from the f64 one, and RELATIVE_TOLERANCE (1e-4) of the tensor's largest
 change, on every element; every kind must change by at least 100 times the f32 bound, so the comparison can
 fail.
 
@@ -39,25 +39,30 @@ Usage: python scripts/eagle3_parity.py [--draftpipe target/debug/draftpipe] [--k
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dflash_parity import compare  # noqa: E402
-from dflash_reference import schedule_factor  # noqa: E402
 from eagle3_reference import Dims, eagle3_loss, random_params  # noqa: E402
+from parity_support import (  # noqa: E402
+    SEQUENCES_PER_BATCH,
+    STEPS,
+    arguments,
+    check_config,
+    compare_saved,
+    frozen_target,
+    run_command,
+    run_draftpipe,
+    save,
+    verdict,
+    write_pipe,
+)
 
-STEPS = 3
 SEQ_LEN = 24
-SEQUENCES_PER_BATCH = 2
 TAP_LAYERS = [1, 3, 5]
 DIMS = Dims(
     hidden=16,
@@ -71,8 +76,6 @@ DIMS = Dims(
     ttt=4,
     rope_theta=10000.0,
 )
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
-SCHEDULE, WARMUP = "cosine", 1
 LOSS_TOLERANCE = 1e-4
 MISTAKES = {
     "decay": {"step_decay": 0.7},
@@ -140,27 +143,6 @@ def make_data(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return {"hidden_states": hidden, "last_hidden_states": last, "input_ids": ids.to(torch.int64), "loss_mask": mask}
 
 
-def torch_steps(init, frozen, vocab_map, data, dtype, mistake):
-    """The 3 AdamW steps in PyTorch at `dtype`; returns the weights and the AdamW moments."""
-    params = {k: v.to(dtype).clone().requires_grad_(True) for k, v in init.items()}
-    optimizer = torch.optim.AdamW(params.values(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda applied: schedule_factor(SCHEDULE, WARMUP, STEPS, applied)
-    )
-    for step in range(STEPS):
-        loss = batch_loss(params, frozen, vocab_map, data, step, dtype, mistake).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-    state = optimizer.state
-    return (
-        {k: v.detach() for k, v in params.items()},
-        {k: state[v]["exp_avg"] for k, v in params.items()},
-        {k: state[v]["exp_avg_sq"] for k, v in params.items()},
-    )
-
-
 def batch_loss(params, frozen, vocab_map, data, step, dtype, mistake):
     """The reference's loss of batch `step` (the files source's batches are its rows in order)."""
     rows = slice(step * SEQUENCES_PER_BATCH, (step + 1) * SEQUENCES_PER_BATCH)
@@ -199,15 +181,12 @@ def expected_config() -> dict:
 
 def check_export(out: Path, weights: dict, vocab_map: dict) -> list[str]:
     """The export's vocabulary tensors (the given map, unchanged, `d2t` int64) and its config's EAGLE-3 keys."""
-    problems = []
+    problems = check_config(out, expected_config())
     for name, given in vocab_map.items():
         found = weights.get(name)
         if found is None or found.dtype != given.dtype or not torch.equal(found, given):
             problems.append(f"export: `{name}` is not the given map ({None if found is None else found.dtype})")
     config = json.loads((out / "config.json").read_text())
-    for key, value in expected_config().items():
-        if config.get(key) != value:
-            problems.append(f"config.json: `{key}` is {config.get(key)!r}, expected {value!r}")
     aux = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
     if aux != [t - 1 for t in TAP_LAYERS]:
         problems.append(f"config.json: eagle_config.eagle_aux_hidden_state_layer_ids is {aux!r}")
@@ -238,11 +217,7 @@ def check_initial_loss(run_dir: Path, params, frozen, vocab_map, data, mistake) 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    root = Path(__file__).resolve().parent.parent
-    default_bin = os.environ.get("DRAFTPIPE_BIN", str(root / "target" / "debug" / "draftpipe"))
-    parser.add_argument("--draftpipe", default=default_bin, help="the draftpipe binary [%(default)s]")
-    parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
+    parser = arguments(__doc__)
     parser.add_argument("--mistake", choices=sorted(MISTAKES), help="plant this mistake in the reference")
     args = parser.parse_args()
 
@@ -250,72 +225,28 @@ def main() -> int:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         generator = torch.Generator().manual_seed(22)
-        frozen = {
-            "model.embed_tokens.weight": torch.randn(DIMS.vocab, DIMS.hidden, generator=generator),
-            "lm_head.weight": torch.randn(DIMS.vocab, DIMS.hidden, generator=generator) / DIMS.hidden**0.5,
-        }
-        save_file(frozen, str(work / "target.safetensors"))
+        frozen = frozen_target(DIMS.hidden, DIMS.vocab, generator)
+        save(work, "target.safetensors", frozen)
         vocab_map = make_vocab_map(generator)
-        save_file(vocab_map, str(work / "vocab.safetensors"))
+        vocab_file = save(work, "vocab.safetensors", vocab_map)
         data = make_data(generator)
-        save_file(data, str(work / "data.safetensors"))
+        save(work, "data.safetensors", data)
         init = random_params(DIMS, generator)
-        (work / "init").mkdir(exist_ok=True)
-        save_file({k: v.contiguous() for k, v in init.items()}, str(work / "init" / "model.safetensors"))
-        pipe = work / "parity.pipe"
-        pipe.write_text(
-            PIPE.format(
-                **{k: getattr(DIMS, k) for k in DIMS.__dataclass_fields__},
-                tap_layers=TAP_LAYERS,
-                batch_tokens=SEQ_LEN * SEQUENCES_PER_BATCH,
-                seq_len=SEQ_LEN,
-                target=work / "target.safetensors",
-                data=work / "data.safetensors",
-                vocab_map=work / "vocab.safetensors",
-                lr=LR,
-                b1=BETAS[0],
-                b2=BETAS[1],
-                eps=EPS,
-                wd=WEIGHT_DECAY,
-                schedule=SCHEDULE,
-                warmup=WARMUP,
-                steps=STEPS,
-            )
-        )
+        save(work, "init/model.safetensors", init)
+        pipe = write_pipe(work, PIPE, DIMS, TAP_LAYERS, SEQ_LEN, vocab_map=vocab_file)
         out = work / "out"
-        runs = {
-            "trained": [args.draftpipe, "run", str(pipe), "--init", str(work / "init"), "--steps", str(STEPS),
-                        "--save", str(out), "--run-dir", str(work / "run"), "--json"],
-            "first step": [args.draftpipe, "run", str(pipe), "--init", str(work / "init"), "--steps", "1",
-                           "--run-dir", str(work / "first"), "--json"],
-        }  # fmt: skip
-        for command in runs.values():
-            run = subprocess.run(command, capture_output=True, text=True)
-            if run.returncode != 0:
-                print(f"draftpipe failed (exit {run.returncode}): {' '.join(command)}\n{run.stderr}", file=sys.stderr)
-                return 2
+        trained = run_command(args.draftpipe, pipe, work, STEPS, "run", out)
+        first_step = run_command(args.draftpipe, pipe, work, 1, "first", None)
+        if not run_draftpipe([trained, first_step]):
+            return 2
 
-        reference = torch_steps(init, frozen, vocab_map, data, torch.float64, args.mistake)
-        torch32 = torch_steps(init, frozen, vocab_map, data, torch.float32, args.mistake)
-        weights = load_file(str(out / "model.safetensors"))
-        optimizer = load_file(str(out / "training_state" / "optimizer.safetensors"))
-        moments = [{k: optimizer[f"{prefix}{k}"] for k in init if f"{prefix}{k}" in optimizer}
-                   for prefix in ("exp_avg.", "exp_avg_sq.")]  # fmt: skip
+        def loss(params, step, dtype):
+            return batch_loss(params, frozen, vocab_map, data, step, dtype, args.mistake).loss
 
-        zeros = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in init.items()}
-        initial = {k: v.double() for k, v in init.items()}
-        problems = compare("weights", weights, reference[0], torch32[0], initial)
-        problems += compare("exp_avg", moments[0], reference[1], torch32[1], zeros)
-        problems += compare("exp_avg_sq", moments[1], reference[2], torch32[2], zeros)
-        if extra := sorted(set(weights) - set(init) - set(vocab_map)):
-            problems.append(f"weights: unexpected tensors in draftpipe's file: {extra}")
+        weights, problems = compare_saved(out, init, loss, also_saved=vocab_map.keys())
         problems += check_export(out, weights, vocab_map)
         problems += check_initial_loss(work / "first", init, frozen, vocab_map, data, args.mistake)
-
-    for problem in problems:
-        print(f"MISMATCH {problem}", file=sys.stderr)
-    print(f"eagle3 parity: {len(init)} tensors, {STEPS} steps: {'FAILED' if problems else 'ok'}")
-    return 1 if problems else 0
+    return verdict("eagle3", len(init), problems)
 
 
 if __name__ == "__main__":

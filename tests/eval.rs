@@ -3,26 +3,21 @@
 //! bf16 weights file that `eval` and `--init` take, and bad input gets errors naming the file.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use safetensors::tensor::{Dtype, TensorView};
 
+mod binary_support;
+
+use binary_support::{rewrite, text};
+
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("eval-{name}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    binary_support::scratch("eval", name)
 }
 
+/// The binary, run in the target's scratch folder (every path the tests give it is absolute).
 fn draftpipe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_draftpipe"))
-        .args(args)
-        .output()
-        .expect("the draftpipe binary runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+    binary_support::draftpipe(args, Path::new(env!("CARGO_TARGET_TMPDIR")))
 }
 
 fn succeed(args: &[&str]) -> Output {
@@ -158,42 +153,57 @@ fn arg(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
-fn eval_json(checkpoint: &Path, pipe: &Path, data: &Path) -> serde_json::Value {
-    let out = succeed(&[
+/// Trains `pipe` for `steps` steps from fresh weights with the status lines as JSON, saving the checkpoint in
+/// `checkpoint` and the run in `run_dir`; `extra` adds options.
+fn train(pipe: &Path, steps: &str, checkpoint: &Path, run_dir: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "run",
+        arg(pipe),
+        "--steps",
+        steps,
+        "--save",
+        arg(checkpoint),
+    ];
+    args.extend_from_slice(extra);
+    args.extend(["--json", "--run-dir", arg(run_dir)]);
+    succeed(&args);
+}
+
+/// The arguments of `draftpipe eval CHECKPOINT --pipeline PIPE --data DATA`.
+fn eval_args<'a>(checkpoint: &'a Path, pipe: &'a Path, data: &'a Path) -> Vec<&'a str> {
+    vec![
         "eval",
         arg(checkpoint),
         "--pipeline",
         arg(pipe),
         "--data",
         arg(data),
-        "--json",
-    ]);
-    serde_json::from_slice(&out.stdout).unwrap()
+    ]
+}
+
+/// The JSON report of a `draftpipe eval` that must succeed.
+fn eval_json(checkpoint: &Path, pipe: &Path, data: &Path) -> serde_json::Value {
+    let mut args = eval_args(checkpoint, pipe, data);
+    args.push("--json");
+    serde_json::from_slice(&succeed(&args).stdout).unwrap()
+}
+
+/// A copy of `pipe` named `name` beside it, with `from` replaced by `to`.
+fn edited_pipe(pipe: &Path, name: &str, from: &str, to: &str) -> PathBuf {
+    let path = pipe.with_file_name(name);
+    rewrite(pipe, from, to, &path);
+    path
 }
 
 #[test]
 fn eval_reports_the_loss_training_computes_at_the_same_weights() {
     let (dir, pipe) = setup("same-loss");
     let ckpt = dir.join("ckpt");
-    succeed(&[
-        "run",
-        arg(&pipe),
-        "--steps",
-        "2",
-        "--save",
-        arg(&ckpt),
-        "--json",
-        "--run-dir",
-        arg(&dir.join("r1")),
-    ]);
+    train(&pipe, "2", &ckpt, &dir.join("r1"), &[]);
     // One more step from the checkpoint's weights on a one-batch file: its loss is computed at those weights.
     let one = dir.join("one.safetensors");
     write_data(&one, ROWS_PER_BATCH, 5);
-    let text_pipe = std::fs::read_to_string(&pipe)
-        .unwrap()
-        .replace("train.safetensors", "one.safetensors");
-    let one_pipe = dir.join("one.pipe");
-    std::fs::write(&one_pipe, text_pipe).unwrap();
+    let one_pipe = edited_pipe(&pipe, "one.pipe", "train.safetensors", "one.safetensors");
     let run_dir = dir.join("r2");
     succeed(&[
         "run",
@@ -252,19 +262,7 @@ fn eval_reports_the_loss_training_computes_at_the_same_weights() {
 fn a_bf16_checkpoint_is_evaluated_and_its_text_report_names_every_slot() {
     let (dir, pipe) = setup("bf16");
     let ckpt = dir.join("ckpt");
-    succeed(&[
-        "run",
-        arg(&pipe),
-        "--steps",
-        "2",
-        "--save",
-        arg(&ckpt),
-        "--save-dtype",
-        "bf16",
-        "--json",
-        "--run-dir",
-        arg(&dir.join("r")),
-    ]);
+    train(&pipe, "2", &ckpt, &dir.join("r"), &["--save-dtype", "bf16"]);
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "bfloat16");
@@ -272,14 +270,8 @@ fn a_bf16_checkpoint_is_evaluated_and_its_text_report_names_every_slot() {
         config["dflash_config"]["target_layer_ids"],
         serde_json::json!([0, 1])
     );
-    let out = succeed(&[
-        "eval",
-        arg(&ckpt),
-        "--pipeline",
-        arg(&pipe),
-        "--data",
-        arg(&dir.join("train.safetensors")),
-    ]);
+    let train_data = dir.join("train.safetensors");
+    let out = succeed(&eval_args(&ckpt, &pipe, &train_data));
     let report = text(&out.stdout);
     assert!(
         report.contains("4 batches, 8 sequences, 256 tokens"),
@@ -295,19 +287,13 @@ fn a_bf16_checkpoint_is_evaluated_and_its_text_report_names_every_slot() {
     // Not a terminal: no progress bar on standard error, and no warning for the checkpoint's own plan.
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
     // The same shapes under another pipeline's name: evaluated, with a warning naming both plans.
-    let other = dir.join("other.pipe");
-    let renamed = std::fs::read_to_string(&pipe)
-        .unwrap()
-        .replace("pipeline \"eval-test\"", "pipeline \"another-plan\"");
-    std::fs::write(&other, renamed).unwrap();
-    let out = succeed(&[
-        "eval",
-        arg(&ckpt),
-        "--pipeline",
-        arg(&other),
-        "--data",
-        arg(&dir.join("train.safetensors")),
-    ]);
+    let other = edited_pipe(
+        &pipe,
+        "other.pipe",
+        "pipeline \"eval-test\"",
+        "pipeline \"another-plan\"",
+    );
+    let out = succeed(&eval_args(&ckpt, &other, &train_data));
     let warning = text(&out.stderr);
     assert!(
         warning.starts_with("warning: ")
@@ -321,17 +307,7 @@ fn a_bf16_checkpoint_is_evaluated_and_its_text_report_names_every_slot() {
 fn bf16_data_is_read_in_its_own_precision_and_gives_the_same_loss() {
     let (dir, pipe) = setup("bf16-data");
     let ckpt = dir.join("ckpt");
-    succeed(&[
-        "run",
-        arg(&pipe),
-        "--steps",
-        "1",
-        "--save",
-        arg(&ckpt),
-        "--json",
-        "--run-dir",
-        arg(&dir.join("r")),
-    ]);
+    train(&pipe, "1", &ckpt, &dir.join("r"), &[]);
     let (f32_file, bf16_file) = (dir.join("f32.safetensors"), dir.join("bf16.safetensors"));
     write_data_as(&f32_file, 2 * ROWS_PER_BATCH, 3, Dtype::F32);
     write_data_as(&bf16_file, 2 * ROWS_PER_BATCH, 3, Dtype::BF16);
@@ -349,17 +325,7 @@ fn bf16_data_is_read_in_its_own_precision_and_gives_the_same_loss() {
 fn eval_errors_name_the_file_and_what_is_wrong() {
     let (dir, pipe) = setup("errors");
     let ckpt = dir.join("ckpt");
-    succeed(&[
-        "run",
-        arg(&pipe),
-        "--steps",
-        "1",
-        "--save",
-        arg(&ckpt),
-        "--json",
-        "--run-dir",
-        arg(&dir.join("r")),
-    ]);
+    train(&pipe, "1", &ckpt, &dir.join("r"), &[]);
     // Data of another width.
     let wide = dir.join("wide.safetensors");
     let hs: Vec<u8> = vec![0; 2 * SEQ * 40 * 4];
@@ -379,14 +345,7 @@ fn eval_errors_name_the_file_and_what_is_wrong() {
         &wide,
     )
     .unwrap();
-    let out = draftpipe(&[
-        "eval",
-        arg(&ckpt),
-        "--pipeline",
-        arg(&pipe),
-        "--data",
-        arg(&wide),
-    ]);
+    let out = draftpipe(&eval_args(&ckpt, &pipe, &wide));
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(
@@ -400,14 +359,7 @@ fn eval_errors_name_the_file_and_what_is_wrong() {
         .unwrap()
         .replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3");
     std::fs::write(&config, edited).unwrap();
-    let out = draftpipe(&[
-        "eval",
-        arg(&ckpt),
-        "--pipeline",
-        arg(&pipe),
-        "--data",
-        arg(&dir.join("train.safetensors")),
-    ]);
+    let out = draftpipe(&eval_args(&ckpt, &pipe, &dir.join("train.safetensors")));
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(

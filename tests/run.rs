@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 mod binary_support;
 
-use binary_support::{SYNTHETIC, draftpipe, text};
+use binary_support::{SYNTHETIC, draftpipe, rewrite, text};
 use draftpipe_compiler::compile_file;
 use draftpipe_runtime::checkpoint::load_checkpoint;
 
@@ -28,12 +28,45 @@ fn json_lines(output: &Output) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Checks that `out` exited with `code`; its standard error.
+fn exits(out: &Output, code: i32) -> String {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "stderr:\n{stderr}");
+    stderr
+}
+
+fn summary_json(run_dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
+}
+
+/// The shipped `pipelines/{name}.pipe` trained for `steps` steps in a fresh directory with JSON status lines:
+/// the run must succeed and end at that step; its status lines and its summary.
+fn run_shipped(name: &str, steps: u64) -> (Vec<serde_json::Value>, serde_json::Value) {
+    let dir = scratch(name);
+    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("pipelines/{name}.pipe"));
+    let steps_arg = steps.to_string();
+    let out = draftpipe(
+        &[
+            "run",
+            pipe.to_str().unwrap(),
+            "--steps",
+            &steps_arg,
+            "--json",
+        ],
+        &dir,
+    );
+    exits(&out, 0);
+    let lines = json_lines(&out);
+    assert_eq!(lines.last().unwrap()["step"].as_u64(), Some(steps));
+    (lines, summary_json(&dir.join("runs").join(name)))
+}
+
 #[test]
 fn training_lowers_the_loss_and_json_lines_are_sound() {
     let dir = scratch("loss");
     let pipe = tiny_pipe(&dir, 2, 2, "random_in_bucket", SYNTHETIC);
     let out = draftpipe(&["run", pipe.to_str().unwrap(), "--json"], &dir);
-    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
+    exits(&out, 0);
     let lines = json_lines(&out);
     assert!(
         lines.len() >= 2,
@@ -55,9 +88,7 @@ fn training_lowers_the_loss_and_json_lines_are_sound() {
     }
     assert_eq!(lines.last().unwrap()["step"].as_u64(), Some(60));
 
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("runs/tiny/summary.json")).unwrap())
-            .unwrap();
+    let summary = summary_json(&dir.join("runs/tiny"));
     let count = |field: &str| summary[field].as_u64().unwrap();
     // Synthetic sequences are shorter than their buckets: the real tokens are fewer than the slots.
     assert!(
@@ -80,34 +111,13 @@ fn training_lowers_the_loss_and_json_lines_are_sound() {
     );
 
     let diagnose = draftpipe(&["diagnose", "runs/tiny"], &dir);
-    assert_eq!(
-        diagnose.status.code(),
-        Some(0),
-        "stderr:\n{}",
-        text(&diagnose.stderr)
-    );
+    exits(&diagnose, 0);
     assert!(text(&diagnose.stdout).contains("bottleneck"));
 }
 
 #[test]
 fn the_quickstart_run_lowers_its_loss() {
-    let dir = scratch("quickstart");
-    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/quickstart.pipe");
-    let steps = QUICKSTART_TEST_STEPS.to_string();
-    let out = draftpipe(
-        &["run", pipe.to_str().unwrap(), "--steps", &steps, "--json"],
-        &dir,
-    );
-    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
-    let lines = json_lines(&out);
-    assert_eq!(
-        lines.last().unwrap()["step"].as_u64(),
-        Some(QUICKSTART_TEST_STEPS)
-    );
-    let summary: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("runs/quickstart/summary.json")).unwrap(),
-    )
-    .unwrap();
+    let (_, summary) = run_shipped("quickstart", QUICKSTART_TEST_STEPS);
     let first = summary["loss_curve"][0]["loss"].as_f64().unwrap();
     let last = summary["final_loss"].as_f64().unwrap();
     // The untrained drafter starts near ln(4096) = 8.3. Measured twice (2026-11-30): 8.47 → 5.52 after 30 of the
@@ -129,21 +139,8 @@ const DFLASH_QUICKSTART_TEST_STEPS: u64 = 600;
 
 #[test]
 fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
-    let dir = scratch("dflash-quickstart");
-    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/dflash-quickstart.pipe");
-    let steps = DFLASH_QUICKSTART_TEST_STEPS.to_string();
-    let out = draftpipe(
-        &["run", pipe.to_str().unwrap(), "--steps", &steps, "--json"],
-        &dir,
-    );
-    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
-    let lines = json_lines(&out);
+    let (lines, summary) = run_shipped("dflash-quickstart", DFLASH_QUICKSTART_TEST_STEPS);
     let (first, last) = (lines.first().unwrap(), lines.last().unwrap());
-    assert_eq!(last["step"].as_u64(), Some(DFLASH_QUICKSTART_TEST_STEPS));
-    let summary: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("runs/dflash-quickstart/summary.json")).unwrap(),
-    )
-    .unwrap();
     let first_loss = summary["loss_curve"][0]["loss"].as_f64().unwrap();
     let last_loss = summary["final_loss"].as_f64().unwrap();
     let (first_tau, last_tau) = (
@@ -173,23 +170,7 @@ const EAGLE3_QUICKSTART_TEST_STEPS: u64 = 100;
 
 #[test]
 fn the_eagle3_quickstart_run_raises_tau() {
-    let dir = scratch("eagle3-quickstart");
-    let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/eagle3-quickstart.pipe");
-    let steps = EAGLE3_QUICKSTART_TEST_STEPS.to_string();
-    let out = draftpipe(
-        &["run", pipe.to_str().unwrap(), "--steps", &steps, "--json"],
-        &dir,
-    );
-    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
-    let lines = json_lines(&out);
-    assert_eq!(
-        lines.last().unwrap()["step"].as_u64(),
-        Some(EAGLE3_QUICKSTART_TEST_STEPS)
-    );
-    let summary: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("runs/eagle3-quickstart/summary.json")).unwrap(),
-    )
-    .unwrap();
+    let (_, summary) = run_shipped("eagle3-quickstart", EAGLE3_QUICKSTART_TEST_STEPS);
     let first_tau = summary["loss_curve"][0]["tau"].as_f64();
     let final_tau = summary["final_tau"].as_f64().unwrap();
     // τ is SpecForge's simulated acceptance length over the 7 TTT steps. Measured (2026-12-02, dev profile,
@@ -221,7 +202,7 @@ fn the_main_job_ends_with_its_export_and_the_export_checks_verdict() {
         ],
         &dir,
     );
-    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", text(&out.stderr));
+    exits(&out, 0);
     let stdout = text(&out.stdout);
     let verdict = "export-check exports/dflash-quickstart\n  SGLang: loads\n  vLLM:   loads\n  \
                    serve as trained: SGLang --speculative-num-draft-tokens 4; vLLM \"num_speculative_tokens\": 3\n";
@@ -277,12 +258,7 @@ fn the_main_job_ends_with_its_export_and_the_export_checks_verdict() {
         ],
         &dir,
     );
-    assert_eq!(
-        resumed.status.code(),
-        Some(0),
-        "stderr:\n{}",
-        text(&resumed.stderr)
-    );
+    exits(&resumed, 0);
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(export.join("training_state/state.json")).unwrap())
             .unwrap();
@@ -293,10 +269,7 @@ fn the_main_job_ends_with_its_export_and_the_export_checks_verdict() {
 fn a_diverging_run_skips_non_finite_steps_then_stops_with_a_clear_error() {
     let dir = scratch("nonfinite");
     let pipe = tiny_pipe(&dir, 1, 2, "fifo", SYNTHETIC);
-    let diverging = std::fs::read_to_string(&pipe)
-        .unwrap()
-        .replace("adamw(lr = 3e-3)", "adamw(lr = 1e30)");
-    std::fs::write(&pipe, diverging).unwrap();
+    rewrite(&pipe, "adamw(lr = 3e-3)", "adamw(lr = 1e30)", &pipe);
     let out = draftpipe(
         &[
             "run",
@@ -307,8 +280,7 @@ fn a_diverging_run_skips_non_finite_steps_then_stops_with_a_clear_error() {
         ],
         &dir,
     );
-    assert_eq!(out.status.code(), Some(1), "stderr:\n{}", text(&out.stderr));
-    let stderr = text(&out.stderr);
+    let stderr = exits(&out, 1);
     assert!(stderr.starts_with("error:"), "stderr:\n{stderr}");
     assert!(
         stderr.contains("3 steps in a row had a non-finite loss or gradient"),
@@ -316,9 +288,7 @@ fn a_diverging_run_skips_non_finite_steps_then_stops_with_a_clear_error() {
     );
     assert!(!stderr.contains("panicked"), "stderr:\n{stderr}");
     // The run still writes its summary, with the skipped steps counted (each drafter counts its own).
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("runs/tiny/summary.json")).unwrap())
-            .unwrap();
+    let summary = summary_json(&dir.join("runs/tiny"));
     assert!(
         summary["skipped_nonfinite"].as_u64().unwrap() >= 3,
         "{summary}"
@@ -344,32 +314,17 @@ fn resume_after_an_interruption_gives_the_same_weights() {
     let pipe = tiny_pipe(&dir, 1, 2, "fifo", SYNTHETIC);
     let pipe = pipe.to_str().unwrap();
     let straight = draftpipe(&["run", pipe, "--steps", "24", "--save", "straight"], &dir);
-    assert_eq!(
-        straight.status.code(),
-        Some(0),
-        "stderr:\n{}",
-        text(&straight.stderr)
-    );
+    exits(&straight, 0);
 
     let first = draftpipe(&["run", pipe, "--steps", "10", "--save", "resumed"], &dir);
-    assert_eq!(
-        first.status.code(),
-        Some(0),
-        "stderr:\n{}",
-        text(&first.stderr)
-    );
+    exits(&first, 0);
     let second = draftpipe(
         &[
             "run", pipe, "--steps", "24", "--resume", "resumed", "--save", "resumed",
         ],
         &dir,
     );
-    assert_eq!(
-        second.status.code(),
-        Some(0),
-        "stderr:\n{}",
-        text(&second.stderr)
-    );
+    exits(&second, 0);
 
     let plan = compile_file(Path::new(pipe)).unwrap();
     assert_eq!(
@@ -430,29 +385,15 @@ fn a_kill_during_checkpoint_writes_leaves_a_loadable_checkpoint() {
 
 #[test]
 fn bad_hidden_state_files_get_errors_naming_file_and_tensor() {
-    use safetensors::tensor::{Dtype, TensorView};
     let dir = scratch("badfiles");
     let data = dir.join("data");
     std::fs::create_dir_all(&data).unwrap();
-    let (n, s, d) = (2usize, 32usize, 48usize);
-    let hs = vec![0u8; n * s * d * 4];
-    let ids = vec![0u8; n * s * 4];
-    let tensors = [
-        (
-            "hidden_states",
-            TensorView::new(Dtype::F32, vec![n, s, d], &hs).unwrap(),
-        ),
-        (
-            "input_ids",
-            TensorView::new(Dtype::I32, vec![n, s], &ids).unwrap(),
-        ),
-    ];
-    safetensors::serialize_to_file(tensors, None, &data.join("wide.safetensors")).unwrap();
+    // 48 wide where the pipeline's taps make 64.
+    write_hidden_states(&data.join("wide.safetensors"), 2, 48, None);
     let source = format!(r#"safetensors(path = "{}/*.safetensors")"#, data.display());
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", &source);
     let out = draftpipe(&["run", pipe.to_str().unwrap()], &dir);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
+    let stderr = exits(&out, 1);
     assert!(
         stderr.contains("wide.safetensors") && stderr.contains("hidden_states"),
         "stderr:\n{stderr}"
@@ -463,8 +404,7 @@ fn bad_hidden_state_files_get_errors_naming_file_and_tensor() {
     std::fs::remove_file(data.join("wide.safetensors")).unwrap();
     std::fs::write(data.join("cut.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     let out = draftpipe(&["run", pipe.to_str().unwrap()], &dir);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
+    let stderr = exits(&out, 1);
     assert!(stderr.contains("cut.safetensors"), "stderr:\n{stderr}");
     assert!(!stderr.contains("panicked"), "stderr:\n{stderr}");
 }
@@ -473,41 +413,9 @@ fn bad_hidden_state_files_get_errors_naming_file_and_tensor() {
 fn ctrl_c_finishes_the_step_saves_and_exits_130() {
     let dir = scratch("sigint");
     let pipe = tiny_pipe(&dir, 1, 2, "round_robin", SYNTHETIC);
-    let child = Command::new(env!("CARGO_BIN_EXE_draftpipe"))
-        .args([
-            "run",
-            pipe.to_str().unwrap(),
-            "--steps",
-            "100000",
-            "--save",
-            "ckpt",
-            "--save-every",
-            "100000",
-        ])
-        .current_dir(&dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while !dir.join("runs/tiny/status.jsonl").exists()
-        && started.elapsed() < Duration::from_secs(30)
-    {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(800));
-    let sent = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(130),
-        "stderr:\n{}",
-        text(&out.stderr)
-    );
+    let child = start_training(&dir, &pipe, &["--save", "ckpt", "--save-every", "100000"]);
+    signal(&child, "INT");
+    exits(&child.wait_with_output().unwrap(), 130);
     let plan = compile_file(&pipe).unwrap();
     let checkpoint = load_checkpoint(&dir.join("ckpt"), &plan.model).unwrap();
     assert!(checkpoint.state.step > 0);
@@ -526,8 +434,7 @@ fn a_gpu_drafter_without_a_usable_gpu_is_a_clear_error() {
     let dir = scratch("gpu-unavailable");
     let pipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/mlp-5x3.pipe");
     let output = draftpipe(&["run", pipe.to_str().unwrap()], &dir);
-    let stderr = text(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "stderr: {stderr}");
+    let stderr = exits(&output, 1);
     let lines: Vec<&str> = stderr.lines().collect();
     assert!(lines.len() >= 3, "error plus causes expected: {stderr}");
     assert!(lines[0].starts_with("error: "), "{stderr}");
@@ -572,11 +479,12 @@ fn a_gpu_pipeline_trains_end_to_end() {
     }
     let dir = scratch("gpu-end-to-end");
     let pipe = tiny_pipe(&dir, 1, 1, "random_in_bucket", SYNTHETIC);
-    let gpu = std::fs::read_to_string(&pipe).unwrap().replace(
+    rewrite(
+        &pipe,
         "drafter draft on cpu x1 {",
         "drafter draft on gpu 0 {\n    precision = bf16",
+        &pipe,
     );
-    std::fs::write(&pipe, gpu).unwrap();
     let out = draftpipe(
         &[
             "run",
@@ -601,14 +509,14 @@ fn a_plan_too_big_for_this_machine_is_a_clear_error_not_an_abort() {
     let dir = scratch("too-big");
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
     // About 10¹² parameters: 16 TB with gradients and AdamW state, more than any machine this runs on.
-    let huge = std::fs::read_to_string(&pipe).unwrap().replace(
+    rewrite(
+        &pipe,
         "mlp(hidden = 64, blocks = 1, intermediate = 128, heads = 2)",
         "mlp(hidden = 32768, blocks = 300, intermediate = 32768, heads = 2)",
+        &pipe,
     );
-    std::fs::write(&pipe, huge).unwrap();
     let out = draftpipe(&["run", pipe.to_str().unwrap()], &dir);
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr:\n{stderr}");
+    let stderr = exits(&out, 1);
     assert!(stderr.starts_with("error:"), "stderr:\n{stderr}");
     assert!(
         stderr.contains("TiB of host memory but") && stderr.contains("is available"),
@@ -658,10 +566,6 @@ fn signal(child: &std::process::Child, name: &str) {
     assert!(sent.success());
 }
 
-fn summary_json(run_dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
-}
-
 #[test]
 fn sigterm_and_sighup_save_write_the_summary_and_exit_128_plus_the_signal() {
     let dir = scratch("sigterm");
@@ -699,8 +603,7 @@ fn a_second_run_on_the_same_directories_is_refused_naming_the_first_runs_pid() {
         let mut all = vec!["run", pipe.to_str().unwrap(), "--steps", "3"];
         all.extend(args);
         let out = draftpipe(&all, &dir);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let stderr = exits(&out, 1);
         assert!(
             stderr.contains(&format!(
                 "{what} is in use by another draftpipe run (pid {pid})"
@@ -711,7 +614,7 @@ fn a_second_run_on_the_same_directories_is_refused_naming_the_first_runs_pid() {
     let first = first.0.take().unwrap();
     signal(&first, "INT");
     let out = first.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    exits(&out, 130);
     let plan = compile_file(&pipe).unwrap();
     load_checkpoint(&dir.join("ckpt"), &plan.model).expect("the first run's checkpoint is intact");
 }
@@ -721,12 +624,13 @@ fn a_save_or_trace_path_that_cannot_work_is_refused_before_training() {
     let dir = scratch("bad-outputs");
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
     std::fs::write(dir.join("a-file"), "not a directory").unwrap();
-    let traced = std::fs::read_to_string(&pipe).unwrap().replace(
+    let traced_pipe = dir.join("traced.pipe");
+    rewrite(
+        &pipe,
         "telemetry { every = 100ms }",
         "telemetry { every = 100ms  trace = \"a-file/trace.json\" }",
+        &traced_pipe,
     );
-    let traced_pipe = dir.join("traced.pipe");
-    std::fs::write(&traced_pipe, traced).unwrap();
     for (pipe, extra, expected) in [
         (
             &pipe,
@@ -747,8 +651,7 @@ fn a_save_or_trace_path_that_cannot_work_is_refused_before_training() {
         let mut args = vec!["run", pipe.to_str().unwrap()];
         args.extend(extra);
         let out = draftpipe(&args, &dir);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let stderr = exits(&out, 1);
         assert!(stderr.contains(expected), "{stderr}");
         assert!(
             !dir.join("runs/tiny/summary.json").exists(),
@@ -757,10 +660,11 @@ fn a_save_or_trace_path_that_cannot_work_is_refused_before_training() {
     }
 }
 
-/// Writes a hidden-state file for [`tiny_pipe`] (width 64, vocab 256) of `rows` sequences of 32 tokens.
-fn write_hidden_states(path: &Path, rows: usize, poison: Option<usize>) {
+/// Writes a hidden-state file of `rows` sequences of 32 tokens, `d` wide ([`tiny_pipe`]'s 64 unless the test
+/// wants a mismatch), ids within its vocabulary of 256, a NaN at element `poison` when given.
+fn write_hidden_states(path: &Path, rows: usize, d: usize, poison: Option<usize>) {
     use safetensors::tensor::{Dtype, TensorView};
-    let (s, d) = (32usize, 64usize);
+    let s = 32usize;
     let mut hs: Vec<f32> = (0..rows * s * d)
         .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
         .collect();
@@ -789,15 +693,14 @@ fn data_that_runs_out_before_the_step_limit_exits_3_and_says_so() {
     let dir = scratch("exhausted");
     std::fs::create_dir_all(dir.join("data")).unwrap();
     // 16 sequences of 32 tokens: two batches of bucket 32, so two steps of the 50 asked for.
-    write_hidden_states(&dir.join("data/few.safetensors"), 16, None);
+    write_hidden_states(&dir.join("data/few.safetensors"), 16, 64, None);
     let source = format!(
         r#"safetensors(path = "{}/data/*.safetensors")"#,
         dir.display()
     );
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", &source);
     let out = draftpipe(&["run", pipe.to_str().unwrap(), "--steps", "50"], &dir);
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    let stderr = exits(&out, 3);
     assert!(stderr.contains("the data ran out at step 2"), "{stderr}");
     let stdout = text(&out.stdout);
     assert!(
@@ -817,6 +720,7 @@ fn a_nan_in_the_data_names_the_file_not_the_learning_rate() {
     write_hidden_states(
         &dir.join("data/poisoned.safetensors"),
         16,
+        64,
         Some(9 * 32 * 64 + 3),
     );
     let source = format!(
@@ -825,8 +729,7 @@ fn a_nan_in_the_data_names_the_file_not_the_learning_rate() {
     );
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", &source);
     let out = draftpipe(&["run", pipe.to_str().unwrap(), "--steps", "50"], &dir);
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = exits(&out, 1);
     assert!(
         stderr.contains("poisoned.safetensors")
             && stderr.contains("hidden_states")
@@ -871,7 +774,7 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
     let pipe = pipe.to_str().unwrap();
     let out = draftpipe(&["run", pipe, "--steps", "2", "--save", "ckpt"], &dir);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    exits(&out, 0);
 
     // A NaN in `--init` weights is named by its tensor, not blamed on the learning rate.
     std::fs::copy(
@@ -888,8 +791,7 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
         &["run", pipe, "--steps", "2", "--init", "nan.safetensors"],
         &dir,
     );
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = exits(&out, 1);
     assert!(
         stderr.contains("tensor `blocks.0.up.weight`: non-finite value NaN at element 7"),
         "{stderr}"
@@ -909,8 +811,7 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
         ],
         &dir,
     );
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = exits(&out, 1);
     assert!(
         stderr.contains("optimizer_step 18446744073709551615"),
         "{stderr}"
@@ -940,8 +841,7 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
         ],
         &dir,
     );
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let stderr = exits(&out, 1);
     assert!(stderr.contains("nothing was trained"), "{stderr}");
     assert!(
         !dir.join("untrained").exists(),

@@ -36,26 +36,25 @@ fn poisoned(n: usize) -> Vec<f32> {
 
 /// `max |out − ref| / max |ref|`, NaN-aware (a NaN output gives infinity).
 fn normwise(out: &[f32], reference: &[f64]) -> f64 {
-    assert_eq!(out.len(), reference.len());
     let scale = reference
         .iter()
         .fold(0.0f64, |m, r| m.max(r.abs()))
         .max(f64::MIN_POSITIVE);
-    out.iter()
-        .zip(reference)
-        .map(|(&o, r)| {
-            if o.is_finite() {
-                (o as f64 - r).abs()
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max)
-        / scale
+    worst_abs(out, reference) / scale
+}
+
+/// Asserts that `out` is within `bound` of `reference` normwise; the message names `what` and the error.
+fn assert_normwise(out: &[f32], reference: &[f64], bound: f64, what: &str) {
+    let error = normwise(out, reference);
+    assert!(
+        error < bound,
+        "{what}: normwise error {error} (bound {bound})"
+    );
 }
 
 /// `max |out − ref|`, NaN-aware (a NaN output gives infinity).
 fn worst_abs(out: &[f32], reference: &[f64]) -> f64 {
+    assert_eq!(out.len(), reference.len());
     out.iter()
         .zip(reference)
         .map(|(&o, r)| {
@@ -66,6 +65,15 @@ fn worst_abs(out: &[f32], reference: &[f64]) -> f64 {
             }
         })
         .fold(0.0, f64::max)
+}
+
+/// One row of logits' softmax in f64, the row maximum subtracted: its log-sum-exp and its probabilities.
+fn softmax_f64(logits: &[f32]) -> (f64, Vec<f64>) {
+    let row: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
+    let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = row.iter().map(|l| (l - max).exp()).sum();
+    let probabilities = row.iter().map(|l| (l - max).exp() / sum).collect();
+    (max + sum.ln(), probabilities)
 }
 
 fn silu(x: f64) -> f64 {
@@ -122,11 +130,7 @@ fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
             }
         }
         let acc_ref: Vec<f64> = dx_ref.iter().map(|v| v + 0.5).collect();
-        assert!(
-            normwise(&y, &y_ref) < 2e-6,
-            "seed {seed}: forward {}",
-            normwise(&y, &y_ref)
-        );
+        assert_normwise(&y, &y_ref, 2e-6, &format!("seed {seed}: forward"));
         let dx_err = worst_abs(&dx, &dx_ref) / dx_term_scale;
         assert!(dx_err < 2e-6, "seed {seed}: input grad {dx_err}");
         let acc_err = worst_abs(&dx_acc, &acc_ref) / (dx_term_scale + 0.5);
@@ -134,11 +138,7 @@ fn rmsnorm_forward_backward_and_weight_grad_match_f64() {
             acc_err < 2e-6,
             "seed {seed}: accumulated input grad {acc_err}"
         );
-        assert!(
-            normwise(&dw, &dw_ref) < 1e-5,
-            "seed {seed}: weight grad {}",
-            normwise(&dw, &dw_ref)
-        );
+        assert_normwise(&dw, &dw_ref, 1e-5, &format!("seed {seed}: weight grad"));
     }
 }
 
@@ -167,16 +167,8 @@ fn swiglu_forward_and_backward_match_f64() {
                 dgu_ref[2 * t * inter + inter + i] = d * silu(g);
             }
         }
-        assert!(
-            normwise(&act, &act_ref) < 2e-6,
-            "seed {seed}: {}",
-            normwise(&act, &act_ref)
-        );
-        assert!(
-            normwise(&dgu, &dgu_ref) < 2e-6,
-            "seed {seed}: {}",
-            normwise(&dgu, &dgu_ref)
-        );
+        assert_normwise(&act, &act_ref, 2e-6, &format!("seed {seed}: forward"));
+        assert_normwise(&dgu, &dgu_ref, 2e-6, &format!("seed {seed}: backward"));
     }
 }
 
@@ -198,9 +190,9 @@ fn head_residual_forward_and_backward_match_f64() {
             .map(|e| dh_in[e] as f64 * silu_grad(a[e] as f64))
             .collect();
         let dz_ref: Vec<f64> = (0..n).map(|e| dz_in[e] as f64 + dh_in[e] as f64).collect();
-        assert!(normwise(&h, &h_ref) < 2e-6, "seed {seed}");
-        assert!(normwise(&da, &da_ref) < 2e-6, "seed {seed}");
-        assert!(normwise(&dz, &dz_ref) < 2e-6, "seed {seed}");
+        assert_normwise(&h, &h_ref, 2e-6, &format!("seed {seed}: forward"));
+        assert_normwise(&da, &da_ref, 2e-6, &format!("seed {seed}: activation grad"));
+        assert_normwise(&dz, &dz_ref, 2e-6, &format!("seed {seed}: residual grad"));
     }
 }
 
@@ -231,29 +223,15 @@ fn fused_vocab_loss_matches_f64_softmax_cross_entropy() {
             if labels[r] < 0 {
                 continue;
             }
-            let row: Vec<f64> = logits_in[r * vocab..][..vocab]
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
-            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = row.iter().map(|l| (l - max).exp()).sum();
+            let (log_sum_exp, probabilities) = softmax_f64(&logits_in[r * vocab..][..vocab]);
             let label = labels[r] as usize;
-            loss_ref[r] = scale as f64 * (max + sum.ln() - row[label]);
-            for v in 0..vocab {
-                let p = (row[v] - max).exp() / sum;
+            loss_ref[r] = scale as f64 * (log_sum_exp - logits_in[r * vocab + label] as f64);
+            for (v, p) in probabilities.into_iter().enumerate() {
                 grad_ref[r * vocab + v] = scale as f64 * (p - f64::from(u8::from(v == label)));
             }
         }
-        assert!(
-            normwise(&row_loss, &loss_ref) < 2e-6,
-            "seed {seed}: loss {}",
-            normwise(&row_loss, &loss_ref)
-        );
-        assert!(
-            normwise(&logits, &grad_ref) < 2e-6,
-            "seed {seed}: grad {}",
-            normwise(&logits, &grad_ref)
-        );
+        assert_normwise(&row_loss, &loss_ref, 2e-6, &format!("seed {seed}: loss"));
+        assert_normwise(&logits, &grad_ref, 2e-6, &format!("seed {seed}: grad"));
     }
 }
 
@@ -274,21 +252,15 @@ fn fused_vocab_loss_is_right_for_every_small_probability() {
         let mut row_loss = poisoned(rows);
         kernels::vocab_loss(&mut logits, &labels, 1.0, &mut row_loss, vocab);
         for r in 0..rows {
-            let row: Vec<f64> = logits_in[r * vocab..][..vocab]
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
-            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = row.iter().map(|l| (l - max).exp()).sum();
+            let (log_sum_exp, probabilities) = softmax_f64(&logits_in[r * vocab..][..vocab]);
             let label = labels[r] as usize;
-            let loss = max + sum.ln() - row[label];
+            let loss = log_sum_exp - logits_in[r * vocab + label] as f64;
             assert!(
                 (row_loss[r] as f64 - loss).abs() <= 2e-6 * loss.abs().max(1.0),
                 "seed {seed} (vocab {vocab}) row {r}: loss {} vs {loss}",
                 row_loss[r]
             );
-            for v in 0..vocab {
-                let p = (row[v] - max).exp() / sum;
+            for (v, p) in probabilities.into_iter().enumerate() {
                 let want = p - f64::from(u8::from(v == label));
                 let got = logits[r * vocab + v] as f64;
                 assert!(

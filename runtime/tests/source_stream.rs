@@ -91,6 +91,41 @@ impl Drop for StopOnDrop<'_> {
     }
 }
 
+/// Takes every batch `producer` makes until it ends or `stop` is raised, showing each to `seen` before its
+/// buffer goes back to the pool: the consumer side of a test server.
+fn consume(
+    mut producer: Producer,
+    pool: &BatchPool,
+    stop: &AtomicBool,
+    mut seen: impl FnMut(&HsBatch),
+) {
+    while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
+        seen(&batch);
+        pool.give_back(batch).unwrap();
+    }
+}
+
+/// Runs `client_side` while a thread takes `producer`'s batches (stopped if `client_side` panics); the number
+/// of batches taken.
+fn counted(producer: Producer, pool: &BatchPool, client_side: impl FnOnce()) -> usize {
+    let stop = AtomicBool::new(false);
+    let mut taken = 0;
+    std::thread::scope(|scope| {
+        let (stop, taken) = (&stop, &mut taken);
+        scope.spawn(move || consume(producer, pool, stop, |_| *taken += 1));
+        let _stop_on_panic = StopOnDrop(stop);
+        client_side();
+    });
+    taken
+}
+
+/// Waits until the server has noticed that every producer hung up.
+fn wait_disconnected(status: &StreamStatus) {
+    while status.connected().0 != 0 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn hello(token: &str, name: &str) -> Hello {
     Client::hello_for(HIDDEN, TAPS, VOCAB, token, name)
 }
@@ -142,17 +177,15 @@ fn rows_of_consecutive_messages_fill_one_item_and_the_ack_waits_for_the_consumer
             let stop = &stop;
             let pool = &pool;
             scope.spawn(move || {
-                let mut producer = producers.remove(0);
                 let mut taken = 0;
-                while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
-                    to_test.send((*batch).clone()).unwrap();
-                    pool.give_back(batch).unwrap();
+                consume(producers.remove(0), pool, stop, |batch| {
+                    to_test.send(batch.clone()).unwrap();
                     taken += 1;
                     if taken == 2 {
                         // Hold the second batch "in the queue" until the test has checked there is no ack yet.
                         resumed.recv().unwrap();
                     }
-                }
+                });
             });
 
             let _stop_on_panic = StopOnDrop(stop);
@@ -231,11 +264,9 @@ fn part_filled_items_are_queued_when_the_producer_is_done_or_idle() {
         let stop = &stop;
         let pool = &pool;
         scope.spawn(move || {
-            let mut producer = producers.remove(0);
-            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
-                to_test.send((*batch).clone()).unwrap();
-                pool.give_back(batch).unwrap();
-            }
+            consume(producers.remove(0), pool, stop, |batch| {
+                to_test.send(batch.clone()).unwrap();
+            });
         });
         let _stop_on_panic = StopOnDrop(stop);
         let mut client = Client::connect(&address);
@@ -266,13 +297,22 @@ fn part_filled_items_are_queued_when_the_producer_is_done_or_idle() {
     });
 }
 
-/// Runs `misbehave` against a one-slot server, then checks a well-behaved producer still delivers.
+/// Runs `misbehave` on a connection to a one-slot server (it returns the error the server gave it), checks the
+/// server's log names that connection, then checks a well-behaved producer still delivers.
 fn refused_then_recovers(
     token: Option<&str>,
     max_message_bytes: u64,
-    misbehave: impl FnOnce(&str) -> (String, String),
+    misbehave: impl FnOnce(&mut Client) -> String,
 ) {
     refused_then_recovers_holding(None, token, max_message_bytes, misbehave);
+}
+
+/// [`refused_then_recovers`] for a producer whose hello is accepted and whose next message is refused.
+fn refused_after_hello(max_message_bytes: u64, misbehave: impl FnOnce(&mut Client) -> String) {
+    refused_then_recovers(None, max_message_bytes, |client| {
+        assert!(client.hello(&hello("", "bad")).ok);
+        misbehave(client)
+    });
 }
 
 /// [`refused_then_recovers`] on a server holding hidden states in `hs_dtype`.
@@ -280,23 +320,15 @@ fn refused_then_recovers_holding(
     hs_dtype: Option<HsDtype>,
     token: Option<&str>,
     max_message_bytes: u64,
-    misbehave: impl FnOnce(&str) -> (String, String),
+    misbehave: impl FnOnce(&mut Client) -> String,
 ) {
     let (mut producers, status, pool, log) = server_holding(1, token, max_message_bytes, hs_dtype);
     let address = status.address().to_string();
-    let stop = AtomicBool::new(false);
-    let taken = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        let (stop, pool, taken) = (&stop, &pool, &taken);
-        scope.spawn(move || {
-            let mut producer = producers.remove(0);
-            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
-                taken.fetch_add(1, Ordering::SeqCst);
-                pool.give_back(batch).unwrap();
-            }
-        });
-        let _stop_on_panic = StopOnDrop(stop);
-        let (client_error, peer) = misbehave(&address);
+    let taken = counted(producers.remove(0), &pool, || {
+        let mut client = Client::connect(&address);
+        let peer = client.local_name();
+        let client_error = misbehave(&mut client);
+        drop(client);
         let server_log = log.lock().unwrap().join("\n");
         assert!(
             server_log.contains(&peer),
@@ -311,11 +343,7 @@ fn refused_then_recovers_holding(
         assert!(ack.ok, "{ack:?}");
         assert!(good.done().done);
     });
-    assert_eq!(
-        taken.load(Ordering::SeqCst),
-        1,
-        "only the good producer's batch was queued"
-    );
+    assert_eq!(taken, 1, "only the good producer's batch was queued");
     assert_eq!(status.delivered(), [1]);
 }
 
@@ -335,58 +363,40 @@ fn expect_error(reply: draftpipe_runtime::source::stream::wire::Reply, needle: &
 
 #[test]
 fn a_wrong_token_is_refused() {
-    refused_then_recovers(Some("s3cret"), 1 << 20, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
-        (
-            expect_error(client.hello(&hello("guess", "bad")), "wrong token"),
-            peer,
-        )
+    refused_then_recovers(Some("s3cret"), 1 << 20, |client| {
+        expect_error(client.hello(&hello("guess", "bad")), "wrong token")
     });
 }
 
 #[test]
 fn a_wrong_protocol_version_is_refused() {
-    refused_then_recovers(None, 1 << 20, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
+    refused_then_recovers(None, 1 << 20, |client| {
         let mut old = hello("", "bad");
         old.protocol = PROTOCOL_VERSION + 98;
-        (
-            expect_error(client.hello(&old), "protocol version 99"),
-            peer,
-        )
+        expect_error(client.hello(&old), "protocol version 99")
     });
 }
 
 #[test]
 fn a_hello_for_another_target_is_refused() {
-    refused_then_recovers(None, 1 << 20, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
+    refused_then_recovers(None, 1 << 20, |client| {
         let mut other = hello("", "bad");
         other.hidden = HIDDEN + 1;
-        (
-            expect_error(client.hello(&other), "hidden 5 does not match"),
-            peer,
-        )
+        expect_error(client.hello(&other), "hidden 5 does not match")
     });
 }
 
 #[test]
 fn hidden_states_of_the_wrong_width_are_refused() {
     for layout in LAYOUTS {
-        refused_then_recovers(None, 1 << 20, |address| {
-            let mut client = Client::connect(address);
-            let peer = client.local_name();
-            assert!(client.hello(&hello("", "bad")).ok);
+        refused_after_hello(1 << 20, |client| {
             let wide = batch(2, 8, DIN + 1, VOCAB, &[8, 8], 3);
             let error = expect_error(client.send_in(layout, &wide), "hidden_states");
             assert!(
-                error.contains("[N, S, 8]") && error.contains(&peer),
+                error.contains("[N, S, 8]") && error.contains(&client.local_name()),
                 "{layout:?}: {error}"
             );
-            (error, peer)
+            error
         });
     }
 }
@@ -394,15 +404,12 @@ fn hidden_states_of_the_wrong_width_are_refused() {
 #[test]
 fn a_header_that_lies_about_its_length_is_refused() {
     for layout in LAYOUTS {
-        refused_then_recovers(None, 1 << 20, |address| {
-            let mut client = Client::connect(address);
-            let peer = client.local_name();
-            assert!(client.hello(&hello("", "bad")).ok);
+        refused_after_hello(1 << 20, |client| {
             let mut lying = blob_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 4));
             let header_len = u64::from_le_bytes(lying[..8].try_into().unwrap());
             lying[..8].copy_from_slice(&(header_len + 4096).to_le_bytes());
             client.frame(&lying).unwrap();
-            (expect_error(client.reply(), "truncated"), peer)
+            expect_error(client.reply(), "truncated")
         });
     }
 }
@@ -411,41 +418,29 @@ fn a_header_that_lies_about_its_length_is_refused() {
 fn a_tensor_size_that_lies_about_the_frame_is_refused() {
     // The header is valid JSON, but its tensors need more bytes than the frame holds.
     for layout in LAYOUTS {
-        refused_then_recovers(None, 1 << 20, |address| {
-            let mut client = Client::connect(address);
-            let peer = client.local_name();
-            assert!(client.hello(&hello("", "bad")).ok);
+        refused_after_hello(1 << 20, |client| {
             let mut short = blob_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 4));
             short.truncate(short.len() - 2 * DIN);
             client.frame(&short).unwrap();
-            (expect_error(client.reply(), "the header declares"), peer)
+            expect_error(client.reply(), "the header declares")
         });
     }
 }
 
 #[test]
 fn a_message_over_the_limit_is_refused_before_it_is_read() {
-    refused_then_recovers(None, 64 << 10, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
-        assert!(client.hello(&hello("", "bad")).ok);
+    refused_after_hello(64 << 10, |client| {
         let large = blob(&batch(16, 16, DIN * 32, VOCAB, &[16; 16], 5));
         assert!(large.len() > 64 << 10);
         std::io::Write::write_all(&mut client.stream, &(large.len() as u64).to_le_bytes()).unwrap();
-        (
-            expect_error(client.reply(), "exceeds the limit of 65536 bytes"),
-            peer,
-        )
+        expect_error(client.reply(), "exceeds the limit of 65536 bytes")
     });
 }
 
 #[test]
 fn half_a_message_then_a_stall_times_out() {
     for layout in LAYOUTS {
-        refused_then_recovers(None, 1 << 20, |address| {
-            let mut client = Client::connect(address);
-            let peer = client.local_name();
-            assert!(client.hello(&hello("", "bad")).ok);
+        refused_after_hello(1 << 20, |client| {
             let message = blob_in(layout, &batch(2, 8, DIN, VOCAB, &[8, 8], 6));
             // Past the header and the small tensors: inside the hidden states' rows.
             let cut = 8 + message.len() * 3 / 4;
@@ -455,7 +450,7 @@ fn half_a_message_then_a_stall_times_out() {
             let error = expect_error(client.reply(), "read timeout");
             let expected = format!("of {} bytes of a frame", framed.len());
             assert!(error.contains(&expected), "{layout:?}: {error}");
-            (error, peer)
+            error
         });
     }
 }
@@ -470,18 +465,7 @@ fn a_producer_that_vanishes_mid_message_loses_nothing_acknowledged_and_may_recon
 fn vanish_then_reconnect(layout: Layout) {
     let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
     let address = status.address().to_string();
-    let stop = AtomicBool::new(false);
-    let taken = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        let (stop, pool, taken) = (&stop, &pool, &taken);
-        scope.spawn(move || {
-            let mut producer = producers.remove(0);
-            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
-                taken.fetch_add(1, Ordering::SeqCst);
-                pool.give_back(batch).unwrap();
-            }
-        });
-        let _stop_on_panic = StopOnDrop(stop);
+    let taken = counted(producers.remove(0), &pool, || {
         let mut first = Client::connect(&address);
         assert!(first.hello(&hello("", "p")).ok);
         assert_eq!(
@@ -497,9 +481,7 @@ fn vanish_then_reconnect(layout: Layout) {
         std::io::Write::write_all(&mut first.stream, &framed).unwrap_or(());
         drop(first);
         // Wait for the server to notice, then come back under the same name.
-        while status.connected().0 != 0 {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_disconnected(&status);
         let mut again = Client::connect(&address);
         let reply = again.hello(&hello("", "p"));
         assert_eq!(
@@ -515,7 +497,7 @@ fn vanish_then_reconnect(layout: Layout) {
         );
         assert!(again.done().done);
     });
-    assert_eq!(taken.load(Ordering::SeqCst), 2);
+    assert_eq!(taken, 2);
     assert_eq!(status.delivered(), [2]);
 }
 
@@ -561,10 +543,7 @@ fn a_nan_in_the_hidden_states_is_refused() {
         .into_iter()
         .flat_map(|l| [(l, f64::NAN), (l, f64::NEG_INFINITY)])
     {
-        refused_then_recovers(None, 1 << 20, |address| {
-            let mut client = Client::connect(address);
-            let peer = client.local_name();
-            assert!(client.hello(&hello("", "bad")).ok);
+        refused_after_hello(1 << 20, |client| {
             let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
             tensors[0].3[(8 + 2) * DIN + 3] = value; // row 1, token 2: inside its kept length
             tensors[0].3[(8 + 6) * DIN] = f64::NAN; // row 1, token 6: padding, never read
@@ -573,7 +552,7 @@ fn a_nan_in_the_hidden_states_is_refused() {
                 error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
                 "{layout:?}: {error}"
             );
-            (error, peer)
+            error
         });
     }
 }
@@ -581,9 +560,7 @@ fn a_nan_in_the_hidden_states_is_refused() {
 #[test]
 fn a_finite_f32_that_overflows_bf16_refuses_that_message_only() {
     for layout in LAYOUTS {
-        refused_then_recovers_holding(Some(HsDtype::Bf16), None, 1 << 20, |address| {
-            let mut client = Client::connect(address);
-            let peer = client.local_name();
+        refused_then_recovers_holding(Some(HsDtype::Bf16), None, 1 << 20, |client| {
             assert!(client.hello(&hello("", "bad")).ok);
             let mut tensors = batch(2, 8, DIN, VOCAB, &[8, 5], 8);
             tensors[0].1 = Dtype::F32;
@@ -594,7 +571,7 @@ fn a_finite_f32_that_overflows_bf16_refuses_that_message_only() {
                 error.contains(&format!("element {}", (8 + 2) * DIN + 3)),
                 "{layout:?}: {error}"
             );
-            (error, peer)
+            error
         });
     }
 }
@@ -693,33 +670,26 @@ fn a_nan_early_in_a_large_direct_message_is_answered_after_the_whole_message() {
     for part in [&header, &ids, &mask, &hs] {
         message.extend_from_slice(part);
     }
-    refused_then_recovers(None, 128 << 20, |address| {
-        let mut client = Client::connect(address);
-        let peer = client.local_name();
-        assert!(client.hello(&hello("", "bad")).ok);
+    refused_after_hello(128 << 20, |client| {
         client.frame(&message).expect("the whole message is read");
         let error = expect_error(client.reply(), "non-finite value NaN");
         assert!(
             error.contains(&format!("element {}", 2 * DIN + 1)),
             "{error}"
         );
-        (error, peer)
+        error
     });
 }
 
 #[test]
 fn a_sequence_longer_than_the_largest_bucket_is_named_by_row_and_length() {
     for layout in LAYOUTS {
-        refused_then_recovers(None, 1 << 20, |address| {
-            let mut client = Client::connect(address);
-            let peer = client.local_name();
-            assert!(client.hello(&hello("", "bad")).ok);
+        refused_after_hello(1 << 20, |client| {
             let tensors = batch(2, 20, DIN, VOCAB, &[8, 20], 21);
-            let error = expect_error(
+            expect_error(
                 client.send_in(layout, &tensors),
                 "sequence 1 of 2 has 20 tokens; the largest bucket is 16",
-            );
-            (error, peer)
+            )
         });
     }
 }
@@ -728,16 +698,7 @@ fn a_sequence_longer_than_the_largest_bucket_is_named_by_row_and_length() {
 fn counts_belong_to_names_and_a_restored_server_gives_them_back() {
     let (mut producers, status, pool, _log) = server(1, None, 1 << 20);
     let address = status.address().to_string();
-    let stop = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let (stop, pool) = (&stop, &pool);
-        scope.spawn(move || {
-            let mut producer = producers.remove(0);
-            while let Some(batch) = producer.next_batch(pool, stop).unwrap() {
-                pool.give_back(batch).unwrap();
-            }
-        });
-        let _stop_on_panic = StopOnDrop(stop);
+    counted(producers.remove(0), &pool, || {
         let mut first = Client::connect(&address);
         assert!(first.hello(&hello("", "p")).ok);
         assert_eq!(
@@ -745,9 +706,7 @@ fn counts_belong_to_names_and_a_restored_server_gives_them_back() {
             Some(1)
         );
         drop(first);
-        while status.connected().0 != 0 {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_disconnected(&status);
         // A new name takes the free slot but not `p`'s count: it has delivered nothing.
         let mut other = Client::connect(&address);
         assert_eq!(other.hello(&hello("", "q")).delivered, Some(0));
@@ -760,15 +719,11 @@ fn counts_belong_to_names_and_a_restored_server_gives_them_back() {
             Some(2)
         );
         drop(other);
-        while status.connected().0 != 0 {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_disconnected(&status);
         let mut again = Client::connect(&address);
         assert_eq!(again.hello(&hello("", "p")).delivered, Some(1));
         drop(again);
-        while status.connected().0 != 0 {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_disconnected(&status);
     });
     assert_eq!(
         status.describe(),

@@ -1,5 +1,6 @@
-//! What the end-to-end tests of the binary share (`tests/run.rs`, `tests/reliability.rs`): a scratch directory
-//! per test, the small pipeline they train, and running the real `draftpipe`.
+//! What the end-to-end tests of the binary share (`tests/run.rs`, `tests/eval.rs`, `tests/reliability.rs`, …): a
+//! scratch directory per test, the small pipeline they train, edits of a pipeline file, and running the real
+//! `draftpipe`.
 #![allow(dead_code)] // each test target uses a different subset
 
 use std::path::{Path, PathBuf};
@@ -71,4 +72,12 @@ pub fn draftpipe(args: &[&str], cwd: &Path) -> Output {
 /// Output bytes as text.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Writes `source`'s text with `from` replaced by `to` into `target` (which may be `source` itself); `from` must
+/// be there, so an edit that no longer matches the file fails the test instead of testing the unedited file.
+pub fn rewrite(source: &Path, from: &str, to: &str, target: &Path) {
+    let text = std::fs::read_to_string(source).unwrap();
+    assert!(text.contains(from), "{} has no `{from}`", source.display());
+    std::fs::write(target, text.replace(from, to)).unwrap();
 }

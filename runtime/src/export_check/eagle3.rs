@@ -9,13 +9,13 @@
 //!  DIR/*.safetensors headers, d2t's values ──name mapping, shapes, d2t──────────────────────────┴──▶ findings
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use safetensors::Dtype;
 use serde_json::{Map, Value};
 
-use super::tensors::{Header, headers, weight_files};
+use super::tensors::{Header, Mapped, Parameters, load, weight_headers};
 use super::{CheckOptions, Engine, Findings, Severity};
 use crate::checkpoint::CONFIG_FILE;
 use crate::model::eagle3::export::EAGLE3_ARCHITECTURE;
@@ -291,7 +291,7 @@ fn check_aux_layers(shown: &str, config: &Map<String, Value>, findings: &mut Fin
 
 /// The parameters each engine's model has, under the names its loader maps checkpoint names to, with shapes.
 /// `q/k/v_proj` and `gate/up_proj` load as shards of `qkv_proj` and `gate_up_proj`, so each keeps its own shape.
-fn parameters(config: &Eagle3Config, engine: Engine) -> BTreeMap<String, Vec<usize>> {
+fn parameters(config: &Eagle3Config, engine: Engine) -> Parameters {
     let (h, i) = (config.hidden, config.intermediate);
     let (q, kv) = (
         config.heads * config.head_dim,
@@ -327,28 +327,14 @@ fn parameters(config: &Eagle3Config, engine: Engine) -> BTreeMap<String, Vec<usi
     params
 }
 
-/// What a loader does with one checkpoint name.
-enum Mapped {
-    /// Loads into this parameter.
-    Param(String),
-    /// The draft-to-target offsets (`d2t`).
-    DraftToTarget,
-    /// Skipped by design (`t2d`), or loaded as something optional (an own embedding).
-    Expected,
-    /// Skipped without a word.
-    Skipped,
-    /// The load fails with this message.
-    Rejected(String),
-}
-
 /// SGLang `LlamaForCausalLMEagle3.load_weights`: `d2t` becomes `hot_token_id`, `t2d` is skipped, any other name
 /// loads as written or with `model.` added, and a name that reaches no parameter is silently skipped.
-fn sglang_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
+fn sglang_map(name: &str, params: &Parameters) -> Mapped {
     if name.contains(D2T) {
-        return Mapped::DraftToTarget;
+        return Mapped::Aside;
     }
     if name.contains(T2D) || name.ends_with("embed_tokens.weight") {
-        return Mapped::Expected;
+        return Mapped::Optional;
     }
     let prefixed = format!("model.{name}");
     if params.contains_key(name) {
@@ -363,12 +349,12 @@ fn sglang_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
 /// vLLM `Eagle3LlamaForCausalLM.load_weights`: `t2d` is skipped, `d2t` loads as `draft_id_to_target_id`, every
 /// name but `lm_head`'s gets `model.`, `LlamaModel.load_weights` maps `midlayer.` to `layers.0.` and indexes
 /// `params_dict` (a `KeyError` for an unknown name), `AutoWeightsLoader` raises for an unknown top-level one.
-fn vllm_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
+fn vllm_map(name: &str, params: &Parameters) -> Mapped {
     if name.contains(T2D) {
-        return Mapped::Expected;
+        return Mapped::Optional;
     }
     if name.contains(D2T) {
-        return Mapped::DraftToTarget;
+        return Mapped::Aside;
     }
     let mapped = if name.contains("lm_head") {
         name.to_owned()
@@ -376,7 +362,7 @@ fn vllm_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
         format!("model.{name}").replace("midlayer.", "layers.0.")
     };
     if mapped.ends_with("embed_tokens.weight") {
-        return Mapped::Expected;
+        return Mapped::Optional;
     }
     if params.contains_key(&mapped) {
         Mapped::Param(mapped)
@@ -388,93 +374,21 @@ fn vllm_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
     }
 }
 
+/// Both engines' load of the weight files in `dir` under `config` (the shared walk of `tensors.rs`), then the
+/// `d2t` each reads.
 fn check_tensors(dir: &Path, config: Option<&Eagle3Config>, findings: &mut Findings) {
-    let files = weight_files(dir, findings);
-    if files.is_empty() {
-        findings.both(
-            Severity::Fatal,
-            format!(
-                "{}: no `*.safetensors` file at the top: there are no weights to load",
-                dir.display()
-            ),
-        );
+    let Some(headers) = weight_headers(dir, findings) else {
         return;
-    }
-    let headers = headers(&files, findings);
+    };
     let Some(config) = config else { return };
     for engine in Engine::ALL {
-        let params = parameters(config, engine);
-        let mut loaded = BTreeSet::new();
-        let mut skipped: Vec<&Header> = Vec::new();
-        let mut d2t = None;
-        for header in &headers {
-            let file = header.file.display();
-            let mapped = match engine {
-                Engine::Sglang => sglang_map(&header.name, &params),
-                Engine::Vllm => vllm_map(&header.name, &params),
-            };
-            match mapped {
-                Mapped::Param(param) => {
-                    let expected = &params[&param];
-                    if !header.float {
-                        findings.fatal(
-                            engine,
-                            format!("{file}: tensor `{}` is not F32, BF16 or F16", header.name),
-                        );
-                    } else if &header.shape != expected {
-                        findings.fatal(
-                            engine,
-                            format!(
-                                "{file}: tensor `{}` has shape {:?}, the config's model expects {expected:?}",
-                                header.name, header.shape
-                            ),
-                        );
-                    }
-                    loaded.insert(param);
-                }
-                Mapped::DraftToTarget => d2t = Some(header),
-                Mapped::Expected => {}
-                Mapped::Skipped => skipped.push(header),
-                Mapped::Rejected(why) => {
-                    findings.fatal(engine, format!("{file}: tensor `{}`: {why}", header.name))
-                }
-            }
-        }
-        if !skipped.is_empty() {
-            let names: Vec<&str> = skipped.iter().take(3).map(|h| h.name.as_str()).collect();
-            findings.push(
-                engine,
-                Severity::Warning,
-                format!(
-                    "skips {} tensor{} it has no parameter for ({}{})",
-                    skipped.len(),
-                    if skipped.len() == 1 { "" } else { "s" },
-                    names.join(", "),
-                    if skipped.len() > 3 { ", …" } else { "" }
-                ),
-            );
-        }
-        if let Some(first) = params.keys().find(|p| !loaded.contains(*p)) {
-            let missing = params.keys().filter(|p| !loaded.contains(*p)).count();
-            let why = match engine {
-                Engine::Sglang => {
-                    "SGLang loads without it and drafts with an uninitialised parameter"
-                }
-                Engine::Vllm => {
-                    "vLLM raises \"Following weights were not initialized from checkpoint\""
-                }
-            };
-            let more = if missing > 1 {
-                format!(" (and {} more)", missing - 1)
-            } else {
-                String::new()
-            };
-            findings.fatal(
-                engine,
-                format!("no tensor for parameter `{first}`{more}: {why}"),
-            );
-        }
-        check_d2t(engine, d2t, config, findings);
+        let map = |name: &str, params: &Parameters| match engine {
+            Engine::Sglang => sglang_map(name, params),
+            Engine::Vllm => vllm_map(name, params),
+        };
+        let aside = load(engine, &headers, &parameters(config, engine), map, findings);
+        // Only `d2t` is set aside; a second one (in another shard) replaces the first, as a state dict's would.
+        check_d2t(engine, aside.last().copied(), config, findings);
     }
 }
 

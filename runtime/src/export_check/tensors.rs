@@ -1,5 +1,7 @@
 //! The tensor rules: which safetensors files each engine reads from the directory, which names its DFlash loader
-//! maps to a parameter, which it skips or rejects, and the shapes it expects.
+//! maps to a parameter, which it skips or rejects, and the shapes it expects; and the load both families'
+//! checks walk (this one and `eagle3.rs`): each tensor through an engine's name rule, then the parameters left
+//! without one.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -24,12 +26,15 @@ pub(super) struct Header {
     pub(super) file: PathBuf,
 }
 
+/// An engine model's parameters by the names its loader maps checkpoint names to, with their shapes.
+pub(super) type Parameters = BTreeMap<String, Vec<usize>>;
+
 /// The safetensors files an engine reads from `dir`. Both loaders glob `*.safetensors` at the top of the model
 /// directory (vLLM `DefaultModelLoader._prepare_weights`, `vllm/model_executor/model_loader/default_loader.py`;
 /// SGLang's `DefaultModelLoader._prepare_weights` in `python/sglang/srt/model_loader/loader.py`, derived from it)
 /// and, when `model.safetensors.index.json` is there, keep only the files its `weight_map` names
 /// (`filter_duplicate_safetensors_files`). Subdirectories are not looked into.
-pub(super) fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> {
+fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
         Ok(entries) => entries
             .filter_map(Result::ok)
@@ -72,7 +77,7 @@ pub(super) fn weight_files(dir: &Path, findings: &mut Findings) -> Vec<PathBuf> 
 }
 
 /// Reads the headers of `files`; an unreadable file is a finding for both engines.
-pub(super) fn headers(files: &[PathBuf], findings: &mut Findings) -> Vec<Header> {
+fn headers(files: &[PathBuf], findings: &mut Findings) -> Vec<Header> {
     let mut out = Vec::new();
     for path in files {
         let file = match TensorFile::open(path) {
@@ -105,7 +110,7 @@ pub(super) fn headers(files: &[PathBuf], findings: &mut Findings) -> Vec<Header>
 /// `DFlashQwen3Model` the same under `model.` (its own `embed_tokens` and `lm_head` only when the checkpoint
 /// ships them). `q_proj`/`k_proj`/`v_proj` and `gate_proj`/`up_proj` load as shards of the fused `qkv_proj` and
 /// `gate_up_proj` (both loaders' stacked-parameter mappings), so each keeps its own shape here.
-fn parameters(config: &DflashConfig, engine: Engine) -> BTreeMap<String, Vec<usize>> {
+fn parameters(config: &DflashConfig, engine: Engine) -> Parameters {
     let (h, hd, i) = (config.hidden, config.head_dim, config.intermediate);
     let (q, kv) = (config.heads * hd, config.kv_heads * hd);
     // The context projection reads `len(target_layer_ids)` features of the target's width: SGLang
@@ -149,12 +154,14 @@ fn parameters(config: &DflashConfig, engine: Engine) -> BTreeMap<String, Vec<usi
 }
 
 /// What an engine's loader does with one checkpoint name.
-enum Mapped {
-    /// Loads into the parameter of that (checkpoint-style) name.
+pub(super) enum Mapped {
+    /// Loads into the parameter of that name.
     Param(String),
-    /// Loaded as something the DFlash model may carry but the export need not (an own embedding or head, a
-    /// draft-vocabulary map): not checked further.
+    /// Skipped by design, or loaded as something the model may carry but the export need not (an own embedding
+    /// or head, a draft-vocabulary map): not checked further.
     Optional,
+    /// Read by a rule of the family's own (EAGLE-3's `d2t`): handed back by [`load`].
+    Aside,
     /// Skipped without a word.
     Skipped,
     /// Refused: the load fails with this message.
@@ -164,7 +171,7 @@ enum Mapped {
 /// SGLang `DFlashDraftModel.load_weights` (`python/sglang/srt/models/dflash.py`): a name resolves to a
 /// parameter as written, without a leading `model.`, or with one added (`resolve_param_name`); anything else is
 /// skipped ("Ignore unexpected weights").
-fn sglang_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
+fn sglang_map(name: &str, params: &Parameters) -> Mapped {
     let bare = name.strip_prefix("model.").unwrap_or(name);
     if params.contains_key(bare) {
         Mapped::Param(bare.to_owned())
@@ -179,7 +186,7 @@ fn sglang_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
 /// `encoder.fc.` → `fc.`, `encoder.output_norm_enc.` → `hidden_norm.`) into `AutoWeightsLoader`, which raises
 /// "There is no module or parameter named …" for a name that reaches no parameter
 /// (`AutoWeightsLoader._load_module`, `vllm/model_executor/models/utils.py`).
-fn vllm_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
+fn vllm_map(name: &str, params: &Parameters) -> Mapped {
     if name.contains("mask_hidden") {
         return Mapped::Rejected(
             "vLLM asserts a DFlash checkpoint ships no `mask_hidden` weight".to_owned(),
@@ -205,8 +212,8 @@ fn vllm_map(name: &str, params: &BTreeMap<String, Vec<usize>>) -> Mapped {
     }
 }
 
-/// Applies the tensor rules of both engines to the weight files in `dir`.
-pub(super) fn check(dir: &Path, config: Option<&DflashConfig>, findings: &mut Findings) {
+/// The headers of the weight files an engine reads from `dir`, or `None` (a fatal finding) when there are none.
+pub(super) fn weight_headers(dir: &Path, findings: &mut Findings) -> Option<Vec<Header>> {
     let files = weight_files(dir, findings);
     if files.is_empty() {
         findings.both(
@@ -216,93 +223,113 @@ pub(super) fn check(dir: &Path, config: Option<&DflashConfig>, findings: &mut Fi
                 dir.display()
             ),
         );
-        return;
+        return None;
     }
-    let headers = headers(&files, findings);
+    Some(headers(&files, findings))
+}
+
+/// Applies the tensor rules of both engines to the weight files in `dir`.
+pub(super) fn check(dir: &Path, config: Option<&DflashConfig>, findings: &mut Findings) {
+    let Some(headers) = weight_headers(dir, findings) else {
+        return;
+    };
     let Some(config) = config else { return };
     for engine in Engine::ALL {
-        let params = parameters(config, engine);
-        let mut loaded = BTreeSet::new();
-        let mut skipped: Vec<&Header> = Vec::new();
-        for header in &headers {
-            let file = header.file.display();
-            let mapped = match engine {
-                Engine::Sglang => sglang_map(&header.name, &params),
-                Engine::Vllm => vllm_map(&header.name, &params),
-            };
-            match mapped {
-                Mapped::Param(param) => {
-                    let expected = &params[&param];
-                    if !header.float {
-                        findings.fatal(
-                            engine,
-                            format!("{file}: tensor `{}` is not F32, BF16 or F16", header.name),
-                        );
-                    } else if &header.shape != expected {
-                        // SGLang raises "DFLASH fc.weight shape mismatch" for `fc`, and its
-                        // `default_weight_loader` asserts equal sizes for the rest; vLLM's weight loaders assert
-                        // the same.
-                        findings.fatal(
-                            engine,
-                            format!(
-                                "{file}: tensor `{}` has shape {:?}, the config's model expects {expected:?}",
-                                header.name, header.shape
-                            ),
-                        );
-                    }
-                    loaded.insert(param);
+        let map = |name: &str, params: &Parameters| match engine {
+            Engine::Sglang => sglang_map(name, params),
+            Engine::Vllm => vllm_map(name, params),
+        };
+        load(engine, &headers, &parameters(config, engine), map, findings);
+    }
+}
+
+/// One engine's load of `headers`, each named by `map`: a tensor for a parameter must be a float of its shape,
+/// tensors skipped without a word are a warning (the bytes read for nothing), and a parameter no tensor reached
+/// is fatal. Returns the headers `map` set aside for the family's own rules.
+pub(super) fn load<'h>(
+    engine: Engine,
+    headers: &'h [Header],
+    params: &Parameters,
+    map: impl Fn(&str, &Parameters) -> Mapped,
+    findings: &mut Findings,
+) -> Vec<&'h Header> {
+    let mut loaded = BTreeSet::new();
+    let mut skipped: Vec<&Header> = Vec::new();
+    let mut aside = Vec::new();
+    for header in headers {
+        let file = header.file.display();
+        match map(&header.name, params) {
+            Mapped::Param(param) => {
+                let expected = &params[&param];
+                if !header.float {
+                    findings.fatal(
+                        engine,
+                        format!("{file}: tensor `{}` is not F32, BF16 or F16", header.name),
+                    );
+                } else if &header.shape != expected {
+                    // SGLang raises "DFLASH fc.weight shape mismatch" for DFlash's `fc`, and its
+                    // `default_weight_loader` asserts equal sizes for the rest; vLLM's weight loaders assert the
+                    // same.
+                    findings.fatal(
+                        engine,
+                        format!(
+                            "{file}: tensor `{}` has shape {:?}, the config's model expects {expected:?}",
+                            header.name, header.shape
+                        ),
+                    );
                 }
-                Mapped::Optional => {}
-                Mapped::Skipped => skipped.push(header),
-                Mapped::Rejected(why) => {
-                    findings.fatal(engine, format!("{file}: tensor `{}`: {why}", header.name))
-                }
+                loaded.insert(param);
+            }
+            Mapped::Optional => {}
+            Mapped::Aside => aside.push(header),
+            Mapped::Skipped => skipped.push(header),
+            Mapped::Rejected(why) => {
+                findings.fatal(engine, format!("{file}: tensor `{}`: {why}", header.name))
             }
         }
-        if !skipped.is_empty() {
-            let bytes: u64 = skipped.iter().map(|h| h.bytes).sum();
-            let names: Vec<&str> = skipped.iter().take(3).map(|h| h.name.as_str()).collect();
-            let more = skipped.len().saturating_sub(names.len());
-            findings.push(
-                engine,
-                Severity::Warning,
-                format!(
-                    "skips {} tensor{} it has no parameter for ({}{}), reading {bytes} bytes it does not use",
-                    skipped.len(),
-                    if skipped.len() == 1 { "" } else { "s" },
-                    names.join(", "),
-                    if more > 0 {
-                        format!(" and {more} more")
-                    } else {
-                        String::new()
-                    }
-                ),
-            );
-        }
-        let missing: Vec<&String> = params.keys().filter(|p| !loaded.contains(*p)).collect();
-        if let Some(first) = missing.first() {
-            let why = match engine {
-                // SGLang's loader never checks that every parameter was loaded: the missing ones keep their
-                // initial values and the drafter drafts from them.
-                Engine::Sglang => {
-                    "SGLang loads without it and drafts with an uninitialised parameter"
-                }
-                // `DefaultModelLoader.load_weights`: "Following weights were not initialized from checkpoint".
-                Engine::Vllm => {
-                    "vLLM raises \"Following weights were not initialized from checkpoint\""
-                }
-            };
-            findings.fatal(
-                engine,
-                format!(
-                    "no tensor for parameter `{first}`{}: {why}",
-                    if missing.len() > 1 {
-                        format!(" (and {} more)", missing.len() - 1)
-                    } else {
-                        String::new()
-                    }
-                ),
-            );
-        }
     }
+    if !skipped.is_empty() {
+        let bytes: u64 = skipped.iter().map(|h| h.bytes).sum();
+        let names: Vec<&str> = skipped.iter().take(3).map(|h| h.name.as_str()).collect();
+        let more = skipped.len().saturating_sub(names.len());
+        findings.push(
+            engine,
+            Severity::Warning,
+            format!(
+                "skips {} tensor{} it has no parameter for ({}{}), reading {bytes} bytes it does not use",
+                skipped.len(),
+                if skipped.len() == 1 { "" } else { "s" },
+                names.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            ),
+        );
+    }
+    let missing: Vec<&String> = params.keys().filter(|p| !loaded.contains(*p)).collect();
+    if let Some(first) = missing.first() {
+        let why = match engine {
+            // SGLang's loader never checks that every parameter was loaded: the missing ones keep their
+            // initial values and the drafter drafts from them.
+            Engine::Sglang => "SGLang loads without it and drafts with an uninitialised parameter",
+            // `DefaultModelLoader.load_weights`: "Following weights were not initialized from checkpoint".
+            Engine::Vllm => {
+                "vLLM raises \"Following weights were not initialized from checkpoint\""
+            }
+        };
+        findings.fatal(
+            engine,
+            format!(
+                "no tensor for parameter `{first}`{}: {why}",
+                if missing.len() > 1 {
+                    format!(" (and {} more)", missing.len() - 1)
+                } else {
+                    String::new()
+                }
+            ),
+        );
+    }
+    aside
 }

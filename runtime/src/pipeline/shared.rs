@@ -14,8 +14,9 @@ use crate::acceptance::AcceptanceMonitor;
 use crate::batch::HsBatch;
 use crate::checkpoint::ProducerRecord;
 use crate::model::eagle3::vocab::VocabMap;
-use crate::queue::HsQueue;
+use crate::queue::{HsQueue, QueueStats};
 use crate::source::{BatchPool, StreamStatus};
+use crate::telemetry::QueueSnapshot;
 
 use super::error::RunError;
 
@@ -62,6 +63,25 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// The queue's statistics in the telemetry's view of them (the status lines' and the summary's).
+    pub(super) fn queue_snapshot(&self) -> QueueSnapshot {
+        let stats: QueueStats = self.queue.stats();
+        QueueSnapshot {
+            depth: stats.depth,
+            capacity: stats.capacity,
+            min_ready: stats.min_ready,
+            per_bucket: stats.per_bucket,
+            pushes: stats.pushes,
+            pops: stats.pops,
+            producer_blocked: stats.producer_blocked,
+            consumer_blocked: stats.consumer_blocked,
+            seen_full: stats.seen_full,
+            seen_below_watermark: stats.seen_below_watermark,
+            rounds: stats.rounds,
+            mixed_rounds: self.mixed_rounds.load(Ordering::Relaxed),
+        }
+    }
+
     /// Shared state for a run over `queue` and `pool` whose producers start at `first_positions`.
     pub(super) fn new(
         queue: HsQueue<Box<HsBatch>>,
