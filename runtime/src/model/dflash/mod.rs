@@ -32,7 +32,7 @@ use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, Works
 
 use crate::backend::{
     AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Buf,
-    Dst, HsOperand, Operand, Precision, Src,
+    Dst, HsBuf, HsOperand, Operand, Precision, Src,
 };
 use crate::batch::HsBatch;
 use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
@@ -137,11 +137,16 @@ impl<B: Backend> Dflash<B> {
             hidden: h,
             intermediate: i,
         };
-        // Context, once per sequence: c = hidden_norm(hs · fcᵀ).
+        // Context, once per sequence: c = hidden_norm(hs · fcᵀ). Hidden states held in bf16 meet `fc`'s bf16
+        // copy where there is one (no rounding pass before the product); f32 ones meet the f32 weight.
+        let fc = match input.hs {
+            HsBuf::Bf16(_) => weight(at.fc, h, d),
+            _ => Operand::new(params.at(at.fc, h * d), h, d).into(),
+        };
         be.gemm_hs(
             ws.ctx_pre.at_mut(0, th),
             HsOperand::new(input.hs.at(0, t * d), t, d),
-            Operand::new(params.at(at.fc, h * d), h, d).t().into(),
+            fc.t(),
             1.0,
             0.0,
             p,
