@@ -16,16 +16,19 @@ fn chunk_range(n: usize, chunk_len: usize, chunk: usize) -> (usize, usize) {
 
 /// SwiGLU forward: `act[t, i] = silu(gate[t, i]) · up[t, i]`, where each row of `gate_up` is
 /// `[gate (inter) | up (inter)]` — the output of one GEMM against the adjacent `gate.weight`/`up.weight`
-/// tensors of the flat buffer. Element `e` of `act` is `(t, i) = (e / inter, e % inter)`.
+/// tensors of the flat buffer. Element `e` of `act` is `(t, i) = (e / inter, e % inter)`. When `act16` is not
+/// null it also receives `act` rounded to bfloat16 (nearest even) in the same pass: the down projection's
+/// 16-bit operand on CUDA at `bf16` precision, while `act` stays f32 for the backward.
 ///
 /// Launch: element range (see the module docs), `n = rows · inter`.
 ///
 /// # Safety
-/// `gate_up` holds `2 · n` elements, `act` `n`; they do not overlap.
+/// `gate_up` holds `2 · n` elements, `act` (and `act16` unless null) `n`; none overlap.
 #[inline(always)]
 pub unsafe fn swiglu_forward(
     gate_up: *const f32,
     act: *mut f32,
+    act16: *mut u16,
     inter: usize,
     n: usize,
     chunk_len: usize,
@@ -51,7 +54,11 @@ pub unsafe fn swiglu_forward(
             let up = gate.add(inter);
             let out = act.add(t * inter);
             for i in i0..i0 + (row_end - e) {
-                *out.add(i) = crate::math::silu(*gate.add(i)) * *up.add(i);
+                let value = crate::math::silu(*gate.add(i)) * *up.add(i);
+                *out.add(i) = value;
+                if !act16.is_null() {
+                    *act16.add(t * inter + i) = crate::convert::f32_to_bf16_bits(value);
+                }
             }
         }
         e = row_end;

@@ -27,15 +27,21 @@ pub struct AdamWStep {
 /// gradient scaled by `clip_scale[0]`. Does nothing when `grad_norm[0]` is not finite (a skipped step; the host
 /// then does not advance the step count).
 ///
+/// When `params_bf16` is not null it receives, in the same pass, each updated parameter rounded to bfloat16
+/// (nearest even, [`crate::convert::f32_to_bf16_bits`]): the copy the 16-bit products read at `bf16` precision,
+/// bit for bit the value the CPU's emulation rounds the f32 master to inside its products. A skipped step leaves
+/// it alone too, so it always equals the master's rounding.
+///
 /// Launch: element range: the GPU uses `chunk_len = 1` (`n` indices), the CPU long chunks.
 ///
 /// # Safety
-/// `params`, `grads`, `exp_avg`, `exp_avg_sq` hold `n` elements and do not overlap; `grad_norm` and
-/// `clip_scale` hold one element each.
+/// `params`, `grads`, `exp_avg`, `exp_avg_sq` (and `params_bf16` unless null) hold `n` elements and do not
+/// overlap; `grad_norm` and `clip_scale` hold one element each.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn adamw_update(
     params: *mut f32,
+    params_bf16: *mut u16,
     grads: *const f32,
     exp_avg: *mut f32,
     exp_avg_sq: *mut f32,
@@ -68,7 +74,11 @@ pub unsafe fn adamw_update(
             *exp_avg.add(i) = m;
             *exp_avg_sq.add(i) = v;
             let denom = crate::math::sqrt(v) / hyper.bias_correction2_sqrt + hyper.eps;
-            *params.add(i) = *params.add(i) * decay - hyper.step_size * m / denom;
+            let p = *params.add(i) * decay - hyper.step_size * m / denom;
+            *params.add(i) = p;
+            if !params_bf16.is_null() {
+                *params_bf16.add(i) = crate::convert::f32_to_bf16_bits(p);
+            }
         }
     }
 }

@@ -8,19 +8,22 @@
 
 use crate::plane::Plane;
 
-/// RMSNorm forward of one row: `y[row] = x[row] · inv_rms[row] ⊙ weight`, storing `inv_rms[row]`.
+/// RMSNorm forward of one row: `y[row] = x[row] · inv_rms[row] ⊙ weight`, storing `inv_rms[row]`; when `y16`
+/// is not null, also `y[row]` rounded to bfloat16 (nearest even) in the same pass: the 16-bit operand of the
+/// products that read the norm's output at `bf16` precision, while `y` stays f32 for the backward.
 ///
 /// Launch: one plane per row (`rows` planes); the lanes split the columns, so reads are coalesced.
 ///
 /// # Safety
-/// `x` and `y` hold at least `(row + 1) · cols` elements, `weight` `cols`, `inv_rms` `row + 1`; `y` may equal
-/// `x` (in place) but must not overlap it otherwise.
+/// `x` and `y` (and `y16` unless null) hold at least `(row + 1) · cols` elements, `weight` `cols`, `inv_rms`
+/// `row + 1`; `y` may equal `x` (in place) but must not overlap it otherwise; `y16` overlaps nothing.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rmsnorm_forward(
     x: *const f32,
     weight: *const f32,
     y: *mut f32,
+    y16: *mut u16,
     inv_rms: *mut f32,
     cols: usize,
     eps: f32,
@@ -37,7 +40,16 @@ pub unsafe fn rmsnorm_forward(
         if plane.is_leader() {
             *inv_rms.add(row) = r;
         }
-        plane.for_each(cols, |c| *y.add(c) = *x.add(c) * r * *weight.add(c));
+        if y16.is_null() {
+            plane.for_each(cols, |c| *y.add(c) = *x.add(c) * r * *weight.add(c));
+        } else {
+            let y16 = y16.add(row * cols);
+            plane.for_each(cols, |c| {
+                let value = *x.add(c) * r * *weight.add(c);
+                *y.add(c) = value;
+                *y16.add(c) = crate::convert::f32_to_bf16_bits(value);
+            });
+        }
     }
 }
 

@@ -64,7 +64,20 @@ macro_rules! kernel_table {
                 writes: [y: f32 = rows * cols, inv_rms: f32 = rows],
                 scalars: [cols: usize, eps: f32, rows: usize],
                 launch: planes(rows),
-                body: |plane, row| $crate::norm::rmsnorm_forward(x, weight, y, inv_rms, cols, eps, plane, row),
+                body: |plane, row| $crate::norm::rmsnorm_forward(
+                    x, weight, y, ::core::ptr::null_mut(), inv_rms, cols, eps, plane, row
+                ),
+            }
+            /// RMSNorm forward that also writes `y` rounded to bfloat16 (`y16`, the same pass): the 16-bit operand
+            /// of the products reading the norm's output at `bf16` precision on CUDA.
+            rmsnorm_forward_bf16 {
+                reads: [x: f32 = rows * cols, weight: f32 = cols],
+                writes: [y: f32 = rows * cols, y16: u16 = rows * cols, inv_rms: f32 = rows],
+                scalars: [cols: usize, eps: f32, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::norm::rmsnorm_forward(
+                    x, weight, y, y16, inv_rms, cols, eps, plane, row
+                ),
             }
             /// RMSNorm input gradient per row (`accumulate != 0`: added to `dx`).
             rmsnorm_backward_input {
@@ -100,7 +113,20 @@ macro_rules! kernel_table {
                 writes: [act: f32 = n],
                 scalars: [inter: usize, n: usize],
                 launch: elements(n),
-                body: |chunk_len, chunk| $crate::activation::swiglu_forward(gate_up, act, inter, n, chunk_len, chunk),
+                body: |chunk_len, chunk| $crate::activation::swiglu_forward(
+                    gate_up, act, ::core::ptr::null_mut(), inter, n, chunk_len, chunk
+                ),
+            }
+            /// SwiGLU forward that also writes `act` rounded to bfloat16 (`act16`, the same pass): the down
+            /// projection's 16-bit operand on CUDA at `bf16` precision.
+            swiglu_forward_bf16 {
+                reads: [gate_up: f32 = 2 * n],
+                writes: [act: f32 = n, act16: u16 = n],
+                scalars: [inter: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::activation::swiglu_forward(
+                    gate_up, act, act16, inter, n, chunk_len, chunk
+                ),
             }
             /// SwiGLU backward into `[dgate | dup]` rows.
             swiglu_backward {
@@ -204,7 +230,25 @@ macro_rules! kernel_table {
                 scalars: [n: usize],
                 launch: elements(n),
                 body: |chunk_len, chunk| $crate::adamw::adamw_update(
-                    params, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, *hyper, n, chunk_len, chunk
+                    params, ::core::ptr::null_mut(), grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, *hyper,
+                    n, chunk_len, chunk
+                ),
+            }
+            /// [`adamw_update`](crate::adamw::adamw_update) that also writes the updated parameters rounded to
+            /// bfloat16 (`params16`, the same pass): the copy the products read at `bf16` precision on CUDA.
+            adamw_update_bf16 {
+                reads: [
+                    grads: f32 = n,
+                    grad_norm: f32 = 1,
+                    clip_scale: f32 = 1,
+                    hyper: $crate::adamw::AdamWStep = 1,
+                ],
+                writes: [params: f32 = n, params16: u16 = n, exp_avg: f32 = n, exp_avg_sq: f32 = n],
+                scalars: [n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::adamw::adamw_update(
+                    params, params16, grads, exp_avg, exp_avg_sq, grad_norm, clip_scale, *hyper, n, chunk_len,
+                    chunk
                 ),
             }
             /// Advances AdamW's device state `[steps, β1^steps, β2^steps]` for one applied step and writes that

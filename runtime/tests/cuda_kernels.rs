@@ -1,6 +1,7 @@
 //! Every drafter kernel on the GPU against the same kernel through its host launcher (the CPU backend's code),
 //! and the row-major GEMM wrappers (f32, and 16-bit inputs with f32 output) against an f64 product, on fresh
-//! random inputs with poisoned outputs. Both
+//! random inputs with poisoned outputs; the bf16 copies the kernels write beside their f32 outputs against the
+//! device's own f32 values rounded to nearest even. Both
 //! launchers are generated from the kernel table, so each comparison calls the two with the same arguments.
 //!
 //! Tolerances: the device's `exp`/`ln`/`rsqrt` are the PTX approximate instructions (relative error ≈ 2^-22)
@@ -655,4 +656,111 @@ fn round_to_half_matches_host_bit_for_bit() {
             );
         }
     }
+}
+
+/// The bit pattern of `x` rounded to bf16, nearest even (the `half` crate's, not the kernels' own code).
+fn bf16_bits(x: &[f32]) -> Vec<u16> {
+    x.iter()
+        .map(|v| half::bf16::from_f32(*v).to_bits())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
+fn bf16_copies_are_the_device_values_rounded_to_nearest_even() {
+    // What CUDA's products read at bf16 precision: AdamW's copy of the parameters, RMSNorm's and SwiGLU's of
+    // their outputs. Each must be the device's own f32 result rounded to nearest even, bit for bit (the value
+    // the CPU's emulation rounds to), and the f32 results must match the host launchers as the kernels without
+    // a copy do. Copies start poisoned.
+    let Some(k) = launcher("bf16_copies_are_the_device_values_rounded_to_nearest_even") else {
+        return;
+    };
+    let s = k.stream().clone();
+    let (mut r, seed) = rng();
+    let poison = |n: usize| upload(&s, &vec![0x7FC1u16; n]);
+
+    let n = 50_001;
+    let (params, grads) = (uniform(&mut r, n, -1.0, 1.0), uniform(&mut r, n, -0.1, 0.1));
+    let hyper = adamw::AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        step_size: 1e-2,
+        bias_correction2_sqrt: 0.05f32.sqrt(),
+    };
+    let (mut p, mut m, mut v) = (params.clone(), vec![0.0; n], vec![0.0; n]);
+    launch::adamw_update(&grads, &[1.0], &[1.0], &[hyper], &mut p, &mut m, &mut v, n);
+    let ((gp, gp_), (_g, g_), (_m, gm_), (_v, gv_), (gc, gc_)) = (
+        upload(&s, &params),
+        upload(&s, &grads),
+        upload(&s, &vec![0.0f32; n]),
+        upload(&s, &vec![0.0f32; n]),
+        poison(n),
+    );
+    let hyper_floats = [
+        hyper.lr,
+        hyper.beta1,
+        hyper.beta2,
+        hyper.eps,
+        hyper.weight_decay,
+        hyper.step_size,
+        hyper.bias_correction2_sqrt,
+    ];
+    let ((_n, norm_), (_c, clip_), (_h, h_)) = (
+        upload(&s, &[1.0f32]),
+        upload(&s, &[1.0f32]),
+        upload(&s, &hyper_floats),
+    );
+    // SAFETY: `AdamWStep` is seven f32s, `repr(C)`.
+    let h_ = unsafe { h_.cast::<adamw::AdamWStep>() };
+    k.adamw_update_bf16(g_, norm_, clip_, h_, gp_, gc_, gm_, gv_, n)
+        .unwrap();
+    let got = download(&s, &gp);
+    assert_close("params", &got, &p, 1e-5, 1e-7, seed);
+    assert_eq!(
+        download(&s, &gc),
+        bf16_bits(&got),
+        "AdamW's copy (seed {seed})"
+    );
+
+    // 19 columns (a partial plane) and 300 (ragged lane rounds).
+    for (rows, cols) in [(13, 19), (37, 300)] {
+        let x = uniform(&mut r, rows * cols, -2.0, 2.0);
+        let w = uniform(&mut r, cols, 0.5, 1.5);
+        let (mut y, mut inv) = (vec![0.0; rows * cols], vec![0.0; rows]);
+        launch::rmsnorm_forward(&x, &w, &mut y, &mut inv, cols, 1e-6, rows);
+        let ((_x, x_), (_w, w_)) = (upload(&s, &x), upload(&s, &w));
+        let ((gy, gy_), (gy16, gy16_), (_i, ginv_)) = (
+            poisoned(&s, rows * cols),
+            poison(rows * cols),
+            poisoned(&s, rows),
+        );
+        k.rmsnorm_forward_bf16(x_, w_, gy_, gy16_, ginv_, cols, 1e-6, rows)
+            .unwrap();
+        let got = download(&s, &gy);
+        assert_close("rmsnorm y", &got, &y, 2e-5, 1e-6, seed);
+        assert_eq!(
+            download(&s, &gy16),
+            bf16_bits(&got),
+            "rmsnorm's copy (seed {seed})"
+        );
+    }
+
+    let (rows, inter) = (11, 37);
+    let n = rows * inter;
+    let gate_up = uniform(&mut r, 2 * n, -3.0, 3.0);
+    let mut act = vec![0.0; n];
+    launch::swiglu_forward(&gate_up, &mut act, inter, n);
+    let (_gu, gu_) = upload(&s, &gate_up);
+    let ((ga, ga_), (ga16, ga16_)) = (poisoned(&s, n), poison(n));
+    k.swiglu_forward_bf16(gu_, ga_, ga16_, inter, n).unwrap();
+    let got = download(&s, &ga);
+    assert_close("swiglu act", &got, &act, 2e-5, 1e-6, seed);
+    assert_eq!(
+        download(&s, &ga16),
+        bf16_bits(&got),
+        "swiglu's copy (seed {seed})"
+    );
 }

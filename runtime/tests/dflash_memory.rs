@@ -30,7 +30,7 @@ fn spec(anchors: usize) -> DflashSpec {
     }
 }
 
-fn settings() -> (LossSpec, AdamWSpec, Precision) {
+fn settings(precision: Precision) -> (LossSpec, AdamWSpec, Precision) {
     (
         LossSpec {
             head_decay: 1.0,
@@ -47,12 +47,22 @@ fn settings() -> (LossSpec, AdamWSpec, Precision) {
             clip_grad_norm: None,
             schedule: LrSchedule::CONSTANT,
         },
-        Precision::F32,
+        precision,
     )
 }
 
 /// Bytes a drafter allocates for one sequence of `len` tokens at `anchors`, checked against the layout.
 fn allocated<D: TestDevice>(device: &D, anchors: usize, len: usize) -> i128 {
+    allocated_at(device, (anchors, len), Precision::F32)
+}
+
+/// [`allocated`] at `precision` (on CUDA at bf16 the layout adds the 16-bit operand copies, and the drafter
+/// must allocate exactly those).
+fn allocated_at<D: TestDevice>(
+    device: &D,
+    (anchors, len): (usize, usize),
+    precision: Precision,
+) -> i128 {
     let model = ModelPlan::new(spec(anchors));
     let bucket = BucketPlan {
         padded_len: len,
@@ -61,15 +71,20 @@ fn allocated<D: TestDevice>(device: &D, anchors: usize, len: usize) -> i128 {
         step_flops: 0,
         step_bytes: 0,
     };
-    let drafter = device.drafter(&model, settings(), std::slice::from_ref(&bucket));
+    let drafter = device.drafter(&model, settings(precision), std::slice::from_ref(&bucket));
     let kind = if D::NAME == "cpu" {
         BackendKind::Cpu
     } else {
         BackendKind::Cuda
     };
-    let layout =
-        WorkspaceLayout::of_model(&model.spec, &[bucket], &settings().0, kind, Precision::F32)
-            .expect("layout");
+    let layout = WorkspaceLayout::of_model(
+        &model.spec,
+        &[bucket],
+        &settings(precision).0,
+        kind,
+        precision,
+    )
+    .expect("layout");
     let frozen = 2 * 4 * 512 * 64;
     let expected = layout.bytes().unwrap() + 16 * model.parameters as u64 + frozen;
     assert_eq!(
@@ -95,5 +110,13 @@ fn memory_is_linear_in_the_context<D: TestDevice>(device: &D) {
     // sized by queries × context keys.
     let per_token = |anchors| allocated(device, anchors, 1024) - allocated(device, anchors, 512);
     assert_eq!(per_token(16), per_token(32));
+    // At bf16 the allocation is the layout's too, with its 16-bit copies where the backend keeps them.
+    let model = ModelPlan::new(spec(16));
+    let extra = allocated_at(device, (16, 512), Precision::Bf16) - allocated(device, 16, 512);
+    println!("{}: bf16 adds {extra} B", D::NAME);
+    if D::NAME == "cuda" {
+        // At least the parameters' copy (2·P) on CUDA, whose products read bf16 operands from memory.
+        assert!(extra >= 2 * model.parameters as i128, "{extra} B");
+    }
 }
 test_device!(memory_is_linear_in_the_context);

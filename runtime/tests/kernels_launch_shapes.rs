@@ -33,7 +33,15 @@ fn one_element_per_index_matches_the_host_chunks_bitwise() {
     for index in 0..n {
         // SAFETY: buffers sized for `rows × inter`; `index < n`.
         unsafe {
-            activation::swiglu_forward(gate_up.as_ptr(), act_gpu.as_mut_ptr(), inter, n, 1, index);
+            activation::swiglu_forward(
+                gate_up.as_ptr(),
+                act_gpu.as_mut_ptr(),
+                std::ptr::null_mut(),
+                inter,
+                n,
+                1,
+                index,
+            );
             activation::swiglu_backward(
                 gate_up.as_ptr(),
                 dact.as_ptr(),
@@ -106,6 +114,7 @@ fn one_element_per_index_matches_the_host_chunks_bitwise() {
         unsafe {
             adamw::adamw_update(
                 p_gpu.as_mut_ptr(),
+                std::ptr::null_mut(),
                 grads.as_ptr(),
                 m_gpu.as_mut_ptr(),
                 v_gpu.as_mut_ptr(),
@@ -387,7 +396,17 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers() {
         let (yp, invp, dxp, xs, ws, dys) = (yp, invp, dxp, xs, ws, dys);
         // SAFETY: buffers sized for `rows × cols`; the lanes write as the kernels' contracts say.
         unsafe {
-            norm::rmsnorm_forward(xs.0, ws.0, yp.0, invp.0, cols, 1e-6, plane, row);
+            norm::rmsnorm_forward(
+                xs.0,
+                ws.0,
+                yp.0,
+                std::ptr::null_mut(),
+                invp.0,
+                cols,
+                1e-6,
+                plane,
+                row,
+            );
             norm::rmsnorm_backward_input(
                 xs.0,
                 ws.0,

@@ -289,7 +289,9 @@ pub trait Backend: Sized + Send + 'static {
     /// [`Backend::gemm`] where an operand may hold hidden states in their own precision (at most one of `a` and
     /// `b` is not f32): the first layer's products read a bf16 batch without an f32 copy of it (the CPU widens
     /// a tile of rows at a time into the layout's `hs_tile`; CUDA multiplies it as a 16-bit GEMM input against a
-    /// 16-bit copy of the other operand in the layout's `gemm_hs_operand`, at `bf16` precision only).
+    /// 16-bit copy of the other operand in the layout's `gemm_hs_operand`, at `bf16` precision only). On CUDA at
+    /// `bf16` both may be bf16 copies an f32 operand's writer kept beside it ([`HsOperand::with_copy`]): the
+    /// product then reads only 16-bit operands from memory.
     #[allow(clippy::too_many_arguments)]
     fn gemm_hs(
         &mut self,

@@ -44,6 +44,50 @@ macro_rules! kernel_operations {
             })
         }
 
+        /// [`rmsnorm_forward`](Self::rmsnorm_forward) that also writes `y` rounded to bf16 into `y16` in the same
+        /// pass (the operand of the products that read the norm's output on CUDA at `bf16` precision).
+        fn rmsnorm_forward_bf16(
+            &mut self,
+            x: Src<'_, Self, f32>,
+            weight: Src<'_, Self, f32>,
+            (y, y16): (Dst<'_, Self, f32>, Dst<'_, Self, half::bf16>),
+            inv_rms: Dst<'_, Self, f32>,
+            eps: f32,
+        ) -> BackendResult {
+            let (rows, cols) = (inv_rms.len(), weight.len());
+            assert!(
+                x.len() == rows * cols && y.len() == rows * cols && y16.len() == rows * cols,
+                "rmsnorm_forward_bf16: sizes"
+            );
+            self.launch(Kernel::rmsnorm_forward_bf16 {
+                x: Self::read(x),
+                weight: Self::read(weight),
+                y: Self::write(y),
+                y16: Self::reinterpret_write(Self::write(y16)),
+                inv_rms: Self::write(inv_rms),
+                cols,
+                eps,
+                rows,
+            })
+        }
+
+        /// `out = x` rounded to bf16 (nearest even): the 16-bit copy of an f32 product operand that no kernel
+        /// writes in 16 bits itself (the attention output; the trained weights at load and resume).
+        fn round_to_bf16(
+            &mut self,
+            x: Src<'_, Self, f32>,
+            out: Dst<'_, Self, half::bf16>,
+        ) -> BackendResult {
+            let n = x.len();
+            assert_eq!(out.len(), n, "round_to_bf16: sizes");
+            self.launch(Kernel::round_to_half {
+                x: Self::read(x),
+                out: Self::reinterpret_write(Self::write(out)),
+                n,
+                format: draftpipe_gpu_kernels::convert::FORMAT_BF16,
+            })
+        }
+
         /// RMSNorm input gradient (`dx = …`, or `dx += …` with `accumulate`).
         #[allow(clippy::too_many_arguments)]
         fn rmsnorm_backward_input(
@@ -123,6 +167,28 @@ macro_rules! kernel_operations {
             self.launch(Kernel::swiglu_forward {
                 gate_up: Self::read(gate_up),
                 act: Self::write(act),
+                inter,
+                n,
+            })
+        }
+
+        /// [`swiglu_forward`](Self::swiglu_forward) that also writes `act` rounded to bf16 into `act16` in the
+        /// same pass (the down projection's operand on CUDA at `bf16` precision).
+        fn swiglu_forward_bf16(
+            &mut self,
+            gate_up: Src<'_, Self, f32>,
+            (act, act16): (Dst<'_, Self, f32>, Dst<'_, Self, half::bf16>),
+            inter: usize,
+        ) -> BackendResult {
+            let n = act.len();
+            assert!(
+                gate_up.len() == 2 * n && act16.len() == n && n.is_multiple_of(inter.max(1)),
+                "swiglu_forward_bf16: sizes"
+            );
+            self.launch(Kernel::swiglu_forward_bf16 {
+                gate_up: Self::read(gate_up),
+                act: Self::write(act),
+                act16: Self::reinterpret_write(Self::write(act16)),
                 inter,
                 n,
             })
@@ -364,11 +430,12 @@ macro_rules! kernel_operations {
             })
         }
 
-        /// One fused AdamW pass (a no-op when the norm is not finite).
+        /// One fused AdamW pass (a no-op when the norm is not finite); with `params16`, the same pass also
+        /// writes the updated parameters rounded to bf16 there (the copy CUDA's 16-bit products read).
         #[allow(clippy::too_many_arguments)]
         fn adamw_update(
             &mut self,
-            params: Dst<'_, Self, f32>,
+            (params, params16): (Dst<'_, Self, f32>, Option<Dst<'_, Self, half::bf16>>),
             grads: Src<'_, Self, f32>,
             exp_avg: Dst<'_, Self, f32>,
             exp_avg_sq: Dst<'_, Self, f32>,
@@ -380,10 +447,24 @@ macro_rules! kernel_operations {
                 grads.len() == n
                     && exp_avg.len() == n
                     && exp_avg_sq.len() == n
+                    && params16.as_ref().is_none_or(|copy| copy.len() == n)
                     && norm_and_clip.len() == 2
                     && step.len() == ADAMW_STEP_FLOATS,
                 "adamw_update: sizes"
             );
+            if let Some(params16) = params16 {
+                return self.launch(Kernel::adamw_update_bf16 {
+                    grads: Self::read(grads),
+                    grad_norm: Self::read(norm_and_clip.at(0, 1)),
+                    clip_scale: Self::read(norm_and_clip.at(1, 1)),
+                    hyper: Self::reinterpret_read(Self::read(step)),
+                    params: Self::write(params),
+                    params16: Self::reinterpret_write(Self::write(params16)),
+                    exp_avg: Self::write(exp_avg),
+                    exp_avg_sq: Self::write(exp_avg_sq),
+                    n,
+                });
+            }
             self.launch(Kernel::adamw_update {
                 grads: Self::read(grads),
                 grad_norm: Self::read(norm_and_clip.at(0, 1)),

@@ -375,6 +375,29 @@ impl<B: Backend> MatrixData for HsSrc<'_, B> {
 }
 
 impl<'a, B: Backend> Matrix<HsSrc<'a, B>> {
+    /// The f32 `[rows, cols]` operand `wide`, or its bf16 copy `copy` where the workspace keeps one (CUDA at
+    /// `bf16` precision, where the product then reads 16-bit operands from memory). Both hold the same value
+    /// at `bf16` precision: the copy is `wide` rounded to nearest even, as the CPU rounds `wide` inside its
+    /// product.
+    ///
+    /// # Panics
+    /// When a view's length is not `rows · cols`.
+    #[track_caller]
+    pub fn with_copy(
+        wide: Src<'a, B, f32>,
+        copy: Option<Src<'a, B, half::bf16>>,
+        rows: usize,
+        cols: usize,
+    ) -> Self {
+        match copy {
+            Some(copy) => {
+                assert_eq!(copy.len(), wide.len(), "a bf16 copy of another length");
+                Self::new(HsSrc::Bf16(copy), rows, cols)
+            }
+            None => Self::new(HsSrc::F32(wide), rows, cols),
+        }
+    }
+
     /// The operand as an f32 [`Operand`], when its elements are f32.
     pub fn as_f32(&self) -> Option<Operand<'a, B>> {
         match self.data {

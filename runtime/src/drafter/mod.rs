@@ -269,6 +269,7 @@ impl<B: Backend> Drafter<B> {
         let be = &mut self.backend;
         let (flat, adamw_state) = self.model.state_mut();
         be.upload(flat.params.all_mut(), &state.params)?;
+        flat.refresh_bf16(be)?;
         be.upload(flat.exp_avg.all_mut(), &state.exp_avg)?;
         be.upload(flat.exp_avg_sq.all_mut(), &state.exp_avg_sq)?;
         be.upload(adamw_state.all_mut(), &adamw)?;

@@ -13,7 +13,7 @@
 //! Buffers a layer both writes and then reads (the MLP's saved `gate_up` and `act`, its scratch gradients)
 //! are passed as `(buffer, element offset)`, since a write view cannot be read back.
 
-use crate::backend::{Backend, BackendResult, Buf, Dst, Operand, Precision, Src};
+use crate::backend::{Backend, BackendResult, Buf, Dst, HsOperand, Operand, Precision, Src};
 
 /// Rows and widths of one SwiGLU MLP block: `rows` tokens of width `hidden`, `intermediate` wide inside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,17 +38,27 @@ pub struct SwigluWeights<'a, B: Backend> {
 /// A buffer and the element offset a layer's rows start at.
 pub type At<'a, B> = (&'a mut Buf<B, f32>, usize);
 
+/// A scratch for the SwiGLU output's bf16 copy and the `down` weight's bf16 copy (CUDA at `bf16`).
+pub type DownCopies<'a, B> = (&'a mut Buf<B, half::bf16>, Src<'a, B, half::bf16>);
+
 /// The SwiGLU MLP block forward: `gate_up = normed · [Wg; Wu]ᵀ` (`[rows, 2I]`, saved), `act = silu(g) ⊙ u`
-/// (`[rows, I]`, saved) and `out = residual + act · Wdᵀ` (`[rows, H]`).
+/// (`[rows, I]`, saved) and `out = residual + act · Wdᵀ` (`[rows, H]`). `normed` (`[rows, H]`) and `gate_up_w`
+/// (`[2I, H]`, the `gate_up` weight as an operand) may be bf16 copies ([`HsOperand::with_copy`]), read as
+/// such by the first product; with `copies = Some((act16, down16))` the SwiGLU also writes `act` rounded to
+/// bf16 into `act16` (from offset 0) and the down product reads that and `down16` (`down`'s bf16 copy).
 ///
 /// # Errors
 /// Backend failures.
 pub fn swiglu_mlp_forward<B: Backend>(
     be: &mut B,
     dims: MlpDims,
-    (normed, residual): (Src<'_, B, f32>, Src<'_, B, f32>),
-    weights: SwigluWeights<'_, B>,
-    ((gate_up, gate_up_at), (act, act_at)): (At<'_, B>, At<'_, B>),
+    (normed, residual): (HsOperand<'_, B>, Src<'_, B, f32>),
+    (weights, gate_up_w): (SwigluWeights<'_, B>, HsOperand<'_, B>),
+    ((gate_up, gate_up_at), (act, act_at), copies): (
+        At<'_, B>,
+        At<'_, B>,
+        Option<DownCopies<'_, B>>,
+    ),
     mut out: Dst<'_, B, f32>,
     precision: Precision,
 ) -> BackendResult {
@@ -57,29 +67,56 @@ pub fn swiglu_mlp_forward<B: Backend>(
         hidden: h,
         intermediate: i,
     } = dims;
-    be.gemm(
+    assert_eq!(
+        normed.shape(),
+        (rows, h),
+        "swiglu_mlp_forward: normed input"
+    );
+    assert_eq!(
+        gate_up_w.shape(),
+        (2 * i, h),
+        "swiglu_mlp_forward: gate_up weight"
+    );
+    be.gemm_hs(
         gate_up.at_mut(gate_up_at, rows * 2 * i),
-        Operand::new(normed, rows, h),
-        Operand::new(weights.gate_up, 2 * i, h).t(),
+        normed,
+        gate_up_w.t(),
         1.0,
         0.0,
         precision,
     )?;
-    be.swiglu_forward(
-        gate_up.at(gate_up_at, rows * 2 * i),
-        act.at_mut(act_at, rows * i),
-        i,
-    )?;
+    let (act_operand, down_operand) = match copies {
+        Some((act16, down16)) => {
+            be.swiglu_forward_bf16(
+                gate_up.at(gate_up_at, rows * 2 * i),
+                (act.at_mut(act_at, rows * i), act16.at_mut(0, rows * i)),
+                i,
+            )?;
+            (
+                HsOperand::with_copy(
+                    act.at(act_at, rows * i),
+                    Some(act16.at(0, rows * i)),
+                    rows,
+                    i,
+                ),
+                HsOperand::with_copy(weights.down, Some(down16), h, i),
+            )
+        }
+        None => {
+            be.swiglu_forward(
+                gate_up.at(gate_up_at, rows * 2 * i),
+                act.at_mut(act_at, rows * i),
+                i,
+            )?;
+            (
+                Operand::new(act.at(act_at, rows * i), rows, i).into(),
+                Operand::new(weights.down, h, i).into(),
+            )
+        }
+    };
     // out = residual + act · downᵀ: copy the residual, then accumulate the product into it.
     be.copy(out.reborrow(), residual)?;
-    be.gemm(
-        out,
-        Operand::new(act.at(act_at, rows * i), rows, i),
-        Operand::new(weights.down, h, i).t(),
-        1.0,
-        1.0,
-        precision,
-    )
+    be.gemm_hs(out, act_operand, down_operand.t(), 1.0, 1.0, precision)
 }
 
 /// What the SwiGLU backward reads that its forward saved: the block's normed input `[rows, H]`, `gate_up`

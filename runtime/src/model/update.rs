@@ -3,10 +3,11 @@
 //!
 //! ```text
 //!  grads ──grad_norm──▶ step_scalars[0..2] = [‖g‖, clip] ──adamw_advance──▶ adamw_step ──adamw_update──▶ params,
-//!                                                                                                       moments
+//!                                                                                                       moments,
+//!                                                                                          params_bf16 (if kept)
 //! ```
 
-use draftpipe_compiler::plan::AdamWSpec;
+use draftpipe_compiler::plan::{AdamWSpec, WorkspaceLayout};
 
 use draftpipe_compiler::plan::ScheduleKind;
 
@@ -24,6 +25,11 @@ pub struct FlatBuffers<B: Backend> {
     pub exp_avg: Buf<B, f32>,
     /// AdamW second moments.
     pub exp_avg_sq: Buf<B, f32>,
+    /// The parameters rounded to bf16, where the workspace layout keeps such a copy (`params_bf16`: CUDA at
+    /// `bf16` precision, for the families whose products read it): written by AdamW in its pass and by
+    /// [`FlatBuffers::refresh_bf16`] whenever the parameters are replaced, so it always equals the rounding of
+    /// the f32 master. Derived state: never checkpointed.
+    pub params_bf16: Option<Buf<B, half::bf16>>,
 }
 
 impl<B: Backend> FlatBuffers<B> {
@@ -37,7 +43,36 @@ impl<B: Backend> FlatBuffers<B> {
             grads: backend.alloc(parameters)?,
             exp_avg: backend.alloc(parameters)?,
             exp_avg_sq: backend.alloc(parameters)?,
+            params_bf16: None,
         })
+    }
+
+    /// Adds the bf16 copy of the parameters when `layout` lists `params_bf16` (zeroed, as the parameters are).
+    ///
+    /// # Errors
+    /// When the backend cannot allocate.
+    pub fn with_layout_copy(
+        mut self,
+        backend: &mut B,
+        layout: &WorkspaceLayout,
+    ) -> BackendResult<Self> {
+        if let Some(len) = layout.elements("params_bf16") {
+            assert_eq!(len, self.params.len(), "params_bf16: one per parameter");
+            self.params_bf16 = Some(backend.alloc(len)?);
+        }
+        Ok(self)
+    }
+
+    /// Rewrites the bf16 copy from the parameters (after they were uploaded: initial weights, a resumed
+    /// checkpoint), so the first forward reads the new weights; nothing without a copy.
+    ///
+    /// # Errors
+    /// When the backend fails.
+    pub fn refresh_bf16(&mut self, backend: &mut B) -> BackendResult {
+        match &mut self.params_bf16 {
+            Some(copy) => backend.round_to_bf16(self.params.all(), copy.all_mut()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -143,7 +178,10 @@ pub fn update<B: Backend>(
         ws.adamw_step.all_mut(),
     )?;
     be.adamw_update(
-        state.params.all_mut(),
+        (
+            state.params.all_mut(),
+            state.params_bf16.as_mut().map(Buf::all_mut),
+        ),
         state.grads.all(),
         state.exp_avg.all_mut(),
         state.exp_avg_sq.all_mut(),

@@ -171,6 +171,18 @@ impl WorkspaceLayout {
             add(&format!("input{slot}.weights"), F32, Some(q))?;
             add(&format!("input{slot}.inv_weight_sum"), F32, Some(1))?;
         }
+        if (backend, precision) == (BackendKind::Cuda, Precision::Bf16) {
+            // The 16-bit operands CUDA's forward products read (`docs/gpu.md`): the trained parameters rounded
+            // to bf16 (`2·P` bytes, written by AdamW in its pass), the context after hidden_norm (every layer's
+            // context K/V input, written by that norm), and one scratch the block rows' operands take in turn
+            // (a layer's normed input, its attention output, its normed MLP input), each used by the product
+            // right after the kernel that writes it, and the SwiGLU output (read while the MLP's normed input
+            // is still in that scratch).
+            add("params_bf16", Dtype::Bf16, Some(p))?;
+            add("ctx_bf16", Dtype::Bf16, Some(th))?;
+            add("operand_bf16", Dtype::Bf16, Some(qh.max(m(q, qd)?)))?;
+            add("act_bf16", Dtype::Bf16, m(q, i))?;
+        }
         match backend {
             BackendKind::Cuda => add("cublas_workspace", U8, Some(CUBLAS_WORKSPACE_BYTES))?,
             BackendKind::Cpu if precision != Precision::F32 => {
@@ -203,5 +215,76 @@ impl WorkspaceLayout {
             hs_operand_elements: hs_operand_elements(backend, precision, m(h, d)?, th),
             buffers,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::family::dflash::DFLASH_RMS_NORM_EPS;
+
+    #[test]
+    fn only_cuda_at_bf16_keeps_the_16_bit_operand_copies() {
+        let spec = DflashSpec {
+            hidden: 64,
+            taps: 3,
+            tap_layers: vec![1, 2, 3],
+            vocab: 512,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            intermediate: 96,
+            block: 4,
+            anchors: 8,
+            mask_token: 511,
+            rope_theta: 10000.0,
+            rms_norm_eps: DFLASH_RMS_NORM_EPS,
+        };
+        let loss = LossSpec {
+            head_decay: 1.0,
+            position_decay: Some(7.0),
+            step_decay: None,
+            chunk_tokens: 16,
+        };
+        let bucket = BucketPlan {
+            padded_len: 64,
+            sequences: 2,
+            tokens: 128,
+            step_flops: 0,
+            step_bytes: 0,
+        };
+        let make = |backend, precision| {
+            WorkspaceLayout::dflash(
+                &spec,
+                std::slice::from_ref(&bucket),
+                &loss,
+                backend,
+                precision,
+            )
+            .unwrap()
+        };
+        let names = ["params_bf16", "ctx_bf16", "operand_bf16", "act_bf16"];
+        for (backend, precision) in [
+            (BackendKind::Cpu, Precision::F32),
+            (BackendKind::Cpu, Precision::Bf16),
+            (BackendKind::Cuda, Precision::F32),
+            (BackendKind::Cuda, Precision::Tf32),
+        ] {
+            let layout = make(backend, precision);
+            assert!(names.iter().all(|n| layout.elements(n).is_none()));
+        }
+        let (f32_layout, bf16) = (
+            make(BackendKind::Cuda, Precision::F32),
+            make(BackendKind::Cuda, Precision::Bf16),
+        );
+        // Q = 2 sequences · 8 anchors · 4 slots; qd = 4 · 32 = 128 is wider than H = 64.
+        let (q, t, h, i, qd) = (64, 128, 64, 96, 128);
+        assert_eq!(bf16.elements("params_bf16"), Some(spec.parameter_count()));
+        assert_eq!(bf16.elements("ctx_bf16"), Some(t * h));
+        assert_eq!(bf16.elements("operand_bf16"), Some(q * qd));
+        assert_eq!(bf16.elements("act_bf16"), Some(q * i));
+        let copies = 2 * (spec.parameter_count() + t * h + q * qd + q * i) as u64;
+        assert_eq!(bf16.bytes().unwrap() - f32_layout.bytes().unwrap(), copies);
     }
 }

@@ -19,9 +19,10 @@
 //! collective. The cost is one eager NCCL launch per step (a few µs of host time).
 //!
 //! Precision: `bf16` and `tf32` run the f32 GEMMs with cuBLAS's compute types `CUBLAS_COMPUTE_32F_FAST_16BF`
-//! and `CUBLAS_COMPUTE_32F_FAST_TF32`: the tensor cores round both f32 operands (bf16: the activations and the
-//! f32 master weights) and accumulate in f32 into an f32 output, so no bf16 copy has to be kept, and the master
-//! weights, gradients and AdamW moments stay f32.
+//! and `CUBLAS_COMPUTE_32F_FAST_TF32`: the tensor cores round both f32 operands and accumulate in f32 into an f32
+//! output; the master weights, gradients and AdamW moments stay f32. Where the workspace keeps bf16 copies of
+//! both operands (the DFlash forward at `bf16`: weights written by AdamW, activations by the kernels that
+//! produce them, `docs/gpu.md`), `gemm_hs` reads those instead, one `cublasGemmEx` on bf16 inputs.
 //!
 //! Hidden states held in 16 bits stay so on the device at `bf16` precision: the input slots hold them in bf16
 //! (the host→device copy moves 16-bit values; f16 batches are rounded to bf16 while staging), and the two
@@ -618,7 +619,29 @@ impl Backend for CudaBackend {
             (Some(a), Some(b)) => self.gemm(c, a, b, alpha, beta, precision),
             (None, Some(b)) => self.gemm_half(c, (a, true), b, mnk, (alpha, beta), precision),
             (Some(a), None) => self.gemm_half(c, (b, false), a, mnk, (alpha, beta), precision),
-            (None, None) => panic!("gemm_hs: both operands hold narrow hidden states"),
+            (None, None) => match (a.data, b.data) {
+                // Both 16-bit copies (weights from AdamW, activations from the kernels that wrote them): one
+                // `cublasGemmEx` on bf16 inputs, nothing rounded here.
+                (HsSrc::Bf16(a_data), HsSrc::Bf16(b_data)) if precision == Precision::Bf16 => {
+                    let op = |transposed: bool| if transposed { Op::T } else { Op::N };
+                    // SAFETY: both views hold their stated shapes in bf16 (checked by `Matrix::new` and
+                    // `gemm_shape`); `c` is a write view of `m · n` f32s, so it overlaps neither.
+                    unsafe {
+                        self.gemm.row_major_16(
+                            (op(a.transposed), ptr(a_data).addr()),
+                            (op(b.transposed), ptr(b_data).addr()),
+                            ptr_mut(c).addr(),
+                            mnk,
+                            (alpha, beta),
+                            HalfType::Bf16,
+                        )
+                    }?;
+                    Ok(())
+                }
+                _ => Err(BackendError::Unsupported(format!(
+                    "a {precision:?} CUDA product of two 16-bit operands other than bf16 at bf16 precision"
+                ))),
+            },
         }
     }
 

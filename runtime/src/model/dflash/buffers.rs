@@ -91,6 +91,12 @@ pub struct DflashWorkspace<B: Backend> {
     pub(crate) adamw_step: Buf<B, f32>,
     /// `[steps applied, β1^steps, β2^steps]`.
     pub adamw_state: Buf<B, f64>,
+    /// `ctx` rounded to bf16, written by its norm (CUDA at `bf16` precision only).
+    pub(crate) ctx_bf16: Option<Buf<B, half::bf16>>,
+    /// The bf16 operand of the block rows' next product, written by the kernel before it (CUDA at `bf16`).
+    pub(crate) operand_bf16: Option<Buf<B, half::bf16>>,
+    /// The SwiGLU output rounded to bf16, the down projection's operand (CUDA at `bf16`).
+    pub(crate) act_bf16: Option<Buf<B, half::bf16>>,
     /// The input slots' batches.
     pub inputs: Vec<InputSlot<B>>,
     /// The input slots' block plans.
@@ -186,8 +192,23 @@ impl<B: Backend> DflashWorkspace<B> {
             step_scalars: take(be, layout, "step_scalars")?,
             adamw_step: take(be, layout, "adamw_step")?,
             adamw_state: take(be, layout, "adamw_state")?,
+            ctx_bf16: optional(be, layout, "ctx_bf16")?,
+            operand_bf16: optional(be, layout, "operand_bf16")?,
+            act_bf16: optional(be, layout, "act_bf16")?,
             inputs,
             plans,
         })
+    }
+}
+
+/// The buffer `name` when the layout lists it (the 16-bit operand copies exist on CUDA at `bf16` only).
+fn optional<B: Backend>(
+    be: &mut B,
+    layout: &WorkspaceLayout,
+    name: &str,
+) -> Result<Option<Buf<B, half::bf16>>, AllocateError> {
+    match layout.elements(name) {
+        Some(_) => Ok(Some(take(be, layout, name)?)),
+        None => Ok(None),
     }
 }

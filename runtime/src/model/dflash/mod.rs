@@ -31,8 +31,8 @@ use std::time::Instant;
 use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
 
 use crate::backend::{
-    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult,
-    HsOperand, Operand, Precision,
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Buf,
+    Dst, HsBuf, HsOperand, Operand, Precision, Src,
 };
 use crate::batch::HsBatch;
 use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
@@ -91,7 +91,8 @@ impl<B: Backend> Dflash<B> {
             optimizer: Optimizer::new(optimizer),
             precision,
             chunk_rows: layout.chunk_rows,
-            state: FlatBuffers::zeroed(backend, model.parameters)?,
+            state: FlatBuffers::zeroed(backend, model.parameters)?
+                .with_layout_copy(backend, layout)?,
             ws: DflashWorkspace::allocate(backend, layout, spec.vocab * spec.hidden)?,
             offsets,
             plan: BlockPlan::default(),
@@ -118,6 +119,17 @@ impl<B: Backend> Dflash<B> {
         let (t, q, blocks) = self.rows(shape);
         let (p, at) = (self.precision, &self.offsets);
         let (ws, params) = (&mut self.ws, &self.state.params);
+        // The trained matrices as product operands: their bf16 copy where the layout keeps one (CUDA at bf16).
+        let params16 = self.state.params_bf16.as_ref();
+        let weight = |offset: usize, rows: usize, cols: usize| {
+            let n = rows * cols;
+            HsOperand::with_copy(
+                params.at(offset, n),
+                params16.map(|c| c.at(offset, n)),
+                rows,
+                cols,
+            )
+        };
         let (input, plan) = (&ws.inputs[slot], &ws.plans[slot]);
         let (th, qh) = (t * h, q * h);
         let mlp_dims = MlpDims {
@@ -125,22 +137,36 @@ impl<B: Backend> Dflash<B> {
             hidden: h,
             intermediate: i,
         };
-        // Context, once per sequence: c = hidden_norm(hs · fcᵀ).
+        // Context, once per sequence: c = hidden_norm(hs · fcᵀ). Hidden states held in bf16 meet `fc`'s bf16
+        // copy where there is one (no rounding pass before the product); f32 ones meet the f32 weight.
+        let fc = match input.hs {
+            HsBuf::Bf16(_) => weight(at.fc, h, d),
+            _ => Operand::new(params.at(at.fc, h * d), h, d).into(),
+        };
         be.gemm_hs(
             ws.ctx_pre.at_mut(0, th),
             HsOperand::new(input.hs.at(0, t * d), t, d),
-            Operand::new(params.at(at.fc, h * d), h, d).t().into(),
+            fc.t(),
             1.0,
             0.0,
             p,
         )?;
-        be.rmsnorm_forward(
-            ws.ctx_pre.at(0, th),
-            params.at(at.hidden_norm, h),
-            ws.ctx.at_mut(0, th),
-            ws.ctx_inv_rms.at_mut(0, t),
-            eps,
-        )?;
+        match &mut ws.ctx_bf16 {
+            Some(ctx16) => be.rmsnorm_forward_bf16(
+                ws.ctx_pre.at(0, th),
+                params.at(at.hidden_norm, h),
+                (ws.ctx.at_mut(0, th), ctx16.at_mut(0, th)),
+                ws.ctx_inv_rms.at_mut(0, t),
+                eps,
+            )?,
+            None => be.rmsnorm_forward(
+                ws.ctx_pre.at(0, th),
+                params.at(at.hidden_norm, h),
+                ws.ctx.at_mut(0, th),
+                ws.ctx_inv_rms.at_mut(0, t),
+                eps,
+            )?,
+        }
         be.embedding_gather(
             ws.embed.all(),
             plan.block_ids.at(0, q),
@@ -152,19 +178,24 @@ impl<B: Backend> Dflash<B> {
         for (l, w) in at.layers.iter().enumerate() {
             let (done, rest) = ws.xs.split_at_mut(l + 1);
             let (x, next) = (&done[l], &mut rest[0]);
-            be.rmsnorm_forward(
-                x.at(0, qh),
-                params.at(w.input_layernorm, h),
-                ws.normed.at_mut(l * qh, qh),
+            rmsnorm_with_copy(
+                be,
+                (x.at(0, qh), params.at(w.input_layernorm, h)),
+                (ws.normed.at_mut(l * qh, qh), ws.operand_bf16.as_mut()),
                 ws.inv_rms.at_mut(l * q, q),
                 eps,
             )?;
-            let normed = Operand::new(ws.normed.at(l * qh, qh), q, h);
+            let normed = HsOperand::with_copy(
+                ws.normed.at(l * qh, qh),
+                ws.operand_bf16.as_ref().map(|c| c.at(0, qh)),
+                q,
+                h,
+            );
             // Queries of the block rows: projection, per-head q_norm, RoPE at anchor + slot.
-            be.gemm(
+            be.gemm_hs(
                 ws.q_raw.at_mut(l * q * qd, q * qd),
                 normed,
-                Operand::new(params.at(w.q_proj, qd * h), qd, h).t(),
+                weight(w.q_proj, qd, h).t(),
                 1.0,
                 0.0,
                 p,
@@ -197,7 +228,12 @@ impl<B: Backend> Dflash<B> {
                 ),
                 (
                     t,
-                    Operand::new(ws.ctx.at(0, th), t, h),
+                    HsOperand::with_copy(
+                        ws.ctx.at(0, th),
+                        ws.ctx_bf16.as_ref().map(|c| c.at(0, th)),
+                        t,
+                        h,
+                    ),
                     &mut ws.k_ctx_raw,
                     &mut ws.k_ctx_inv_rms,
                     &mut ws.k_ctx,
@@ -206,10 +242,10 @@ impl<B: Backend> Dflash<B> {
                 ),
             ] {
                 let n = rows * kd;
-                be.gemm(
+                be.gemm_hs(
                     raw.at_mut(l * n, n),
                     source,
-                    Operand::new(params.at(w.k_proj, kd * h), kd, h).t(),
+                    weight(w.k_proj, kd, h).t(),
                     1.0,
                     0.0,
                     p,
@@ -222,10 +258,10 @@ impl<B: Backend> Dflash<B> {
                     eps,
                 )?;
                 be.rope(keys.at_mut(l * n, n), positions, theta, kvh, hd, false)?;
-                be.gemm(
+                be.gemm_hs(
                     values.at_mut(l * n, n),
                     source,
-                    Operand::new(params.at(w.v_proj, kd * h), kd, h).t(),
+                    weight(w.v_proj, kd, h).t(),
                     1.0,
                     0.0,
                     p,
@@ -244,33 +280,62 @@ impl<B: Backend> Dflash<B> {
                 ws.attn.at_mut(l * q * qd, q * qd),
                 ws.lse.at_mut(l * q * heads, q * heads),
             )?;
-            // m = x + attn · Woᵀ
+            // m = x + attn · Woᵀ (on CUDA at bf16 the attention output's copy is a separate rounding pass: the
+            // attention kernels write f32 only).
             be.copy(ws.mid.at_mut(l * qh, qh), x.at(0, qh))?;
-            be.gemm(
+            if let Some(copy) = &mut ws.operand_bf16 {
+                be.round_to_bf16(ws.attn.at(l * q * qd, q * qd), copy.at_mut(0, q * qd))?;
+            }
+            be.gemm_hs(
                 ws.mid.at_mut(l * qh, qh),
-                Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
-                Operand::new(params.at(w.o_proj, h * qd), h, qd).t(),
+                HsOperand::with_copy(
+                    ws.attn.at(l * q * qd, q * qd),
+                    ws.operand_bf16.as_ref().map(|c| c.at(0, q * qd)),
+                    q,
+                    qd,
+                ),
+                weight(w.o_proj, h, qd).t(),
                 1.0,
                 1.0,
                 p,
             )?;
             // x' = m + swiglu(rmsnorm(m) · [Wg; Wu]ᵀ) · Wdᵀ
-            be.rmsnorm_forward(
-                ws.mid.at(l * qh, qh),
-                params.at(w.post_attention_layernorm, h),
-                ws.normed2.at_mut(l * qh, qh),
+            rmsnorm_with_copy(
+                be,
+                (
+                    ws.mid.at(l * qh, qh),
+                    params.at(w.post_attention_layernorm, h),
+                ),
+                (ws.normed2.at_mut(l * qh, qh), ws.operand_bf16.as_mut()),
                 ws.inv_rms2.at_mut(l * q, q),
                 eps,
             )?;
             swiglu_mlp_forward(
                 be,
                 mlp_dims,
-                (ws.normed2.at(l * qh, qh), ws.mid.at(l * qh, qh)),
-                SwigluWeights {
-                    gate_up: params.at(w.gate_up, 2 * i * h),
-                    down: params.at(w.down_proj, h * i),
-                },
-                ((&mut ws.gate_up, l * q * 2 * i), (&mut ws.act, l * q * i)),
+                (
+                    HsOperand::with_copy(
+                        ws.normed2.at(l * qh, qh),
+                        ws.operand_bf16.as_ref().map(|c| c.at(0, qh)),
+                        q,
+                        h,
+                    ),
+                    ws.mid.at(l * qh, qh),
+                ),
+                (
+                    SwigluWeights {
+                        gate_up: params.at(w.gate_up, 2 * i * h),
+                        down: params.at(w.down_proj, h * i),
+                    },
+                    weight(w.gate_up, 2 * i, h),
+                ),
+                (
+                    (&mut ws.gate_up, l * q * 2 * i),
+                    (&mut ws.act, l * q * i),
+                    ws.act_bf16
+                        .as_mut()
+                        .zip(params16.map(|c| c.at(w.down_proj, h * i))),
+                ),
                 next.at_mut(0, qh),
                 p,
             )?;
@@ -720,4 +785,22 @@ pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<
         &layout,
     )?;
     Ok((Box::new(model), layout))
+}
+
+/// An RMSNorm forward over `x`'s rows into `y`, and into the first `y.len()` elements of `copy` rounded to
+/// bf16 in the same pass when the layout keeps that copy (CUDA at `bf16`: the operand of the products after it).
+fn rmsnorm_with_copy<B: Backend>(
+    be: &mut B,
+    (x, weight): (Src<'_, B, f32>, Src<'_, B, f32>),
+    (y, copy): (Dst<'_, B, f32>, Option<&mut Buf<B, half::bf16>>),
+    inv_rms: Dst<'_, B, f32>,
+    eps: f32,
+) -> BackendResult {
+    match copy {
+        Some(copy) => {
+            let n = y.len();
+            be.rmsnorm_forward_bf16(x, weight, (y, copy.at_mut(0, n)), inv_rms, eps)
+        }
+        None => be.rmsnorm_forward(x, weight, y, inv_rms, eps),
+    }
 }

@@ -382,12 +382,18 @@ impl<B: Backend> Eagle3<B> {
                     hidden: h,
                     intermediate: i,
                 },
-                (ws.normed2.at(kth, th), ws.mid.at(kth, th)),
-                SwigluWeights {
-                    gate_up: params.at(at.gate_up, 2 * i * h),
-                    down: params.at(at.down_proj, h * i),
-                },
-                ((&mut ws.gate_up, kt * 2 * i), (&mut ws.act, kt * i)),
+                (
+                    Operand::new(ws.normed2.at(kth, th), t, h).into(),
+                    ws.mid.at(kth, th),
+                ),
+                (
+                    SwigluWeights {
+                        gate_up: params.at(at.gate_up, 2 * i * h),
+                        down: params.at(at.down_proj, h * i),
+                    },
+                    Operand::new(params.at(at.gate_up, 2 * i * h), 2 * i, h).into(),
+                ),
+                ((&mut ws.gate_up, kt * 2 * i), (&mut ws.act, kt * i), None),
                 ws.xs.at_mut(kth + th, th),
                 p,
             )?;

@@ -115,12 +115,22 @@ impl<B: Backend> Mlp<B> {
             layers::swiglu_mlp_forward(
                 be,
                 dims,
-                (ws.normed.at(b * th, th), x.at(0, th)),
-                SwigluWeights {
-                    gate_up: params.at(w.gate_up, 2 * i * h),
-                    down: params.at(w.down, h * i),
-                },
-                ((&mut ws.gate_up, b * t * 2 * i), (&mut ws.act, b * t * i)),
+                (
+                    Operand::new(ws.normed.at(b * th, th), t, h).into(),
+                    x.at(0, th),
+                ),
+                (
+                    SwigluWeights {
+                        gate_up: params.at(w.gate_up, 2 * i * h),
+                        down: params.at(w.down, h * i),
+                    },
+                    Operand::new(params.at(w.gate_up, 2 * i * h), 2 * i, h).into(),
+                ),
+                (
+                    (&mut ws.gate_up, b * t * 2 * i),
+                    (&mut ws.act, b * t * i),
+                    None,
+                ),
                 next.at_mut(0, th),
                 p,
             )?;

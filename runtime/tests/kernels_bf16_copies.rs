@@ -1,0 +1,178 @@
+//! The bf16 copies CUDA's products read at `bf16` precision, written by the kernels that produce their f32
+//! values (AdamW for the trained matrices, RMSNorm and SwiGLU for activations), through the host launchers that
+//! run the same bodies as the PTX: each copy is, bit for bit, the f32 value rounded to nearest even, which is the
+//! value the CPU's bf16 emulation rounds the same f32 to inside its products, so the CPU's bf16 tests cover what
+//! the GPU reads. The reference rounding is the `half` crate's (`bf16::from_f32`), not ours. The copies start
+//! poisoned (a NaN pattern) so an element the kernel skips cannot pass, and the f32 outputs must be exactly those
+//! of the kernel without a copy (writing the copy changes nothing else).
+
+use draftpipe_gpu_kernels::adamw::AdamWStep;
+use draftpipe_runtime::backend::cpu::kernels::launch;
+use half::bf16;
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
+
+/// A NaN bit pattern no rounding of a finite value gives.
+const POISON: u16 = 0x7FC1;
+
+fn uniform(rng: &mut Xoshiro256PlusPlus, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// The first index where `copy` is not `values` rounded to nearest even, with both bit patterns.
+fn first_mismatch(values: &[f32], copy: &[u16]) -> Option<String> {
+    assert_eq!(values.len(), copy.len());
+    values
+        .iter()
+        .zip(copy)
+        .enumerate()
+        .find(|(_, (v, c))| bf16::from_f32(**v).to_bits() != **c)
+        .map(|(i, (v, c))| {
+            format!(
+                "element {i}: f32 {v:e} ({:#010x}) has copy {c:#06x}, nearest even is {:#06x}",
+                v.to_bits(),
+                bf16::from_f32(*v).to_bits()
+            )
+        })
+}
+
+/// How many of `values` round differently to nearest even than by truncation: the test's inputs must hold
+/// many, or a copy that truncates would pass.
+fn rounding_matters(values: &[f32]) -> usize {
+    values
+        .iter()
+        .filter(|v| bf16::from_f32(**v).to_bits() != (v.to_bits() >> 16) as u16)
+        .count()
+}
+
+fn hyper(lr: f32) -> AdamWStep {
+    AdamWStep {
+        lr,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        step_size: lr / (1.0 - 0.9),
+        bias_correction2_sqrt: (1.0f32 - 0.999).sqrt(),
+    }
+}
+
+#[test]
+fn adamw_writes_the_nearest_even_bf16_of_every_updated_parameter() {
+    let seed = rand::random();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    // Not a multiple of the host chunk, so the last chunk is partial.
+    let n = 10_007;
+    let params = uniform(&mut rng, n, -0.5, 0.5);
+    let grads = uniform(&mut rng, n, -1.0, 1.0);
+    let m0 = uniform(&mut rng, n, -0.1, 0.1);
+    let v0 = uniform(&mut rng, n, 0.0, 0.01);
+    let step = hyper(3e-3);
+
+    let (mut p_ref, mut m_ref, mut v_ref) = (params.clone(), m0.clone(), v0.clone());
+    launch::adamw_update(
+        &grads,
+        &[1.5],
+        &[0.75],
+        &[step],
+        &mut p_ref,
+        &mut m_ref,
+        &mut v_ref,
+        n,
+    );
+    let (mut p, mut m, mut v, mut copy) = (params.clone(), m0, v0, vec![POISON; n]);
+    launch::adamw_update_bf16(
+        &grads,
+        &[1.5],
+        &[0.75],
+        &[step],
+        &mut p,
+        &mut copy,
+        &mut m,
+        &mut v,
+        n,
+    );
+    assert!(p != params, "seed {seed}: the step changed no parameter");
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&p), bits(&p_ref), "seed {seed}: masters differ");
+    assert_eq!(bits(&m), bits(&m_ref), "seed {seed}: first moments differ");
+    assert_eq!(bits(&v), bits(&v_ref), "seed {seed}: second moments differ");
+    assert!(
+        rounding_matters(&p) > n / 4,
+        "seed {seed}: too few parameters tell rounding from truncation"
+    );
+    if let Some(error) = first_mismatch(&p, &copy) {
+        panic!("seed {seed}: {error}");
+    }
+
+    // A skipped step (non-finite norm) leaves master and copy as they were: still the master's rounding.
+    let (before, copy_before) = (p.clone(), copy.clone());
+    let (mut m2, mut v2) = (m.clone(), v.clone());
+    launch::adamw_update_bf16(
+        &grads,
+        &[f32::NAN],
+        &[1.0],
+        &[step],
+        &mut p,
+        &mut copy,
+        &mut m2,
+        &mut v2,
+        n,
+    );
+    assert_eq!(bits(&p), bits(&before));
+    assert_eq!(copy, copy_before);
+}
+
+#[test]
+fn rmsnorm_and_swiglu_write_the_nearest_even_bf16_of_their_outputs() {
+    let seed = rand::random();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    // Rows of 19 and 300 columns: shorter than a plane's 32 lanes, and nine full lane rounds plus a partial one.
+    for (rows, cols) in [(13, 19), (7, 300)] {
+        let x = uniform(&mut rng, rows * cols, -2.0, 2.0);
+        let w = uniform(&mut rng, cols, 0.5, 1.5);
+        let (mut y_ref, mut inv_ref) = (vec![f32::NAN; rows * cols], vec![f32::NAN; rows]);
+        launch::rmsnorm_forward(&x, &w, &mut y_ref, &mut inv_ref, cols, 1e-6, rows);
+        let (mut y, mut y16, mut inv) = (
+            vec![f32::NAN; rows * cols],
+            vec![POISON; rows * cols],
+            vec![f32::NAN; rows],
+        );
+        launch::rmsnorm_forward_bf16(&x, &w, &mut y, &mut y16, &mut inv, cols, 1e-6, rows);
+        assert_eq!(y, y_ref, "seed {seed}: rmsnorm's f32 output changed");
+        assert_eq!(inv, inv_ref, "seed {seed}: rmsnorm's inv_rms changed");
+        assert!(rounding_matters(&y) > y.len() / 4, "seed {seed}");
+        if let Some(error) = first_mismatch(&y, &y16) {
+            panic!("seed {seed}: rmsnorm {rows}×{cols}: {error}");
+        }
+    }
+    // 11 rows of 37: rows straddle the host chunks.
+    let (rows, inter) = (11, 37);
+    let n = rows * inter;
+    let gate_up = uniform(&mut rng, 2 * n, -3.0, 3.0);
+    let mut act_ref = vec![f32::NAN; n];
+    launch::swiglu_forward(&gate_up, &mut act_ref, inter, n);
+    let (mut act, mut act16) = (vec![f32::NAN; n], vec![POISON; n]);
+    launch::swiglu_forward_bf16(&gate_up, &mut act, &mut act16, inter, n);
+    assert_eq!(act, act_ref, "seed {seed}: swiglu's f32 output changed");
+    assert!(rounding_matters(&act) > n / 4, "seed {seed}");
+    if let Some(error) = first_mismatch(&act, &act16) {
+        panic!("seed {seed}: swiglu: {error}");
+    }
+}
+
+#[test]
+fn round_to_half_gives_the_copy_of_weights_at_load() {
+    // The copy written when parameters are uploaded (initial weights, a resumed checkpoint) and of the attention
+    // output: the same rounding as AdamW's, so the first step reads what every later one would.
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(7);
+    let x = uniform(&mut rng, 4099, -1.0, 1.0);
+    let mut out = vec![POISON; x.len()];
+    launch::round_to_half(
+        &x,
+        &mut out,
+        x.len(),
+        draftpipe_gpu_kernels::convert::FORMAT_BF16,
+    );
+    assert_eq!(first_mismatch(&x, &out), None);
+}
