@@ -16,7 +16,9 @@ use std::process::Command;
 
 use draftpipe_gpu_kernels::flash::{key_major_smem_bytes, query_major_smem_bytes};
 use draftpipe_gpu_kernels::table::FLASH_KERNELS;
-use draftpipe_runtime::backend::cuda::{EMBEDDED_PTX, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS};
+use draftpipe_runtime::backend::cuda::{
+    EMBEDDED_PTX, FLASH_LAUNCH_ARGUMENT_WIDTHS, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS,
+};
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
@@ -413,6 +415,16 @@ fn entry_parameters_match_the_launchers_arguments() {
             declared.as_slice(),
             entry.argument_widths,
             "flash kernel {}",
+            entry.name
+        );
+        let (_, pushed) = FLASH_LAUNCH_ARGUMENT_WIDTHS
+            .iter()
+            .find(|(name, _)| *name == entry.name)
+            .unwrap_or_else(|| panic!("flash kernel {} has no CUDA launcher", entry.name));
+        assert_eq!(
+            declared.as_slice(),
+            *pushed,
+            "flash kernel {}: PTX parameter widths vs the flash launcher's arguments",
             entry.name
         );
     }

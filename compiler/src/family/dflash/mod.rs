@@ -10,6 +10,7 @@ use crate::workspace::{BackendKind, WorkspaceLayout};
 
 mod check;
 pub mod cost;
+pub mod flash;
 mod workspace;
 
 pub(crate) use check::DflashArgs;

@@ -1,6 +1,7 @@
 //! The `dflash` drafter's workspace: every buffer one worker allocates besides the flat state buffers.
 
 use crate::family::dflash::DflashSpec;
+use crate::family::dflash::flash::flash_attention;
 use crate::plan::derived::BucketPlan;
 use crate::plan::stages::{LossSpec, Precision};
 use crate::workspace::{
@@ -170,6 +171,20 @@ impl WorkspaceLayout {
             add(&format!("input{slot}.labels"), I32, Some(q))?;
             add(&format!("input{slot}.weights"), F32, Some(q))?;
             add(&format!("input{slot}.inv_weight_sum"), F32, Some(1))?;
+        }
+        // The flash path's bf16 copies of one layer's attention operands (converted again in the backward)
+        // and of the output gradient the key-major pass reads.
+        if flash_attention(backend, precision, (heads, kv_heads, hd), block) {
+            for (name, rows, width) in [
+                ("flash_q", q, qd),
+                ("flash_k_ctx", t, kd),
+                ("flash_v_ctx", t, kd),
+                ("flash_k_blk", q, kd),
+                ("flash_v_blk", q, kd),
+                ("flash_dout", q, qd),
+            ] {
+                add(name, Dtype::Bf16, m(rows, width))?;
+            }
         }
         match backend {
             BackendKind::Cuda => add("cublas_workspace", U8, Some(CUBLAS_WORKSPACE_BYTES))?,
