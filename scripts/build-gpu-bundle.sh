@@ -17,7 +17,8 @@ executables() { grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//
 {
     cargo test -p draftpipe-runtime --no-run --message-format=json \
         --test cuda_kernels --test cuda_drafter --test cuda_discovery --test kernels_dflash \
-        --test kernels_attention --test backend_step --test backend_hs16 --test eagle3_step 2>/dev/null
+        --test kernels_attention --test flash_operations --test backend_step --test backend_hs16 \
+        --test eagle3_step 2>/dev/null
     cargo bench -p draftpipe-runtime --no-run --message-format=json --bench cuda_step \
         --bench cuda_vocab_loss 2>/dev/null
     cargo build --release --message-format=json --bin draftpipe 2>/dev/null
@@ -29,8 +30,8 @@ while read -r exe; do
 done < "$bundle/.list"
 rm "$bundle/.list"
 
-for name in cuda_kernels cuda_drafter cuda_discovery kernels_dflash kernels_attention backend_step backend_hs16 \
-    cuda_step cuda_vocab_loss draftpipe; do
+for name in cuda_kernels cuda_drafter cuda_discovery kernels_dflash kernels_attention flash_operations \
+    backend_step backend_hs16 cuda_step cuda_vocab_loss draftpipe; do
     [ -x "$bundle/$name" ] || { echo "build-gpu-bundle: $name was not built" >&2; exit 1; }
 done
 if ! grep -q "\.target sm_90" "$bundle/cuda_step"; then

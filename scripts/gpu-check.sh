@@ -6,8 +6,11 @@
 #   what is left of the deadline, whichever is less, under `timeout -k 5` (a command that ignores SIGTERM is
 #   killed 5 s later); a command with under 10 s left is not started and is listed as skipped.
 # - The most valuable rows first: the benchmarks (cuda_step opens with the DFlash step of dflash-5x3.pipe at
-#   bf16 in a graph: ms per step, tok/s, MFU, busy; then attention), then the whole pipeline (busy against gpu),
-#   then the correctness checks against the host.
+#   bf16 in a graph: ms per step, tok/s, MFU, busy; then attention at Qwen3-8B's shapes in TFLOP/s of unmasked
+#   pairs, forward and backward: the flash kernels bf16 runs, then the f32 kernels), then the flash kernels on
+#   the device against the host's warp model of them and the f64 reference on the same ragged DFlash batch
+#   (flash_operations: wrong numbers there make every later number moot), then the whole pipeline (busy
+#   against gpu), then the other correctness checks against the host.
 # - Every line is also written to the results file (GPU_CHECK_RESULTS, default $OUT/gpu-check-results.txt when
 #   $OUT is set, else ./gpu-check-results.txt) as it comes, so a window that ends early keeps what it measured.
 #
@@ -92,6 +95,8 @@ run() {
 
 # Measurements first: the DFlash step of dflash-5x3.pipe (bf16, graph) opens cuda_step's table.
 run 300 "$here/cuda_step" --bench
+# The flash attention the bf16 DFlash step runs: device vs the f64 reference and vs the CPU's f32 attention lanes.
+run 60 "$here/flash_operations" cuda --test-threads=1 --include-ignored
 run 90 "$here/draftpipe" run "$here/gpu-smoke.pipe"
 run 45 "$here/cuda_vocab_loss" --bench
 run 30 "$here/cuda_discovery" --test-threads=1 --nocapture

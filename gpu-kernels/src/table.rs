@@ -615,10 +615,11 @@ kernel_table!(signatures);
 /// Expands `$generator! { entries }` with the flash-attention kernels ([`crate::flash`]): entries as in
 /// [`kernel_table!`], with the launch shape `blocks(count, warps, shared)` (a thread block of `32 · warps` threads
 /// per index, `shared` bytes of static shared memory) and a body binding `(warp, smem, index)`. They have their
-/// own table because the runtime's launchers (host loops over indices, CUDA launches of 8-warp blocks) have no
-/// block shape yet: the device entry points and [`FLASH_KERNELS`] are generated from it; the host runs these
-/// bodies only through the warp model of `gpu-kernels/tests/flash_attention.rs`, and no backend launches them
-/// yet (docs/kernels.md, "Flash attention").
+/// own table because their launch shape is a thread block of cooperating warps: the device entry points,
+/// [`FLASH_KERNELS`], the runtime's `FlashKernel` and both backends' `Backend::launch_flash` are generated from
+/// it. A body's lane count is inferred from its warp (`DeviceWarp`: one lane per thread on the GPU;
+/// `ModelWarp`: the whole warp in one host thread), so the CUDA backend runs them on the device and the CPU
+/// backend through the warp model (docs/kernels.md, "Flash attention").
 #[macro_export]
 macro_rules! flash_kernel_table {
     ($generator:ident) => {
@@ -646,7 +647,7 @@ macro_rules! flash_kernel_table {
                     heads / kv_heads,
                     $crate::flash::query_major_smem_bytes($d)
                 ),
-                body: |warp, smem, index| $crate::flash::forward::flash_forward::<1, $d, $d8, $d16, _>(
+                body: |warp, smem, index| $crate::flash::forward::flash_forward::<_, $d, $d8, $d16, _>(
                     $crate::flash::forward::FlashInputs {
                         q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, queries, context, heads, kv_heads, scale,
                     },
@@ -677,7 +678,7 @@ macro_rules! flash_kernel_table {
                     heads / kv_heads,
                     $crate::flash::query_major_smem_bytes($d)
                 ),
-                body: |warp, smem, index| $crate::flash::backward::flash_backward_q::<1, $d, $d8, $d16, _>(
+                body: |warp, smem, index| $crate::flash::backward::flash_backward_q::<_, $d, $d8, $d16, _>(
                     $crate::flash::forward::FlashInputs {
                         q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, queries, context, heads, kv_heads, scale,
                     },
@@ -702,7 +703,7 @@ macro_rules! flash_kernel_table {
                     $crate::flash::KV_WARPS,
                     $crate::flash::key_major_smem_bytes($d)
                 ),
-                body: |warp, smem, index| $crate::flash::backward::flash_backward_kv::<1, $d, $d8, $d16, _>(
+                body: |warp, smem, index| $crate::flash::backward::flash_backward_kv::<_, $d, $d8, $d16, _>(
                     $crate::flash::backward::KeyMajorInputs {
                         q, dout, lse, delta, k, v, key_ranges, keys, queries, heads, kv_heads, scale,
                     },

@@ -11,7 +11,8 @@
 //! - the DFlash attention kernels at Qwen3-8B's shape (32 query and 8 kv heads of 128; one sequence of 8192
 //!   context rows with 512 anchors evenly spread, blocks of 16: 8192 queries): time against the FLOPs of the
 //!   unmasked (query, head, key) pairs only (forward `4·hd` per pair; backward `14·hd`, both of its passes
-//!   recomputing the scores), and the fraction of the dense `[queries × keys]` pairs they are;
+//!   recomputing the scores), and the fraction of the dense `[queries × keys]` pairs they are; the flash kernels
+//!   (bf16, tensor cores: what `precision = bf16` runs) on the same case first;
 //! - the whole DFlash step of `pipelines/dflash-5x3.pipe` (its largest bucket, 8192 tokens) in eager and graph
 //!   mode at bf16 and TF32, and in graph mode at bf16 with bf16 hidden states (as the pipeline holds them):
 //!   tokens/s, MFU against the compiler's FLOP count of the step (H200 dense peaks: 989 TFLOP/s bf16, 494
@@ -32,7 +33,7 @@ use draftpipe_compiler::plan::{
 };
 use draftpipe_gpu_kernels::adamw::AdamWStep;
 use draftpipe_runtime::backend::cuda::{
-    DevicePtr, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
+    DevicePtr, FlashLauncher, Gemm, KernelModule, Launcher, Op, discover_devices, open_device,
 };
 use draftpipe_runtime::batch::{HsBatch, HsDtype};
 use draftpipe_runtime::drafter::cuda::CudaDrafter;
@@ -417,6 +418,85 @@ fn attention_vs_flops(ctx: &Arc<CudaContext>, k: &Launcher, rows: &mut Vec<Row>)
     ));
 }
 
+/// The flash kernels (bf16 Q/K/V, tensor cores) on `attention_vs_flops`'s case: forward, then the backward
+/// (query-major `delta`/dq pass and the key-major dk/dv passes of both key sets), against the FLOPs of the
+/// unmasked pairs: `4·hd` forward; backward `14·hd` as run (7 products per pair: the key-major pass recomputes
+/// `QKᵀ` and `dO Vᵀ`) and `10·hd` as FlashAttention-2 counts it (5 products), the targets 300 and 200.
+fn flash_vs_flops(ctx: &Arc<CudaContext>, k: &FlashLauncher, rows: &mut Vec<Row>) {
+    let s = k.stream().clone();
+    let (heads, kv_heads, hd, len, anchors, block) =
+        (32usize, 8usize, 128usize, 8192usize, 512usize, 16usize);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (query_host, key_ctx_host, key_blk_host, pairs) = dflash_ranges(len, anchors, block);
+    let queries = anchors * block;
+    let (q_len, ctx_len, blk_len) = (
+        queries * heads * hd,
+        len * kv_heads * hd,
+        queries * kv_heads * hd,
+    );
+    let bf16 = |n: usize, value: f32| {
+        let bits = vec![half::bf16::from_f32(value).to_bits(); n];
+        typed(&s, s.clone_htod(&bits).expect("allocate"))
+    };
+    let (_q, q) = bf16(q_len, 0.02);
+    let (_kc, k_ctx) = bf16(ctx_len, 0.03);
+    let (_vc, v_ctx) = bf16(ctx_len, 0.5);
+    let (_kb, k_blk) = bf16(blk_len, 0.03);
+    let (_vb, v_blk) = bf16(blk_len, 0.5);
+    let (_d16, dout16) = bf16(q_len, 0.0);
+    let (_qr, ranges) = typed(&s, s.clone_htod(&query_host).expect("ranges"));
+    let (_kcr, key_ctx) = typed(&s, s.clone_htod(&key_ctx_host).expect("ranges"));
+    let (_kbr, key_blk) = typed(&s, s.clone_htod(&key_blk_host).expect("ranges"));
+    let (_o, out) = zeros(&s, q_len);
+    let (_l, lse) = zeros(&s, queries * heads);
+    let (_do, dout) = alloc(&s, q_len, 0.01);
+    let (_d, delta) = zeros(&s, queries * heads);
+    let (_dq, dq) = zeros(&s, q_len);
+    let (_dkc, dk_ctx) = zeros(&s, ctx_len);
+    let (_dvc, dv_ctx) = zeros(&s, ctx_len);
+    let (_dkb, dk_blk) = zeros(&s, blk_len);
+    let (_dvb, dv_blk) = zeros(&s, blk_len);
+    let forward_ms = time_ms(ctx, &s, || {
+        k.flash_forward_d128(
+            q, k_ctx, v_ctx, k_blk, v_blk, ranges, out, lse, queries, len, heads, kv_heads, scale,
+        )
+        .expect("flash forward")
+    });
+    let backward_ms = time_ms(ctx, &s, || {
+        k.flash_backward_q_d128(
+            q, k_ctx, v_ctx, k_blk, v_blk, ranges, out, dout, lse, delta, dq, dout16, queries, len,
+            heads, kv_heads, scale,
+        )
+        .expect("flash dq");
+        k.flash_backward_kv_d128(
+            q, dout16, lse, delta, k_ctx, v_ctx, key_ctx, dk_ctx, dv_ctx, len, queries, heads,
+            kv_heads, scale,
+        )
+        .expect("flash dk/dv (context)");
+        k.flash_backward_kv_d128(
+            q, dout16, lse, delta, k_blk, v_blk, key_blk, dk_blk, dv_blk, queries, queries, heads,
+            kv_heads, scale,
+        )
+        .expect("flash dk/dv (block)");
+    });
+    let head_pairs = pairs * heads;
+    let tflops = |per_pair: usize, ms: f64| (head_pairs * per_pair * hd) as f64 / ms / 1e9;
+    rows.push(Row(
+        format!("flash attention fwd (bf16, tensor cores), {queries} q × {heads}/{kv_heads} heads of {hd}, {len} ctx"),
+        format!("{forward_ms:.2} ms, {:.1} TFLOP/s on unmasked pairs", tflops(4, forward_ms)),
+        "≥ 300 TFLOP/s".into(),
+    ));
+    rows.push(Row(
+        "flash attention bwd (dq pass, dk/dv of both key sets), same".into(),
+        format!(
+            "{backward_ms:.2} ms, {:.1} TFLOP/s as run (14·hd per pair), {:.1} as FA-2 counts (10·hd)",
+            tflops(14, backward_ms),
+            tflops(10, backward_ms)
+        ),
+        "≥ 200 TFLOP/s (FA-2 count)".into(),
+    ));
+}
+
 /// The DFlash drafter of `pipelines/dflash-5x3.pipe` (Qwen3-8B's shapes) on its largest bucket.
 fn dflash_model_step(launch: LaunchMode, precision: Precision, hs: HsDtype, rows: &mut Vec<Row>) {
     // Embedded at build time: the GPU machine runs this binary without the repository.
@@ -506,6 +586,7 @@ fn main() {
     unsafe { ctx.disable_event_tracking() };
     let module = KernelModule::load(&ctx).expect("load the embedded PTX");
     let launcher = Launcher::new(&module, ctx.new_stream().expect("stream")).expect("kernels");
+    let flash = FlashLauncher::new(&module, launcher.stream().clone()).expect("flash kernels");
     let d = &devices[0];
     println!(
         "\n{} (sm_{}{}), medians of {REPS} runs (steps: 6 after 2 warm-up)",
@@ -528,6 +609,8 @@ fn main() {
     measure(&mut |rows| {
         dflash_model_step(LaunchMode::Graph, Precision::Bf16, HsDtype::Bf16, rows);
     });
+    // The flash kernels (what bf16 runs) before the f32 attention kernels (what f32 and tf32 run).
+    measure(&mut |rows| flash_vs_flops(&ctx, &flash, rows));
     measure(&mut |rows| attention_vs_flops(&ctx, &launcher, rows));
     for (launch, precision, hs) in [
         (LaunchMode::Graph, Precision::Bf16, HsDtype::F32),

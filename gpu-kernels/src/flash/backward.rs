@@ -251,10 +251,6 @@ pub unsafe fn flash_backward_kv<
                 }
             }
         }
-        let ranges = [
-            lanes.map(|(g, _)| key_range(own + g)),
-            lanes.map(|(g, _)| key_range(own + g + 8)),
-        ];
         let key_out = |base: *mut f32| {
             move |r: usize| {
                 let j = own + r;
@@ -297,7 +293,9 @@ pub unsafe fn flash_backward_kv<
                     unroll!(reg < 4; 4 => {
                         let col = lanes.map(|(_, t)| qb + 8 * n + 2 * t + reg % 2);
                         for i in 0..N {
-                            let (start, end) = ranges[reg / 2].0[i];
+                            // The key's query rows, read again per tile rather than held: at D = 128 the four
+                            // registers they took pushed the dK/dV accumulators into local memory.
+                            let (start, end) = key_range(own + lanes.0[i].0 + 8 * (reg / 2));
                             let r = col.0[i];
                             if start <= r && r < end {
                                 let lse = *inputs.lse.add(r * heads + head);

@@ -1,7 +1,9 @@
 //! One backend entry point for every kernel of the table: [`Kernel`], generated from `kernel_table!`
 //! (`gpu-kernels/src/table.rs`), and [`Backend::launch`](super::Backend::launch), which each backend implements
 //! once as a generated match (CPU: the host launchers, `cpu/kernels.rs`; CUDA: the device launcher,
-//! `cuda/launch.rs`).
+//! `cuda/launch.rs`). The flash-attention table (`flash_kernel_table!`) gives [`FlashKernel`] the same way,
+//! launched by [`Backend::launch_flash`](super::Backend::launch_flash) (CPU: the warp model, `cpu/flash.rs`;
+//! CUDA: thread blocks of warps, `cuda/flash.rs`).
 //!
 //! ```text
 //!  model step ──▶ Backend's provided operations (`backend/mod.rs`, `backend/eagle3.rs`: sizes derived and checked
@@ -36,23 +38,21 @@ unsafe impl Reinterpret<u16> for half::bf16 {}
 // SAFETY: as above.
 unsafe impl Reinterpret<u16> for half::f16 {}
 
-/// Generates [`Kernel`] from the kernel table: one variant per entry, named as the entry point.
-macro_rules! kernel_enum {
-    ($(
+/// Generates enum `$enum_name` from a kernel table: one variant per entry, named as the entry point.
+macro_rules! kernel_enum_named {
+    ($(#[$enum_doc:meta])* $enum_name:ident; $(
         $(#[$doc:meta])*
         $name:ident {
             reads: [$($read:ident: $read_ty:ty = $read_len:expr),* $(,)?],
             writes: [$($write:ident: $write_ty:ty = $write_len:expr),* $(,)?],
             scalars: [$($scalar:ident: $scalar_ty:ty),* $(,)?],
-            launch: $shape:ident($($count:expr)?),
+            launch: $shape:ident($($count:expr),* $(,)?),
             body: |$($bind:ident),*| $body:expr,
         }
     )*) => {
-        /// One launch of a kernel of the table on backend `B`, its arguments named and ordered as the table
-        /// declares them (reads, writes, scalars). Variants carry the entry points' names, so a variant reads as
-        /// the kernel it launches.
+        $(#[$enum_doc])*
         #[allow(non_camel_case_types, missing_docs)]
-        pub enum Kernel<'a, B: Backend> {
+        pub enum $enum_name<'a, B: Backend> {
             $(
                 $(#[$doc])*
                 $name {
@@ -65,4 +65,28 @@ macro_rules! kernel_enum {
     };
 }
 
+/// [`Kernel`] from `kernel_table!`.
+macro_rules! kernel_enum {
+    ($($entries:tt)*) => {
+        kernel_enum_named! {
+            /// One launch of a kernel of the table on backend `B`, its arguments named and ordered as the table
+            /// declares them (reads, writes, scalars). Variants carry the entry points' names, so a variant reads
+            /// as the kernel it launches.
+            Kernel; $($entries)*
+        }
+    };
+}
+
+/// [`FlashKernel`] from `flash_kernel_table!`.
+macro_rules! flash_kernel_enum {
+    ($($entries:tt)*) => {
+        kernel_enum_named! {
+            /// One launch of a flash-attention kernel (`flash_kernel_table!`) on backend `B`: a thread block of
+            /// warps per index, arguments as in [`Kernel`].
+            FlashKernel; $($entries)*
+        }
+    };
+}
+
 draftpipe_gpu_kernels::kernel_table!(kernel_enum);
+draftpipe_gpu_kernels::flash_kernel_table!(flash_kernel_enum);

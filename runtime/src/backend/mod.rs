@@ -23,6 +23,7 @@ pub mod attention;
 pub mod cpu;
 pub mod cuda;
 pub mod eagle3;
+pub mod flash;
 mod kernel;
 mod operations;
 mod views;
@@ -38,7 +39,8 @@ pub use attention::{AttentionGrads, AttentionInputs, AttentionSaved, AttentionSh
 pub use draftpipe_gpu_kernels::adamw::{
     SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR, Schedule,
 };
-pub use kernel::{Kernel, Reinterpret};
+pub use flash::FlashCopies;
+pub use kernel::{FlashKernel, Kernel, Reinterpret};
 pub use views::{
     Buf, Dst, Element, HsBuf, HsOperand, HsSrc, Matrix, MatrixData, Operand, Src, gemm_shape,
 };
@@ -311,6 +313,11 @@ pub trait Backend: Sized + Send + 'static {
     /// stream. The table's launchers check every argument against the length the table declares.
     fn launch(&mut self, kernel: Kernel<'_, Self>) -> BackendResult;
 
+    /// Launches one kernel of the flash-attention table (`flash_kernel_table!`): on CUDA a grid of thread
+    /// blocks of warps on the compute stream, on the CPU each block through the warp model (no CPU step takes
+    /// this path; see `backend/flash.rs`). Lengths are checked against the table as for [`Backend::launch`].
+    fn launch_flash(&mut self, kernel: FlashKernel<'_, Self>) -> BackendResult;
+
     /// A read view as a kernel argument.
     fn read<'a, T: Element>(view: Src<'a, Self, T>) -> Self::Read<'a, T>;
 
@@ -342,4 +349,7 @@ pub trait Backend: Sized + Send + 'static {
 
     // EAGLE-3's operations (`backend::eagle3`).
     crate::backend::eagle3::eagle3_operations!();
+
+    // DFlash attention on the flash kernels (`backend::flash`).
+    crate::backend::flash::flash_operations!();
 }

@@ -11,6 +11,7 @@ use crate::workspace::{BackendKind, WorkspaceLayout};
 
 mod check;
 pub mod cost;
+pub mod flash;
 pub mod gpu;
 mod workspace;
 

@@ -1,6 +1,7 @@
 //! The `dflash` drafter's workspace: every buffer one worker allocates besides the flat state buffers.
 
 use crate::family::dflash::DflashSpec;
+use crate::family::dflash::flash::flash_attention;
 use crate::plan::derived::BucketPlan;
 use crate::plan::stages::{LossSpec, Precision};
 use crate::workspace::{
@@ -182,6 +183,20 @@ impl WorkspaceLayout {
             add("ctx_bf16", Dtype::Bf16, Some(th))?;
             add("operand_bf16", Dtype::Bf16, Some(qh.max(m(q, qd)?)))?;
             add("act_bf16", Dtype::Bf16, m(q, i))?;
+        }
+        // The flash path's bf16 copies of one layer's attention operands (converted again in the backward)
+        // and of the output gradient the key-major pass reads.
+        if flash_attention(backend, precision, (heads, kv_heads, hd), block) {
+            for (name, rows, width) in [
+                ("flash_q", q, qd),
+                ("flash_k_ctx", t, kd),
+                ("flash_v_ctx", t, kd),
+                ("flash_k_blk", q, kd),
+                ("flash_v_blk", q, kd),
+                ("flash_dout", q, qd),
+            ] {
+                add(name, Dtype::Bf16, m(rows, width))?;
+            }
         }
         match backend {
             BackendKind::Cuda => add("cublas_workspace", U8, Some(CUBLAS_WORKSPACE_BYTES))?,

@@ -10,6 +10,7 @@
 //! compute up to the order of the f32 accumulation. So the backend-generic tests cover the GPU's numerics here.
 
 pub mod attention;
+mod flash;
 pub(crate) mod gemm;
 pub mod kernels;
 pub mod rope;
@@ -24,8 +25,8 @@ use draftpipe_compiler::plan::{BackendKind, WorkspaceLayout};
 
 use super::{
     AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendError,
-    BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot, Kernel,
-    Operand, Precision, Reinterpret, Src, StepPart, StepResults, gemm_shape,
+    BackendResult, Buf, Dst, Element, FlashKernel, HostBatch, HsBuf, HsOperand, HsSrc, InputSlot,
+    Kernel, Operand, Precision, Reinterpret, Src, StepPart, StepResults, gemm_shape,
     missing_last_hidden_states,
 };
 use crate::allreduce::AllReduce;
@@ -518,6 +519,13 @@ impl Backend for CpuBackend {
     fn launch(&mut self, kernel: Kernel<'_, Self>) -> BackendResult {
         check_device_data(&kernel);
         kernels::run(kernel);
+        Ok(())
+    }
+
+    /// The flash table's bodies through the warp model (`cpu/flash.rs`): the host model of the CUDA
+    /// backend's flash attention, which no CPU step takes.
+    fn launch_flash(&mut self, kernel: FlashKernel<'_, Self>) -> BackendResult {
+        flash::run_flash(kernel);
         Ok(())
     }
 

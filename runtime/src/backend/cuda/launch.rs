@@ -206,12 +206,12 @@ macro_rules! cuda_launcher {
 
 /// Bytes the launcher pushes for a [`DevicePtr`] of any element type: its raw address.
 #[allow(clippy::extra_unused_type_parameters)] // the table's repetition names the element type
-const fn pushed_pointer_width<T>() -> usize {
+pub(super) const fn pushed_pointer_width<T>() -> usize {
     size_of::<CUdeviceptr>()
 }
 
 /// [`CudaError::BufferTooShort`] unless `len ≥ needed`.
-fn check(
+pub(super) fn check(
     kernel: &'static str,
     argument: &'static str,
     len: usize,

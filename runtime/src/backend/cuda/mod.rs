@@ -54,6 +54,7 @@ mod allreduce;
 mod blas;
 mod device;
 pub(super) mod error;
+mod flash;
 mod graphs;
 mod launch;
 mod module;
@@ -65,6 +66,7 @@ pub use allreduce::{GradientAllReduce, GroupAbort};
 pub use blas::{Gemm, HalfType, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
 pub use error::CudaError;
+pub use flash::{FLASH_KERNEL_NAMES, FLASH_LAUNCH_ARGUMENT_WIDTHS, FlashLauncher};
 use graphs::{PartGraphs, StepGraph};
 pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
 pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
@@ -84,9 +86,9 @@ use draftpipe_compiler::workspace::{CUBLAS_WORKSPACE_BYTES, Dtype, STEP_SCALARS}
 use draftpipe_gpu_kernels::convert::FORMAT_BF16;
 
 use super::{
-    Backend, BackendError, BackendResult, Buf, Dst, Element, HostBatch, HsBuf, HsOperand, HsSrc,
-    InputSlot, Kernel, Operand, Precision, Reinterpret, Src, StepPart, StepResults, gemm_shape,
-    missing_last_hidden_states,
+    Backend, BackendError, BackendResult, Buf, Dst, Element, FlashKernel, HostBatch, HsBuf,
+    HsOperand, HsSrc, InputSlot, Kernel, Operand, Precision, Reinterpret, Src, StepPart,
+    StepResults, gemm_shape, missing_last_hidden_states,
 };
 use crate::batch::HsDtype;
 
@@ -134,6 +136,7 @@ pub struct CudaBackend {
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     kernels: Launcher,
+    flash: FlashLauncher,
     gemm: Gemm,
     launch: LaunchMode,
     graphs: PartGraphs<StepPart, StepGraph>,
@@ -171,6 +174,7 @@ impl CudaBackend {
         let compute = ctx.new_stream()?;
         let copy = ctx.new_stream()?;
         let kernels = Launcher::new(&module, compute.clone())?;
+        let flash = FlashLauncher::new(&module, compute.clone())?;
         let cublas_bytes = layout
             .elements("cublas_workspace")
             .unwrap_or(CUBLAS_WORKSPACE_BYTES);
@@ -225,6 +229,7 @@ impl CudaBackend {
             compute,
             copy,
             kernels,
+            flash,
             gemm,
             launch,
             all_reduce: None,
@@ -659,6 +664,11 @@ impl Backend for CudaBackend {
 
     fn launch(&mut self, kernel: Kernel<'_, Self>) -> BackendResult {
         self.kernels.launch(kernel)?;
+        Ok(())
+    }
+
+    fn launch_flash(&mut self, kernel: FlashKernel<'_, Self>) -> BackendResult {
+        self.flash.launch(kernel)?;
         Ok(())
     }
 

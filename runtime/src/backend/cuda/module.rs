@@ -13,6 +13,7 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 
 use super::CudaError;
+use super::flash::FLASH_KERNEL_NAMES;
 use super::launch::KERNEL_NAMES;
 
 include!(concat!(env!("OUT_DIR"), "/embedded_ptx.rs"));
@@ -29,7 +30,8 @@ pub struct KernelModule {
 }
 
 impl KernelModule {
-    /// Loads the embedded PTX into `ctx` and resolves every kernel in [`KERNEL_NAMES`].
+    /// Loads the embedded PTX into `ctx` and resolves every kernel in [`KERNEL_NAMES`] and
+    /// [`FLASH_KERNEL_NAMES`].
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
         let ptx = embedded_ptx()?;
         let module = match ctx.load_module(Ptx::from_src(ptx)) {
@@ -42,9 +44,8 @@ impl KernelModule {
                 });
             }
         };
-        let functions = KERNEL_NAMES
-            .iter()
-            .map(|&name| {
+        let functions = names()
+            .map(|name| {
                 module
                     .load_function(name)
                     .map_err(|_| CudaError::MissingKernel(name))
@@ -53,14 +54,18 @@ impl KernelModule {
         Ok(Self { functions })
     }
 
-    /// The function named `name` (one of [`KERNEL_NAMES`]).
+    /// The function named `name` (one of [`KERNEL_NAMES`] or [`FLASH_KERNEL_NAMES`]).
     pub fn function(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
-        KERNEL_NAMES
-            .iter()
-            .position(|&n| n == name)
+        names()
+            .position(|n| n == name)
             .map(|i| &self.functions[i])
             .ok_or(CudaError::MissingKernel(name))
     }
+}
+
+/// Every entry point the module resolves: the main table's, then the flash table's.
+fn names() -> impl Iterator<Item = &'static str> {
+    KERNEL_NAMES.iter().chain(FLASH_KERNEL_NAMES).copied()
 }
 
 /// Bytes of the JIT error log asked for (ptxas's messages are a line per problem).

@@ -4,7 +4,7 @@
 
 use draftpipe_compiler::plan::WorkspaceLayout;
 
-use crate::backend::{Backend, Buf, InputSlot};
+use crate::backend::{Backend, Buf, Dst, FlashCopies, InputSlot};
 use crate::model::step::{AllocateError, input_slot, take_buffer as take};
 
 /// One input slot's block plan on the device (see [`super::blocks::BlockPlan`]).
@@ -25,6 +25,55 @@ pub struct PlanSlot<B: Backend> {
     pub weights: Buf<B, f32>,
     /// `1 / Σ weights`.
     pub inv_weight_sum: Buf<B, f32>,
+}
+
+/// The flash path's bf16 scratch (the layout's `flash_*`): one layer's attention operands and the output
+/// gradient's copy, present exactly where the compiler's rule puts the worker on the flash kernels
+/// (`draftpipe_compiler::family::dflash::flash`, `backend/flash.rs`).
+pub(crate) struct FlashScratch<B: Backend> {
+    q: Buf<B, half::bf16>,
+    k_ctx: Buf<B, half::bf16>,
+    v_ctx: Buf<B, half::bf16>,
+    k_blk: Buf<B, half::bf16>,
+    v_blk: Buf<B, half::bf16>,
+    dout: Buf<B, half::bf16>,
+}
+
+impl<B: Backend> FlashScratch<B> {
+    /// The scratch `layout` lists, or `None` when it lists none (the f32 attention path).
+    fn take(be: &mut B, layout: &WorkspaceLayout) -> Result<Option<Self>, AllocateError> {
+        if layout.elements("flash_q").is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            q: take(be, layout, "flash_q")?,
+            k_ctx: take(be, layout, "flash_k_ctx")?,
+            v_ctx: take(be, layout, "flash_v_ctx")?,
+            k_blk: take(be, layout, "flash_k_blk")?,
+            v_blk: take(be, layout, "flash_v_blk")?,
+            dout: take(be, layout, "flash_dout")?,
+        }))
+    }
+
+    /// Views of one call's copies (`q_len = Q·heads·D`, `ctx_len = T·kv_heads·D`, `blk_len = Q·kv_heads·D`) and
+    /// of the output gradient's copy.
+    pub(crate) fn views(
+        &mut self,
+        q_len: usize,
+        ctx_len: usize,
+        blk_len: usize,
+    ) -> (FlashCopies<'_, B>, Dst<'_, B, half::bf16>) {
+        (
+            FlashCopies {
+                q: self.q.at_mut(0, q_len),
+                k_ctx: self.k_ctx.at_mut(0, ctx_len),
+                v_ctx: self.v_ctx.at_mut(0, ctx_len),
+                k_blk: self.k_blk.at_mut(0, blk_len),
+                v_blk: self.v_blk.at_mut(0, blk_len),
+            },
+            self.dout.at_mut(0, q_len),
+        )
+    }
 }
 
 /// The `dflash` workspace (names as in [`WorkspaceLayout::dflash`]; per-layer buffers are stacked) and the
@@ -97,6 +146,8 @@ pub struct DflashWorkspace<B: Backend> {
     pub(crate) operand_bf16: Option<Buf<B, half::bf16>>,
     /// The SwiGLU output rounded to bf16, the down projection's operand (CUDA at `bf16`).
     pub(crate) act_bf16: Option<Buf<B, half::bf16>>,
+    /// The flash path's scratch, when this worker takes it.
+    pub(crate) flash: Option<FlashScratch<B>>,
     /// The input slots' batches.
     pub inputs: Vec<InputSlot<B>>,
     /// The input slots' block plans.
@@ -195,6 +246,7 @@ impl<B: Backend> DflashWorkspace<B> {
             ctx_bf16: optional(be, layout, "ctx_bf16")?,
             operand_bf16: optional(be, layout, "operand_bf16")?,
             act_bf16: optional(be, layout, "act_bf16")?,
+            flash: FlashScratch::take(be, layout)?,
             inputs,
             plans,
         })

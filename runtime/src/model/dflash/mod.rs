@@ -267,19 +267,25 @@ impl<B: Backend> Dflash<B> {
                     p,
                 )?;
             }
-            be.attention_forward(
-                AttentionInputs {
-                    q: ws.q.at(l * q * qd, q * qd),
-                    k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
-                    v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
-                    k_blk: ws.k_blk.at(l * q * kd, q * kd),
-                    v_blk: ws.v_blk.at(l * q * kd, q * kd),
-                    query_ranges: plan.query_ranges.at(0, 4 * q),
-                },
-                AttentionShape::new(heads, kvh, hd),
-                ws.attn.at_mut(l * q * qd, q * qd),
-                ws.lse.at_mut(l * q * heads, q * heads),
-            )?;
+            let inputs = AttentionInputs {
+                q: ws.q.at(l * q * qd, q * qd),
+                k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
+                v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
+                k_blk: ws.k_blk.at(l * q * kd, q * kd),
+                v_blk: ws.v_blk.at(l * q * kd, q * kd),
+                query_ranges: plan.query_ranges.at(0, 4 * q),
+            };
+            let shape = AttentionShape::new(heads, kvh, hd);
+            let out = ws.attn.at_mut(l * q * qd, q * qd);
+            let lse = ws.lse.at_mut(l * q * heads, q * heads);
+            // The flash kernels where the layout put this worker on them (backend/flash.rs).
+            match ws.flash.as_mut() {
+                Some(flash) => {
+                    let (copies, _) = flash.views(q * qd, t * kd, q * kd);
+                    be.flash_attention_forward(inputs, shape, copies, out, lse)?
+                }
+                None => be.attention_forward(inputs, shape, out, lse)?,
+            }
             // m = x + attn · Woᵀ (on CUDA at bf16 the attention output's copy is a separate rounding pass: the
             // attention kernels write f32 only).
             be.copy(ws.mid.at_mut(l * qh, qh), x.at(0, qh))?;
@@ -480,32 +486,39 @@ impl<B: Backend> Dflash<B> {
                 (ws.dattn.at_mut(0, q * qd), 0.0),
                 p,
             )?;
-            be.attention_backward(
-                AttentionInputs {
-                    q: ws.q.at(l * q * qd, q * qd),
-                    k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
-                    v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
-                    k_blk: ws.k_blk.at(l * q * kd, q * kd),
-                    v_blk: ws.v_blk.at(l * q * kd, q * kd),
-                    query_ranges: plan.query_ranges.at(0, 4 * q),
-                },
+            let inputs = AttentionInputs {
+                q: ws.q.at(l * q * qd, q * qd),
+                k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
+                v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
+                k_blk: ws.k_blk.at(l * q * kd, q * kd),
+                v_blk: ws.v_blk.at(l * q * kd, q * kd),
+                query_ranges: plan.query_ranges.at(0, 4 * q),
+            };
+            let saved = AttentionSaved {
+                out: ws.attn.at(l * q * qd, q * qd),
+                dout: ws.dattn.at(0, q * qd),
+                lse: ws.lse.at(l * q * heads, q * heads),
+                key_ranges_ctx: plan.context_key_ranges.at(0, 2 * t),
+                key_ranges_blk: plan.block_key_ranges.at(0, 2 * q),
+            };
+            let attn_grads = AttentionGrads {
+                dq: ws.dq.at_mut(0, q * qd),
+                dk_ctx: ws.dk_ctx.at_mut(0, t * kd),
+                dv_ctx: ws.dv_ctx.at_mut(0, t * kd),
+                dk_blk: ws.dk_blk.at_mut(0, q * kd),
+                dv_blk: ws.dv_blk.at_mut(0, q * kd),
+            };
+            let (shape, delta) = (
                 AttentionShape::new(heads, kvh, hd),
-                AttentionSaved {
-                    out: ws.attn.at(l * q * qd, q * qd),
-                    dout: ws.dattn.at(0, q * qd),
-                    lse: ws.lse.at(l * q * heads, q * heads),
-                    key_ranges_ctx: plan.context_key_ranges.at(0, 2 * t),
-                    key_ranges_blk: plan.block_key_ranges.at(0, 2 * q),
-                },
                 ws.attn_delta.at_mut(0, q * heads),
-                AttentionGrads {
-                    dq: ws.dq.at_mut(0, q * qd),
-                    dk_ctx: ws.dk_ctx.at_mut(0, t * kd),
-                    dv_ctx: ws.dv_ctx.at_mut(0, t * kd),
-                    dk_blk: ws.dk_blk.at_mut(0, q * kd),
-                    dv_blk: ws.dv_blk.at_mut(0, q * kd),
-                },
-            )?;
+            );
+            match ws.flash.as_mut() {
+                Some(flash) => {
+                    let scratch = flash.views(q * qd, t * kd, q * kd);
+                    be.flash_attention_backward(inputs, shape, saved, delta, scratch, attn_grads)?
+                }
+                None => be.attention_backward(inputs, shape, saved, delta, attn_grads)?,
+            }
             let normed = Operand::new(ws.normed.at(l * qh, qh), q, h);
             // Queries: inverse RoPE, q_norm, projection; dn starts here.
             be.rope(
