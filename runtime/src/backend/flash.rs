@@ -68,22 +68,6 @@ pub(super) use flash_variant;
 /// The flash operations as provided [`Backend`] methods, expanded inside the trait in `backend/mod.rs`.
 macro_rules! flash_operations {
     () => {
-        /// `dst ← src` rounded to bf16 (nearest, ties to even), the flash kernels' operand.
-        fn round_to_bf16(
-            &mut self,
-            src: Src<'_, Self, f32>,
-            dst: Dst<'_, Self, half::bf16>,
-        ) -> BackendResult {
-            let n = src.len();
-            assert_eq!(dst.len(), n, "round_to_bf16: sizes");
-            self.launch(Kernel::round_to_half {
-                x: Self::read(src),
-                out: Self::reinterpret_write(Self::write(dst)),
-                n,
-                format: draftpipe_gpu_kernels::convert::FORMAT_BF16,
-            })
-        }
-
         /// [`Backend::attention_forward`] on the flash kernels: `inputs` rounded to bf16 into `copies`, then
         /// `out [Q, heads, head_dim]` and `lse [Q, heads]` as the f32 path writes them (`backend/flash.rs`).
         fn flash_attention_forward(
