@@ -23,6 +23,7 @@ pub mod attention;
 pub mod cpu;
 pub mod cuda;
 pub mod eagle3;
+pub mod head;
 mod kernel;
 mod operations;
 mod views;
@@ -340,4 +341,7 @@ pub trait Backend: Sized + Send + 'static {
 
     // EAGLE-3's operations (`backend::eagle3`).
     crate::backend::eagle3::eagle3_operations!();
+
+    // The frozen head over the labelled rows only (`backend::head`).
+    crate::backend::head::head_operations!();
 }
