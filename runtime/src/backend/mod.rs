@@ -24,6 +24,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod eagle3;
 pub mod flash;
+pub mod head;
 mod kernel;
 mod operations;
 mod views;
@@ -352,4 +353,7 @@ pub trait Backend: Sized + Send + 'static {
 
     // DFlash attention on the flash kernels (`backend::flash`).
     crate::backend::flash::flash_operations!();
+
+    // The frozen head over the labelled rows only (`backend::head`).
+    crate::backend::head::head_operations!();
 }

@@ -178,6 +178,26 @@ impl<'a, B: Backend, T: Element> Dst<'a, B, T> {
         }
     }
 
+    /// Elements `start..start + len` of the view, re-borrowed (one chunk of a buffer an operation fills chunk
+    /// by chunk).
+    ///
+    /// # Panics
+    /// When the range is outside the view.
+    #[track_caller]
+    pub fn at_mut(&mut self, start: usize, len: usize) -> Dst<'_, B, T> {
+        assert!(
+            start.checked_add(len).is_some_and(|end| end <= self.len),
+            "view {start}+{len} outside a view of {}",
+            self.len
+        );
+        Dst {
+            raw: &mut *self.raw,
+            start: self.start + start,
+            len,
+            _backend: PhantomData,
+        }
+    }
+
     /// The same elements, to read (what a kernel wrote, read by the next one).
     pub fn into_read(self) -> Src<'a, B, T> {
         Src {

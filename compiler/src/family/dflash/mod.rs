@@ -63,6 +63,18 @@ impl DflashSpec {
         self.anchors.min(padded_len.saturating_sub(1)).max(1)
     }
 
+    /// Rows the frozen `lm_head` processes in a step of `sequences` sequences of padded length `padded_len`
+    /// when the step's shapes are the bucket's (a captured CUDA graph): the most labelled rows the bucket can
+    /// have, `N·A·(B − 1)` (slot 0 of a block never has a label), plus one row that never has one, which the
+    /// rows without a label read their zero gradient from. A synchronous backend processes the batch's
+    /// labelled rows plus that one. `None` on overflow.
+    pub fn head_rows(&self, padded_len: usize, sequences: usize) -> Option<usize> {
+        sequences
+            .checked_mul(self.block_slots(padded_len))?
+            .checked_mul(self.block.saturating_sub(1))?
+            .checked_add(1)
+    }
+
     /// The closed-form count of trained parameters (frozen embedding and `lm_head` excluded).
     ///
     /// # Examples

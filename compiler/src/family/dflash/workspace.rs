@@ -12,9 +12,10 @@ use crate::workspace::{
 
 impl WorkspaceLayout {
     /// The `dflash` drafter's workspace for `buckets` on `backend` at `precision`; `None` when a size
-    /// overflows. Besides `T`, `S` and `C` (over block rows): `Q = S·A·B` block rows (`A` the block slots of a
-    /// sequence, [`DflashSpec::block_slots`]: `anchors`, fewer when the bucket has fewer anchor positions; `B`
-    /// slots per block), the largest over the buckets,
+    /// overflows. Besides `T`, `S` and `C` (over the head's rows, `N·A·(B − 1) + 1` at most,
+    /// [`DflashSpec::head_rows`]): `Q = S·A·B` block rows (`A` the block slots of a sequence,
+    /// [`DflashSpec::block_slots`]: `anchors`, fewer when the bucket has fewer anchor positions; `B` slots per
+    /// block), the largest over the buckets,
     /// `D = L·H` the tapped width, `NL` layers, `qd = heads·head_dim`, `kd = kv_heads·head_dim`. Every buffer is
     /// linear in `T` or in `Q` (attention keeps only `lse` per query and head, never `Q × keys`), so at fixed
     /// anchors the workspace grows linearly with the context length (exactly so in steps of whole reduction
@@ -63,7 +64,12 @@ impl WorkspaceLayout {
             Some(most.max(m(b.sequences, spec.block_slots(b.padded_len))?))
         })?;
         let q = m(blocks, block)?;
-        let c = loss.chunk_tokens.clamp(1, q.max(1));
+        // The head's rows: the labelled block rows gathered, at most `N·A·(B − 1)`, and one unlabelled row
+        // (`DflashSpec::head_rows`).
+        let head = buckets.iter().try_fold(1, |most: usize, b| {
+            Some(most.max(spec.head_rows(b.padded_len, b.sequences)?))
+        })?;
+        let c = loss.chunk_tokens.clamp(1, head);
         let d = m(taps, h)?;
         let (qd, kd) = (m(heads, hd)?, m(kv_heads, hd)?);
         let p = spec.parameter_count();
@@ -110,12 +116,16 @@ impl WorkspaceLayout {
         add("act", F32, per_layer(m(q, i)))?;
         add("z", F32, Some(qh))?;
         add("final_inv_rms", F32, Some(q))?;
-        // The fused loss: one logits chunk, never `[Q, V]`; per-row loss and correctness; ones for the
-        // per-slot sums (a product with a ones vector).
+        // The fused loss over the head's rows only: their final-norm rows gathered and their gradient before
+        // it is scattered back into `dz`; one logits chunk, never `[rows, V]`; per-row loss and correctness
+        // (scattered back to the block rows for the per-slot sums, a product with a ones vector).
+        add("head_z", F32, m(head, h))?;
+        add("head_dz", F32, m(head, h))?;
         add("logits", F32, m(c, v))?;
-        add("row_loss", F32, Some(q))?;
+        add("row_loss", F32, Some(head))?;
+        add("head_correct", F32, Some(head))?;
         add("correct", F32, Some(q))?;
-        add("loss_partials", F32, Some(q.div_ceil(REDUCE_CHUNK)))?;
+        add("loss_partials", F32, Some(head.div_ceil(REDUCE_CHUNK)))?;
         add("ones", F32, Some(blocks.max(1)))?;
         // Backward scratch (one layer at a time).
         for name in ["dz", "dx", "dnormed"] {
@@ -168,8 +178,12 @@ impl WorkspaceLayout {
             add(&format!("input{slot}.query_ranges"), U32, m(4, q))?;
             add(&format!("input{slot}.context_key_ranges"), U32, m(2, t))?;
             add(&format!("input{slot}.block_key_ranges"), U32, m(2, q))?;
-            add(&format!("input{slot}.labels"), I32, Some(q))?;
-            add(&format!("input{slot}.weights"), F32, Some(q))?;
+            // The head's rows: which block row each is, its label and weight; for each block row its head row
+            // (the unlabelled one for a row without a label).
+            add(&format!("input{slot}.head_rows"), U32, Some(head))?;
+            add(&format!("input{slot}.head_index"), U32, Some(q))?;
+            add(&format!("input{slot}.labels"), I32, Some(head))?;
+            add(&format!("input{slot}.weights"), F32, Some(head))?;
             add(&format!("input{slot}.inv_weight_sum"), F32, Some(1))?;
         }
         if (backend, precision) == (BackendKind::Cuda, Precision::Bf16) {

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //!  HsBatch (bf16 | f16 | f32) ──one pass──▶ pinned staging, in the slot's dtype ──async H2D (copy stream)──▶ slot
-//!  block plan (9 arrays)      ──copy─────▶ the slot's pinned plan arena, packed ─async H2D (copy stream)──▶ plan slot
+//!  block plan (11 arrays)     ──copy─────▶ the slot's pinned plan arena, packed ─async H2D (copy stream)──▶ plan slot
 //! ```
 //!
 //! Hidden states cross in the slot's precision: a bf16 (f16) slot receives the batch's 16-bit values as they

@@ -87,6 +87,17 @@ pub struct BlockPlan {
     pub inv_weight_sum: f32,
     /// Labelled rows per slot `[B]` (slot 0 never has one): the denominators of the per-slot accuracy.
     pub slot_labels: Vec<u32>,
+    /// The head's rows, in order: the labelled block rows, then unlabelled padding up to the head's row count
+    /// (the row count of [`BlockPlan::pad_head`]; its last row is always unlabelled). Each is the block row
+    /// whose final-norm output it gathers (0 for padding).
+    pub head_rows: Vec<u32>,
+    /// Label of each head row (−1 for padding).
+    pub head_labels: Vec<i32>,
+    /// Loss weight of each head row (0 for padding).
+    pub head_weights: Vec<f32>,
+    /// Per block row `[Q]`: the head row holding it, or the last head row (unlabelled: its gradient is 0) for a
+    /// row without a label; the gradient of the final-norm output is gathered back through it.
+    pub head_index: Vec<u32>,
     /// Scratch: one sequence's valid anchors, then its draw (kept so a rebuild allocates nothing).
     valid: Vec<usize>,
 }
@@ -244,6 +255,42 @@ impl BlockPlan {
         } else {
             0.0
         };
+        self.pad_head(self.labelled_rows() + 1);
+    }
+
+    /// Block rows with a label (the rows the loss needs the `lm_head` for).
+    pub fn labelled_rows(&self) -> usize {
+        self.labels.iter().filter(|&&label| label >= 0).count()
+    }
+
+    /// Rebuilds the head's arrays for `rows` head rows: the labelled block rows in order, then padding.
+    ///
+    /// # Panics
+    /// When `rows` is not more than the labelled rows (the last head row must be unlabelled).
+    pub fn pad_head(&mut self, rows: usize) {
+        let labelled = self.labelled_rows();
+        assert!(
+            rows > labelled,
+            "{rows} head rows for {labelled} labelled ones and the unlabelled one"
+        );
+        let u = |x: usize| u32::try_from(x).expect("row index fits in u32");
+        self.head_rows.clear();
+        self.head_labels.clear();
+        self.head_weights.clear();
+        self.head_index.clear();
+        for (row, (&label, &weight)) in self.labels.iter().zip(&self.weights).enumerate() {
+            if label >= 0 {
+                self.head_index.push(u(self.head_rows.len()));
+                self.head_rows.push(u(row));
+                self.head_labels.push(label);
+                self.head_weights.push(weight);
+            } else {
+                self.head_index.push(u(rows - 1));
+            }
+        }
+        self.head_rows.resize(rows, 0);
+        self.head_labels.resize(rows, -1);
+        self.head_weights.resize(rows, 0.0);
     }
 
     /// Query rows `Q` of the plan.
@@ -311,6 +358,16 @@ mod tests {
         assert_eq!(plan.weights, [0.0, 1.0, w2, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
         assert!((plan.inv_weight_sum - 1.0 / (2.0 + w2)).abs() < 1e-7);
         assert_eq!(plan.slot_labels, [0, 2, 1]);
+        // The head: the three labelled rows and the unlabelled one every other row reads its gradient from.
+        assert_eq!(plan.head_rows, [1, 2, 4, 0]);
+        assert_eq!(plan.head_labels, [12, 13, 13, -1]);
+        assert_eq!(plan.head_weights, [1.0, w2, 1.0, 0.0]);
+        assert_eq!(plan.head_index, [3, 0, 1, 3, 2, 3, 3, 3, 3]);
+        // Padded to the bucket's bound `N·A·(B − 1) + 1 = 7` (a captured step's shapes).
+        plan.pad_head(7);
+        assert_eq!(plan.head_rows, [1, 2, 4, 0, 0, 0, 0]);
+        assert_eq!(plan.head_labels, [12, 13, 13, -1, -1, -1, -1]);
+        assert_eq!(plan.head_index, [6, 0, 1, 6, 2, 6, 6, 6, 6]);
         // Columns: context 0..7, then block rows 0..9. Block 0 (anchor 1) sees context 0 and its own rows.
         let x = true;
         let o = false;

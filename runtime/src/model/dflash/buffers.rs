@@ -19,9 +19,13 @@ pub struct PlanSlot<B: Backend> {
     pub context_key_ranges: Buf<B, u32>,
     /// `[Q, 2]` query ranges of each block key.
     pub block_key_ranges: Buf<B, u32>,
-    /// Label of each block row (−1: none).
+    /// The block row of each head row (the labelled rows, then padding; see `backend::head`).
+    pub head_rows: Buf<B, u32>,
+    /// The head row of each block row.
+    pub head_index: Buf<B, u32>,
+    /// Label of each head row (−1: none).
     pub labels: Buf<B, i32>,
-    /// Loss weight of each block row.
+    /// Loss weight of each head row.
     pub weights: Buf<B, f32>,
     /// `1 / Σ weights`.
     pub inv_weight_sum: Buf<B, f32>,
@@ -110,8 +114,11 @@ pub struct DflashWorkspace<B: Backend> {
     pub(crate) act: Buf<B, f32>,
     pub(crate) z: Buf<B, f32>,
     pub(crate) final_inv_rms: Buf<B, f32>,
+    pub(crate) head_z: Buf<B, f32>,
+    pub(crate) head_dz: Buf<B, f32>,
     pub(crate) logits: Buf<B, f32>,
     pub(crate) row_loss: Buf<B, f32>,
+    pub(crate) head_correct: Buf<B, f32>,
     pub(crate) correct: Buf<B, f32>,
     pub(crate) loss_partials: Buf<B, f32>,
     pub(crate) ones: Buf<B, f32>,
@@ -181,6 +188,8 @@ impl<B: Backend> DflashWorkspace<B> {
                 query_ranges: take(be, layout, &name("query_ranges"))?,
                 context_key_ranges: take(be, layout, &name("context_key_ranges"))?,
                 block_key_ranges: take(be, layout, &name("block_key_ranges"))?,
+                head_rows: take(be, layout, &name("head_rows"))?,
+                head_index: take(be, layout, &name("head_index"))?,
                 labels: take(be, layout, &name("labels"))?,
                 weights: take(be, layout, &name("weights"))?,
                 inv_weight_sum: take(be, layout, &name("inv_weight_sum"))?,
@@ -215,8 +224,11 @@ impl<B: Backend> DflashWorkspace<B> {
             act: take(be, layout, "act")?,
             z: take(be, layout, "z")?,
             final_inv_rms: take(be, layout, "final_inv_rms")?,
+            head_z: take(be, layout, "head_z")?,
+            head_dz: take(be, layout, "head_dz")?,
             logits: take(be, layout, "logits")?,
             row_loss: take(be, layout, "row_loss")?,
+            head_correct: take(be, layout, "head_correct")?,
             correct: take(be, layout, "correct")?,
             loss_partials: take(be, layout, "loss_partials")?,
             ones: take(be, layout, "ones")?,

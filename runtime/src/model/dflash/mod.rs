@@ -9,8 +9,9 @@
 //!  layer     n = rmsnorm(x); q = rope(q_norm(n·Wqᵀ)); k/v of the block rows from n, of the context rows
 //!            from c (not re-normalised: SpecForge's `k_proj(target_hidden)`); a = attention(q, [k_c; k_b],
 //!            [v_c; v_b]) under the ranges; m = x + a·Woᵀ; x' = m + swiglu(rmsnorm(m)·[Wg; Wu]ᵀ)·Wdᵀ
-//!  loss      z = norm(x_L); per chunk of C rows: logits = z·lm_headᵀ → weighted fused CE (gradient in place,
-//!            w·(1/Σw)) → dz; loss = Σ rows; per-slot correct = correctᵀ·1
+//!  loss      z = norm(x_L); the labelled rows of z gathered (`backend::head`); per chunk of C of them:
+//!            logits = z·lm_headᵀ → weighted fused CE (gradient in place, w·(1/Σw)) → their dz, scattered back
+//!            (0 for the other rows); loss = Σ rows; per-slot correct = correctᵀ·1
 //!  backward  the reverse of every line above; RoPE's backward is the inverse rotation; k_norm collects its
 //!            gradient from block and context rows; the frozen embedding and lm_head get none
 //!  update    crate::model::update (shared with mlp)
@@ -24,12 +25,15 @@
 
 pub mod blocks;
 mod buffers;
+#[cfg(test)]
+mod head_tests;
 mod offsets;
 
 use std::time::Instant;
 
 use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
 
+use crate::backend::head::{HeadOutputs, HeadPlan, HeadScratch};
 use crate::backend::{
     AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, BackendResult, Buf,
     Dst, HsBuf, HsOperand, Operand, Precision, Src,
@@ -62,6 +66,11 @@ pub struct Dflash<B: Backend> {
     /// The workspace.
     pub ws: DflashWorkspace<B>,
     plan: BlockPlan,
+    /// Whether the head runs over the bucket's most labelled rows rather than the batch's (a backend that
+    /// captures a step once per bucket needs the bucket's shapes: the asynchronous one).
+    bucket_head: bool,
+    /// Head rows of the batch staged in each input slot (`backend::head`).
+    staged_head_rows: Vec<usize>,
 }
 
 impl<B: Backend> Dflash<B> {
@@ -96,6 +105,8 @@ impl<B: Backend> Dflash<B> {
             ws: DflashWorkspace::allocate(backend, layout, spec.vocab * spec.hidden)?,
             offsets,
             plan: BlockPlan::default(),
+            bucket_head: backend.asynchronous(),
+            staged_head_rows: vec![1; layout.input_slots],
         })
     }
 
@@ -356,41 +367,41 @@ impl<B: Backend> Dflash<B> {
         )
     }
 
-    /// The frozen lm_head and the weighted fused loss, chunk by chunk (never `[Q, V]`), writing `dz`; the
-    /// loss total and the per-slot correct counts into the step scalars.
+    /// The frozen lm_head and the weighted fused loss over the labelled rows only, chunk by chunk (never
+    /// `[rows, V]`), writing `dz` (zero for the rows without a label); the loss total and the per-slot correct
+    /// counts into the step scalars.
     fn loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
         let spec = self.offsets.spec();
         let (h, v, b) = (spec.hidden, spec.vocab, spec.block);
         let (_, q, blocks) = self.rows(shape);
-        let p = self.precision;
+        let m = self.staged_head_rows[slot];
         let ws = &mut self.ws;
         let plan = &ws.plans[slot];
-        let chunk = self.chunk_rows.clamp(1, q.max(1));
-        let lm = Operand::new(ws.lm_head.all(), v, h);
-        for start in (0..q).step_by(chunk) {
-            let rows = chunk.min(q - start);
-            let z = Operand::new(ws.z.at(start * h, rows * h), rows, h);
-            be.gemm(ws.logits.at_mut(0, rows * v), z, lm.t(), 1.0, 0.0, p)?;
-            be.weighted_vocab_loss(
-                ws.logits.at_mut(0, rows * v),
-                plan.labels.at(start, rows),
-                plan.weights.at(start, rows),
-                plan.inv_weight_sum.all(),
-                ws.row_loss.at_mut(start, rows),
-                ws.correct.at_mut(start, rows),
-                v,
-            )?;
-            be.gemm(
-                ws.dz.at_mut(start * h, rows * h),
-                Operand::new(ws.logits.at(0, rows * v), rows, v),
-                lm,
-                1.0,
-                0.0,
-                p,
-            )?;
-        }
+        let chunk = self.chunk_rows.clamp(1, m);
+        be.labelled_head_loss(
+            (ws.z.at(0, q * h), ws.lm_head.all()),
+            HeadPlan {
+                rows: plan.head_rows.at(0, m),
+                index: plan.head_index.at(0, q),
+                labels: plan.labels.at(0, m),
+                weights: plan.weights.at(0, m),
+                norm: plan.inv_weight_sum.all(),
+            },
+            HeadScratch {
+                z: ws.head_z.at_mut(0, m * h),
+                dz: ws.head_dz.at_mut(0, m * h),
+                logits: ws.logits.at_mut(0, chunk * v),
+                correct: ws.head_correct.at_mut(0, m),
+            },
+            HeadOutputs {
+                row_loss: ws.row_loss.at_mut(0, m),
+                dz: ws.dz.at_mut(0, q * h),
+                correct: ws.correct.at_mut(0, q),
+            },
+            self.precision,
+        )?;
         be.sum(
-            ws.row_loss.at(0, q),
+            ws.row_loss.at(0, m),
             ws.loss_partials.all_mut(),
             ws.step_scalars.at_mut(2, 1),
         )?;
@@ -748,6 +759,15 @@ impl<B: Backend> Family<B> for Dflash<B> {
             ..self.geometry
         };
         self.plan.build(&geometry, input, seed, step);
+        let head_rows = if self.bucket_head {
+            self.spec()
+                .head_rows(batch.padded_len, batch.sequences)
+                .expect("the layout holds the bucket's head rows")
+        } else {
+            self.plan.labelled_rows() + 1
+        };
+        self.plan.pad_head(head_rows);
+        self.staged_head_rows[slot] = head_rows;
         let plan = &self.plan;
         let dev = &mut self.ws.plans[slot];
         let (t, q) = (plan.context_positions.len(), plan.query_rows());
@@ -765,8 +785,10 @@ impl<B: Backend> Family<B> for Dflash<B> {
             dev.block_key_ranges.at_mut(0, 2 * q),
             &plan.block_key_ranges,
         )?;
-        be.stage_upload(slot, dev.labels.at_mut(0, q), &plan.labels)?;
-        be.stage_upload(slot, dev.weights.at_mut(0, q), &plan.weights)?;
+        be.stage_upload(slot, dev.head_rows.at_mut(0, head_rows), &plan.head_rows)?;
+        be.stage_upload(slot, dev.head_index.at_mut(0, q), &plan.head_index)?;
+        be.stage_upload(slot, dev.labels.at_mut(0, head_rows), &plan.head_labels)?;
+        be.stage_upload(slot, dev.weights.at_mut(0, head_rows), &plan.head_weights)?;
         be.stage_upload(slot, dev.inv_weight_sum.all_mut(), &[plan.inv_weight_sum])?;
         Ok(Some(self.plan.slot_labels.clone()))
     }
