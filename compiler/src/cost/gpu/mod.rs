@@ -67,6 +67,10 @@ pub enum Kernel {
         k: f64,
         /// `C += A·B` (reads `C`).
         accumulate: bool,
+        /// The operands are f32 even at `precision = bf16`: no kernel writes them a 16-bit copy yet, so cuBLAS
+        /// reads 4 bytes per element and rounds them as it loads (`CUBLAS_COMPUTE_32F_FAST_16BF`), at the
+        /// same assumed tensor-core efficiency.
+        f32_operands: bool,
     },
     /// The DFlash attention kernels over `pairs` unmasked (query, key) pairs per query head.
     Attention {
@@ -291,8 +295,10 @@ pub fn time(gpu: &GpuSpec, precision: Precision, work: &Work) -> (KernelKind, f6
             n,
             k,
             accumulate,
+            f32_operands,
         } => {
             let (peak, operand) = match precision {
+                Precision::Bf16 if f32_operands => (gpu.bf16_flops, 4.0),
                 Precision::Bf16 => (gpu.bf16_flops, 2.0),
                 Precision::Tf32 => (gpu.tf32_flops, 4.0),
                 Precision::F32 => (gpu.f32_flops, 4.0),

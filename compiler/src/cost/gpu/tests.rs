@@ -21,6 +21,7 @@ fn each_kernel_kind_takes_its_assumed_share_of_the_h200() {
             n: 4096.0,
             k: 4096.0,
             accumulate: false,
+            f32_operands: false,
         },
     );
     let (kind, s) = time(&H200, bf16, &large);
@@ -35,6 +36,7 @@ fn each_kernel_kind_takes_its_assumed_share_of_the_h200() {
             n: 512.0,
             k: 8192.0,
             accumulate: false,
+            f32_operands: false,
         },
     );
     let (_, s) = time(&H200, bf16, &medium);
@@ -52,6 +54,7 @@ fn each_kernel_kind_takes_its_assumed_share_of_the_h200() {
             n: 16.0,
             k: 4096.0,
             accumulate: true,
+            f32_operands: false,
         },
     );
     let bytes = 2.0 * (65536.0 * 4096.0 + 4096.0 * 16.0) + 8.0 * 65536.0 * 16.0;
@@ -109,6 +112,7 @@ fn a_bucket_adds_its_phases_launches_and_model_flops() {
         n: 4096.0,
         k: 4096.0,
         accumulate: false,
+        f32_operands: false,
     };
     let work = [
         Work::new("forward", Phase::Forward, gemm).times(2.0),
@@ -150,6 +154,7 @@ fn the_mix_weighs_each_bucket_by_the_items_it_is_fed() {
         n: 4096.0,
         k: 4096.0,
         accumulate: false,
+        f32_operands: false,
     };
     let a = bucket_time(
         &H200,

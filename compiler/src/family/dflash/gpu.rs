@@ -2,12 +2,14 @@
 //! with its shape, the attention kernels with their unmasked pairs, and the bytes of each bandwidth-bound
 //! kernel, in the order of `runtime/src/model/dflash/mod.rs`'s forward, loss and backward and the optimizer.
 //!
-//! It describes the step after issue 19's and 18's kernels: at `precision = bf16` every GEMM reads 16-bit
-//! operands, written in bf16 by the kernel that produces them (norm outputs, RoPE'd queries and keys, values,
-//! SwiGLU's activation, the gradients that feed products: `e = 2` bytes below, 4 at f32/tf32, where no copies
-//! are written); the `lm_head` products and the fused loss run over the labelled rows only ([`head_rows`]),
-//! gathered before the head and scattered back after it; attention runs the flash kernels (bf16, head_dim 64
-//! or 128). The shapes use the notation of [`super::cost`]: `N` sequences, `S` padded length, `T = N·S`
+//! It describes the step as the CUDA backend launches it: at `precision = bf16` the forward's products read
+//! 16-bit operands (`e = 2` bytes below, 4 at f32/tf32, where no copies are written): the weights' copy AdamW
+//! writes, the norm and SwiGLU outputs their kernels write in bf16, the attention output rounded in its own
+//! pass; the `lm_head` products and every backward product still read f32 operands, which cuBLAS rounds as it
+//! loads ([`Kernel::Gemm`]'s `f32_operands`), and the backward's kernels write f32 only. The `lm_head`
+//! products and the fused loss run over the labelled rows only ([`head_rows`]), gathered before the head and
+//! scattered back after it; attention runs the flash kernels (bf16, head_dim 64 or 128), whose q/k/v operands
+//! are rounded to bf16 in five passes of their own, in the forward and again in the backward. The shapes use the notation of [`super::cost`]: `N` sequences, `S` padded length, `T = N·S`
 //! context rows, `Q` block rows, `R` labelled rows, `H`, `Lt` taps, `nh`/`kv` heads of `hd`, `I`, `V`, `P`.
 //!
 //! Bytes of the bandwidth-bound kernels: each reads its f32 inputs and writes its outputs once (f32 where an
@@ -19,13 +21,13 @@ use crate::family::dflash::cost::DflashShape;
 use crate::plan::derived::BucketPlan;
 use crate::plan::stages::{LossSpec, Precision};
 
-/// Rows that go through the `lm_head` products and the fused loss: `N·A·(B − 1)`, every block's slots after
-/// its anchor slot (slot 0 carries no label). An upper bound: slots past a sequence's end and positions the
-/// loss mask drops carry no label either and are compacted away too, but their number depends on the data.
-/// The one place the model counts the head's rows.
+/// Rows that go through the `lm_head` products and the fused loss on CUDA: [`DflashSpec::head_rows`], the
+/// bucket's bound `N·A·(B − 1) + 1` the captured step is shaped for (slot 0 carries no label; the one extra row
+/// never has one). Slots past a sequence's end and positions the loss mask drops carry no label either and are
+/// compacted away on the CPU, but a graph keeps the bucket's shapes.
 pub fn head_rows(spec: &DflashSpec, padded_len: usize, sequences: usize) -> f64 {
-    let blocks = sequences as f64 * spec.block_slots(padded_len) as f64;
-    blocks * spec.block.saturating_sub(1) as f64
+    spec.head_rows(padded_len, sequences)
+        .map_or(f64::INFINITY, |rows| rows as f64)
 }
 
 /// The step's kernels (module docs).
@@ -58,17 +60,34 @@ pub fn step_work(
         Precision::Tf32 | Precision::F32 => (4.0, false),
     };
     let conversion = |elements: f64| if copies { elements * (4.0 + e) } else { 0.0 };
+    // The forward's products (16-bit operands at bf16), and the head's and the backward's (f32 operands).
     let gemm = |m: f64, n: f64, k: f64| Kernel::Gemm {
         m,
         n,
         k,
         accumulate: false,
+        f32_operands: false,
     };
     let gemm_acc = |m: f64, n: f64, k: f64| Kernel::Gemm {
         m,
         n,
         k,
         accumulate: true,
+        f32_operands: false,
+    };
+    let gemm32 = |m: f64, n: f64, k: f64| Kernel::Gemm {
+        m,
+        n,
+        k,
+        accumulate: false,
+        f32_operands: true,
+    };
+    let gemm32_acc = |m: f64, n: f64, k: f64| Kernel::Gemm {
+        m,
+        n,
+        k,
+        accumulate: true,
+        f32_operands: true,
     };
     let stream = |bytes: f64| Kernel::Stream { bytes };
     let attention = |backward: bool| Kernel::Attention {
@@ -93,14 +112,20 @@ pub fn step_work(
     let per_layer = [
         Work::new("input_layernorm", F, stream(q * h * (4.0 + e))),
         Work::new("q_proj", F, gemm(q, qd, h)),
-        Work::new("q_norm + RoPE", F, stream(q * qd * (12.0 + e))).launches(2.0),
+        Work::new("q_norm + RoPE", F, stream(q * qd * 12.0)).launches(2.0),
         Work::new("k_proj, v_proj (block rows)", F, gemm(q, kd, h)).times(2.0),
-        Work::new("k_norm + RoPE (block rows)", F, stream(q * kd * (12.0 + e))).launches(2.0),
+        Work::new("k_norm + RoPE (block rows)", F, stream(q * kd * 12.0)).launches(2.0),
         Work::new("k_proj, v_proj (context)", F, gemm(t, kd, h)).times(2.0),
-        Work::new("k_norm + RoPE (context)", F, stream(t * kd * (12.0 + e))).launches(2.0),
-        Work::new("v copies", F, stream(conversion((q + t) * kd))).launches(2.0),
+        Work::new("k_norm + RoPE (context)", F, stream(t * kd * 12.0)).launches(2.0),
+        Work::new(
+            "q, k, v bf16 copies",
+            F,
+            stream(conversion(q * qd + 2.0 * (q + t) * kd)),
+        )
+        .launches(5.0),
         Work::new("attention forward", F, attention(false)),
         Work::new("residual copy", F, stream(8.0 * q * h)),
+        Work::new("attention output copy", F, stream(conversion(q * qd))),
         Work::new("o_proj", F, gemm_acc(q, h, qd)),
         Work::new("post_attention_layernorm", F, stream(q * h * (4.0 + e))),
         Work::new("gate_up_proj", F, gemm(q, 2.0 * i, h)),
@@ -114,51 +139,49 @@ pub fn step_work(
     }));
     work.extend([
         Work::new("norm", F, stream(q * h * (4.0 + e))),
-        Work::new("labelled rows gather", F, stream(r * h * 2.0 * e)),
-        Work::new("lm_head", F, gemm(per_chunk, v, h)).times(chunks),
-        // One statistics pass per chunk: reads the f32 logits, writes the gradient in place for the product.
-        Work::new("fused loss", B, stream(per_chunk * v * (4.0 + e))).times(chunks),
-        Work::new("lm_head dX", B, gemm(per_chunk, h, v)).times(chunks),
-        Work::new("dz scatter", B, stream(4.0 * q * h + r * h * (4.0 + e))).launches(2.0),
+        Work::new("labelled rows gather", F, stream(8.0 * r * h)),
+        Work::new("lm_head", F, gemm32(per_chunk, v, h)).times(chunks),
+        // Per chunk, three passes over the f32 logits (argmax, online max and sum, the gradient written in place
+        // for the product).
+        Work::new("fused loss", B, stream(per_chunk * v * 16.0))
+            .times(chunks)
+            .launches(3.0),
+        Work::new("lm_head dX", B, gemm32(per_chunk, h, v)).times(chunks),
+        Work::new("dz scatter", B, stream(4.0 * q * h + 8.0 * r * h)).launches(2.0),
         Work::new("loss sum, correct counts", B, stream(8.0 * q)).launches(3.0),
-        Work::new("norm backward", B, stream(q * h * (12.0 + e))).launches(2.0),
+        Work::new("norm backward", B, stream(q * h * 12.0)).launches(2.0),
     ]);
     // Backward, per layer; layer 0's block-row q/k/v input gradients are not needed (the embedding is frozen).
     let per_layer_backward = [
-        Work::new("down_proj dW", B, gemm(h, i, q)),
-        Work::new("down_proj dX", B, gemm(q, i, h)),
-        Work::new("SwiGLU backward", B, stream(q * i * (12.0 + 2.0 * e))),
-        Work::new("gate_up_proj dW", B, gemm(2.0 * i, h, q)),
-        Work::new("gate_up_proj dX", B, gemm(q, h, 2.0 * i)),
-        Work::new(
-            "post_attention_layernorm backward",
-            B,
-            stream(q * h * (16.0 + e)),
-        )
-        .launches(2.0),
-        Work::new("o_proj dW", B, gemm(h, qd, q)),
-        Work::new("o_proj dX", B, gemm(q, qd, h)),
+        Work::new("down_proj dW", B, gemm32(h, i, q)),
+        Work::new("down_proj dX", B, gemm32(q, i, h)),
+        Work::new("SwiGLU backward", B, stream(q * i * 12.0)),
+        Work::new("gate_up_proj dW", B, gemm32(2.0 * i, h, q)),
+        Work::new("gate_up_proj dX", B, gemm32(q, h, 2.0 * i)),
+        Work::new("post_attention_layernorm backward", B, stream(q * h * 16.0)).launches(2.0),
+        Work::new("o_proj dW", B, gemm32(h, qd, q)),
+        Work::new("o_proj dX", B, gemm32(q, qd, h)),
         Work::new("attention dO copy", B, stream(conversion(q * qd))),
+        Work::new(
+            "q, k, v bf16 copies (again)",
+            B,
+            stream(conversion(q * qd + 2.0 * (q + t) * kd)),
+        )
+        .launches(5.0),
         Work::new("attention backward", B, attention(true)),
-        Work::new("RoPE + q_norm backward", B, stream(q * qd * (20.0 + e))).launches(3.0),
+        Work::new("RoPE + q_norm backward", B, stream(q * qd * 20.0)).launches(3.0),
         Work::new(
             "RoPE + k_norm backward (block rows)",
             B,
-            stream(q * kd * (20.0 + e)),
+            stream(q * kd * 20.0),
         )
         .launches(3.0),
-        Work::new(
-            "RoPE + k_norm backward (context)",
-            B,
-            stream(t * kd * (20.0 + e)),
-        )
-        .launches(3.0),
-        Work::new("dV copies", B, stream(conversion((q + t) * kd))).launches(2.0),
-        Work::new("q_proj dW", B, gemm(qd, h, q)),
-        Work::new("k_proj, v_proj dW (block rows)", B, gemm(kd, h, q)).times(2.0),
-        Work::new("k_proj, v_proj dW (context)", B, gemm(kd, h, t)).times(2.0),
-        Work::new("k_proj, v_proj dX (context)", B, gemm_acc(t, h, kd)).times(2.0),
-        Work::new("input_layernorm backward", B, stream(q * h * (16.0 + e))).launches(2.0),
+        Work::new("RoPE + k_norm backward (context)", B, stream(t * kd * 20.0)).launches(3.0),
+        Work::new("q_proj dW", B, gemm32(qd, h, q)),
+        Work::new("k_proj, v_proj dW (block rows)", B, gemm32(kd, h, q)).times(2.0),
+        Work::new("k_proj, v_proj dW (context)", B, gemm32(kd, h, t)).times(2.0),
+        Work::new("k_proj, v_proj dX (context)", B, gemm32_acc(t, h, kd)).times(2.0),
+        Work::new("input_layernorm backward", B, stream(q * h * 16.0)).launches(2.0),
     ];
     work.extend(per_layer_backward.into_iter().map(|w| {
         let count = w.count * layers;
@@ -166,11 +189,11 @@ pub fn step_work(
     }));
     let above_layer_0 = (layers - 1.0).max(0.0);
     work.extend([
-        Work::new("q_proj dX", B, gemm_acc(q, h, qd)).times(above_layer_0),
-        Work::new("k_proj, v_proj dX (block rows)", B, gemm_acc(q, h, kd))
+        Work::new("q_proj dX", B, gemm32_acc(q, h, qd)).times(above_layer_0),
+        Work::new("k_proj, v_proj dX (block rows)", B, gemm32_acc(q, h, kd))
             .times(2.0 * above_layer_0),
-        Work::new("hidden_norm backward", B, stream(t * h * (8.0 + e))).launches(2.0),
-        Work::new("fc dW", B, gemm(h, lt * h, t)),
+        Work::new("hidden_norm backward", B, stream(t * h * 8.0)).launches(2.0),
+        Work::new("fc dW", B, gemm32(h, lt * h, t)),
         // The gradient norm (partials, a tree to one value) and AdamW (step state, then one pass reading p, g,
         // m, v and writing p, m, v and, at bf16, the 16-bit copy of the weights the products read).
         Work::new("gradient norm", O, stream(4.0 * p)).launches(2.0),
@@ -211,8 +234,8 @@ mod tests {
 
     #[test]
     fn the_head_runs_over_the_labelled_rows_only() {
-        // 2 sequences of 10: 8 blocks each of 4 slots, 3 labelled.
-        assert_eq!(head_rows(&spec(), 10, 2), 48.0);
+        // 2 sequences of 10: 8 blocks each of 4 slots, 3 labelled, and the one row that never has a label.
+        assert_eq!(head_rows(&spec(), 10, 2), 49.0);
         let bucket = BucketPlan {
             padded_len: 10,
             sequences: 2,
@@ -232,8 +255,8 @@ mod tests {
             .filter(|w| w.name == "lm_head")
             .map(Work::model_flops)
             .sum();
-        assert_eq!(head, 2.0 * 48.0 * 512.0 * 64.0);
-        // Two chunks of 24 rows.
+        assert_eq!(head, 2.0 * 49.0 * 512.0 * 64.0);
+        // Two chunks of 24.5 rows (the model's mean).
         assert_eq!(
             work.iter().find(|w| w.name == "lm_head").unwrap().count,
             2.0
@@ -243,7 +266,7 @@ mod tests {
     #[test]
     fn model_flops_are_the_family_flops_less_the_unlabelled_head_rows_and_the_recompute() {
         // The family's figure counts the head over every block row (Q = 64), attention 3.5× its forward and the
-        // fused loss and AdamW's arithmetic; the model counts the head over R = 48 rows and attention 3×.
+        // fused loss and AdamW's arithmetic; the model counts the head over R = 49 rows and attention 3×.
         let bucket = BucketPlan {
             padded_len: 10,
             sequences: 2,
@@ -263,7 +286,7 @@ mod tests {
             .map(Work::model_flops)
             .sum();
         let family = super::super::cost::step_flops(&s, 10, 2).unwrap() as f64;
-        let (q, r, h, v) = (64.0, 48.0, 64.0, 512.0);
+        let (q, r, h, v) = (64.0, 49.0, 64.0, 512.0);
         let attention_forward = 4.0 * 16.0 * 4.0 * (64.0 * 8.0);
         let p = s.parameter_count() as f64;
         let expected =

@@ -1,7 +1,7 @@
 //! The `mlp` step as the CUDA backend launches it (`runtime/src/model/mlp/mod.rs`), for the GPU time model
 //! ([`crate::cost::gpu`]): GEMM shapes and the bytes of the bandwidth-bound kernels, per phase. Notation of
 //! [`super::cost`]: `T` tokens, `din`, `H`, `I`, `L` blocks, `heads`, `V`, `P`; `e` the bytes of a GEMM
-//! operand (2 at bf16, where the producing kernels write 16-bit copies, 4 otherwise). Every head's `lm_head`
+//! operand (4: no kernel of this family writes a 16-bit copy yet). Every head's `lm_head`
 //! products run over all `T` rows (the mlp's labels are the next tokens: every row but a sequence's last has
 //! one). The bytes count each kernel's f32 inputs and its outputs once, as in [`crate::family::dflash::gpu`].
 
@@ -15,7 +15,7 @@ pub fn step_work(
     spec: &MlpSpec,
     bucket: &BucketPlan,
     loss: &LossSpec,
-    precision: Precision,
+    _precision: Precision,
 ) -> Vec<Work> {
     use Phase::{Backward as B, Forward as F, Optimizer as O};
     let f = |x: usize| x as f64;
@@ -29,16 +29,16 @@ pub fn step_work(
         f(spec.vocab),
     );
     let p = f(spec.parameter_count());
-    let e = match precision {
-        Precision::Bf16 => 2.0,
-        Precision::Tf32 | Precision::F32 => 4.0,
-    };
-    let copy = if precision == Precision::Bf16 { e } else { 0.0 };
+    // The mlp family's kernels write no 16-bit copies at any precision: its products read f32 operands
+    // (cuBLAS rounds them as it loads at bf16) and its kernels write f32.
+    let (e, copy) = (4.0, 0.0);
     let gemm = |m: f64, n: f64, k: f64, accumulate: bool| Kernel::Gemm {
         m,
         n,
         k,
         accumulate,
+        // The mlp family's kernels write no 16-bit copies.
+        f32_operands: true,
     };
     let stream = |bytes: f64| Kernel::Stream { bytes };
     let chunk = f(loss.chunk_tokens.max(1)).min(t.max(1.0));
