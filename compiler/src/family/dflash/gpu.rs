@@ -61,34 +61,17 @@ pub fn step_work(
     };
     let conversion = |elements: f64| if copies { elements * (4.0 + e) } else { 0.0 };
     // The forward's products (16-bit operands at bf16), and the head's and the backward's (f32 operands).
-    let gemm = |m: f64, n: f64, k: f64| Kernel::Gemm {
-        m,
-        n,
-        k,
-        accumulate: false,
-        f32_operands: false,
+    let product = |f32_operands: bool, accumulate: bool| {
+        move |m: f64, n: f64, k: f64| Kernel::Gemm {
+            m,
+            n,
+            k,
+            accumulate,
+            f32_operands,
+        }
     };
-    let gemm_acc = |m: f64, n: f64, k: f64| Kernel::Gemm {
-        m,
-        n,
-        k,
-        accumulate: true,
-        f32_operands: false,
-    };
-    let gemm32 = |m: f64, n: f64, k: f64| Kernel::Gemm {
-        m,
-        n,
-        k,
-        accumulate: false,
-        f32_operands: true,
-    };
-    let gemm32_acc = |m: f64, n: f64, k: f64| Kernel::Gemm {
-        m,
-        n,
-        k,
-        accumulate: true,
-        f32_operands: true,
-    };
+    let (gemm, gemm_acc) = (product(false, false), product(false, true));
+    let (gemm32, gemm32_acc) = (product(true, false), product(true, true));
     let stream = |bytes: f64| Kernel::Stream { bytes };
     let attention = |backward: bool| Kernel::Attention {
         backward,
