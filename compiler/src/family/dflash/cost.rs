@@ -119,11 +119,12 @@ pub fn frozen_bytes(spec: &DflashSpec) -> Option<u64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::family::dflash::DFLASH_RMS_NORM_EPS;
 
-    fn spec() -> DflashSpec {
+    /// The small spec the cost tests and the GPU kernel list's tests (`super::super::gpu`) count by hand.
+    pub(crate) fn spec() -> DflashSpec {
         DflashSpec {
             hidden: 64,
             taps: 3,

@@ -194,26 +194,7 @@ pub fn step_work(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::family::dflash::DFLASH_RMS_NORM_EPS;
-
-    fn spec() -> DflashSpec {
-        DflashSpec {
-            hidden: 64,
-            taps: 3,
-            tap_layers: vec![1, 2, 3],
-            vocab: 512,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            intermediate: 128,
-            block: 4,
-            anchors: 8,
-            mask_token: 511,
-            rope_theta: 10000.0,
-            rms_norm_eps: DFLASH_RMS_NORM_EPS,
-        }
-    }
+    use crate::family::dflash::cost::tests::spec;
 
     #[test]
     fn the_head_runs_over_the_labelled_rows_only() {
