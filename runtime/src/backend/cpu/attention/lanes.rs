@@ -197,25 +197,96 @@ impl MulAdd for Separate {
     }
 }
 
-/// `Σ_d rows[d][lane] · row[d]` for every lane (the sum stays in a register across `d`).
+/// Rows whose dot products [`chunk_dots`] computes in one pass over `d`: their sums are independent, so one
+/// row's multiply-adds do not wait on each other. Taken one row at a time, each dot was one chain of `head_dim`
+/// dependent multiply-adds (4 cycles each), which left the FMA units idle most of the time.
+const DOT_GROUP: usize = 4;
+
+/// `Σ_d rows[d][lane] · at[n][d]` for every lane and each of the `N` rows `at[n]` (the sums stay in registers
+/// across `d`, each in the order of `d`).
 ///
 /// # Safety
-/// `row` holds `head_dim` elements.
+/// Every `at[n]` holds `head_dim` elements.
 #[inline(always)]
-unsafe fn lane_dots<F: MulAdd>(rows: &[Lanes], row: *const f32, head_dim: usize) -> Lanes {
-    let mut dot = [0.0; LANES];
+unsafe fn group_dots<F: MulAdd, const N: usize>(
+    rows: &[Lanes],
+    at: [*const f32; N],
+    head_dim: usize,
+) -> [Lanes; N] {
+    let mut dots = [[0.0; LANES]; N];
     for (d, lanes) in rows.iter().enumerate().take(head_dim) {
-        // SAFETY: `d < head_dim`.
-        let x = unsafe { *row.add(d) };
-        for t in 0..LANES {
-            dot[t] = F::mul_add(lanes[t], x, dot[t]);
+        for (dot, row) in dots.iter_mut().zip(&at) {
+            // SAFETY: `d < head_dim`.
+            let x = unsafe { *row.add(d) };
+            for t in 0..LANES {
+                dot[t] = F::mul_add(lanes[t], x, dot[t]);
+            }
         }
     }
-    dot
+    dots
+}
+
+/// `Σ_d rows[d][lane] · at(c)[d]` for every lane and each row `c < count` of a chunk, [`DOT_GROUP`] rows per
+/// pass (rows from `count` on stay 0).
+///
+/// # Safety
+/// Every `at(c)` for `c < count` holds `head_dim` elements; `count ≤ CHUNK`.
+#[inline(always)]
+unsafe fn chunk_dots<F: MulAdd>(
+    rows: &[Lanes],
+    count: usize,
+    at: impl Fn(usize) -> *const f32,
+    head_dim: usize,
+) -> [Lanes; CHUNK] {
+    let mut dots = [[0.0; LANES]; CHUNK];
+    let mut c = 0;
+    while c + DOT_GROUP <= count {
+        // SAFETY: the caller's contract, rows `c..c + DOT_GROUP` below `count`.
+        let group = unsafe {
+            group_dots::<F, DOT_GROUP>(rows, std::array::from_fn(|g| at(c + g)), head_dim)
+        };
+        dots[c..c + DOT_GROUP].copy_from_slice(&group);
+        c += DOT_GROUP;
+    }
+    for (c, dot) in dots.iter_mut().enumerate().take(count).skip(c) {
+        // SAFETY: as above, row `c < count`.
+        *dot = unsafe { group_dots::<F, 1>(rows, [at(c)], head_dim) }[0];
+    }
+    dots
+}
+
+/// Elements `d` of the accumulator rows that [`lane_axpys`] updates in one pass over a chunk's rows: their sums
+/// are independent. One `d` at a time was one chain of `count` dependent multiply-adds per element.
+const AXPY_GROUP: usize = 8;
+
+/// `rows[n][lane] += Σ_c weights[c][lane] · sources[c][d0 + n]` for the `N` rows `rows` (elements `d0..d0 + N`
+/// of the accumulator), each sum in the order of `c`.
+///
+/// # Safety
+/// Every `sources[c]` for `c < count` holds `d0 + N` elements.
+#[inline(always)]
+unsafe fn group_axpys<F: MulAdd, const N: usize>(
+    rows: &mut [Lanes],
+    weights: &[Lanes],
+    sources: &[*const f32],
+    count: usize,
+    d0: usize,
+) {
+    let mut acc: [Lanes; N] = std::array::from_fn(|n| rows[n]);
+    for (weights, source) in weights.iter().zip(sources).take(count) {
+        for (n, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: `d0 + n < d0 + N` inside row `c < count`.
+            let x = unsafe { *source.add(d0 + n) };
+            for t in 0..LANES {
+                acc[t] = F::mul_add(weights[t], x, acc[t]);
+            }
+        }
+    }
+    rows[..N].copy_from_slice(&acc);
 }
 
 /// `rows[d][lane] += Σ_c weights[c][lane] · row_c[d]` over the `count` rows `row_c = at(c)`: each `rows[d]` is
-/// loaded and stored once per chunk, not once per row.
+/// loaded and stored once per chunk, not once per row, [`AXPY_GROUP`] of them per pass.
 ///
 /// # Safety
 /// Every `at(c)` for `c < count` holds `head_dim` elements; `count ≤ weights.len()`.
@@ -231,16 +302,17 @@ unsafe fn lane_axpys<F: MulAdd>(
     for (c, source) in sources.iter_mut().enumerate().take(count) {
         *source = at(c);
     }
-    for (d, lanes) in rows.iter_mut().enumerate().take(head_dim) {
-        let mut acc = *lanes;
-        for (weights, source) in weights.iter().zip(&sources).take(count) {
-            // SAFETY: `d < head_dim` inside row `c < count`.
-            let x = unsafe { *source.add(d) };
-            for t in 0..LANES {
-                acc[t] = F::mul_add(weights[t], x, acc[t]);
-            }
+    let rows = &mut rows[..head_dim];
+    let grouped = head_dim - head_dim % AXPY_GROUP;
+    for d0 in (0..grouped).step_by(AXPY_GROUP) {
+        // SAFETY: the caller's contract, elements `d0..d0 + AXPY_GROUP ≤ head_dim`.
+        unsafe {
+            group_axpys::<F, AXPY_GROUP>(&mut rows[d0..], weights, &sources, count, d0);
         }
-        *lanes = acc;
+    }
+    for d in grouped..head_dim {
+        // SAFETY: as above, element `d < head_dim`.
+        unsafe { group_axpys::<F, 1>(&mut rows[d..], weights, &sources, count, d) };
     }
 }
 
@@ -303,8 +375,8 @@ unsafe fn forward_tile<F: MulAdd>(
                 let chunk = CHUNK.min(ranges.hi - j);
                 let mut scores = [[f32::NEG_INFINITY; LANES]; CHUNK];
                 let mut chunk_max = max;
-                for (c, scores) in scores.iter_mut().enumerate().take(chunk) {
-                    let dots = lane_dots::<F>(q, keys.add(row(j + c)), head_dim);
+                let dots = chunk_dots::<F>(q, chunk, |c| keys.add(row(j + c)), head_dim);
+                for (c, (scores, dots)) in scores.iter_mut().zip(&dots).enumerate().take(chunk) {
                     let seen = ranges.holds(j + c);
                     for t in 0..LANES {
                         if seen[t] {
@@ -424,9 +496,10 @@ unsafe fn query_grad_tile<F: MulAdd>(
             while j < ranges.hi {
                 let chunk = CHUNK.min(ranges.hi - j);
                 let mut ds = [[0.0; LANES]; CHUNK];
+                let scores = chunk_dots::<F>(q, chunk, |c| keys.add(row(j + c)), head_dim);
+                let dp = chunk_dots::<F>(dout, chunk, |c| values.add(row(j + c)), head_dim);
                 for (c, ds) in ds.iter_mut().enumerate().take(chunk) {
-                    let scores = lane_dots::<F>(q, keys.add(row(j + c)), head_dim);
-                    let dp = lane_dots::<F>(dout, values.add(row(j + c)), head_dim);
+                    let (scores, dp) = (&scores[c], &dp[c]);
                     let seen = ranges.holds(j + c);
                     for t in 0..LANES {
                         let p = exp(scores[t] - lse[t]);
@@ -504,10 +577,11 @@ unsafe fn key_grad_tile<F: MulAdd>(
                 let chunk = CHUNK.min(ranges.hi - r);
                 let mut p = [[0.0; LANES]; CHUNK];
                 let mut ds = [[0.0; LANES]; CHUNK];
+                let scores = chunk_dots::<F>(k, chunk, |c| inputs.q.add(row(r + c)), head_dim);
+                let dp = chunk_dots::<F>(v, chunk, |c| saved.dout.add(row(r + c)), head_dim);
                 for c in 0..chunk {
                     let at = r + c;
-                    let scores = lane_dots::<F>(k, inputs.q.add(row(at)), head_dim);
-                    let dp = lane_dots::<F>(v, saved.dout.add(row(at)), head_dim);
+                    let (scores, dp) = (&scores[c], &dp[c]);
                     let (lse, delta) = (
                         *saved.lse.add(at * heads + head),
                         *saved.delta.add(at * heads + head),
