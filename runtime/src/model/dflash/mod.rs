@@ -908,6 +908,9 @@ fn rmsnorm_with_copy<B: Backend>(
     }
 }
 
+/// An output of a product and the β it is scaled by before the product is added (0 overwrites).
+type Scaled<'a, B> = (Dst<'a, B, f32>, f32);
+
 /// A projection's backward from the gradient `dy` (`[rows, width]`, f32) through [`linear_backward`] with `x`
 /// and the weight (`(dweight, β), (dx, β)` as there). Where the layout keeps gradient copies (`scratch`: CUDA at
 /// `bf16`), the products read `dy`'s copy from the start of `scratch`: there already, written by the kernel that
@@ -919,7 +922,7 @@ fn projection_backward<B: Backend>(
     (dy, width, round): (Src<'_, B, f32>, usize, bool),
     scratch: Option<&mut Buf<B, half::bf16>>,
     (x, weight): (HsOperand<'_, B>, HsOperand<'_, B>),
-    (dweight, dx): ((Dst<'_, B, f32>, f32), (Dst<'_, B, f32>, f32)),
+    (dweight, dx): (Scaled<'_, B>, Scaled<'_, B>),
     precision: Precision,
 ) -> BackendResult {
     let n = dy.len();
