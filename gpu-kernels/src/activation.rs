@@ -66,17 +66,22 @@ pub unsafe fn swiglu_forward(
 }
 
 /// SwiGLU backward, both input gradients in one pass: `dgate = dact · up · silu'(gate)`,
-/// `dup = dact · silu(gate)`, written into the `[dgate | dup]` row layout of `dgate_up`.
+/// `dup = dact · silu(gate)`, written into the `[dgate | dup]` row layout of `dgate_up`. When `dgate_up16` is
+/// not null it also receives both rounded to bfloat16 (nearest even, same layout) in the same pass: the operand
+/// of the `[gate; up]` weight- and input-gradient products at `bf16` precision on CUDA.
 ///
 /// Launch: element range, `n = rows · inter` (same indexing as [`swiglu_forward`]).
 ///
 /// # Safety
-/// `gate_up`, `dgate_up` hold `2 · n` elements, `dact` `n`; `dgate_up` overlaps neither input.
+/// `gate_up`, `dgate_up` (and `dgate_up16` unless null) hold `2 · n` elements, `dact` `n`; `dgate_up` overlaps
+/// neither input; `dgate_up16` overlaps nothing.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn swiglu_backward(
     gate_up: *const f32,
     dact: *const f32,
     dgate_up: *mut f32,
+    dgate_up16: *mut u16,
     inter: usize,
     n: usize,
     chunk_len: usize,
@@ -106,8 +111,14 @@ pub unsafe fn swiglu_backward(
             for i in i0..i0 + (row_end - e) {
                 let (s, ds) = crate::math::silu_and_grad(*gate.add(i));
                 let g = *d.add(i);
-                *dgate.add(i) = g * *up.add(i) * ds;
-                *dup.add(i) = g * s;
+                let (dg, du) = (g * *up.add(i) * ds, g * s);
+                *dgate.add(i) = dg;
+                *dup.add(i) = du;
+                if !dgate_up16.is_null() {
+                    let row16 = dgate_up16.add(2 * t * inter);
+                    *row16.add(i) = crate::convert::f32_to_bf16_bits(dg);
+                    *row16.add(inter + i) = crate::convert::f32_to_bf16_bits(du);
+                }
             }
         }
         e = row_end;

@@ -55,13 +55,16 @@ pub unsafe fn rmsnorm_forward(
 
 /// RMSNorm input gradient of one row:
 /// `dx = r·(w ⊙ dy) − x · r³/cols · Σ_k w_k dy_k x_k` with `r = inv_rms[row]`; written to `dx` when
-/// `accumulate` is false, added to it when true (a residual stream's gradient).
+/// `accumulate` is false, added to it when true (a residual stream's gradient). When `dx16` is not null it also
+/// receives the final `dx` (after the addition) rounded to bfloat16 (nearest even) in the same pass: the
+/// gradient's 16-bit operand of the backward products that read it at `bf16` precision, while `dx` stays f32
+/// for the residual stream and the norms.
 ///
 /// Launch: one plane per row (`rows` planes).
 ///
 /// # Safety
-/// `x`, `dy`, `dx` hold at least `(row + 1) · cols` elements, `weight` `cols`, `inv_rms` `row + 1`; `dx` does not
-/// overlap `x`, `dy` or `weight`.
+/// `x`, `dy`, `dx` (and `dx16` unless null) hold at least `(row + 1) · cols` elements, `weight` `cols`,
+/// `inv_rms` `row + 1`; `dx` does not overlap `x`, `dy` or `weight`; `dx16` overlaps nothing.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rmsnorm_backward_input(
@@ -70,6 +73,7 @@ pub unsafe fn rmsnorm_backward_input(
     inv_rms: *const f32,
     dy: *const f32,
     dx: *mut f32,
+    dx16: *mut u16,
     cols: usize,
     accumulate: bool,
     plane: impl Plane,
@@ -83,14 +87,28 @@ pub unsafe fn rmsnorm_backward_input(
         let r = *inv_rms.add(row);
         let dot = plane.sum(cols, |c| *weight.add(c) * *dy.add(c) * *x.add(c));
         let coeff = r * r * r * dot / cols as f32;
-        if accumulate {
-            plane.for_each(cols, |c| {
-                *dx.add(c) += r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff
-            });
-        } else {
-            plane.for_each(cols, |c| {
-                *dx.add(c) = r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff
-            });
+        let grad = |c: usize| r * *weight.add(c) * *dy.add(c) - *x.add(c) * coeff;
+        // Four loops rather than branches inside one: the host vectorises each, and the GPU's lanes take the
+        // same branch anyway (the flags are launch scalars).
+        match (accumulate, dx16.is_null()) {
+            (true, true) => plane.for_each(cols, |c| *dx.add(c) += grad(c)),
+            (false, true) => plane.for_each(cols, |c| *dx.add(c) = grad(c)),
+            (true, false) => {
+                let dx16 = dx16.add(row * cols);
+                plane.for_each(cols, |c| {
+                    let value = *dx.add(c) + grad(c);
+                    *dx.add(c) = value;
+                    *dx16.add(c) = crate::convert::f32_to_bf16_bits(value);
+                });
+            }
+            (false, false) => {
+                let dx16 = dx16.add(row * cols);
+                plane.for_each(cols, |c| {
+                    let value = grad(c);
+                    *dx.add(c) = value;
+                    *dx16.add(c) = crate::convert::f32_to_bf16_bits(value);
+                });
+            }
         }
     }
 }

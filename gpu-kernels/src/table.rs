@@ -86,7 +86,18 @@ macro_rules! kernel_table {
                 scalars: [cols: usize, accumulate: u32, rows: usize],
                 launch: planes(rows),
                 body: |plane, row| $crate::norm::rmsnorm_backward_input(
-                    x, weight, inv_rms, dy, dx, cols, accumulate != 0, plane, row
+                    x, weight, inv_rms, dy, dx, ::core::ptr::null_mut(), cols, accumulate != 0, plane, row
+                ),
+            }
+            /// RMSNorm input gradient that also writes the final `dx` rounded to bfloat16 (`dx16`, the same pass):
+            /// the 16-bit operand of the backward products reading that gradient at `bf16` precision on CUDA.
+            rmsnorm_backward_input_bf16 {
+                reads: [x: f32 = rows * cols, weight: f32 = cols, inv_rms: f32 = rows, dy: f32 = rows * cols],
+                writes: [dx: f32 = rows * cols, dx16: u16 = rows * cols],
+                scalars: [cols: usize, accumulate: u32, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::norm::rmsnorm_backward_input(
+                    x, weight, inv_rms, dy, dx, dx16, cols, accumulate != 0, plane, row
                 ),
             }
             /// First pass of the RMSNorm weight gradient: one partial per (chunk of rows, column).
@@ -135,7 +146,18 @@ macro_rules! kernel_table {
                 scalars: [inter: usize, n: usize],
                 launch: elements(n),
                 body: |chunk_len, chunk| $crate::activation::swiglu_backward(
-                    gate_up, dact, dgate_up, inter, n, chunk_len, chunk
+                    gate_up, dact, dgate_up, ::core::ptr::null_mut(), inter, n, chunk_len, chunk
+                ),
+            }
+            /// SwiGLU backward that also writes `[dgate | dup]` rounded to bfloat16 (`dgate_up16`, the same pass):
+            /// the 16-bit operand of the `[gate; up]` gradient products on CUDA at `bf16` precision.
+            swiglu_backward_bf16 {
+                reads: [gate_up: f32 = 2 * n, dact: f32 = n],
+                writes: [dgate_up: f32 = 2 * n, dgate_up16: u16 = 2 * n],
+                scalars: [inter: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::activation::swiglu_backward(
+                    gate_up, dact, dgate_up, dgate_up16, inter, n, chunk_len, chunk
                 ),
             }
             /// Head residual forward `h = z + silu(a)`.

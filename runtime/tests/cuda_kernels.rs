@@ -764,3 +764,68 @@ fn bf16_copies_are_the_device_values_rounded_to_nearest_even() {
         "swiglu's copy (seed {seed})"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it with --include-ignored"]
+fn backward_bf16_copies_are_the_device_gradients_rounded_to_nearest_even() {
+    // What CUDA's backward products read at bf16 precision: the RMSNorm backward's input gradient (written and
+    // accumulated) and the SwiGLU backward's [dgate | dup], each the device's own f32 result rounded to nearest
+    // even bit for bit, the f32 results as close to the host launchers as the kernels without a copy. Copies
+    // start poisoned.
+    let Some(k) = launcher("backward_bf16_copies_are_the_device_gradients_rounded_to_nearest_even")
+    else {
+        return;
+    };
+    let s = k.stream().clone();
+    let (mut r, seed) = rng();
+    let poison = |n: usize| upload(&s, &vec![0x7FC1u16; n]);
+    for (rows, cols, accumulate) in [(13, 19, 0u32), (37, 300, 1)] {
+        let n = rows * cols;
+        let x = uniform(&mut r, n, -2.0, 2.0);
+        let w = uniform(&mut r, cols, 0.5, 1.5);
+        let inv = uniform(&mut r, rows, 0.5, 2.0);
+        let dy = uniform(&mut r, n, -1e-3, 1e-3);
+        let dx0 = uniform(&mut r, n, -1e-3, 1e-3);
+        let mut dx = dx0.clone();
+        launch::rmsnorm_backward_input(&x, &w, &inv, &dy, &mut dx, cols, accumulate, rows);
+        let ((_x, x_), (_w, w_), (_i, inv_), (_dy, dy_)) = (
+            upload(&s, &x),
+            upload(&s, &w),
+            upload(&s, &inv),
+            upload(&s, &dy),
+        );
+        let (gdx, gdx_) = if accumulate == 1 {
+            upload(&s, &dx0)
+        } else {
+            poisoned(&s, n)
+        };
+        let (gdx16, gdx16_) = poison(n);
+        k.rmsnorm_backward_input_bf16(x_, w_, inv_, dy_, gdx_, gdx16_, cols, accumulate, rows)
+            .unwrap();
+        let got = download(&s, &gdx);
+        assert_close("rmsnorm dx", &got, &dx, 1e-4, 1e-9, seed);
+        assert_eq!(
+            download(&s, &gdx16),
+            bf16_bits(&got),
+            "rmsnorm backward's copy, accumulate {accumulate} (seed {seed})"
+        );
+    }
+
+    let (rows, inter) = (11, 37);
+    let n = rows * inter;
+    let gate_up = uniform(&mut r, 2 * n, -3.0, 3.0);
+    let dact = uniform(&mut r, n, -1e-3, 1e-3);
+    let mut dgu = vec![0.0; 2 * n];
+    launch::swiglu_backward(&gate_up, &dact, &mut dgu, inter, n);
+    let ((_gu, gu_), (_d, dact_)) = (upload(&s, &gate_up), upload(&s, &dact));
+    let ((gdgu, gdgu_), (gdgu16, gdgu16_)) = (poisoned(&s, 2 * n), poison(2 * n));
+    k.swiglu_backward_bf16(gu_, dact_, gdgu_, gdgu16_, inter, n)
+        .unwrap();
+    let got = download(&s, &gdgu);
+    assert_close("swiglu dgate_up", &got, &dgu, 2e-5, 1e-9, seed);
+    assert_eq!(
+        download(&s, &gdgu16),
+        bf16_bits(&got),
+        "swiglu backward's copy (seed {seed})"
+    );
+}

@@ -1,5 +1,6 @@
 //! The bf16 copies CUDA's products read at `bf16` precision, written by the kernels that produce their f32
-//! values (AdamW for the trained matrices, RMSNorm and SwiGLU for activations), through the host launchers that
+//! values (AdamW for the trained matrices, RMSNorm and SwiGLU for activations, their backward kernels for the
+//! gradients the backward's products read), through the host launchers that
 //! run the same bodies as the PTX: each copy is, bit for bit, the f32 value rounded to nearest even, which is the
 //! value the CPU's bf16 emulation rounds the same f32 to inside its products, so the CPU's bf16 tests cover what
 //! the GPU reads. The reference rounding is the `half` crate's (`bf16::from_f32`), not ours. The copies start
@@ -158,6 +159,70 @@ fn rmsnorm_and_swiglu_write_the_nearest_even_bf16_of_their_outputs() {
     assert!(rounding_matters(&act) > n / 4, "seed {seed}");
     if let Some(error) = first_mismatch(&act, &act16) {
         panic!("seed {seed}: swiglu: {error}");
+    }
+}
+
+#[test]
+fn rmsnorm_backward_writes_the_nearest_even_bf16_of_its_input_gradient() {
+    let seed = rand::random();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    // Written (the q/k norms, hidden_norm, the final norm) and added to a residual's gradient (the layers'
+    // norms, where the copy is of the sum); rows shorter than a plane and with a ragged last lane round.
+    for (rows, cols, accumulate) in [(13, 19, 0), (7, 300, 0), (13, 19, 1), (7, 300, 1)] {
+        let n = rows * cols;
+        let x = uniform(&mut rng, n, -2.0, 2.0);
+        let w = uniform(&mut rng, cols, 0.5, 1.5);
+        let inv = uniform(&mut rng, rows, 0.5, 2.0);
+        // Gradients of the magnitudes the step's have (a loss averaged over thousands of rows).
+        let dy = uniform(&mut rng, n, -1e-3, 1e-3);
+        let dx0 = if accumulate == 1 {
+            uniform(&mut rng, n, -1e-3, 1e-3)
+        } else {
+            vec![f32::NAN; n]
+        };
+        let mut dx_ref = dx0.clone();
+        launch::rmsnorm_backward_input(&x, &w, &inv, &dy, &mut dx_ref, cols, accumulate, rows);
+        let (mut dx, mut dx16) = (dx0, vec![POISON; n]);
+        launch::rmsnorm_backward_input_bf16(
+            &x, &w, &inv, &dy, &mut dx, &mut dx16, cols, accumulate, rows,
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&dx),
+            bits(&dx_ref),
+            "seed {seed}: the norm's f32 input gradient changed ({rows}×{cols}, accumulate {accumulate})"
+        );
+        assert!(dx.iter().all(|v| v.is_finite()), "seed {seed}");
+        assert!(rounding_matters(&dx) > n / 4, "seed {seed}");
+        if let Some(error) = first_mismatch(&dx, &dx16) {
+            panic!("seed {seed}: rmsnorm backward {rows}×{cols}, accumulate {accumulate}: {error}");
+        }
+    }
+}
+
+#[test]
+fn swiglu_backward_writes_the_nearest_even_bf16_of_both_input_gradients() {
+    let seed = rand::random();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    // 11 rows of 37: rows straddle the host chunks; both halves of each `[dgate | dup]` row get a copy.
+    let (rows, inter) = (11, 37);
+    let n = rows * inter;
+    let gate_up = uniform(&mut rng, 2 * n, -3.0, 3.0);
+    let dact = uniform(&mut rng, n, -1e-3, 1e-3);
+    let mut dgu_ref = vec![f32::NAN; 2 * n];
+    launch::swiglu_backward(&gate_up, &dact, &mut dgu_ref, inter, n);
+    let (mut dgu, mut dgu16) = (vec![f32::NAN; 2 * n], vec![POISON; 2 * n]);
+    launch::swiglu_backward_bf16(&gate_up, &dact, &mut dgu, &mut dgu16, inter, n);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&dgu),
+        bits(&dgu_ref),
+        "seed {seed}: swiglu's f32 gradients changed"
+    );
+    assert!(dgu.iter().all(|v| v.is_finite()), "seed {seed}");
+    assert!(rounding_matters(&dgu) > n / 2, "seed {seed}");
+    if let Some(error) = first_mismatch(&dgu, &dgu16) {
+        panic!("seed {seed}: swiglu backward: {error}");
     }
 }
 

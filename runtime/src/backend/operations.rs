@@ -117,6 +117,38 @@ macro_rules! kernel_operations {
             })
         }
 
+        /// [`rmsnorm_backward_input`](Self::rmsnorm_backward_input) that also writes the final `dx` rounded to
+        /// bf16 into `dx16` in the same pass (the gradient's operand of the backward products that read it on
+        /// CUDA at `bf16` precision).
+        #[allow(clippy::too_many_arguments)]
+        fn rmsnorm_backward_input_bf16(
+            &mut self,
+            x: Src<'_, Self, f32>,
+            weight: Src<'_, Self, f32>,
+            inv_rms: Src<'_, Self, f32>,
+            dy: Src<'_, Self, f32>,
+            (dx, dx16): (Dst<'_, Self, f32>, Dst<'_, Self, half::bf16>),
+            accumulate: bool,
+        ) -> BackendResult {
+            let (rows, cols) = (inv_rms.len(), weight.len());
+            let n = rows * cols;
+            assert!(
+                x.len() == n && dy.len() == n && dx.len() == n && dx16.len() == n,
+                "rmsnorm_backward_input_bf16: sizes"
+            );
+            self.launch(Kernel::rmsnorm_backward_input_bf16 {
+                x: Self::read(x),
+                weight: Self::read(weight),
+                inv_rms: Self::read(inv_rms),
+                dy: Self::read(dy),
+                dx: Self::write(dx),
+                dx16: Self::reinterpret_write(Self::write(dx16)),
+                cols,
+                accumulate: u32::from(accumulate),
+                rows,
+            })
+        }
+
         /// RMSNorm weight gradient (overwritten) by the two-pass reduction through `partials`.
         fn rmsnorm_weight_grad(
             &mut self,
@@ -213,6 +245,33 @@ macro_rules! kernel_operations {
                 gate_up: Self::read(gate_up),
                 dact: Self::read(dact),
                 dgate_up: Self::write(dgate_up),
+                inter,
+                n,
+            })
+        }
+
+        /// [`swiglu_backward`](Self::swiglu_backward) that also writes `dgate_up` rounded to bf16 into
+        /// `dgate_up16` in the same pass (the `[gate; up]` gradient products' operand on CUDA at `bf16`).
+        fn swiglu_backward_bf16(
+            &mut self,
+            gate_up: Src<'_, Self, f32>,
+            dact: Src<'_, Self, f32>,
+            (dgate_up, dgate_up16): (Dst<'_, Self, f32>, Dst<'_, Self, half::bf16>),
+            inter: usize,
+        ) -> BackendResult {
+            let n = dact.len();
+            assert!(
+                gate_up.len() == 2 * n
+                    && dgate_up.len() == gate_up.len()
+                    && dgate_up16.len() == gate_up.len()
+                    && n.is_multiple_of(inter.max(1)),
+                "swiglu_backward_bf16: sizes"
+            );
+            self.launch(Kernel::swiglu_backward_bf16 {
+                gate_up: Self::read(gate_up),
+                dact: Self::read(dact),
+                dgate_up: Self::write(dgate_up),
+                dgate_up16: Self::reinterpret_write(Self::write(dgate_up16)),
                 inter,
                 n,
             })

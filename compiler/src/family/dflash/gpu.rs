@@ -2,11 +2,13 @@
 //! with its shape, the attention kernels with their unmasked pairs, and the bytes of each bandwidth-bound
 //! kernel, in the order of `runtime/src/model/dflash/mod.rs`'s forward, loss and backward and the optimizer.
 //!
-//! It describes the step as the CUDA backend launches it: at `precision = bf16` the forward's products read
-//! 16-bit operands (`e = 2` bytes below, 4 at f32/tf32, where no copies are written): the weights' copy AdamW
-//! writes, the norm and SwiGLU outputs their kernels write in bf16, the attention output rounded in its own
-//! pass; the `lm_head` products and every backward product still read f32 operands, which cuBLAS rounds as it
-//! loads ([`Kernel::Gemm`]'s `f32_operands`), and the backward's kernels write f32 only. The `lm_head`
+//! It describes the step as the CUDA backend launches it: at `precision = bf16` the forward's and the
+//! backward's products read 16-bit operands (`e = 2` bytes below, 4 at f32/tf32, where no copies are written):
+//! the weights' copy AdamW writes, the norm and SwiGLU outputs their kernels write in bf16 (kept per layer, so
+//! the weight gradients read them again), the attention output rounded in its own pass, and the gradients the
+//! backward's products read, written in bf16 beside their f32 values by the norms' and the SwiGLU's backward
+//! (the attention's dv outputs rounded in a pass of their own); only the `lm_head` products still read f32
+//! operands, which cuBLAS rounds as it loads ([`Kernel::Gemm`]'s `f32_operands`). The `lm_head`
 //! products and the fused loss run over the labelled rows only ([`head_rows`]), gathered before the head and
 //! scattered back after it; attention runs the flash kernels (bf16, head_dim 64 or 128), whose q/k/v operands
 //! are rounded to bf16 in five passes of their own, in the forward and again in the backward. The shapes use the notation of [`super::cost`]: `N` sequences, `S` padded length, `T = N·S`
@@ -60,7 +62,9 @@ pub fn step_work(
         Precision::Tf32 | Precision::F32 => (4.0, false),
     };
     let conversion = |elements: f64| if copies { elements * (4.0 + e) } else { 0.0 };
-    // The forward's products (16-bit operands at bf16), and the head's and the backward's (f32 operands).
+    // A bf16 copy a kernel writes beside its f32 output in the same pass.
+    let copy_out = |elements: f64| if copies { elements * e } else { 0.0 };
+    // The step's products (16-bit operands at bf16), and the head's (f32 operands).
     let product = |f32_operands: bool, accumulate: bool| {
         move |m: f64, n: f64, k: f64| Kernel::Gemm {
             m,
@@ -71,7 +75,7 @@ pub fn step_work(
         }
     };
     let (gemm, gemm_acc) = (product(false, false), product(false, true));
-    let (gemm32, gemm32_acc) = (product(true, false), product(true, true));
+    let gemm32 = product(true, false);
     let stream = |bytes: f64| Kernel::Stream { bytes };
     let attention = |backward: bool| Kernel::Attention {
         backward,
@@ -132,18 +136,27 @@ pub fn step_work(
         Work::new("lm_head dX", B, gemm32(per_chunk, h, v)).times(chunks),
         Work::new("dz scatter", B, stream(4.0 * q * h + 8.0 * r * h)).launches(2.0),
         Work::new("loss sum, correct counts", B, stream(8.0 * q)).launches(3.0),
-        Work::new("norm backward", B, stream(q * h * 12.0)).launches(2.0),
+        Work::new("norm backward", B, stream(q * h * 12.0 + copy_out(q * h))).launches(2.0),
     ]);
     // Backward, per layer; layer 0's block-row q/k/v input gradients are not needed (the embedding is frozen).
     let per_layer_backward = [
-        Work::new("down_proj dW", B, gemm32(h, i, q)),
-        Work::new("down_proj dX", B, gemm32(q, i, h)),
-        Work::new("SwiGLU backward", B, stream(q * i * 12.0)),
-        Work::new("gate_up_proj dW", B, gemm32(2.0 * i, h, q)),
-        Work::new("gate_up_proj dX", B, gemm32(q, h, 2.0 * i)),
-        Work::new("post_attention_layernorm backward", B, stream(q * h * 16.0)).launches(2.0),
-        Work::new("o_proj dW", B, gemm32(h, qd, q)),
-        Work::new("o_proj dX", B, gemm32(q, qd, h)),
+        Work::new("down_proj dW", B, gemm(h, i, q)),
+        Work::new("down_proj dX", B, gemm(q, i, h)),
+        Work::new(
+            "SwiGLU backward",
+            B,
+            stream(q * i * 12.0 + copy_out(2.0 * q * i)),
+        ),
+        Work::new("gate_up_proj dW", B, gemm(2.0 * i, h, q)),
+        Work::new("gate_up_proj dX", B, gemm(q, h, 2.0 * i)),
+        Work::new(
+            "post_attention_layernorm backward",
+            B,
+            stream(q * h * 16.0 + copy_out(q * h)),
+        )
+        .launches(2.0),
+        Work::new("o_proj dW", B, gemm(h, qd, q)),
+        Work::new("o_proj dX", B, gemm(q, qd, h)),
         Work::new("attention dO copy", B, stream(conversion(q * qd))),
         Work::new(
             "q, k, v bf16 copies (again)",
@@ -152,18 +165,30 @@ pub fn step_work(
         )
         .launches(5.0),
         Work::new("attention backward", B, attention(true)),
-        Work::new("RoPE + q_norm backward", B, stream(q * qd * 20.0)).launches(3.0),
+        Work::new(
+            "RoPE + q_norm backward",
+            B,
+            stream(q * qd * 20.0 + copy_out(q * qd)),
+        )
+        .launches(3.0),
         Work::new(
             "RoPE + k_norm backward (block rows)",
             B,
-            stream(q * kd * 20.0),
+            stream(q * kd * 20.0 + copy_out(q * kd)),
         )
         .launches(3.0),
-        Work::new("RoPE + k_norm backward (context)", B, stream(t * kd * 20.0)).launches(3.0),
-        Work::new("q_proj dW", B, gemm32(qd, h, q)),
-        Work::new("k_proj, v_proj dW (block rows)", B, gemm32(kd, h, q)).times(2.0),
-        Work::new("k_proj, v_proj dW (context)", B, gemm32(kd, h, t)).times(2.0),
-        Work::new("k_proj, v_proj dX (context)", B, gemm32_acc(t, h, kd)).times(2.0),
+        Work::new(
+            "RoPE + k_norm backward (context)",
+            B,
+            stream(t * kd * 20.0 + copy_out(t * kd)),
+        )
+        .launches(3.0),
+        // The attention kernels write dv in f32: both key sets' copies in a pass each.
+        Work::new("dv bf16 copies", B, stream(conversion((q + t) * kd))).launches(2.0),
+        Work::new("q_proj dW", B, gemm(qd, h, q)),
+        Work::new("k_proj, v_proj dW (block rows)", B, gemm(kd, h, q)).times(2.0),
+        Work::new("k_proj, v_proj dW (context)", B, gemm_acc(kd, h, t)).times(2.0),
+        Work::new("k_proj, v_proj dX (context)", B, gemm_acc(t, h, kd)).times(2.0),
         Work::new("input_layernorm backward", B, stream(q * h * 16.0)).launches(2.0),
     ];
     work.extend(per_layer_backward.into_iter().map(|w| {
@@ -172,11 +197,25 @@ pub fn step_work(
     }));
     let above_layer_0 = (layers - 1.0).max(0.0);
     work.extend([
-        Work::new("q_proj dX", B, gemm32_acc(q, h, qd)).times(above_layer_0),
-        Work::new("k_proj, v_proj dX (block rows)", B, gemm32_acc(q, h, kd))
+        Work::new("q_proj dX", B, gemm_acc(q, h, qd)).times(above_layer_0),
+        Work::new("k_proj, v_proj dX (block rows)", B, gemm_acc(q, h, kd))
             .times(2.0 * above_layer_0),
-        Work::new("hidden_norm backward", B, stream(t * h * 8.0)).launches(2.0),
-        Work::new("fc dW", B, gemm32(h, lt * h, t)),
+        // The input norm's copy of dx, read by the next layer down's products (none below layer 0): written in
+        // the same pass as its input gradient, so no launch of its own.
+        Work::new(
+            "input_layernorm backward dx copy",
+            B,
+            stream(copy_out(q * h)),
+        )
+        .times(above_layer_0)
+        .launches(0.0),
+        Work::new(
+            "hidden_norm backward",
+            B,
+            stream(t * h * 8.0 + copy_out(t * h)),
+        )
+        .launches(2.0),
+        Work::new("fc dW", B, gemm(h, lt * h, t)),
         // The gradient norm (partials, a tree to one value) and AdamW (step state, then one pass reading p, g,
         // m, v and writing p, m, v and, at bf16, the 16-bit copy of the weights the products read).
         Work::new("gradient norm", O, stream(4.0 * p)).launches(2.0),

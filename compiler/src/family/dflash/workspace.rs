@@ -187,16 +187,29 @@ impl WorkspaceLayout {
             add(&format!("input{slot}.inv_weight_sum"), F32, Some(1))?;
         }
         if (backend, precision) == (BackendKind::Cuda, Precision::Bf16) {
-            // The 16-bit operands CUDA's forward products read (`docs/gpu.md`): the trained parameters rounded
-            // to bf16 (`2·P` bytes, written by AdamW in its pass), the context after hidden_norm (every layer's
-            // context K/V input, written by that norm), and one scratch the block rows' operands take in turn
-            // (a layer's normed input, its attention output, its normed MLP input), each used by the product
-            // right after the kernel that writes it, and the SwiGLU output (read while the MLP's normed input
-            // is still in that scratch).
+            // The 16-bit operands CUDA's products read (`docs/gpu.md`), each written by the kernel that writes
+            // its f32 value, in the same pass: the trained parameters rounded to bf16 (`2·P` bytes, by AdamW),
+            // the context after hidden_norm (every layer's context K/V input, forward and backward).
             add("params_bf16", Dtype::Bf16, Some(p))?;
             add("ctx_bf16", Dtype::Bf16, Some(th))?;
-            add("operand_bf16", Dtype::Bf16, Some(qh.max(m(q, qd)?)))?;
-            add("act_bf16", Dtype::Bf16, m(q, i))?;
+            // The block rows' saved activations, per layer, stacked like their f32 values: the forward's products
+            // read them and the backward's weight gradients read them again. Kept rather than rounded again in
+            // the backward: a rounding pass reads 4 and writes 2 bytes per element to save the product 2, so it
+            // costs more bytes than the f32 operand it replaces, while the copies cost only memory (at
+            // dflash-5x3.pipe 2·NL·Q·(2H + qd + I) = 7.5 GiB of the H200's 141 GB).
+            add("normed_bf16", Dtype::Bf16, per_layer(Some(qh)))?;
+            add("attn_bf16", Dtype::Bf16, per_layer(m(q, qd)))?;
+            add("normed2_bf16", Dtype::Bf16, per_layer(Some(qh)))?;
+            add("act_bf16", Dtype::Bf16, per_layer(m(q, i)))?;
+            // The backward's gradients as product operands, one layer at a time: the residual stream's gradient
+            // (written by the norms' backward, read by the down and o_proj products), and one scratch the
+            // other gradients take in turn, each read by the two products right after the kernel that writes it
+            // (dgate_up; dq_raw; dk_blk_raw, dv_blk; dk_ctx_raw, dv_ctx; dctx_pre for fc's weight gradient).
+            add("dx_bf16", Dtype::Bf16, Some(qh))?;
+            let grad = [m(q, m(2, i)?), m(q, qd), m(q, kd), m(t, kd), Some(th)]
+                .into_iter()
+                .try_fold(0, |most: usize, x| Some(most.max(x?)))?;
+            add("grad_bf16", Dtype::Bf16, Some(grad))?;
         }
         // The flash path's bf16 copies of one layer's attention operands (converted again in the backward)
         // and of the output gradient the key-major pass reads.
@@ -293,7 +306,16 @@ mod tests {
             )
             .unwrap()
         };
-        let names = ["params_bf16", "ctx_bf16", "operand_bf16", "act_bf16"];
+        let names = [
+            "params_bf16",
+            "ctx_bf16",
+            "normed_bf16",
+            "attn_bf16",
+            "normed2_bf16",
+            "act_bf16",
+            "dx_bf16",
+            "grad_bf16",
+        ];
         for (backend, precision) in [
             (BackendKind::Cpu, Precision::F32),
             (BackendKind::Cpu, Precision::Bf16),
@@ -307,13 +329,20 @@ mod tests {
             make(BackendKind::Cuda, Precision::F32),
             make(BackendKind::Cuda, Precision::Bf16),
         );
-        // Q = 2 sequences · 8 anchors · 4 slots; qd = 4 · 32 = 128 is wider than H = 64.
-        let (q, t, h, i, qd) = (64, 128, 64, 96, 128);
+        // Q = 2 sequences · 8 anchors · 4 slots; qd = 4 · 32 = 128 is wider than H = 64; 2 layers.
+        let (q, t, h, i, qd, nl) = (64, 128, 64, 96, 128, 2);
         assert_eq!(bf16.elements("params_bf16"), Some(spec.parameter_count()));
         assert_eq!(bf16.elements("ctx_bf16"), Some(t * h));
-        assert_eq!(bf16.elements("operand_bf16"), Some(q * qd));
-        assert_eq!(bf16.elements("act_bf16"), Some(q * i));
-        let copies = 2 * (spec.parameter_count() + t * h + q * qd + q * i) as u64;
+        assert_eq!(bf16.elements("normed_bf16"), Some(nl * q * h));
+        assert_eq!(bf16.elements("attn_bf16"), Some(nl * q * qd));
+        assert_eq!(bf16.elements("normed2_bf16"), Some(nl * q * h));
+        assert_eq!(bf16.elements("act_bf16"), Some(nl * q * i));
+        assert_eq!(bf16.elements("dx_bf16"), Some(q * h));
+        // The gradient scratch: the widest of dgate_up (Q·2I = 12288), dq_raw, the key gradients and
+        // dctx_pre (T·H = 8192).
+        assert_eq!(bf16.elements("grad_bf16"), Some(q * 2 * i));
+        let saved = nl * q * (2 * h + qd + i);
+        let copies = 2 * (spec.parameter_count() + t * h + saved + q * h + q * 2 * i) as u64;
         assert_eq!(bf16.bytes().unwrap() - f32_layout.bytes().unwrap(), copies);
     }
 }

@@ -80,6 +80,60 @@ impl<B: Backend> FlashScratch<B> {
     }
 }
 
+/// The forward's bf16 copies CUDA's products read at `bf16` precision beside the f32 values (the layout's
+/// `*_bf16` of activations; `params_bf16` is the flat state's), each written by the kernel that writes its f32
+/// value; the backward reads the per-layer ones again.
+pub(crate) struct OperandCopies<B: Backend> {
+    /// `ctx`, written by hidden_norm.
+    pub(crate) ctx: Buf<B, half::bf16>,
+    /// `normed` per layer, written by the input norm (the q/k/v products, forward and weight gradients).
+    pub(crate) normed: Buf<B, half::bf16>,
+    /// `attn` per layer, in a pass after attention (o_proj, forward and weight gradient).
+    pub(crate) attn: Buf<B, half::bf16>,
+    /// `normed2` per layer, written by the post-attention norm (gate_up, forward and weight gradient).
+    pub(crate) normed2: Buf<B, half::bf16>,
+    /// `act` per layer, written by the SwiGLU (down, forward and weight gradient).
+    pub(crate) act: Buf<B, half::bf16>,
+}
+
+/// The backward's gradients rounded to bf16 beside their f32 values, where the layout keeps them (CUDA at
+/// `bf16`), one layer at a time: the products that read a gradient read this copy.
+pub(crate) struct GradientCopies<B: Backend> {
+    /// `dx`, written by the norms' backward (the down and o_proj gradient products).
+    pub(crate) dx: Buf<B, half::bf16>,
+    /// The other gradients in turn, each read by the two products after the kernel that writes it.
+    pub(crate) grad: Buf<B, half::bf16>,
+}
+
+impl<B: Backend> GradientCopies<B> {
+    /// The copies `layout` lists, or `None` when it lists none.
+    fn take(be: &mut B, layout: &WorkspaceLayout) -> Result<Option<Self>, AllocateError> {
+        if layout.elements("dx_bf16").is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            dx: take(be, layout, "dx_bf16")?,
+            grad: take(be, layout, "grad_bf16")?,
+        }))
+    }
+}
+
+impl<B: Backend> OperandCopies<B> {
+    /// The copies `layout` lists, or `None` when it lists none (f32 operands: the CPU, f32 and TF32).
+    fn take(be: &mut B, layout: &WorkspaceLayout) -> Result<Option<Self>, AllocateError> {
+        if layout.elements("ctx_bf16").is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            ctx: take(be, layout, "ctx_bf16")?,
+            normed: take(be, layout, "normed_bf16")?,
+            attn: take(be, layout, "attn_bf16")?,
+            normed2: take(be, layout, "normed2_bf16")?,
+            act: take(be, layout, "act_bf16")?,
+        }))
+    }
+}
+
 /// The `dflash` workspace (names as in [`WorkspaceLayout::dflash`]; per-layer buffers are stacked) and the
 /// target's frozen tensors, which `compile` reports apart (`frozen_weights`).
 #[allow(missing_docs)] // each field is the layout buffer of the same name
@@ -147,12 +201,10 @@ pub struct DflashWorkspace<B: Backend> {
     pub(crate) adamw_step: Buf<B, f32>,
     /// `[steps applied, β1^steps, β2^steps]`.
     pub adamw_state: Buf<B, f64>,
-    /// `ctx` rounded to bf16, written by its norm (CUDA at `bf16` precision only).
-    pub(crate) ctx_bf16: Option<Buf<B, half::bf16>>,
-    /// The bf16 operand of the block rows' next product, written by the kernel before it (CUDA at `bf16`).
-    pub(crate) operand_bf16: Option<Buf<B, half::bf16>>,
-    /// The SwiGLU output rounded to bf16, the down projection's operand (CUDA at `bf16`).
-    pub(crate) act_bf16: Option<Buf<B, half::bf16>>,
+    /// The forward's bf16 operands, where the layout keeps them (CUDA at `bf16` precision).
+    pub(crate) copies: Option<OperandCopies<B>>,
+    /// The backward's bf16 gradient operands, likewise.
+    pub(crate) grad_copies: Option<GradientCopies<B>>,
     /// The flash path's scratch, when this worker takes it.
     pub(crate) flash: Option<FlashScratch<B>>,
     /// The input slots' batches.
@@ -255,24 +307,11 @@ impl<B: Backend> DflashWorkspace<B> {
             step_scalars: take(be, layout, "step_scalars")?,
             adamw_step: take(be, layout, "adamw_step")?,
             adamw_state: take(be, layout, "adamw_state")?,
-            ctx_bf16: optional(be, layout, "ctx_bf16")?,
-            operand_bf16: optional(be, layout, "operand_bf16")?,
-            act_bf16: optional(be, layout, "act_bf16")?,
+            copies: OperandCopies::take(be, layout)?,
+            grad_copies: GradientCopies::take(be, layout)?,
             flash: FlashScratch::take(be, layout)?,
             inputs,
             plans,
         })
-    }
-}
-
-/// The buffer `name` when the layout lists it (the 16-bit operand copies exist on CUDA at `bf16` only).
-fn optional<B: Backend>(
-    be: &mut B,
-    layout: &WorkspaceLayout,
-    name: &str,
-) -> Result<Option<Buf<B, half::bf16>>, AllocateError> {
-    match layout.elements(name) {
-        Some(_) => Ok(Some(take(be, layout, name)?)),
-        None => Ok(None),
     }
 }

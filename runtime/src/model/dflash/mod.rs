@@ -41,8 +41,8 @@ use crate::backend::{
 use crate::batch::HsBatch;
 use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
 use crate::model::layers::{
-    MlpDims, NormSaved, SwigluSaved, SwigluWeights, linear_backward, rmsnorm_backward,
-    swiglu_mlp_backward, swiglu_mlp_forward,
+    MlpDims, NormSaved, SwigluCopies, SwigluSaved, SwigluWeights, linear_backward,
+    rmsnorm_backward, swiglu_mlp_backward, swiglu_mlp_forward,
 };
 use crate::model::step::{AllocateError, PhaseTimes, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer};
@@ -162,22 +162,16 @@ impl<B: Backend> Dflash<B> {
             0.0,
             p,
         )?;
-        match &mut ws.ctx_bf16 {
-            Some(ctx16) => be.rmsnorm_forward_bf16(
-                ws.ctx_pre.at(0, th),
-                params.at(at.hidden_norm, h),
-                (ws.ctx.at_mut(0, th), ctx16.at_mut(0, th)),
-                ws.ctx_inv_rms.at_mut(0, t),
-                eps,
-            )?,
-            None => be.rmsnorm_forward(
-                ws.ctx_pre.at(0, th),
-                params.at(at.hidden_norm, h),
+        rmsnorm_with_copy(
+            be,
+            (ws.ctx_pre.at(0, th), params.at(at.hidden_norm, h)),
+            (
                 ws.ctx.at_mut(0, th),
-                ws.ctx_inv_rms.at_mut(0, t),
-                eps,
-            )?,
-        }
+                ws.copies.as_mut().map(|c| c.ctx.at_mut(0, th)),
+            ),
+            ws.ctx_inv_rms.at_mut(0, t),
+            eps,
+        )?;
         be.embedding_gather(
             ws.embed.all(),
             plan.block_ids.at(0, q),
@@ -189,16 +183,21 @@ impl<B: Backend> Dflash<B> {
         for (l, w) in at.layers.iter().enumerate() {
             let (done, rest) = ws.xs.split_at_mut(l + 1);
             let (x, next) = (&done[l], &mut rest[0]);
+            // The block rows' operands and their bf16 copies are per layer: the backward's weight gradients read
+            // them again.
             rmsnorm_with_copy(
                 be,
                 (x.at(0, qh), params.at(w.input_layernorm, h)),
-                (ws.normed.at_mut(l * qh, qh), ws.operand_bf16.as_mut()),
+                (
+                    ws.normed.at_mut(l * qh, qh),
+                    ws.copies.as_mut().map(|c| c.normed.at_mut(l * qh, qh)),
+                ),
                 ws.inv_rms.at_mut(l * q, q),
                 eps,
             )?;
             let normed = HsOperand::with_copy(
                 ws.normed.at(l * qh, qh),
-                ws.operand_bf16.as_ref().map(|c| c.at(0, qh)),
+                ws.copies.as_ref().map(|c| c.normed.at(l * qh, qh)),
                 q,
                 h,
             );
@@ -241,7 +240,7 @@ impl<B: Backend> Dflash<B> {
                     t,
                     HsOperand::with_copy(
                         ws.ctx.at(0, th),
-                        ws.ctx_bf16.as_ref().map(|c| c.at(0, th)),
+                        ws.copies.as_ref().map(|c| c.ctx.at(0, th)),
                         t,
                         h,
                     ),
@@ -300,14 +299,15 @@ impl<B: Backend> Dflash<B> {
             // m = x + attn · Woᵀ (on CUDA at bf16 the attention output's copy is a separate rounding pass: the
             // attention kernels write f32 only).
             be.copy(ws.mid.at_mut(l * qh, qh), x.at(0, qh))?;
-            if let Some(copy) = &mut ws.operand_bf16 {
-                be.round_to_bf16(ws.attn.at(l * q * qd, q * qd), copy.at_mut(0, q * qd))?;
+            let (qq, at_q) = (q * qd, l * q * qd);
+            if let Some(copies) = &mut ws.copies {
+                be.round_to_bf16(ws.attn.at(at_q, qq), copies.attn.at_mut(at_q, qq))?;
             }
             be.gemm_hs(
                 ws.mid.at_mut(l * qh, qh),
                 HsOperand::with_copy(
-                    ws.attn.at(l * q * qd, q * qd),
-                    ws.operand_bf16.as_ref().map(|c| c.at(0, q * qd)),
+                    ws.attn.at(at_q, qq),
+                    ws.copies.as_ref().map(|c| c.attn.at(at_q, qq)),
                     q,
                     qd,
                 ),
@@ -323,20 +323,26 @@ impl<B: Backend> Dflash<B> {
                     ws.mid.at(l * qh, qh),
                     params.at(w.post_attention_layernorm, h),
                 ),
-                (ws.normed2.at_mut(l * qh, qh), ws.operand_bf16.as_mut()),
+                (
+                    ws.normed2.at_mut(l * qh, qh),
+                    ws.copies.as_mut().map(|c| c.normed2.at_mut(l * qh, qh)),
+                ),
                 ws.inv_rms2.at_mut(l * q, q),
                 eps,
             )?;
+            // The MLP reads normed2's copy and writes act's: two fields of the same copies.
+            let (normed2_16, act16) = match ws.copies.as_mut() {
+                Some(c) => (
+                    Some(c.normed2.at(l * qh, qh)),
+                    Some((&mut c.act, l * q * i)),
+                ),
+                None => (None, None),
+            };
             swiglu_mlp_forward(
                 be,
                 mlp_dims,
                 (
-                    HsOperand::with_copy(
-                        ws.normed2.at(l * qh, qh),
-                        ws.operand_bf16.as_ref().map(|c| c.at(0, qh)),
-                        q,
-                        h,
-                    ),
+                    HsOperand::with_copy(ws.normed2.at(l * qh, qh), normed2_16, q, h),
                     ws.mid.at(l * qh, qh),
                 ),
                 (
@@ -349,9 +355,7 @@ impl<B: Backend> Dflash<B> {
                 (
                     (&mut ws.gate_up, l * q * 2 * i),
                     (&mut ws.act, l * q * i),
-                    ws.act_bf16
-                        .as_mut()
-                        .zip(params16.map(|c| c.at(w.down_proj, h * i))),
+                    act16.zip(params16.map(|c| c.at(w.down_proj, h * i))),
                 ),
                 next.at_mut(0, qh),
                 p,
@@ -417,6 +421,11 @@ impl<B: Backend> Dflash<B> {
         )
     }
 
+    /// The reverse of the forward. On CUDA at `bf16` every product reads bf16 copies of both operands: the
+    /// weights' (`params_bf16`), the saved activations' (per layer, written by the forward) and each gradient's,
+    /// written in the same pass by the kernel that produces the gradient (the norms' and the SwiGLU's backward);
+    /// the attention kernels write their f32 gradients only, so dv's copies are a rounding pass of their own
+    /// ([`projection_backward`]).
     fn backward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
         let spec = self.offsets.spec();
         let (h, d, i) = (spec.hidden, spec.taps * spec.hidden, spec.intermediate);
@@ -427,8 +436,20 @@ impl<B: Backend> Dflash<B> {
         let (p, at) = (self.precision, &self.offsets);
         let (ws, state) = (&mut self.ws, &mut self.state);
         let (params, grads) = (&state.params, &mut state.grads);
+        let params16 = state.params_bf16.as_ref();
+        let weight = |offset: usize, rows: usize, cols: usize| {
+            let n = rows * cols;
+            HsOperand::with_copy(
+                params.at(offset, n),
+                params16.map(|c| c.at(offset, n)),
+                rows,
+                cols,
+            )
+        };
         let (input, plan) = (&ws.inputs[slot], &ws.plans[slot]);
-        let (th, qh) = (t * h, q * h);
+        // The forward's copies are only read here; the gradients' are written in `ws.grad_copies`.
+        let saved16 = ws.copies.as_ref();
+        let (th, qh, qq, qk, tk) = (t * h, q * h, q * qd, q * kd, t * kd);
         let ctx_positions = plan.positions.at(0, t);
         let blk_positions = plan.positions.at(t, q);
         let layers = at.layers.len();
@@ -446,7 +467,10 @@ impl<B: Backend> Dflash<B> {
                 dy: ws.dz.at(0, qh),
             },
             (grads.at_mut(at.norm, h), ws.norm_partials.all_mut()),
-            ws.dx.at_mut(0, qh),
+            (
+                ws.dx.at_mut(0, qh),
+                ws.grad_copies.as_mut().map(|c| c.dx.at_mut(0, qh)),
+            ),
             false,
         )?;
         for (l, w) in at.layers.iter().enumerate().rev() {
@@ -466,6 +490,19 @@ impl<B: Backend> Dflash<B> {
                 },
                 (&mut *grads, w.gate_up, w.down_proj),
                 (&mut ws.dact, &mut ws.dgate_up),
+                ws.grad_copies
+                    .as_mut()
+                    .zip(saved16.zip(params16))
+                    .map(|(g, (s, p16))| {
+                        let copies = SwigluCopies {
+                            dout: g.dx.at(0, qh),
+                            normed: s.normed2.at(l * qh, qh),
+                            act: s.act.at(l * q * i, q * i),
+                            gate_up: p16.at(w.gate_up, 2 * i * h),
+                            down: p16.at(w.down_proj, h * i),
+                        };
+                        (copies, &mut g.grad)
+                    }),
                 ws.dnormed.at_mut(0, qh),
                 p,
             )?;
@@ -482,42 +519,53 @@ impl<B: Backend> Dflash<B> {
                     grads.at_mut(w.post_attention_layernorm, h),
                     ws.norm_partials.all_mut(),
                 ),
-                ws.dx.at_mut(0, qh),
+                (
+                    ws.dx.at_mut(0, qh),
+                    ws.grad_copies.as_mut().map(|c| c.dx.at_mut(0, qh)),
+                ),
                 true,
             )?;
             // Attention output projection: m = x + attn · Woᵀ.
-            linear_backward(
+            projection_backward(
                 be,
+                (ws.dx.at(0, qh), h, false),
+                ws.grad_copies.as_mut().map(|c| &mut c.dx),
                 (
-                    Operand::new(ws.dx.at(0, qh), q, h),
-                    Operand::new(ws.attn.at(l * q * qd, q * qd), q, qd),
-                    Operand::new(params.at(w.o_proj, h * qd), h, qd),
+                    HsOperand::with_copy(
+                        ws.attn.at(l * qq, qq),
+                        saved16.map(|c| c.attn.at(l * qq, qq)),
+                        q,
+                        qd,
+                    ),
+                    weight(w.o_proj, h, qd),
                 ),
-                (grads.at_mut(w.o_proj, h * qd), 0.0),
-                (ws.dattn.at_mut(0, q * qd), 0.0),
+                (
+                    (grads.at_mut(w.o_proj, h * qd), 0.0),
+                    (ws.dattn.at_mut(0, qq), 0.0),
+                ),
                 p,
             )?;
             let inputs = AttentionInputs {
-                q: ws.q.at(l * q * qd, q * qd),
-                k_ctx: ws.k_ctx.at(l * t * kd, t * kd),
-                v_ctx: ws.v_ctx.at(l * t * kd, t * kd),
-                k_blk: ws.k_blk.at(l * q * kd, q * kd),
-                v_blk: ws.v_blk.at(l * q * kd, q * kd),
+                q: ws.q.at(l * qq, qq),
+                k_ctx: ws.k_ctx.at(l * tk, tk),
+                v_ctx: ws.v_ctx.at(l * tk, tk),
+                k_blk: ws.k_blk.at(l * qk, qk),
+                v_blk: ws.v_blk.at(l * qk, qk),
                 query_ranges: plan.query_ranges.at(0, 4 * q),
             };
             let saved = AttentionSaved {
-                out: ws.attn.at(l * q * qd, q * qd),
-                dout: ws.dattn.at(0, q * qd),
+                out: ws.attn.at(l * qq, qq),
+                dout: ws.dattn.at(0, qq),
                 lse: ws.lse.at(l * q * heads, q * heads),
                 key_ranges_ctx: plan.context_key_ranges.at(0, 2 * t),
                 key_ranges_blk: plan.block_key_ranges.at(0, 2 * q),
             };
             let attn_grads = AttentionGrads {
-                dq: ws.dq.at_mut(0, q * qd),
-                dk_ctx: ws.dk_ctx.at_mut(0, t * kd),
-                dv_ctx: ws.dv_ctx.at_mut(0, t * kd),
-                dk_blk: ws.dk_blk.at_mut(0, q * kd),
-                dv_blk: ws.dv_blk.at_mut(0, q * kd),
+                dq: ws.dq.at_mut(0, qq),
+                dk_ctx: ws.dk_ctx.at_mut(0, tk),
+                dv_ctx: ws.dv_ctx.at_mut(0, tk),
+                dk_blk: ws.dk_blk.at_mut(0, qk),
+                dv_blk: ws.dv_blk.at_mut(0, qk),
             };
             let (shape, delta) = (
                 AttentionShape::new(heads, kvh, hd),
@@ -525,99 +573,94 @@ impl<B: Backend> Dflash<B> {
             );
             match ws.flash.as_mut() {
                 Some(flash) => {
-                    let scratch = flash.views(q * qd, t * kd, q * kd);
+                    let scratch = flash.views(qq, tk, qk);
                     be.flash_attention_backward(inputs, shape, saved, delta, scratch, attn_grads)?
                 }
                 None => be.attention_backward(inputs, shape, saved, delta, attn_grads)?,
             }
-            let normed = Operand::new(ws.normed.at(l * qh, qh), q, h);
+            let normed = HsOperand::with_copy(
+                ws.normed.at(l * qh, qh),
+                saved16.map(|c| c.normed.at(l * qh, qh)),
+                q,
+                h,
+            );
             // Queries: inverse RoPE, q_norm, projection; dn starts here.
-            be.rope(
-                ws.dq.at_mut(0, q * qd),
-                blk_positions,
-                theta,
-                heads,
-                hd,
-                true,
-            )?;
-            be.rmsnorm_weight_grad(
-                ws.q_raw.at(l * q * qd, q * qd),
-                ws.q_inv_rms.at(l * q * heads, q * heads),
-                ws.dq.at(0, q * qd),
-                grads.at_mut(w.q_norm, hd),
-                ws.norm_partials.all_mut(),
-            )?;
-            be.rmsnorm_backward_input(
-                ws.q_raw.at(l * q * qd, q * qd),
-                params.at(w.q_norm, hd),
-                ws.q_inv_rms.at(l * q * heads, q * heads),
-                ws.dq.at(0, q * qd),
-                ws.dq_raw.at_mut(0, q * qd),
+            be.rope(ws.dq.at_mut(0, qq), blk_positions, theta, heads, hd, true)?;
+            rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.q_raw.at(l * qq, qq),
+                    weight: params.at(w.q_norm, hd),
+                    inv_rms: ws.q_inv_rms.at(l * q * heads, q * heads),
+                    dy: ws.dq.at(0, qq),
+                },
+                (grads.at_mut(w.q_norm, hd), ws.norm_partials.all_mut()),
+                (
+                    ws.dq_raw.at_mut(0, qq),
+                    ws.grad_copies.as_mut().map(|c| c.grad.at_mut(0, qq)),
+                ),
                 false,
             )?;
-            linear_backward(
+            projection_backward(
                 be,
+                (ws.dq_raw.at(0, qq), qd, false),
+                ws.grad_copies.as_mut().map(|c| &mut c.grad),
+                (normed, weight(w.q_proj, qd, h)),
                 (
-                    Operand::new(ws.dq_raw.at(0, q * qd), q, qd),
-                    normed,
-                    Operand::new(params.at(w.q_proj, qd * h), qd, h),
+                    (grads.at_mut(w.q_proj, qd * h), 0.0),
+                    (ws.dnormed.at_mut(0, qh), 0.0),
                 ),
-                (grads.at_mut(w.q_proj, qd * h), 0.0),
-                (ws.dnormed.at_mut(0, qh), 0.0),
                 p,
             )?;
             // Block keys (k_norm's gradient from these rows into scratch) and values.
-            be.rope(
-                ws.dk_blk.at_mut(0, q * kd),
-                blk_positions,
-                theta,
-                kvh,
-                hd,
-                true,
-            )?;
-            be.rmsnorm_weight_grad(
-                ws.k_blk_raw.at(l * q * kd, q * kd),
-                ws.k_blk_inv_rms.at(l * q * kvh, q * kvh),
-                ws.dk_blk.at(0, q * kd),
-                ws.k_norm_grad.all_mut(),
-                ws.norm_partials.all_mut(),
-            )?;
-            be.rmsnorm_backward_input(
-                ws.k_blk_raw.at(l * q * kd, q * kd),
-                params.at(w.k_norm, hd),
-                ws.k_blk_inv_rms.at(l * q * kvh, q * kvh),
-                ws.dk_blk.at(0, q * kd),
-                ws.dk_blk_raw.at_mut(0, q * kd),
+            be.rope(ws.dk_blk.at_mut(0, qk), blk_positions, theta, kvh, hd, true)?;
+            rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.k_blk_raw.at(l * qk, qk),
+                    weight: params.at(w.k_norm, hd),
+                    inv_rms: ws.k_blk_inv_rms.at(l * q * kvh, q * kvh),
+                    dy: ws.dk_blk.at(0, qk),
+                },
+                (ws.k_norm_grad.all_mut(), ws.norm_partials.all_mut()),
+                (
+                    ws.dk_blk_raw.at_mut(0, qk),
+                    ws.grad_copies.as_mut().map(|c| c.grad.at_mut(0, qk)),
+                ),
                 false,
             )?;
-            let wk = Operand::new(params.at(w.k_proj, kd * h), kd, h);
-            let wv = Operand::new(params.at(w.v_proj, kd * h), kd, h);
-            let dk_blk = Operand::new(ws.dk_blk_raw.at(0, q * kd), q, kd);
-            let dv_blk = Operand::new(ws.dv_blk.at(0, q * kd), q, kd);
-            for (dy, weight, dweight) in [(dk_blk, wk, w.k_proj), (dv_blk, wv, w.v_proj)] {
-                linear_backward(
+            for (dy, round, dweight) in [
+                (ws.dk_blk_raw.at(0, qk), false, w.k_proj),
+                (ws.dv_blk.at(0, qk), true, w.v_proj),
+            ] {
+                projection_backward(
                     be,
-                    (dy, normed, weight),
-                    (grads.at_mut(dweight, kd * h), 0.0),
-                    (ws.dnormed.at_mut(0, qh), 1.0),
+                    (dy, kd, round),
+                    ws.grad_copies.as_mut().map(|c| &mut c.grad),
+                    (normed, weight(dweight, kd, h)),
+                    (
+                        (grads.at_mut(dweight, kd * h), 0.0),
+                        (ws.dnormed.at_mut(0, qh), 1.0),
+                    ),
                     p,
                 )?;
             }
             // Context keys and values: into k/v_proj's gradients and dc (accumulated over layers).
-            be.rope(
-                ws.dk_ctx.at_mut(0, t * kd),
-                ctx_positions,
-                theta,
-                kvh,
-                hd,
-                true,
-            )?;
-            be.rmsnorm_weight_grad(
-                ws.k_ctx_raw.at(l * t * kd, t * kd),
-                ws.k_ctx_inv_rms.at(l * t * kvh, t * kvh),
-                ws.dk_ctx.at(0, t * kd),
-                grads.at_mut(w.k_norm, hd),
-                ws.norm_partials.all_mut(),
+            be.rope(ws.dk_ctx.at_mut(0, tk), ctx_positions, theta, kvh, hd, true)?;
+            rmsnorm_backward(
+                be,
+                NormSaved {
+                    x: ws.k_ctx_raw.at(l * tk, tk),
+                    weight: params.at(w.k_norm, hd),
+                    inv_rms: ws.k_ctx_inv_rms.at(l * t * kvh, t * kvh),
+                    dy: ws.dk_ctx.at(0, tk),
+                },
+                (grads.at_mut(w.k_norm, hd), ws.norm_partials.all_mut()),
+                (
+                    ws.dk_ctx_raw.at_mut(0, tk),
+                    ws.grad_copies.as_mut().map(|c| c.grad.at_mut(0, tk)),
+                ),
+                false,
             )?;
             // k_norm += the block rows' part (a [1, hd] += [1, 1] · [1, hd] product: no add kernel needed).
             be.gemm(
@@ -628,30 +671,27 @@ impl<B: Backend> Dflash<B> {
                 1.0,
                 Precision::F32,
             )?;
-            be.rmsnorm_backward_input(
-                ws.k_ctx_raw.at(l * t * kd, t * kd),
-                params.at(w.k_norm, hd),
-                ws.k_ctx_inv_rms.at(l * t * kvh, t * kvh),
-                ws.dk_ctx.at(0, t * kd),
-                ws.dk_ctx_raw.at_mut(0, t * kd),
-                false,
-            )?;
-            let ctx = Operand::new(ws.ctx.at(0, th), t, h);
-            let dk_ctx = Operand::new(ws.dk_ctx_raw.at(0, t * kd), t, kd);
-            let dv_ctx = Operand::new(ws.dv_ctx.at(0, t * kd), t, kd);
+            let ctx =
+                HsOperand::with_copy(ws.ctx.at(0, th), saved16.map(|c| c.ctx.at(0, th)), t, h);
             let first = if l + 1 == layers { 0.0 } else { 1.0 };
-            for (dy, weight, dweight, dctx_beta) in
-                [(dk_ctx, wk, w.k_proj, first), (dv_ctx, wv, w.v_proj, 1.0)]
-            {
-                linear_backward(
+            for (dy, round, dweight, dctx_beta) in [
+                (ws.dk_ctx_raw.at(0, tk), false, w.k_proj, first),
+                (ws.dv_ctx.at(0, tk), true, w.v_proj, 1.0),
+            ] {
+                projection_backward(
                     be,
-                    (dy, ctx, weight),
-                    (grads.at_mut(dweight, kd * h), 1.0),
-                    (ws.dctx.at_mut(0, th), dctx_beta),
+                    (dy, kd, round),
+                    ws.grad_copies.as_mut().map(|c| &mut c.grad),
+                    (ctx, weight(dweight, kd, h)),
+                    (
+                        (grads.at_mut(dweight, kd * h), 1.0),
+                        (ws.dctx.at_mut(0, th), dctx_beta),
+                    ),
                     p,
                 )?;
             }
-            // Input norm: dx ← dm + its input gradient.
+            // Input norm: dx ← dm + its input gradient (its copy read by the next layer down's products; below
+            // layer 0 nothing reads it).
             rmsnorm_backward(
                 be,
                 NormSaved {
@@ -664,26 +704,57 @@ impl<B: Backend> Dflash<B> {
                     grads.at_mut(w.input_layernorm, h),
                     ws.norm_partials.all_mut(),
                 ),
-                ws.dx.at_mut(0, qh),
+                (
+                    ws.dx.at_mut(0, qh),
+                    ws.grad_copies
+                        .as_mut()
+                        .filter(|_| l > 0)
+                        .map(|c| c.dx.at_mut(0, qh)),
+                ),
                 true,
             )?;
         }
-        // Context: hidden_norm, then fc (the block embedding is frozen: dx stops here).
-        rmsnorm_backward(
-            be,
-            NormSaved {
-                x: ws.ctx_pre.at(0, th),
-                weight: params.at(at.hidden_norm, h),
-                inv_rms: ws.ctx_inv_rms.at(0, t),
-                dy: ws.dctx.at(0, th),
-            },
-            (grads.at_mut(at.hidden_norm, h), ws.norm_partials.all_mut()),
-            ws.dctx_pre.at_mut(0, th),
-            false,
-        )?;
+        // Context: hidden_norm, then fc (the block embedding is frozen: dx stops here). fc's weight gradient
+        // pairs dctx_pre with the hidden states as they are held: its bf16 copy meets bf16 ones, f32 meets f32.
+        let dctx_pre16 = match input.hs {
+            HsBuf::Bf16(_) => ws.grad_copies.as_mut().map(|c| &mut c.grad),
+            _ => None,
+        };
+        let (dctx_pre, dctx_pre16) = match dctx_pre16 {
+            Some(copy) => {
+                rmsnorm_backward(
+                    be,
+                    NormSaved {
+                        x: ws.ctx_pre.at(0, th),
+                        weight: params.at(at.hidden_norm, h),
+                        inv_rms: ws.ctx_inv_rms.at(0, t),
+                        dy: ws.dctx.at(0, th),
+                    },
+                    (grads.at_mut(at.hidden_norm, h), ws.norm_partials.all_mut()),
+                    (ws.dctx_pre.at_mut(0, th), Some(copy.at_mut(0, th))),
+                    false,
+                )?;
+                (ws.dctx_pre.at(0, th), Some(copy.at(0, th)))
+            }
+            None => {
+                rmsnorm_backward(
+                    be,
+                    NormSaved {
+                        x: ws.ctx_pre.at(0, th),
+                        weight: params.at(at.hidden_norm, h),
+                        inv_rms: ws.ctx_inv_rms.at(0, t),
+                        dy: ws.dctx.at(0, th),
+                    },
+                    (grads.at_mut(at.hidden_norm, h), ws.norm_partials.all_mut()),
+                    (ws.dctx_pre.at_mut(0, th), None),
+                    false,
+                )?;
+                (ws.dctx_pre.at(0, th), None)
+            }
+        };
         be.gemm_hs(
             grads.at_mut(at.fc, h * d),
-            Operand::new(ws.dctx_pre.at(0, th), t, h).t().into(),
+            HsOperand::with_copy(dctx_pre, dctx_pre16, t, h).t(),
             HsOperand::new(input.hs.at(0, t * d), t, d),
             1.0,
             0.0,
@@ -822,20 +893,48 @@ pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<
     Ok((Box::new(model), layout))
 }
 
-/// An RMSNorm forward over `x`'s rows into `y`, and into the first `y.len()` elements of `copy` rounded to
-/// bf16 in the same pass when the layout keeps that copy (CUDA at `bf16`: the operand of the products after it).
+/// An RMSNorm forward over `x`'s rows into `y`, and into `copy` rounded to bf16 in the same pass when the
+/// layout keeps that copy (CUDA at `bf16`: the operand of the products that read the norm's output).
 fn rmsnorm_with_copy<B: Backend>(
     be: &mut B,
     (x, weight): (Src<'_, B, f32>, Src<'_, B, f32>),
-    (y, copy): (Dst<'_, B, f32>, Option<&mut Buf<B, half::bf16>>),
+    (y, copy): (Dst<'_, B, f32>, Option<Dst<'_, B, half::bf16>>),
     inv_rms: Dst<'_, B, f32>,
     eps: f32,
 ) -> BackendResult {
     match copy {
-        Some(copy) => {
-            let n = y.len();
-            be.rmsnorm_forward_bf16(x, weight, (y, copy.at_mut(0, n)), inv_rms, eps)
-        }
+        Some(copy) => be.rmsnorm_forward_bf16(x, weight, (y, copy), inv_rms, eps),
         None => be.rmsnorm_forward(x, weight, y, inv_rms, eps),
     }
+}
+
+/// An output of a product and the β it is scaled by before the product is added (0 overwrites).
+type Scaled<'a, B> = (Dst<'a, B, f32>, f32);
+
+/// A projection's backward from the gradient `dy` (`[rows, width]`, f32) through [`linear_backward`] with `x`
+/// and the weight (`(dweight, β), (dx, β)` as there). Where the layout keeps gradient copies (`scratch`: CUDA at
+/// `bf16`), the products read `dy`'s copy from the start of `scratch`: there already, written by the kernel that
+/// produced `dy` in its pass, or with `round` written here first (the attention's f32 dv outputs: a pass of 6
+/// bytes per element that lets both products read 2-byte operands on both sides rather than 4-byte ones, and
+/// cuBLAS multiply bf16 natively; a bf16 product cannot take an f32 `dy` beside the weights' bf16 copy).
+fn projection_backward<B: Backend>(
+    be: &mut B,
+    (dy, width, round): (Src<'_, B, f32>, usize, bool),
+    scratch: Option<&mut Buf<B, half::bf16>>,
+    (x, weight): (HsOperand<'_, B>, HsOperand<'_, B>),
+    (dweight, dx): (Scaled<'_, B>, Scaled<'_, B>),
+    precision: Precision,
+) -> BackendResult {
+    let n = dy.len();
+    let copy = match scratch {
+        Some(scratch) => {
+            if round {
+                be.round_to_bf16(dy, scratch.at_mut(0, n))?;
+            }
+            Some(scratch.at(0, n))
+        }
+        None => None,
+    };
+    let dy = HsOperand::with_copy(dy, copy, n / width.max(1), width);
+    linear_backward(be, (dy, x, weight), dweight, dx, precision)
 }

@@ -101,9 +101,9 @@ impl<B: Backend> Eagle3<B> {
             layers::linear_backward(
                 be,
                 (
-                    Operand::new(ws.dmid.at(0, th), t, h),
-                    Operand::new(ws.attn.at(kt * qd, t * qd), t, qd),
-                    Operand::new(params.at(at.o_proj, h * qd), h, qd),
+                    Operand::new(ws.dmid.at(0, th), t, h).into(),
+                    Operand::new(ws.attn.at(kt * qd, t * qd), t, qd).into(),
+                    Operand::new(params.at(at.o_proj, h * qd), h, qd).into(),
                 ),
                 (grads.at_mut(at.o_proj, h * qd), beta),
                 (ws.dattn.at_mut(0, t * qd), 0.0),
@@ -159,9 +159,9 @@ impl<B: Backend> Eagle3<B> {
                 layers::linear_backward(
                     be,
                     (
-                        Operand::new(grad, t, width),
-                        cat,
-                        Operand::new(params.at(offset, width * 2 * h), width, 2 * h),
+                        Operand::new(grad, t, width).into(),
+                        cat.into(),
+                        Operand::new(params.at(offset, width * 2 * h), width, 2 * h).into(),
                     ),
                     (grads.at_mut(offset, width * 2 * h), beta),
                     (ws.dcat.at_mut(0, 2 * th), if n == 0 { 0.0 } else { 1.0 }),

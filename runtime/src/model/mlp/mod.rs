@@ -251,7 +251,7 @@ impl<B: Backend> Mlp<B> {
                 dy: ws.dz.at(0, th),
             },
             (state.grads.at_mut(at.norm, h), ws.norm_partials.all_mut()),
-            ws.dx.at_mut(0, th),
+            (ws.dx.at_mut(0, th), None),
             false,
         )?;
         for (b, w) in at.blocks.iter().enumerate().rev() {
@@ -270,6 +270,7 @@ impl<B: Backend> Mlp<B> {
                 },
                 (&mut state.grads, w.gate_up, w.down),
                 (&mut ws.dact, &mut ws.dgate_up),
+                None,
                 ws.dnormed.at_mut(0, th),
                 p,
             )?;
@@ -283,7 +284,7 @@ impl<B: Backend> Mlp<B> {
                     dy: ws.dnormed.at(0, th),
                 },
                 (state.grads.at_mut(w.norm, h), ws.norm_partials.all_mut()),
-                ws.dx.at_mut(0, th),
+                (ws.dx.at_mut(0, th), None),
                 true,
             )?;
         }
