@@ -252,7 +252,6 @@ const MIN_OTHER: usize = 4;
 ///
 /// # Safety
 /// As [`product_on_threads`].
-#[allow(clippy::too_many_arguments)]
 unsafe fn product(
     (m, k, n): (usize, usize, usize),
     alpha: f32,
