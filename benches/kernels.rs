@@ -12,13 +12,17 @@
 //! operations of the unmasked (query, head, key) pairs only (forward `4·hd` per pair, backward `14·hd`: both
 //! passes recompute the scores), and prints how many pairs a dense `[queries × keys]` computation would touch.
 //!
+//! `gemm_realistic` times the CPU backend's products (`matmul`, one thread) at `benches/dflash-realistic.pipe`'s
+//! shapes (480 labelled rows of a 512-token sequence, width 512, intermediate 1536, vocabulary 8192), with
+//! `Throughput::Elements` = their floating-point operations (`2·m·k·n`), so the rate reads as FLOP/s.
+//!
 //! Run: `cargo bench --bench kernels -- --warm-up-time 1 --measurement-time 3`.
 
 use criterion::{
     BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime,
 };
 use draftpipe_compiler::plan::MlpSpec;
-use draftpipe_runtime::backend::cpu::kernels;
+use draftpipe_runtime::backend::cpu::{gemm_flops, kernels, matmul};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -309,5 +313,35 @@ fn bench_attention(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_kernels, bench_fused_loss, bench_attention);
+/// The realistic DFlash step's products, `(name, (m, k, n), b read transposed)`: the head's logits `h · lm_headᵀ`
+/// and their input gradient `dlogits · lm_head`, the MLP's `x · gateᵀ`, the down projection's input gradient
+/// `dy · down` (`down` is `[512, 1536]`), and a weight gradient `dyᵀ · x` (`a` read transposed).
+const REALISTIC_GEMMS: [(&str, (usize, usize, usize), bool, bool); 5] = [
+    ("logits", (480, 512, 8192), false, true),
+    ("logits_input_grad", (480, 8192, 512), false, false),
+    ("mlp_gate", (512, 512, 1536), false, true),
+    ("down_input_grad", (512, 512, 1536), false, false),
+    ("weight_grad", (1536, 512, 512), true, false),
+];
+
+fn bench_gemm_realistic(c: &mut Criterion) {
+    let mut group = c.benchmark_group("gemm_realistic");
+    for (name, (m, k, n), a_transposed, b_transposed) in REALISTIC_GEMMS {
+        let (a, b) = (values(m * k, 11), values(k * n, 12));
+        let mut out = vec![0.0f32; m * n];
+        group.throughput(Throughput::Elements(gemm_flops(m, k, n)));
+        group.bench_function(name, |bench| {
+            bench.iter(|| matmul(&mut out, (&a, a_transposed), (&b, b_transposed), (m, k, n)))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_kernels,
+    bench_fused_loss,
+    bench_attention,
+    bench_gemm_realistic
+);
 criterion_main!(benches);

@@ -1,6 +1,6 @@
 //! One head's fused vocabulary loss on host slices, for the kernels benchmark that compares the chunked loss
 //! with materialised `[T, V]` logits (the training step's own loss loop is `model::mlp`'s, over the backend).
-//! The products are `matrixmultiply::sgemm` on the calling thread: what the CPU backend's GEMM runs outside a
+//! The products are one `gemm::gemm` call each on the calling thread: what the CPU backend's GEMM runs outside a
 //! drafter's thread pool.
 
 use draftpipe_runtime::backend::cpu::kernels;
@@ -36,23 +36,29 @@ fn gemm(
         "gemm: shapes"
     );
     // SAFETY: the strides below are those of row-major `[m, k]`/`[k, m]`, `[k, n]`/`[n, k]` buffers whose
-    // lengths are checked above, and `c` is a unique borrow, so it overlaps neither input.
+    // lengths are checked above, and `c` is a unique borrow, so it overlaps neither input. The crate's `alpha`
+    // scales `c` and its `beta` the product (BLAS's names swapped); `c` is read only when `beta` is not 0.
     unsafe {
-        matrixmultiply::sgemm(
+        gemm::gemm(
             m,
-            k,
             n,
-            1.0,
-            a.as_ptr(),
-            rsa,
-            csa,
-            b.as_ptr(),
-            rsb,
-            csb,
-            beta,
+            k,
             c.as_mut_ptr(),
-            n as isize,
             1,
+            n as isize,
+            beta != 0.0,
+            a.as_ptr(),
+            csa,
+            rsa,
+            b.as_ptr(),
+            csb,
+            rsb,
+            beta,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
         );
     }
 }

@@ -52,8 +52,9 @@ impl BackendKind {
     }
 }
 
-/// Rows of hidden states the CPU converts to f32 at a time for a matrix product (one `matrixmultiply` depth
-/// panel, so a tile costs the product no extra pass).
+/// Rows of hidden states the CPU converts to f32 at a time for a matrix product (`matrixmultiply`'s depth panel,
+/// the CPU's GEMM when this was set; the `gemm` crate blocks the depth by 512 or more, so along the depth each
+/// tile is one more pass over the output).
 pub const HS_TILE_ROWS: usize = 256;
 
 /// [`WorkspaceLayout::hs_operand_elements`]: on CUDA at `bf16` precision, the larger of the `fc` weight

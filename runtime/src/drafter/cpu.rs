@@ -7,7 +7,7 @@
 //!              forward │ fused loss │ backward                                         grad norm → clip → AdamW
 //! ```
 //!
-//! Matrix products go through `matrixmultiply`; every other operation is a kernel body of
+//! Matrix products go through the `gemm` crate; every other operation is a kernel body of
 //! `draftpipe-gpu-kernels`, the same source the CUDA backend compiles to PTX
 //! ([`kernels`](crate::backend::cpu::kernels)). The state's four
 //! vectors are swapped into the backend's buffers for the call and back out (no copy), so the step stays free of

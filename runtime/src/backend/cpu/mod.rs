@@ -1,4 +1,4 @@
-//! The CPU backend: buffers are `Vec`s, matrix products go to `matrixmultiply` ([`gemm`]), every kernel
+//! The CPU backend: buffers are `Vec`s, matrix products go to the `gemm` crate ([`gemm`]), every kernel
 //! [`Backend::launch`] gets to its host launcher (`kernels::run`, the generated match; AVX2 + FMA when the CPU
 //! has both), and the operations the table declares host bodies for (`HOST_BODIES`: attention and RoPE) to
 //! those ([`attention`], [`rope`]), overriding the trait's launches of the table's kernels. Everything runs at
