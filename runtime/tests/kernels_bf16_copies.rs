@@ -203,10 +203,20 @@ fn the_head_gathers_its_rows_and_the_loss_writes_its_gradient_in_nearest_even_bf
         let labels = [3i32, -1, (vocab - 1) as i32, 0];
         let weights = [0.5f32, 1.0, 0.25, 2.0];
         let norm = [1.0f32 / 2.75];
-        let (mut g_ref, mut loss_ref, mut hit_ref) =
-            (logits.clone(), vec![f32::NAN; loss_rows], vec![f32::NAN; loss_rows]);
+        let (mut g_ref, mut loss_ref, mut hit_ref) = (
+            logits.clone(),
+            vec![f32::NAN; loss_rows],
+            vec![f32::NAN; loss_rows],
+        );
         launch::weighted_vocab_loss_row(
-            &labels, &weights, &norm, &mut g_ref, &mut loss_ref, &mut hit_ref, vocab, loss_rows,
+            &labels,
+            &weights,
+            &norm,
+            &mut g_ref,
+            &mut loss_ref,
+            &mut hit_ref,
+            vocab,
+            loss_rows,
         );
         let (mut g, mut g16, mut row_loss, mut hit) = (
             logits.clone(),
@@ -215,11 +225,27 @@ fn the_head_gathers_its_rows_and_the_loss_writes_its_gradient_in_nearest_even_bf
             vec![f32::NAN; loss_rows],
         );
         launch::weighted_vocab_loss_row_bf16(
-            &labels, &weights, &norm, &mut g, &mut g16, &mut row_loss, &mut hit, vocab, loss_rows,
+            &labels,
+            &weights,
+            &norm,
+            &mut g,
+            &mut g16,
+            &mut row_loss,
+            &mut hit,
+            vocab,
+            loss_rows,
         );
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&g), bits(&g_ref), "seed {seed}: the f32 gradient changed");
-        assert_eq!(bits(&row_loss), bits(&loss_ref), "seed {seed}: the losses changed");
+        assert_eq!(
+            bits(&g),
+            bits(&g_ref),
+            "seed {seed}: the f32 gradient changed"
+        );
+        assert_eq!(
+            bits(&row_loss),
+            bits(&loss_ref),
+            "seed {seed}: the losses changed"
+        );
         assert_eq!(hit, hit_ref, "seed {seed}: the hits changed");
         assert!(rounding_matters(&g) > g.len() / 4, "seed {seed}");
         if let Some(error) = first_mismatch(&g, &g16) {

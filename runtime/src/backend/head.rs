@@ -112,7 +112,11 @@ macro_rules! head_operations {
             let chunk = scratch.logits.len() / v.max(1);
             let operand_rows = match &scratch.operands {
                 crate::backend::head::HeadOperands::F32 { z } => z.len(),
-                crate::backend::head::HeadOperands::Bf16 { lm_head: lm16, z, logits } => {
+                crate::backend::head::HeadOperands::Bf16 {
+                    lm_head: lm16,
+                    z,
+                    logits,
+                } => {
                     assert!(
                         lm16.len() == lm_head.len() && logits.len() == scratch.logits.len(),
                         "labelled_head_loss: 16-bit copies"
@@ -175,7 +179,10 @@ macro_rules! head_operations {
                 )?;
                 let mut chunk_copy = logits16.as_mut().map(|c| c.at_mut(0, rows * v));
                 self.weighted_vocab_loss(
-                    (chunk_logits.reborrow(), chunk_copy.as_mut().map(|c| c.reborrow())),
+                    (
+                        chunk_logits.reborrow(),
+                        chunk_copy.as_mut().map(|c| c.reborrow()),
+                    ),
                     plan.labels.at(start, rows),
                     plan.weights.at(start, rows),
                     plan.norm,

@@ -485,7 +485,8 @@ macro_rules! kernel_operations {
             ids: Src<'_, Self, u32>,
             out: Dst<'_, Self, f32>,
         ) -> BackendResult {
-            let (vocab, hidden, n) = crate::backend::operations::gather_shape(table.len(), ids.len(), out.len());
+            let (vocab, hidden, n) =
+                crate::backend::operations::gather_shape(table.len(), ids.len(), out.len());
             self.launch(Kernel::embedding_gather {
                 table: Self::read(table),
                 ids: Self::read(ids),
@@ -504,7 +505,8 @@ macro_rules! kernel_operations {
             ids: Src<'_, Self, u32>,
             out: Dst<'_, Self, half::bf16>,
         ) -> BackendResult {
-            let (vocab, hidden, n) = crate::backend::operations::gather_shape(table.len(), ids.len(), out.len());
+            let (vocab, hidden, n) =
+                crate::backend::operations::gather_shape(table.len(), ids.len(), out.len());
             self.launch(Kernel::embedding_gather_bf16 {
                 table: Self::read(table),
                 ids: Self::read(ids),
