@@ -539,7 +539,9 @@ fn fused_argmax_agrees_with_a_separate_argmax() {
     for row in stats_rows(&mut rng) {
         let n = row.len();
         let (first, max) = first_largest(&row);
-        let mut runs: Vec<(&str, RowStats, usize, Vec<f32>, Vec<u16>)> = Vec::new();
+        // Per plane: its name, the fused statistics, the separate argmax, the gradient and its copy.
+        type Run = (&'static str, RowStats, usize, Vec<f32>, Vec<u16>);
+        let mut runs: Vec<Run> = Vec::new();
 
         let (mut x, mut x16) = (row.clone(), vec![0x7FC1u16; n]);
         // SAFETY: `x` and `x16` hold `n` elements; `label < n`.
