@@ -10,6 +10,8 @@
 //! The scale multiplies the gradient and the per-row loss inside the kernel, so the normalisation by the
 //! number of valid labels never needs the host to read a count mid-step.
 
+use core::ptr;
+
 use crate::plane::Plane;
 
 /// Label value of an ignored position.
@@ -144,9 +146,9 @@ pub unsafe fn vocab_loss_row(
         let label = label as usize;
         let target = *logits.add(label);
         let scale = *scale;
-        let (max, sum) = plane.softmax_gradient_in_place(logits, vocab, label, scale);
+        let stats = plane.softmax_gradient_in_place(logits, ptr::null_mut(), vocab, label, scale);
         if plane.is_leader() {
-            *row_loss.add(row) = scale * (max + crate::math::ln(sum) - target);
+            *row_loss.add(row) = scale * (stats.max + crate::math::ln(stats.sum) - target);
         }
     }
 }
@@ -154,22 +156,24 @@ pub unsafe fn vocab_loss_row(
 /// The weighted cross-entropy of one row of a logits chunk (DFlash's decayed loss), fused with its gradient:
 /// with `s = weights[row] · norm[0]` (`norm` is `1 / Σ weights` over the batch, computed when the batch is
 /// staged), `row_loss[row] = s · (logsumexp(logits) − logits[label])`, in place
-/// `logits ← s · (softmax(logits) − onehot(label))`, and `correct[row] = 1` when the row's first largest logit
-/// is the label (`torch.argmax`'s tie rule), else 0. A row without a label (`label < 0`) gets a zero gradient,
-/// loss 0 and `correct` 0.
+/// `logits ← s · (softmax(logits) − onehot(label))` and, where `logits16` is not null, that gradient rounded to
+/// bf16 into `logits16` (the 16-bit operand of the `lm_head` input-gradient product on CUDA at `bf16`), and
+/// `correct[row] = 1` when the row's first largest logit is the label (`torch.argmax`'s tie rule, NaN skipped),
+/// else 0. A row without a label (`label < 0`) gets a zero gradient (and copy), loss 0 and `correct` 0.
 ///
-/// Three passes over the row: the argmax, then [`Plane::softmax_gradient_in_place`]'s two (an online max and sum
-/// of exponentials, then the gradient).
+/// Two passes over the row ([`Plane::softmax_gradient_in_place`]): one for the statistics (the online maximum
+/// with its first index, and the sum of exponentials), one for the gradient.
 ///
 /// Launch: one plane per row of the chunk; the pointers point at the chunk's first row.
 ///
 /// # Safety
-/// `logits` holds `(row + 1) · vocab` elements, `labels`, `weights`, `row_loss`, `correct` `row + 1`, `norm`
-/// one; labels are `< vocab`; `vocab > 0`.
+/// `logits` holds `(row + 1) · vocab` elements, `logits16` is null or holds as many, `labels`, `weights`,
+/// `row_loss`, `correct` `row + 1`, `norm` one; labels are `< vocab`; `vocab > 0`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn weighted_vocab_loss_row(
     logits: *mut f32,
+    logits16: *mut u16,
     labels: *const i32,
     weights: *const f32,
     norm: *const f32,
@@ -179,13 +183,24 @@ pub unsafe fn weighted_vocab_loss_row(
     plane: impl Plane,
     row: usize,
 ) {
-    // SAFETY: every access is inside row `row` of `logits` or at `row` of the per-row buffers. Every lane reads
-    // the target logit and finishes the argmax (whose shuffles wait for all lanes) before any lane writes.
+    // SAFETY: every access is inside row `row` of `logits` (and `logits16`) or at `row` of the per-row
+    // buffers. Every lane reads the target logit before the statistics pass, whose shuffles wait for all
+    // lanes, and no lane writes before it.
     unsafe {
         let logits = logits.add(row * vocab);
+        let logits16 = if logits16.is_null() {
+            logits16
+        } else {
+            logits16.add(row * vocab)
+        };
         let label = *labels.add(row);
         if label < 0 || label as usize >= vocab {
-            plane.for_each(vocab, |v| *logits.add(v) = 0.0);
+            plane.for_each(vocab, |v| {
+                *logits.add(v) = 0.0;
+                if !logits16.is_null() {
+                    *logits16.add(v) = 0;
+                }
+            });
             if plane.is_leader() {
                 *row_loss.add(row) = 0.0;
                 *correct.add(row) = 0.0;
@@ -194,12 +209,11 @@ pub unsafe fn weighted_vocab_loss_row(
         }
         let label = label as usize;
         let target = *logits.add(label);
-        let best = plane.argmax(vocab, |v| *logits.add(v));
         let scale = *weights.add(row) * *norm;
-        let (max, sum) = plane.softmax_gradient_in_place(logits, vocab, label, scale);
+        let stats = plane.softmax_gradient_in_place(logits, logits16, vocab, label, scale);
         if plane.is_leader() {
-            *row_loss.add(row) = scale * (max + crate::math::ln(sum) - target);
-            *correct.add(row) = if best == label { 1.0 } else { 0.0 };
+            *row_loss.add(row) = scale * (stats.max + crate::math::ln(stats.sum) - target);
+            *correct.add(row) = if stats.argmax == label { 1.0 } else { 0.0 };
         }
     }
 }

@@ -105,24 +105,12 @@ pub trait Plane: Copy {
     fn argmax(self, n: usize, mut f: impl FnMut(usize) -> f32) -> usize {
         let (_, index) = self.reduce(
             n,
-            (f32::NEG_INFINITY, u32::MAX),
-            |(best, at), i| {
-                let v = f(i);
-                // Each lane visits its indices in ascending order, so `>` keeps the first of equal values.
-                if v > best || (at == u32::MAX && !v.is_nan()) {
-                    (v, i as u32)
-                } else {
-                    (best, at)
-                }
-            },
+            (f32::NEG_INFINITY, NO_INDEX),
+            |state, i| fold_first_max(state, f(i), i),
             |pair| pair,
-            |a, b| {
-                let a_wins = b.1 == u32::MAX
-                    || (a.1 != u32::MAX && (a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)));
-                if a_wins { a } else { b }
-            },
+            first_max,
         );
-        if index == u32::MAX { 0 } else { index as usize }
+        if index == NO_INDEX { 0 } else { index as usize }
     }
 
     /// A row of up to [`MAX_ROW`] elements in registers, split over the lanes as [`Plane::for_each`] splits
@@ -149,65 +137,132 @@ pub trait Plane: Copy {
     /// `f(i, row[i])` for every `i < n`, each on the lane that holds it (to store a row).
     fn row_store(self, row: &Self::Row, n: usize, f: impl FnMut(usize, f32));
 
-    /// The cross-entropy gradient of one row in place: `x[i] ← scale·softmax(x)[i] − scale·[i = label]`, and
-    /// returns `(max, Σ e^(x(i) − max))` of the input for the loss. A warp folds every element into an online
-    /// pair (each logit read once for the pair, once for the gradient, one `exp` each time); the host overrides
-    /// it with the classic three passes (max, `exp` in place while summing, scale), one `exp` per element in
-    /// loops it vectorises.
+    /// The cross-entropy gradient of one row in place, in two passes: first the row's statistics in one online
+    /// pass ([`RowStats`]: the maximum, `Σ e^(x − max)` and the first index of the maximum, each lane folding its
+    /// share with [`fold_row_stats`] and the lanes combined by [`combine_row_stats`]), then
+    /// `x[i] ← scale·softmax(x)[i] − scale·[i = label]` over the row, written over the logits and, where `x16` is
+    /// not null, rounded to bf16 into `x16` in the same pass (the 16-bit operand of the product after it). A
+    /// warp reads each logit once per pass, one `exp` each time; the host overrides it with the classic three
+    /// passes (the maximum and its index, `exp` in place while summing, scale), one `exp` per element in loops
+    /// it vectorises.
     ///
     /// # Safety
-    /// `x` holds `n` elements; `label < n`.
+    /// `x` holds `n` elements, `x16` is null or holds `n`; `label < n`.
     #[inline(always)]
     unsafe fn softmax_gradient_in_place(
         self,
         x: *mut f32,
+        x16: *mut u16,
         n: usize,
         label: usize,
         scale: f32,
-    ) -> (f32, f32) {
+    ) -> RowStats {
         // SAFETY: the caller's contract; each lane writes only the elements it read.
         unsafe {
-            let (max, sum) = self.reduce(
+            let ((max, sum), at) = self.reduce(
                 n,
-                (f32::NEG_INFINITY, 0.0f32),
-                |(max, sum), i| online_exp_sum(max, sum, *x.add(i)),
-                |pair| pair,
-                combine_exp_sums,
+                ((f32::NEG_INFINITY, 0.0f32), NO_INDEX),
+                |state, i| fold_row_stats(state, *x.add(i), i),
+                |state| state,
+                combine_row_stats,
             );
             let factor = scale / sum;
             self.for_each(n, |i| {
                 let p = crate::math::exp(*x.add(i) - max) * factor;
-                *x.add(i) = if i == label { p - scale } else { p };
+                let g = if i == label { p - scale } else { p };
+                *x.add(i) = g;
+                if !x16.is_null() {
+                    *x16.add(i) = crate::convert::f32_to_bf16_bits(g);
+                }
             });
-            (max, sum)
+            RowStats::new(max, sum, at)
         }
     }
 }
 
-/// One element `x` into a running `(max, Σ e^(x − max))`: one `exp`, of the smaller minus the larger.
-#[inline(always)]
-fn online_exp_sum(max: f32, sum: f32, x: f32) -> (f32, f32) {
-    let grows = x > max;
-    let (hi, lo) = if grows { (x, max) } else { (max, x) };
-    let e = crate::math::exp(lo - hi);
-    (hi, if grows { sum * e + 1.0 } else { sum + e })
+/// What the statistics pass of [`Plane::softmax_gradient_in_place`] finds in a row: enough for the loss
+/// (`max + ln(sum)` is the log-sum-exp) and for the argmax hit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowStats {
+    /// The largest element (NaN is never larger; −∞ for a row of −∞ and NaN only).
+    pub max: f32,
+    /// `Σ e^(x − max)`: NaN when the row holds a NaN (it surfaces here, not in the maximum).
+    pub sum: f32,
+    /// The first index of the largest element (`torch.argmax`'s tie rule; NaN skipped), 0 when every element
+    /// is NaN.
+    pub argmax: usize,
 }
 
-/// Two lanes' `(max, sum)` into one (commutative, so every lane of a butterfly gets the same bits); a lane
-/// that saw no element (`sum = 0`) contributes nothing.
-#[inline(always)]
-fn combine_exp_sums(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
-    if b.1 == 0.0 {
-        a
-    } else if a.1 == 0.0 {
-        b
-    } else {
-        let hi = if a.0 > b.0 { a.0 } else { b.0 };
-        (
-            hi,
-            a.1 * crate::math::exp(a.0 - hi) + b.1 * crate::math::exp(b.0 - hi),
-        )
+impl RowStats {
+    #[inline(always)]
+    fn new(max: f32, sum: f32, at: u32) -> Self {
+        Self {
+            max,
+            sum,
+            argmax: if at == NO_INDEX { 0 } else { at as usize },
+        }
     }
+}
+
+/// The index of a lane state that has seen no element other than NaN.
+const NO_INDEX: u32 = u32::MAX;
+
+/// A lane's running `((max, Σ e^(x − max)), first index of max)`.
+type LaneStats = ((f32, f32), u32);
+
+/// One element `v` at index `i` into a lane's running `(max, first index of max)`: a lane visits its indices in
+/// ascending order, so `>` keeps the first of equal maxima; NaN never grows the maximum; the first −∞ of a lane
+/// is its first maximum (it is not larger than the initial −∞, and an all-−∞ row's argmax is its first index).
+#[inline(always)]
+pub fn fold_first_max((max, at): (f32, u32), v: f32, i: usize) -> (f32, u32) {
+    if v > max || (at == NO_INDEX && v == max) {
+        (v, i as u32)
+    } else {
+        (max, at)
+    }
+}
+
+/// Two lanes' `(max, first index of max)` into one: the larger maximum, equal maxima the smaller index, a lane
+/// without an index (it saw only NaN, or nothing) loses. Commutative, so every lane of a butterfly agrees.
+#[inline(always)]
+pub fn first_max(a: (f32, u32), b: (f32, u32)) -> (f32, u32) {
+    let a_wins = b.1 == NO_INDEX || (a.1 != NO_INDEX && (a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)));
+    if a_wins { a } else { b }
+}
+
+/// One element `x` at index `i` into a lane's running statistics: the maximum and its index as
+/// [`fold_first_max`], and one `exp`, of the smaller minus the larger, into the sum (NaN's makes it NaN). An
+/// element equal to the maximum adds exactly 1, so −∞ after −∞ adds 1 instead of `e^(−∞ + ∞)` (a later finite
+/// maximum rescales it to 0).
+#[inline(always)]
+pub fn fold_row_stats(((max, sum), at): LaneStats, x: f32, i: usize) -> LaneStats {
+    let grows = x > max;
+    let (hi, lo) = if grows { (x, max) } else { (max, x) };
+    let e = if lo == hi {
+        1.0
+    } else {
+        crate::math::exp(lo - hi)
+    };
+    let sum = if grows { sum * e + 1.0 } else { sum + e };
+    let (_, at) = fold_first_max((max, at), x, i);
+    ((hi, sum), at)
+}
+
+/// Two lanes' statistics into one: commutative (every lane of a butterfly gets the same bits); a lane that saw
+/// no element (`(−∞, 0)`, no index) contributes nothing; the index as [`first_max`].
+#[inline(always)]
+pub fn combine_row_stats(a: LaneStats, b: LaneStats) -> LaneStats {
+    let (((am, asum), ai), ((bm, bsum), bi)) = (a, b);
+    let hi = if am > bm { am } else { bm };
+    let scaled = |m: f32, s: f32| {
+        if m == hi {
+            s
+        } else {
+            s * crate::math::exp(m - hi)
+        }
+    };
+    let (_, at) = first_max((am, ai), (bm, bi));
+    ((hi, scaled(am, asum) + scaled(bm, bsum)), at)
 }
 
 /// Vector lanes of the host plane's register-row operations: rows are zero past their length, so whole groups
@@ -216,8 +271,8 @@ const HOST_ROW_LANES: usize = 8;
 
 /// The host plane: the lanes run as a loop on the calling thread. Its register rows ([`Plane::Row`]) are whole
 /// rows handled 8 elements at a time: a dot product sums in another order than a warp's lanes (the one place,
-/// with [`Plane::softmax_gradient_in_place`], where the host does not reproduce lane 0's bits; results agree to
-/// rounding).
+/// with [`Plane::softmax_gradient_in_place`]'s sum of exponentials, where the host does not reproduce lane 0's
+/// bits; results agree to rounding; its maximum and argmax are a warp's).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostPlane;
 
@@ -332,22 +387,21 @@ impl Plane for HostPlane {
     unsafe fn softmax_gradient_in_place(
         self,
         x: *mut f32,
+        x16: *mut u16,
         n: usize,
         label: usize,
         scale: f32,
-    ) -> (f32, f32) {
+    ) -> RowStats {
         // SAFETY: the caller's contract; one thread, so the label's element is written after the scale pass.
         unsafe {
-            // NaN is skipped by the max and surfaces in the sum, as in the online pair.
-            let max = self.reduce(
+            // The maximum and its first index over the warp's lane split and tree (so the index is a warp's);
+            // NaN is skipped here and surfaces in the sum, as in the online pass.
+            let (max, at) = self.reduce(
                 n,
-                f32::NEG_INFINITY,
-                |max, i| {
-                    let v = *x.add(i);
-                    if v > max { v } else { max }
-                },
-                |max| max,
-                |a, b| if a > b { a } else { b },
+                (f32::NEG_INFINITY, NO_INDEX),
+                |state, i| fold_first_max(state, *x.add(i), i),
+                |state| state,
+                first_max,
             );
             let sum = self.sum(n, |i| {
                 let e = crate::math::exp(*x.add(i) - max);
@@ -359,7 +413,12 @@ impl Plane for HostPlane {
                 *x.add(i) *= factor;
             }
             *x.add(label) -= scale;
-            (max, sum)
+            if !x16.is_null() {
+                for i in 0..n {
+                    *x16.add(i) = crate::convert::f32_to_bf16_bits(*x.add(i));
+                }
+            }
+            RowStats::new(max, sum, at)
         }
     }
 }

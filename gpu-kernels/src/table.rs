@@ -299,7 +299,18 @@ macro_rules! kernel_table {
                 scalars: [vocab: usize, hidden: usize, n: usize],
                 launch: elements(n),
                 body: |chunk_len, chunk| $crate::embedding::embedding_gather(
-                    table, ids, out, vocab, hidden, n, chunk_len, chunk
+                    table, ids, out, ::core::ptr::null_mut(), vocab, hidden, n, chunk_len, chunk
+                ),
+            }
+            /// Rows gathered by index into bfloat16 only (`out16[r] = table[ids[r]]` rounded to nearest even): the
+            /// head's rows as the 16-bit operand of the `lm_head` product on CUDA at `bf16` precision.
+            embedding_gather_bf16 {
+                reads: [table: f32 = vocab * hidden, ids: u32 = $crate::table::div_ceil(n, hidden)],
+                writes: [out16: u16 = n],
+                scalars: [vocab: usize, hidden: usize, n: usize],
+                launch: elements(n),
+                body: |chunk_len, chunk| $crate::embedding::embedding_gather(
+                    table, ids, ::core::ptr::null_mut(), out16, vocab, hidden, n, chunk_len, chunk
                 ),
             }
             /// RoPE in place over `[rows, heads, head_dim]` (`inverse != 0`: rotate back, the backward).
@@ -320,7 +331,22 @@ macro_rules! kernel_table {
                 scalars: [vocab: usize, rows: usize],
                 launch: planes(rows),
                 body: |plane, row| $crate::loss::weighted_vocab_loss_row(
-                    logits, labels, weights, norm, row_loss, correct, vocab, plane, row
+                    logits, ::core::ptr::null_mut(), labels, weights, norm, row_loss, correct, vocab, plane, row
+                ),
+            }
+            /// The weighted fused cross-entropy that also writes the logits gradient rounded to bfloat16
+            /// (`logits16`, the same pass): the 16-bit operand of the `lm_head` input-gradient product on CUDA at
+            /// `bf16` precision.
+            weighted_vocab_loss_row_bf16 {
+                reads: [labels: i32 = rows, weights: f32 = rows, norm: f32 = 1],
+                writes: [
+                    logits: f32 = rows * vocab, logits16: u16 = rows * vocab, row_loss: f32 = rows,
+                    correct: f32 = rows,
+                ],
+                scalars: [vocab: usize, rows: usize],
+                launch: planes(rows),
+                body: |plane, row| $crate::loss::weighted_vocab_loss_row(
+                    logits, logits16, labels, weights, norm, row_loss, correct, vocab, plane, row
                 ),
             }
             /// Attention forward over a context key set and a block key set, output and log-sum-exp.

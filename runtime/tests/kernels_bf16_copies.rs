@@ -1,6 +1,7 @@
 //! The bf16 copies CUDA's products read at `bf16` precision, written by the kernels that produce their f32
 //! values (AdamW for the trained matrices, RMSNorm and SwiGLU for activations, their backward kernels for the
-//! gradients the backward's products read), through the host launchers that
+//! gradients the backward's products read, the head's row gather and the fused loss's logits gradient for the
+//! `lm_head` products), through the host launchers that
 //! run the same bodies as the PTX: each copy is, bit for bit, the f32 value rounded to nearest even, which is the
 //! value the CPU's bf16 emulation rounds the same f32 to inside its products, so the CPU's bf16 tests cover what
 //! the GPU reads. The reference rounding is the `half` crate's (`bf16::from_f32`), not ours. The copies start
@@ -240,4 +241,80 @@ fn round_to_half_gives_the_copy_of_weights_at_load() {
         draftpipe_gpu_kernels::convert::FORMAT_BF16,
     );
     assert_eq!(first_mismatch(&x, &out), None);
+}
+
+#[test]
+fn the_head_gathers_its_rows_and_the_loss_writes_its_gradient_in_nearest_even_bf16() {
+    let seed = rand::random();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    // The head rows: whole rows of the final-norm output gathered by index (a row twice, the last row).
+    let (rows, hidden, ids) = (9usize, 37usize, [4u32, 0, 8, 4, 2]);
+    let z = uniform(&mut rng, rows * hidden, -3.0, 3.0);
+    let n = ids.len() * hidden;
+    let mut wide = vec![f32::NAN; n];
+    launch::embedding_gather(&z, &ids, &mut wide, rows, hidden, n);
+    let mut copy = vec![POISON; n];
+    launch::embedding_gather_bf16(&z, &ids, &mut copy, rows, hidden, n);
+    assert!(rounding_matters(&wide) > n / 4, "seed {seed}");
+    if let Some(error) = first_mismatch(&wide, &copy) {
+        panic!("seed {seed}: head row gather: {error}");
+    }
+
+    // The fused loss: the f32 gradient, losses and hits exactly those of the kernel without a copy, the copy
+    // the gradient's rounding (an unlabelled row's zeros included); vocabularies below and past 32 lanes.
+    for vocab in [19usize, 333] {
+        let loss_rows = 4;
+        let logits = uniform(&mut rng, loss_rows * vocab, -6.0, 6.0);
+        let labels = [3i32, -1, (vocab - 1) as i32, 0];
+        let weights = [0.5f32, 1.0, 0.25, 2.0];
+        let norm = [1.0f32 / 2.75];
+        let (mut g_ref, mut loss_ref, mut hit_ref) = (
+            logits.clone(),
+            vec![f32::NAN; loss_rows],
+            vec![f32::NAN; loss_rows],
+        );
+        launch::weighted_vocab_loss_row(
+            &labels,
+            &weights,
+            &norm,
+            &mut g_ref,
+            &mut loss_ref,
+            &mut hit_ref,
+            vocab,
+            loss_rows,
+        );
+        let (mut g, mut g16, mut row_loss, mut hit) = (
+            logits.clone(),
+            vec![POISON; loss_rows * vocab],
+            vec![f32::NAN; loss_rows],
+            vec![f32::NAN; loss_rows],
+        );
+        launch::weighted_vocab_loss_row_bf16(
+            &labels,
+            &weights,
+            &norm,
+            &mut g,
+            &mut g16,
+            &mut row_loss,
+            &mut hit,
+            vocab,
+            loss_rows,
+        );
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&g),
+            bits(&g_ref),
+            "seed {seed}: the f32 gradient changed"
+        );
+        assert_eq!(
+            bits(&row_loss),
+            bits(&loss_ref),
+            "seed {seed}: the losses changed"
+        );
+        assert_eq!(hit, hit_ref, "seed {seed}: the hits changed");
+        assert!(rounding_matters(&g) > g.len() / 4, "seed {seed}");
+        if let Some(error) = first_mismatch(&g, &g16) {
+            panic!("seed {seed}: fused loss, vocab {vocab}: {error}");
+        }
+    }
 }

@@ -10,7 +10,8 @@
 //!   rounding does: `|err| ≤ (2e-6 + 5e-7 · position) · (|a| + |b|)` per pair; within 2e-6 below position 16;
 //!   `inverse` undoes the rotation (1e-6) and is its adjoint (`⟨R x, y⟩ = ⟨x, R⁻¹ y⟩`, relative 1e-6).
 //! - `weighted_vocab_loss`: row losses and the gradient normwise within 2e-6 of f64, `correct` exact
-//!   (including ties, where `torch.argmax` takes the first index), ignored rows zero.
+//!   (including ties, where `torch.argmax` takes the first index), ignored rows zero, −∞ logits adding nothing,
+//!   at vocabularies below, at and past a plane's 32 lanes.
 
 mod backends;
 mod kernels_support;
@@ -245,8 +246,9 @@ fn weighted_vocab_loss_matches_f64<D: TestDevice>(device: &D) {
     let mut be = bare(device);
     let seed = seed();
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    for _ in 0..3 {
-        let (rows, vocab) = (rng.random_range(4..40), rng.random_range(2..700));
+    // Below one plane's 32 lanes, exactly 32, and partial last lane rounds (the warp's lane split).
+    for vocab in [7usize, 31, 32, 333, 1001] {
+        let rows = rng.random_range(5..40);
         let mut logits = uniform(&mut rng, rows * vocab, 4.0);
         let mut labels: Vec<i32> = (0..rows)
             .map(|_| {
@@ -268,6 +270,13 @@ fn weighted_vocab_loss_matches_f64<D: TestDevice>(device: &D) {
         labels[2] = first as i32;
         labels[1] = rng.random_range(0..vocab as i32);
         logits[vocab + labels[1] as usize] = 12.0;
+        // Row 3: −∞ logits (a masked vocabulary entry) at the start of lanes and elsewhere, none the label's
+        // or the maximum: they add nothing to the sum and get a zero gradient.
+        labels[3] = (vocab - 1) as i32;
+        for v in (0..vocab - 1).step_by(3) {
+            logits[3 * vocab + v] = f32::NEG_INFINITY;
+        }
+        logits[3 * vocab + vocab - 1] = 5.0;
         let weights: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.0)).collect();
         let total: f64 = (0..rows)
             .filter(|&r| labels[r] >= 0)
@@ -283,7 +292,7 @@ fn weighted_vocab_loss_matches_f64<D: TestDevice>(device: &D) {
         );
         let (mut loss_buf, mut correct_buf) = (poisoned(&mut be, rows), poisoned(&mut be, rows));
         be.weighted_vocab_loss(
-            logits_buf.all_mut(),
+            (logits_buf.all_mut(), None),
             labels_buf.all(),
             weights_buf.all(),
             norm_buf.all(),

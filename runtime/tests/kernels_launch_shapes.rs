@@ -485,6 +485,108 @@ fn plane_kernels_on_simulated_warps_match_the_host_launchers() {
 /// the exponentials turn into relative error; the delta pass, a plain plane sum, is
 /// bit-identical); the loss is within 1e-6 (the softmax sums, as for `vocab_loss_row`), its `correct`
 /// flags exact.
+/// Rows for the statistics pass: ties for the maximum across lanes (the later lane holds the first index)
+/// and inside one lane, −∞ at the start of every lane, a row of −∞ only, NaN before the maximum; each at
+/// lengths below, at and past one plane's 32 lanes.
+fn stats_rows(rng: &mut Xoshiro256PlusPlus) -> Vec<Vec<f32>> {
+    let neg = f32::NEG_INFINITY;
+    let mut rows = Vec::new();
+    for n in [1usize, 7, 31, 32, 33, 100, 1001] {
+        let base = values(rng, n);
+        let with = |edits: &[(usize, f32)]| {
+            let mut row = base.clone();
+            for &(i, v) in edits {
+                if i < n {
+                    row[i] = v;
+                }
+            }
+            row
+        };
+        // Lanes 9 and 2: a combine that kept the lower lane instead of the lower index would answer 34.
+        rows.push(with(&[(9, 9.0), (34, 9.0)]));
+        // One lane (3 and 35), and an earlier-lane copy later (68 is lane 4).
+        rows.push(with(&[(3, 9.0), (35, 9.0), (68, 9.0)]));
+        rows.push(with(&(0..40).map(|i| (i, neg)).collect::<Vec<_>>()));
+        rows.push(vec![neg; n]);
+        rows.push(with(&[(0, f32::NAN), (17, f32::NAN), (20, 9.0)]));
+    }
+    rows
+}
+
+/// The first index of the largest non-NaN element (0 when there is none) and that element.
+fn first_largest(row: &[f32]) -> (usize, f32) {
+    let mut best: Option<usize> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if !v.is_nan() && best.is_none_or(|b| v > row[b]) {
+            best = Some(i);
+        }
+    }
+    best.map_or((0, f32::NEG_INFINITY), |b| (b, row[b]))
+}
+
+/// The statistics pass's argmax (fused into the online maximum and sum, the lanes combined with their indices)
+/// against a separate `Plane::argmax` of the same row and a scalar scan, on simulated warps (the PTX body) and
+/// on the host plane (its own three passes): the same index on every row of [`stats_rows`], the maximum exactly,
+/// the sum within 1e-5 of f64 (NaN where the row holds one) and the bf16 copy of the gradient, bit for bit, the
+/// gradient's nearest even rounding.
+#[test]
+fn fused_argmax_agrees_with_a_separate_argmax() {
+    use std::sync::Mutex;
+
+    use draftpipe_gpu_kernels::plane::{HostPlane, Plane, RowStats};
+    use warp_on_threads::{Shared, launch as on_warps};
+
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(81);
+    let (label, scale) = (0usize, 0.5f32);
+    for row in stats_rows(&mut rng) {
+        let n = row.len();
+        let (first, max) = first_largest(&row);
+        // Per plane: its name, the fused statistics, the separate argmax, the gradient and its copy.
+        type Run = (&'static str, RowStats, usize, Vec<f32>, Vec<u16>);
+        let mut runs: Vec<Run> = Vec::new();
+
+        let (mut x, mut x16) = (row.clone(), vec![0x7FC1u16; n]);
+        // SAFETY: `x` and `x16` hold `n` elements; `label < n`.
+        let stats = unsafe {
+            HostPlane.softmax_gradient_in_place(x.as_mut_ptr(), x16.as_mut_ptr(), n, label, scale)
+        };
+        runs.push(("host", stats, HostPlane.argmax(n, |i| row[i]), x, x16));
+
+        let (mut x, mut x16) = (row.clone(), vec![0x7FC1u16; n]);
+        let (xp, x16p) = (Shared(x.as_mut_ptr()), Shared(x16.as_mut_ptr()));
+        let found = Mutex::new(None);
+        on_warps(1, |plane, _| {
+            let (xp, x16p) = (xp, x16p);
+            let separate = plane.argmax(n, |i| row[i]);
+            // SAFETY: as above; each lane writes only the elements it reads.
+            let stats = unsafe { plane.softmax_gradient_in_place(xp.0, x16p.0, n, label, scale) };
+            if plane.is_leader() {
+                *found.lock().unwrap() = Some((stats, separate));
+            }
+        });
+        let (stats, separate) = found.into_inner().unwrap().expect("the leader reports");
+        runs.push(("warp", stats, separate, x, x16));
+
+        for (plane, stats, separate, x, x16) in runs {
+            let what = format!("{plane}, n = {n}, row {row:?}");
+            assert_eq!(stats.argmax, first, "fused argmax, {what}");
+            assert_eq!(separate, first, "separate argmax, {what}");
+            assert_eq!(stats.max.to_bits(), max.to_bits(), "maximum, {what}");
+            if row.iter().any(|v| v.is_nan()) {
+                assert!(stats.sum.is_nan(), "NaN must surface in the sum, {what}");
+            } else if max > f32::NEG_INFINITY {
+                let exact: f64 = row.iter().map(|&v| (v as f64 - max as f64).exp()).sum();
+                let err = (stats.sum as f64 - exact).abs() / exact;
+                assert!(err <= 1e-5, "sum {} vs {exact}: {err:e}, {what}", stats.sum);
+            }
+            for (i, (&g, &c)) in x.iter().zip(&x16).enumerate() {
+                let want = half::bf16::from_f32(g).to_bits();
+                assert_eq!(c, want, "bf16 copy of element {i} ({g:e}), {what}");
+            }
+        }
+    }
+}
+
 #[test]
 fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
     use draftpipe_gpu_kernels::attention::{self, KEY_TILE, QUERY_TILE};
@@ -726,6 +828,7 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
         unsafe {
             loss::weighted_vocab_loss_row(
                 gp.0,
+                std::ptr::null_mut(),
                 labels.as_ptr(),
                 weights.as_ptr(),
                 &norm,
@@ -754,6 +857,7 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
                 table.as_ptr(),
                 ids.as_ptr(),
                 gathered.as_mut_ptr(),
+                std::ptr::null_mut(),
                 vocab,
                 hidden,
                 n,

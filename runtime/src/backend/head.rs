@@ -11,6 +11,13 @@
 //!  head_dz [M, H] ──gather(head_index)──▶ dz [Q, H]      head_correct [M] ──gather(head_index)──▶ correct [Q]
 //! ```
 //!
+//! Where the layout keeps the head's 16-bit operands (CUDA at `bf16`, [`HeadOperands::Bf16`]) both products
+//! read only bf16 from memory: `lm_head`'s frozen copy (rounded once when the target's tensors are uploaded),
+//! the head rows gathered straight into bf16 (no f32 copy of them), and the logits gradient's copy the fused
+//! loss writes in its gradient pass; the logits themselves stay f32 (the product writes f32, which the
+//! softmax reads). Elsewhere every operand is f32 and the backend rounds inside its product as its precision
+//! says (the CPU's bf16 emulation rounds the same values at the same points).
+//!
 //! `M` head rows: the labelled rows, then unlabelled padding (label −1), the last head row always unlabelled;
 //! the fused loss writes a zero gradient, loss and `correct` for an unlabelled row, so a block row without a
 //! label reads zeros back through `head_index` (which points it at the last head row). Both gathers are the
@@ -34,10 +41,29 @@ pub struct HeadPlan<'a, B: crate::backend::Backend> {
     pub norm: Src<'a, B, f32>,
 }
 
-/// The head's scratch: the gathered rows, their gradient, one logits chunk and the per-row hits.
+/// The head's product operands: f32, or the 16-bit copies CUDA's products read at `bf16` (module docs).
+pub enum HeadOperands<'a, B: crate::backend::Backend> {
+    /// f32 operands: the gathered final-norm output of the head rows `[M, H]`.
+    F32 {
+        /// The gathered rows `[M, H]`.
+        z: Dst<'a, B, f32>,
+    },
+    /// bf16 operands.
+    Bf16 {
+        /// `lm_head` rounded to bf16 `[V, H]` (frozen: rounded once at upload).
+        lm_head: Src<'a, B, half::bf16>,
+        /// The gathered rows in bf16 `[M, H]`.
+        z: Dst<'a, B, half::bf16>,
+        /// The logits gradient of one chunk in bf16 `[C, V]`.
+        logits: Dst<'a, B, half::bf16>,
+    },
+}
+
+/// The head's scratch: the gathered rows (in the operands), their gradient, one logits chunk and the per-row
+/// hits.
 pub struct HeadScratch<'a, B: crate::backend::Backend> {
-    /// The final-norm output of the head rows `[M, H]`.
-    pub z: Dst<'a, B, f32>,
+    /// The products' operands.
+    pub operands: HeadOperands<'a, B>,
     /// Their gradient `[M, H]`.
     pub dz: Dst<'a, B, f32>,
     /// One chunk of logits `[C, V]` (`C` its length over `V`).
@@ -84,11 +110,25 @@ macro_rules! head_operations {
             );
             let v = lm_head.len() / h;
             let chunk = scratch.logits.len() / v.max(1);
+            let operand_rows = match &scratch.operands {
+                crate::backend::head::HeadOperands::F32 { z } => z.len(),
+                crate::backend::head::HeadOperands::Bf16 {
+                    lm_head: lm16,
+                    z,
+                    logits,
+                } => {
+                    assert!(
+                        lm16.len() == lm_head.len() && logits.len() == scratch.logits.len(),
+                        "labelled_head_loss: 16-bit copies"
+                    );
+                    z.len()
+                }
+            };
             assert!(
                 chunk > 0
                     && plan.labels.len() == m
                     && plan.weights.len() == m
-                    && scratch.z.len() == m * h
+                    && operand_rows == m * h
                     && scratch.dz.len() == m * h
                     && scratch.correct.len() == m
                     && out.row_loss.len() == m
@@ -97,28 +137,52 @@ macro_rules! head_operations {
                 "labelled_head_loss: sizes"
             );
             let crate::backend::head::HeadScratch {
-                z: mut head_z,
+                operands,
                 dz: mut head_dz,
                 mut logits,
                 correct: mut head_correct,
             } = scratch;
             let mut row_loss = out.row_loss;
-            self.embedding_gather(z, plan.rows, head_z.reborrow())?;
-            let head_z = head_z.into_read();
-            let lm = Operand::new(lm_head, v, h);
+            // The gathered rows and `lm_head` as product operands, and the logits gradient's copy if kept.
+            let (head_z, lm, mut logits16) = match operands {
+                crate::backend::head::HeadOperands::F32 { z: mut head_z } => {
+                    self.embedding_gather(z, plan.rows, head_z.reborrow())?;
+                    (
+                        HsSrc::F32(head_z.into_read()),
+                        HsOperand::from(Operand::new(lm_head, v, h)),
+                        None,
+                    )
+                }
+                crate::backend::head::HeadOperands::Bf16 {
+                    lm_head: lm16,
+                    z: mut head_z,
+                    logits: logits16,
+                } => {
+                    self.embedding_gather_bf16(z, plan.rows, head_z.reborrow())?;
+                    (
+                        HsSrc::Bf16(head_z.into_read()),
+                        HsOperand::new(HsSrc::Bf16(lm16), v, h),
+                        Some(logits16),
+                    )
+                }
+            };
             for start in (0..m).step_by(chunk) {
                 let rows = chunk.min(m - start);
                 let mut chunk_logits = logits.at_mut(0, rows * v);
-                self.gemm(
+                self.gemm_hs(
                     chunk_logits.reborrow(),
-                    Operand::new(head_z.at(start * h, rows * h), rows, h),
+                    HsOperand::new(head_z.at(start * h, rows * h), rows, h),
                     lm.t(),
                     1.0,
                     0.0,
                     precision,
                 )?;
+                let mut chunk_copy = logits16.as_mut().map(|c| c.at_mut(0, rows * v));
                 self.weighted_vocab_loss(
-                    chunk_logits.reborrow(),
+                    (
+                        chunk_logits.reborrow(),
+                        chunk_copy.as_mut().map(|c| c.reborrow()),
+                    ),
                     plan.labels.at(start, rows),
                     plan.weights.at(start, rows),
                     plan.norm,
@@ -126,9 +190,13 @@ macro_rules! head_operations {
                     head_correct.at_mut(start, rows),
                     v,
                 )?;
-                self.gemm(
+                let dlogits = match chunk_copy {
+                    Some(copy) => HsSrc::Bf16(copy.into_read()),
+                    None => HsSrc::F32(chunk_logits.into_read()),
+                };
+                self.gemm_hs(
                     head_dz.at_mut(start * h, rows * h),
-                    Operand::new(chunk_logits.into_read(), rows, v),
+                    HsOperand::new(dlogits, rows, v),
                     lm,
                     1.0,
                     0.0,

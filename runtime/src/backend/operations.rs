@@ -537,29 +537,40 @@ macro_rules! kernel_operations {
         }
 
         /// `out[r] = table[ids[r]]`: rows of a frozen embedding table `[vocab, hidden]` by token id
-        /// (`hidden = out.len() / ids.len()`; no gradient).
+        /// (`hidden = out.len() / ids.len()`; no gradient), or any whole rows by index.
         fn embedding_gather(
             &mut self,
             table: Src<'_, Self, f32>,
             ids: Src<'_, Self, u32>,
             out: Dst<'_, Self, f32>,
         ) -> BackendResult {
-            let (rows, n) = (ids.len(), out.len());
-            assert!(
-                rows > 0 && n.is_multiple_of(rows),
-                "embedding_gather: {n} outputs for {rows} ids"
-            );
-            let hidden = n / rows;
-            assert!(
-                hidden > 0 && table.len().is_multiple_of(hidden),
-                "embedding_gather: table of {} is not a whole number of rows of {hidden}",
-                table.len()
-            );
+            let (vocab, hidden, n) =
+                crate::backend::operations::gather_shape(table.len(), ids.len(), out.len());
             self.launch(Kernel::embedding_gather {
-                vocab: table.len() / hidden,
                 table: Self::read(table),
                 ids: Self::read(ids),
                 out: Self::write(out),
+                vocab,
+                hidden,
+                n,
+            })
+        }
+
+        /// [`Backend::embedding_gather`] into bf16 only (each element rounded to nearest even): gathered rows as
+        /// a 16-bit product operand (the head's rows on CUDA at `bf16`, `backend::head`).
+        fn embedding_gather_bf16(
+            &mut self,
+            table: Src<'_, Self, f32>,
+            ids: Src<'_, Self, u32>,
+            out: Dst<'_, Self, half::bf16>,
+        ) -> BackendResult {
+            let (vocab, hidden, n) =
+                crate::backend::operations::gather_shape(table.len(), ids.len(), out.len());
+            self.launch(Kernel::embedding_gather_bf16 {
+                table: Self::read(table),
+                ids: Self::read(ids),
+                out16: Self::reinterpret_write(Self::write(out)),
+                vocab,
                 hidden,
                 n,
             })
@@ -596,11 +607,12 @@ macro_rules! kernel_operations {
         /// Weighted fused cross-entropy of a logits chunk `[rows, vocab]`: the gradient
         /// `weights[r] · norm · (softmax − onehot)` in place, `row_loss = weights[r] · norm · CE`, `correct = 1`
         /// where the row's argmax is its label (labels −1: zero gradient, loss and `correct`); `norm` is one
-        /// device scalar, `1 / Σ weights`.
+        /// device scalar, `1 / Σ weights`. With `logits16` the gradient is also written rounded to bf16 there,
+        /// in the same pass (the 16-bit operand of the product that reads it, on CUDA at `bf16`).
         #[allow(clippy::too_many_arguments)]
         fn weighted_vocab_loss(
             &mut self,
-            logits: Dst<'_, Self, f32>,
+            (logits, logits16): (Dst<'_, Self, f32>, Option<Dst<'_, Self, half::bf16>>),
             labels: Src<'_, Self, i32>,
             weights: Src<'_, Self, f32>,
             norm: Src<'_, Self, f32>,
@@ -612,22 +624,36 @@ macro_rules! kernel_operations {
             assert!(
                 vocab > 0
                     && logits.len() == rows * vocab
+                    && logits16.as_ref().is_none_or(|c| c.len() == rows * vocab)
                     && weights.len() == rows
                     && norm.len() == 1
                     && row_loss.len() == rows
                     && correct.len() == rows,
                 "weighted_vocab_loss: sizes"
             );
-            self.launch(Kernel::weighted_vocab_loss_row {
-                labels: Self::read(labels),
-                weights: Self::read(weights),
-                norm: Self::read(norm),
-                logits: Self::write(logits),
-                row_loss: Self::write(row_loss),
-                correct: Self::write(correct),
-                vocab,
-                rows,
-            })
+            match logits16 {
+                None => self.launch(Kernel::weighted_vocab_loss_row {
+                    labels: Self::read(labels),
+                    weights: Self::read(weights),
+                    norm: Self::read(norm),
+                    logits: Self::write(logits),
+                    row_loss: Self::write(row_loss),
+                    correct: Self::write(correct),
+                    vocab,
+                    rows,
+                }),
+                Some(logits16) => self.launch(Kernel::weighted_vocab_loss_row_bf16 {
+                    labels: Self::read(labels),
+                    weights: Self::read(weights),
+                    norm: Self::read(norm),
+                    logits: Self::write(logits),
+                    logits16: Self::reinterpret_write(Self::write(logits16)),
+                    row_loss: Self::write(row_loss),
+                    correct: Self::write(correct),
+                    vocab,
+                    rows,
+                }),
+            }
         }
 
         /// Attention with two key ranges per query (see [`attention`]): `out [Q, heads, head_dim]` and the
@@ -770,3 +796,20 @@ macro_rules! kernel_operations {
     };
 }
 pub(super) use kernel_operations;
+
+/// `(vocab, hidden, n)` of a gather of `ids` whole rows of `table` into `out` elements.
+///
+/// # Panics
+/// When `out` is not a whole number of rows per id or `table` not a whole number of rows.
+pub(crate) fn gather_shape(table: usize, ids: usize, out: usize) -> (usize, usize, usize) {
+    assert!(
+        ids > 0 && out.is_multiple_of(ids),
+        "embedding_gather: {out} outputs for {ids} ids"
+    );
+    let hidden = out / ids;
+    assert!(
+        hidden > 0 && table.is_multiple_of(hidden),
+        "embedding_gather: table of {table} is not a whole number of rows of {hidden}"
+    );
+    (table / hidden, hidden, out)
+}

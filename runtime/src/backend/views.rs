@@ -382,6 +382,19 @@ impl<B: Backend> HsSrc<'_, B> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// `len` elements from `offset`, in the same precision.
+    ///
+    /// # Panics
+    /// When the range is outside the view.
+    #[track_caller]
+    pub fn at(self, offset: usize, len: usize) -> Self {
+        match self {
+            Self::F32(v) => Self::F32(v.at(offset, len)),
+            Self::Bf16(v) => Self::Bf16(v.at(offset, len)),
+            Self::F16(v) => Self::F16(v.at(offset, len)),
+        }
+    }
 }
 
 /// A matrix operand of [`Backend::gemm_hs`]: an [`Operand`] whose elements may be hidden states in their own

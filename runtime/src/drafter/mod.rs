@@ -218,6 +218,7 @@ impl<B: Backend> Drafter<B> {
         }
         self.backend.upload(embed_buf.all_mut(), embed)?;
         self.backend.upload(lm_head_buf.all_mut(), lm_head)?;
+        self.model.frozen_uploaded(&mut self.backend)?;
         Ok(())
     }
 

@@ -178,6 +178,15 @@ pub trait Family<B: Backend>: Send + Any {
         None
     }
 
+    /// Called once the frozen tables of [`Family::frozen_mut`] hold the target's tensors, to derive what the
+    /// family keeps of them (dflash: `lm_head`'s bf16 copy on CUDA at `bf16`); the default derives nothing.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn frozen_uploaded(&mut self, _be: &mut B) -> BackendResult {
+        Ok(())
+    }
+
     /// The family's own staging of `batch`, after its tensors are in input slot `slot`, with the run's
     /// `(seed, step)` for anything drawn at random. Returns the rows each of its metric positions labels
     /// (dflash: per block slot), or `None` (the default) for a family without position metrics.

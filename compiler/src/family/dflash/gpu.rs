@@ -2,13 +2,13 @@
 //! with its shape, the attention kernels with their unmasked pairs, and the bytes of each bandwidth-bound
 //! kernel, in the order of `runtime/src/model/dflash/mod.rs`'s forward, loss and backward and the optimizer.
 //!
-//! It describes the step as the CUDA backend launches it: at `precision = bf16` the forward's and the
-//! backward's products read 16-bit operands (`e = 2` bytes below, 4 at f32/tf32, where no copies are written):
-//! the weights' copy AdamW writes, the norm and SwiGLU outputs their kernels write in bf16 (kept per layer, so
-//! the weight gradients read them again), the attention output rounded in its own pass, and the gradients the
-//! backward's products read, written in bf16 beside their f32 values by the norms' and the SwiGLU's backward
-//! (the attention's dv outputs rounded in a pass of their own); only the `lm_head` products still read f32
-//! operands, which cuBLAS rounds as it loads ([`Kernel::Gemm`]'s `f32_operands`). The `lm_head`
+//! It describes the step as the CUDA backend launches it: at `precision = bf16` every product reads 16-bit
+//! operands (`e = 2` bytes below, 4 at f32/tf32, where no copies are written): the weights' copy AdamW writes,
+//! the norm and SwiGLU outputs their kernels write in bf16 (kept per layer, so the weight gradients read them
+//! again), the attention output rounded in its own pass, the gradients the backward's products read, written in
+//! bf16 beside their f32 values by the norms' and the SwiGLU's backward (the attention's dv outputs rounded in a
+//! pass of their own), and both `lm_head` products (the frozen `lm_head`'s copy rounded once at upload, the head
+//! rows gathered into bf16, the logits gradient's copy the fused loss writes in its gradient pass). The `lm_head`
 //! products and the fused loss run over the labelled rows only ([`head_rows`]), gathered before the head and
 //! scattered back after it; attention runs the flash kernels (bf16, head_dim 64 or 128), whose q/k/v operands
 //! are rounded to bf16 in five passes of their own, in the forward and again in the backward. The shapes use the notation of [`super::cost`]: `N` sequences, `S` padded length, `T = N·S`
@@ -64,18 +64,17 @@ pub fn step_work(
     let conversion = |elements: f64| if copies { elements * (4.0 + e) } else { 0.0 };
     // A bf16 copy a kernel writes beside its f32 output in the same pass.
     let copy_out = |elements: f64| if copies { elements * e } else { 0.0 };
-    // The step's products (16-bit operands at bf16), and the head's (f32 operands).
-    let product = |f32_operands: bool, accumulate: bool| {
+    // The step's products (16-bit operands at bf16).
+    let product = |accumulate: bool| {
         move |m: f64, n: f64, k: f64| Kernel::Gemm {
             m,
             n,
             k,
             accumulate,
-            f32_operands,
+            f32_operands: false,
         }
     };
-    let (gemm, gemm_acc) = (product(false, false), product(false, true));
-    let gemm32 = product(true, false);
+    let (gemm, gemm_acc) = (product(false), product(true));
     let stream = |bytes: f64| Kernel::Stream { bytes };
     let attention = |backward: bool| Kernel::Attention {
         backward,
@@ -126,14 +125,19 @@ pub fn step_work(
     }));
     work.extend([
         Work::new("norm", F, stream(q * h * (4.0 + e))),
-        Work::new("labelled rows gather", F, stream(8.0 * r * h)),
-        Work::new("lm_head", F, gemm32(per_chunk, v, h)).times(chunks),
-        // Per chunk, three passes over the f32 logits (argmax, online max and sum, the gradient written in place
-        // for the product).
-        Work::new("fused loss", B, stream(per_chunk * v * 16.0))
-            .times(chunks)
-            .launches(3.0),
-        Work::new("lm_head dX", B, gemm32(per_chunk, h, v)).times(chunks),
+        // The head rows gathered from f32 into the product's operand (bf16 at bf16).
+        Work::new("labelled rows gather", F, stream(r * h * (4.0 + e))),
+        Work::new("lm_head", F, gemm(per_chunk, v, h)).times(chunks),
+        // Per chunk, one kernel of two passes over the f32 logits: the statistics (online max with its argmax,
+        // and the sum of exponentials), then the gradient written in place and, at bf16, its 16-bit copy for
+        // the product.
+        Work::new(
+            "fused loss",
+            B,
+            stream(per_chunk * v * (12.0 + if copies { e } else { 0.0 })),
+        )
+        .times(chunks),
+        Work::new("lm_head dX", B, gemm(per_chunk, h, v)).times(chunks),
         Work::new("dz scatter", B, stream(4.0 * q * h + 8.0 * r * h)).launches(2.0),
         Work::new("loss sum, correct counts", B, stream(8.0 * q)).launches(3.0),
         Work::new("norm backward", B, stream(q * h * 12.0 + copy_out(q * h))).launches(2.0),

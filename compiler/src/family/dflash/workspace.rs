@@ -118,8 +118,18 @@ impl WorkspaceLayout {
         add("final_inv_rms", F32, Some(q))?;
         // The fused loss over the head's rows only: their final-norm rows gathered and their gradient before
         // it is scattered back into `dz`; one logits chunk, never `[rows, V]`; per-row loss and correctness
-        // (scattered back to the block rows for the per-slot sums, a product with a ones vector).
-        add("head_z", F32, m(head, h))?;
+        // (scattered back to the block rows for the per-slot sums, a product with a ones vector). On CUDA at
+        // bf16 the head's products read 16-bit operands only: the rows are gathered straight into bf16 (no f32
+        // copy), `lm_head` has a frozen bf16 copy (rounded once at upload), and the fused loss writes the logits
+        // gradient's copy beside the f32 logits (the product writes f32 for the softmax).
+        let head16 = (backend, precision) == (BackendKind::Cuda, Precision::Bf16);
+        if head16 {
+            add("head_z_bf16", Dtype::Bf16, m(head, h))?;
+            add("lm_head_bf16", Dtype::Bf16, m(v, h))?;
+            add("logits_bf16", Dtype::Bf16, m(c, v))?;
+        } else {
+            add("head_z", F32, m(head, h))?;
+        }
         add("head_dz", F32, m(head, h))?;
         add("logits", F32, m(c, v))?;
         add("row_loss", F32, Some(head))?;
@@ -315,6 +325,9 @@ mod tests {
             "act_bf16",
             "dx_bf16",
             "grad_bf16",
+            "head_z_bf16",
+            "lm_head_bf16",
+            "logits_bf16",
         ];
         for (backend, precision) in [
             (BackendKind::Cpu, Precision::F32),
@@ -341,8 +354,20 @@ mod tests {
         // The gradient scratch: the widest of dgate_up (Q·2I = 12288), dq_raw, the key gradients and
         // dctx_pre (T·H = 8192).
         assert_eq!(bf16.elements("grad_bf16"), Some(q * 2 * i));
+        // The head: 2 · 8 · 3 labelled rows and one, gathered into bf16 instead of f32; lm_head's copy [V, H];
+        // the logits gradient's copy of one chunk of 16 rows.
+        let (head, v, c) = (2 * 8 * 3 + 1, 512, 16);
+        assert_eq!(bf16.elements("head_z"), None);
+        assert_eq!(bf16.elements("head_z_bf16"), Some(head * h));
+        assert_eq!(bf16.elements("lm_head_bf16"), Some(v * h));
+        assert_eq!(bf16.elements("logits_bf16"), Some(c * v));
         let saved = nl * q * (2 * h + qd + i);
-        let copies = 2 * (spec.parameter_count() + t * h + saved + q * h + q * 2 * i) as u64;
-        assert_eq!(bf16.bytes().unwrap() - f32_layout.bytes().unwrap(), copies);
+        let copies =
+            2 * (spec.parameter_count() + t * h + saved + q * h + q * 2 * i + v * h + c * v) as u64;
+        let head_rows_saved = 2 * (head * h) as u64;
+        assert_eq!(
+            bf16.bytes().unwrap() - f32_layout.bytes().unwrap(),
+            copies - head_rows_saved
+        );
     }
 }

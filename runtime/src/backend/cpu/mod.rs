@@ -576,12 +576,14 @@ fn reinterpreted_len<T, U>(len: usize) -> usize {
 fn check_device_data(kernel: &Kernel<'_, CpuBackend>) {
     match kernel {
         Kernel::vocab_loss_row { labels, vocab, .. }
-        | Kernel::weighted_vocab_loss_row { labels, vocab, .. } => {
+        | Kernel::weighted_vocab_loss_row { labels, vocab, .. }
+        | Kernel::weighted_vocab_loss_row_bf16 { labels, vocab, .. } => {
             if let Some(bad) = labels.iter().find(|&&l| l >= *vocab as i32) {
                 panic!("label {bad} outside a vocabulary of {vocab}");
             }
         }
-        Kernel::embedding_gather { ids, vocab, .. } => {
+        Kernel::embedding_gather { ids, vocab, .. }
+        | Kernel::embedding_gather_bf16 { ids, vocab, .. } => {
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= *vocab) {
                 panic!("embedding_gather: token id {bad} outside a table of {vocab} rows");
             }

@@ -4,6 +4,7 @@
 
 use draftpipe_compiler::plan::WorkspaceLayout;
 
+use crate::backend::head::HeadOperands;
 use crate::backend::{Backend, Buf, Dst, FlashCopies, InputSlot};
 use crate::model::step::{AllocateError, input_slot, take_buffer as take};
 
@@ -134,6 +135,57 @@ impl<B: Backend> OperandCopies<B> {
     }
 }
 
+/// The head's product operands (`backend::head`): the gathered rows in f32, or on CUDA at `bf16` the 16-bit
+/// copies the layout keeps instead (`head_z_bf16`, `lm_head_bf16`, `logits_bf16`).
+pub(crate) enum HeadBuffers<B: Backend> {
+    F32 {
+        z: Buf<B, f32>,
+    },
+    Bf16 {
+        z: Buf<B, half::bf16>,
+        /// The frozen `lm_head` rounded to bf16, written when the target's tensors are uploaded.
+        lm_head: Buf<B, half::bf16>,
+        logits: Buf<B, half::bf16>,
+    },
+}
+
+impl<B: Backend> HeadBuffers<B> {
+    fn take(be: &mut B, layout: &WorkspaceLayout) -> Result<Self, AllocateError> {
+        if layout.elements("head_z_bf16").is_none() {
+            return Ok(Self::F32 {
+                z: take(be, layout, "head_z")?,
+            });
+        }
+        Ok(Self::Bf16 {
+            z: take(be, layout, "head_z_bf16")?,
+            lm_head: take(be, layout, "lm_head_bf16")?,
+            logits: take(be, layout, "logits_bf16")?,
+        })
+    }
+
+    /// The operands of a head over `m` rows of `h` in chunks of `chunk_len` logits.
+    pub(crate) fn operands(&mut self, m: usize, h: usize, chunk_len: usize) -> HeadOperands<'_, B> {
+        match self {
+            Self::F32 { z } => HeadOperands::F32 {
+                z: z.at_mut(0, m * h),
+            },
+            Self::Bf16 { z, lm_head, logits } => HeadOperands::Bf16 {
+                lm_head: lm_head.all(),
+                z: z.at_mut(0, m * h),
+                logits: logits.at_mut(0, chunk_len),
+            },
+        }
+    }
+
+    /// `lm_head`'s bf16 copy to write after an upload of `lm_head`, when the head keeps one.
+    pub(crate) fn lm_head_copy(&mut self) -> Option<Dst<'_, B, half::bf16>> {
+        match self {
+            Self::F32 { .. } => None,
+            Self::Bf16 { lm_head, .. } => Some(lm_head.all_mut()),
+        }
+    }
+}
+
 /// The `dflash` workspace (names as in [`WorkspaceLayout::dflash`]; per-layer buffers are stacked) and the
 /// target's frozen tensors, which `compile` reports apart (`frozen_weights`).
 #[allow(missing_docs)] // each field is the layout buffer of the same name
@@ -168,7 +220,7 @@ pub struct DflashWorkspace<B: Backend> {
     pub(crate) act: Buf<B, f32>,
     pub(crate) z: Buf<B, f32>,
     pub(crate) final_inv_rms: Buf<B, f32>,
-    pub(crate) head_z: Buf<B, f32>,
+    pub(crate) head: HeadBuffers<B>,
     pub(crate) head_dz: Buf<B, f32>,
     pub(crate) logits: Buf<B, f32>,
     pub(crate) row_loss: Buf<B, f32>,
@@ -276,7 +328,7 @@ impl<B: Backend> DflashWorkspace<B> {
             act: take(be, layout, "act")?,
             z: take(be, layout, "z")?,
             final_inv_rms: take(be, layout, "final_inv_rms")?,
-            head_z: take(be, layout, "head_z")?,
+            head: HeadBuffers::take(be, layout)?,
             head_dz: take(be, layout, "head_dz")?,
             logits: take(be, layout, "logits")?,
             row_loss: take(be, layout, "row_loss")?,

@@ -130,8 +130,11 @@ fn step(bucket_head: bool) -> Outcome {
         .expect("stage batch");
     d.stage(&mut be, 0, &batch, (9, 0)).expect("stage plan");
     let ws = &mut d.ws;
+    let super::buffers::HeadBuffers::F32 { z: head_z } = &mut ws.head else {
+        panic!("the CPU's head reads f32 operands");
+    };
     for buf in [
-        &mut ws.head_z,
+        head_z,
         &mut ws.head_dz,
         &mut ws.logits,
         &mut ws.row_loss,

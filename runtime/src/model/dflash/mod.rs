@@ -392,7 +392,7 @@ impl<B: Backend> Dflash<B> {
                 norm: plan.inv_weight_sum.all(),
             },
             HeadScratch {
-                z: ws.head_z.at_mut(0, m * h),
+                operands: ws.head.operands(m, h, chunk * v),
                 dz: ws.head_dz.at_mut(0, m * h),
                 logits: ws.logits.at_mut(0, chunk * v),
                 correct: ws.head_correct.at_mut(0, m),
@@ -805,6 +805,15 @@ impl<B: Backend> Family<B> for Dflash<B> {
 
     fn frozen_mut(&mut self) -> Option<FrozenTables<'_, B>> {
         Some((&mut self.ws.embed, &mut self.ws.lm_head))
+    }
+
+    /// Rounds the uploaded `lm_head` into its bf16 copy where the head reads one (CUDA at `bf16`): once per
+    /// upload, never on the step path (the tensor is frozen).
+    fn frozen_uploaded(&mut self, be: &mut B) -> BackendResult {
+        match self.ws.head.lm_head_copy() {
+            Some(copy) => be.round_to_bf16(self.ws.lm_head.all(), copy),
+            None => Ok(()),
+        }
     }
 
     /// Builds the block plan of `batch` (anchors drawn with `(seed, step)`) and copies it into input slot
