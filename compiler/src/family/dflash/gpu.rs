@@ -4,12 +4,14 @@
 //!
 //! It describes the step as the CUDA backend launches it: at `precision = bf16` the forward's products read
 //! 16-bit operands (`e = 2` bytes below, 4 at f32/tf32, where no copies are written): the weights' copy AdamW
-//! writes, the norm and SwiGLU outputs their kernels write in bf16, the attention output rounded in its own
-//! pass; the `lm_head` products and every backward product still read f32 operands, which cuBLAS rounds as it
+//! writes, the norm and SwiGLU outputs their kernels write in bf16, the attention output written in bf16 by
+//! the flash forward beside its f32 output; the `lm_head` products and every backward product still read f32 operands, which cuBLAS rounds as it
 //! loads ([`Kernel::Gemm`]'s `f32_operands`), and the backward's kernels write f32 only. The `lm_head`
 //! products and the fused loss run over the labelled rows only ([`head_rows`]), gathered before the head and
-//! scattered back after it; attention runs the flash kernels (bf16, head_dim 64 or 128), whose q/k/v operands
-//! are rounded to bf16 in five passes of their own, in the forward and again in the backward. The shapes use the notation of [`super::cost`]: `N` sequences, `S` padded length, `T = N·S`
+//! scattered back after it; attention runs the flash kernels (bf16, head_dim 64 or 128), whose q and k
+//! operands RoPE writes in bf16 in its pass and whose v operands are rounded in two passes of their own, once
+//! in the forward, kept per layer for the backward. The shapes use the notation of [`super::cost`]: `N`
+//! sequences, `S` padded length, `T = N·S`
 //! context rows, `Q` block rows, `R` labelled rows, `H`, `Lt` taps, `nh`/`kv` heads of `hd`, `I`, `V`, `P`.
 //!
 //! Bytes of the bandwidth-bound kernels: each reads its f32 inputs and writes its outputs once (f32 where an
@@ -60,6 +62,8 @@ pub fn step_work(
         Precision::Tf32 | Precision::F32 => (4.0, false),
     };
     let conversion = |elements: f64| if copies { elements * (4.0 + e) } else { 0.0 };
+    // Bytes a kernel writes for the 16-bit copy of its output, beside the f32 one (RoPE's q and k).
+    let copy = if copies { e } else { 0.0 };
     // The forward's products (16-bit operands at bf16), and the head's and the backward's (f32 operands).
     let product = |f32_operands: bool, accumulate: bool| {
         move |m: f64, n: f64, k: f64| Kernel::Gemm {
@@ -95,20 +99,21 @@ pub fn step_work(
     let per_layer = [
         Work::new("input_layernorm", F, stream(q * h * (4.0 + e))),
         Work::new("q_proj", F, gemm(q, qd, h)),
-        Work::new("q_norm + RoPE", F, stream(q * qd * 12.0)).launches(2.0),
+        Work::new("q_norm + RoPE", F, stream(q * qd * (12.0 + copy))).launches(2.0),
         Work::new("k_proj, v_proj (block rows)", F, gemm(q, kd, h)).times(2.0),
-        Work::new("k_norm + RoPE (block rows)", F, stream(q * kd * 12.0)).launches(2.0),
-        Work::new("k_proj, v_proj (context)", F, gemm(t, kd, h)).times(2.0),
-        Work::new("k_norm + RoPE (context)", F, stream(t * kd * 12.0)).launches(2.0),
         Work::new(
-            "q, k, v bf16 copies",
+            "k_norm + RoPE (block rows)",
             F,
-            stream(conversion(q * qd + 2.0 * (q + t) * kd)),
+            stream(q * kd * (12.0 + copy)),
         )
-        .launches(5.0),
+        .launches(2.0),
+        Work::new("k_proj, v_proj (context)", F, gemm(t, kd, h)).times(2.0),
+        Work::new("k_norm + RoPE (context)", F, stream(t * kd * (12.0 + copy))).launches(2.0),
+        Work::new("v bf16 copies", F, stream(conversion((q + t) * kd))).launches(2.0),
         Work::new("attention forward", F, attention(false)),
+        // Written by the flash forward beside its f32 output: bytes, no launch of its own.
+        Work::new("attention output bf16 copy", F, stream(q * qd * copy)).launches(0.0),
         Work::new("residual copy", F, stream(8.0 * q * h)),
-        Work::new("attention output copy", F, stream(conversion(q * qd))),
         Work::new("o_proj", F, gemm_acc(q, h, qd)),
         Work::new("post_attention_layernorm", F, stream(q * h * (4.0 + e))),
         Work::new("gate_up_proj", F, gemm(q, 2.0 * i, h)),
@@ -145,12 +150,6 @@ pub fn step_work(
         Work::new("o_proj dW", B, gemm32(h, qd, q)),
         Work::new("o_proj dX", B, gemm32(q, qd, h)),
         Work::new("attention dO copy", B, stream(conversion(q * qd))),
-        Work::new(
-            "q, k, v bf16 copies (again)",
-            B,
-            stream(conversion(q * qd + 2.0 * (q + t) * kd)),
-        )
-        .launches(5.0),
         Work::new("attention backward", B, attention(true)),
         Work::new("RoPE + q_norm backward", B, stream(q * qd * 20.0)).launches(3.0),
         Work::new(
