@@ -19,10 +19,32 @@ use std::fmt;
 
 use crate::span::{Span, line_at, line_col};
 
-/// One error: a message, the span it points at, and optional label, help and related positions.
+/// Whether a diagnostic stops the file (an error) or only tells the user something the plan will do that they
+/// may not expect (a warning: the plan is still built).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    /// The file has no plan.
+    Error,
+    /// The file has a plan; this is worth knowing about it.
+    Warning,
+}
+
+impl Severity {
+    /// The word a rendered diagnostic starts with.
+    pub fn word(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warning => "warning",
+        }
+    }
+}
+
+/// One error or warning: a message, the span it points at, and optional label, help and related positions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Diagnostic {
-    /// The headline after `error: `.
+    /// Error or warning.
+    pub severity: Severity,
+    /// The headline after `error: ` (or `warning: `).
     pub message: String,
     /// The offending source text.
     pub span: Span,
@@ -38,11 +60,20 @@ impl Diagnostic {
     /// An error at `span`.
     pub fn error(span: Span, message: impl Into<String>) -> Self {
         Self {
+            severity: Severity::Error,
             message: message.into(),
             span,
             label: None,
             help: None,
             related: Vec::new(),
+        }
+    }
+
+    /// A warning at `span`.
+    pub fn warning(span: Span, message: impl Into<String>) -> Self {
+        Self {
+            severity: Severity::Warning,
+            ..Self::error(span, message)
         }
     }
 
@@ -140,7 +171,7 @@ impl Diagnostics {
         let start = line_col(&self.source, d.span.start);
         let (line_start, line) = line_at(&self.source, d.span.start);
         let gutter = " ".repeat(start.line.to_string().len());
-        writeln!(f, "error: {}", shorten(&d.message))?;
+        writeln!(f, "{}: {}", d.severity.word(), shorten(&d.message))?;
         writeln!(
             f,
             "{gutter}--> {}:{}:{}",
@@ -262,12 +293,13 @@ impl fmt::Display for Diagnostics {
             )?;
         }
         let n = self.len();
-        write!(
-            f,
-            "error: `{}` has {n} error{}",
-            self.file_name,
-            if n == 1 { "" } else { "s" }
-        )
+        let plural = if n == 1 { "" } else { "s" };
+        // A file's diagnostics are all warnings (its plan was built) or hold its errors.
+        if self.items.iter().all(|d| d.severity == Severity::Warning) {
+            write!(f, "warning: `{}` has {n} warning{plural}", self.file_name)
+        } else {
+            write!(f, "error: `{}` has {n} error{plural}", self.file_name)
+        }
     }
 }
 

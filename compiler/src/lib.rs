@@ -152,26 +152,47 @@ fn read_source(path: &Path, limit: u64) -> Result<String, CompileError> {
 
 /// Parses and checks `source`, returning its plan or all of its errors. `file_name` appears in diagnostics.
 pub fn compile_source(file_name: &str, source: &str) -> Result<Plan, Diagnostics> {
+    compile_source_with_warnings(file_name, source).map(|(plan, _)| plan)
+}
+
+/// [`compile_source`] that also returns the plan's warnings (empty when there are none): what the plan will
+/// do that the file's author may not expect, such as a CUDA drafter's attention falling back to the f32
+/// kernels.
+pub fn compile_source_with_warnings(
+    file_name: &str,
+    source: &str,
+) -> Result<(Plan, Diagnostics), Diagnostics> {
     let file = parse(file_name, source)?;
-    check::check(&file).map_err(|mut errors| {
-        if errors.is_empty() {
-            // A check gave up without recording why: a bug, but the user still gets an error, not silence.
-            errors.push(
-                Diagnostic::error(
-                    file.span,
-                    "internal error: the checks rejected this file without a reason",
-                )
-                .help("please report this file to the draftpipe developers"),
-            );
-        }
+    let collect = |items: Vec<Diagnostic>| {
         let mut diagnostics = Diagnostics::new(file_name, source);
-        diagnostics.extend(errors);
+        diagnostics.extend(items);
         diagnostics
-    })
+    };
+    check::check(&file)
+        .map(|(plan, warnings)| (plan, collect(warnings)))
+        .map_err(|mut errors| {
+            if errors.is_empty() {
+                // A check gave up without recording why: a bug, but the user still gets an error, not silence.
+                errors.push(
+                    Diagnostic::error(
+                        file.span,
+                        "internal error: the checks rejected this file without a reason",
+                    )
+                    .help("please report this file to the draftpipe developers"),
+                );
+            }
+            collect(errors)
+        })
 }
 
 /// Reads and compiles a `.pipe` file: a regular file of at most [`MAX_SOURCE_BYTES`].
 pub fn compile_file(path: &Path) -> Result<Plan, CompileError> {
+    compile_file_with_warnings(path).map(|(plan, _)| plan)
+}
+
+/// [`compile_file`] with the plan's warnings ([`compile_source_with_warnings`]).
+pub fn compile_file_with_warnings(path: &Path) -> Result<(Plan, Diagnostics), CompileError> {
     let source = read_source(path, MAX_SOURCE_BYTES)?;
-    compile_source(&path.display().to_string(), &source).map_err(CompileError::Invalid)
+    compile_source_with_warnings(&path.display().to_string(), &source)
+        .map_err(CompileError::Invalid)
 }

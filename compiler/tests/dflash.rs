@@ -392,3 +392,82 @@ fn the_target_depth_is_taken_as_written_and_a_tap_at_or_beyond_it_is_a_spanned_e
     );
     assert!(errors(&with_depth("0")).contains("`layers` must be at least 1"));
 }
+
+/// The issue's example on one GPU with `precision` and the model's heads, head_dim and block replaced.
+fn on_gpu(precision: &str, heads: &str, block: &str) -> String {
+    ISSUE_EXAMPLE
+        .replace(
+            "drafter d on cpu {",
+            &format!("drafter d on gpu 0 {{\n    precision = {precision}"),
+        )
+        .replace("heads = 4, kv_heads = 2, head_dim = 16", heads)
+        .replace("block = 4", block)
+}
+
+#[test]
+fn a_cuda_drafter_at_bf16_is_warned_where_attention_falls_back_to_f32() {
+    let source = on_gpu(
+        "bf16",
+        "heads = 4, kv_heads = 2, head_dim = 16",
+        "block = 4",
+    );
+    let (plan, warnings) = draftpipe_compiler::compile_source_with_warnings("gpu.pipe", &source)
+        .unwrap_or_else(|d| panic!("{d}"));
+    assert_eq!(plan.drafter.precision, Precision::Bf16);
+    let text = warnings.to_string();
+    assert_eq!(warnings.len(), 1, "{text}");
+    let warning = warnings.iter().next().unwrap();
+    assert_eq!(
+        &source[warning.span.start..warning.span.end],
+        "bf16",
+        "the warning points at the precision: {text}"
+    );
+    assert!(
+        text.starts_with("warning: drafter `d` runs attention on the f32 CUDA-core kernels")
+            && text.contains("head_dim 16 (the flash kernels are built for 64 and 128)")
+            && text.ends_with("warning: `gpu.pipe` has 1 warning"),
+        "{text}"
+    );
+    // The grouping and the block size are named when they are what the kernels refuse.
+    let grouped = on_gpu(
+        "bf16",
+        "heads = 16, kv_heads = 1, head_dim = 64",
+        "block = 16",
+    );
+    let (_, warnings) = draftpipe_compiler::compile_source_with_warnings("gpu.pipe", &grouped)
+        .unwrap_or_else(|d| panic!("{d}"));
+    assert!(
+        warnings
+            .to_string()
+            .contains("16 query heads over 1 kv heads"),
+        "{warnings}"
+    );
+    let block = on_gpu(
+        "bf16",
+        "heads = 4, kv_heads = 2, head_dim = 64",
+        "block = 4",
+    );
+    let (_, warnings) = draftpipe_compiler::compile_source_with_warnings("gpu.pipe", &block)
+        .unwrap_or_else(|d| panic!("{d}"));
+    assert!(
+        warnings.to_string().contains("blocks of 4 slots"),
+        "{warnings}"
+    );
+    // No warning where the flash kernels run, where f32 attention was asked for, or on the CPU.
+    for quiet in [
+        on_gpu(
+            "bf16",
+            "heads = 4, kv_heads = 2, head_dim = 64",
+            "block = 16",
+        ),
+        on_gpu("f32", "heads = 4, kv_heads = 2, head_dim = 16", "block = 4"),
+        ISSUE_EXAMPLE.replace(
+            "drafter d on cpu {",
+            "drafter d on cpu {\n    precision = bf16",
+        ),
+    ] {
+        let (_, warnings) = draftpipe_compiler::compile_source_with_warnings("quiet.pipe", &quiet)
+            .unwrap_or_else(|d| panic!("{d}"));
+        assert!(warnings.is_empty(), "{warnings}\n{quiet}");
+    }
+}

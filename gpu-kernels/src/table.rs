@@ -320,7 +320,19 @@ macro_rules! kernel_table {
                 scalars: [rows: usize, heads: usize, head_dim: usize, theta: f32, inverse: u32],
                 launch: elements(rows * (head_dim / 2)),
                 body: |chunk_len, chunk| $crate::rope::rope(
-                    x, positions, heads, head_dim, theta, inverse != 0, rows * (head_dim / 2), chunk_len, chunk
+                    x, ::core::ptr::null_mut(), positions, heads, head_dim, theta, inverse != 0,
+                    rows * (head_dim / 2), chunk_len, chunk
+                ),
+            }
+            /// RoPE in place that also writes the rotated `x` rounded to bfloat16 (`x16`, the same pass): the
+            /// flash attention kernels' q and k operands on CUDA at `bf16` precision.
+            rope_bf16 {
+                reads: [positions: u32 = rows],
+                writes: [x: f32 = rows * heads * head_dim, x16: u16 = rows * heads * head_dim],
+                scalars: [rows: usize, heads: usize, head_dim: usize, theta: f32, inverse: u32],
+                launch: elements(rows * (head_dim / 2)),
+                body: |chunk_len, chunk| $crate::rope::rope(
+                    x, x16, positions, heads, head_dim, theta, inverse != 0, rows * (head_dim / 2), chunk_len, chunk
                 ),
             }
             /// Weighted fused cross-entropy of `rows` logits rows (DFlash's decayed loss), gradient in place,
@@ -678,7 +690,8 @@ macro_rules! flash_kernel_table {
     };
     (@dims $generator:ident $([$forward:ident, $backward_q:ident, $backward_kv:ident, $d:literal, $d8:literal, $d16:literal])*) => {
         $generator! {$(
-            /// Flash forward (bf16 Q/K/V, f32 out and log-sum-exp), one block per (DFlash block, kv head).
+            /// Flash forward (bf16 Q/K/V, f32 out and log-sum-exp, and the out's bf16 copy for the `o_proj`
+            /// product), one block per (DFlash block, kv head).
             $forward {
                 reads: [
                     q: u16 = queries * heads * $d,
@@ -688,7 +701,11 @@ macro_rules! flash_kernel_table {
                     v_blk: u16 = queries * kv_heads * $d,
                     query_ranges: u32 = 4 * queries,
                 ],
-                writes: [out: f32 = queries * heads * $d, lse: f32 = queries * heads],
+                writes: [
+                    out: f32 = queries * heads * $d,
+                    out_bf16: u16 = queries * heads * $d,
+                    lse: f32 = queries * heads,
+                ],
                 scalars: [queries: usize, context: usize, heads: usize, kv_heads: usize, scale: f32],
                 launch: blocks(
                     queries / $crate::flash::BLOCK * kv_heads,
@@ -699,7 +716,7 @@ macro_rules! flash_kernel_table {
                     $crate::flash::forward::FlashInputs {
                         q, k_ctx, v_ctx, k_blk, v_blk, query_ranges, queries, context, heads, kv_heads, scale,
                     },
-                    out, lse, smem, warp, index
+                    (out, out_bf16), lse, smem, warp, index
                 ),
             }
             /// Flash backward, query-major: `delta = rowsum(dout ∘ out)`, dq, and dout's bf16 copy.

@@ -338,7 +338,7 @@ fn run(c: &Case, mutation: LayoutMutation) -> Outputs {
                 let inputs = *(inputs_addr as *const FlashInputs);
                 flash_forward::<32, D, D8, D16, _>(
                     inputs,
-                    out as *mut f32,
+                    (out as *mut f32, std::ptr::null_mut()),
                     lse as *mut f32,
                     smem,
                     w,

@@ -444,6 +444,7 @@ fn flash_vs_flops(ctx: &Arc<CudaContext>, k: &FlashLauncher, rows: &mut Vec<Row>
     let (_kb, k_blk) = bf16(blk_len, 0.03);
     let (_vb, v_blk) = bf16(blk_len, 0.5);
     let (_d16, dout16) = bf16(q_len, 0.0);
+    let (_o16, out16) = bf16(q_len, 0.0);
     let (_qr, ranges) = typed(&s, s.clone_htod(&query_host).expect("ranges"));
     let (_kcr, key_ctx) = typed(&s, s.clone_htod(&key_ctx_host).expect("ranges"));
     let (_kbr, key_blk) = typed(&s, s.clone_htod(&key_blk_host).expect("ranges"));
@@ -458,7 +459,8 @@ fn flash_vs_flops(ctx: &Arc<CudaContext>, k: &FlashLauncher, rows: &mut Vec<Row>
     let (_dvb, dv_blk) = zeros(&s, blk_len);
     let forward_ms = time_ms(ctx, &s, || {
         k.flash_forward_d128(
-            q, k_ctx, v_ctx, k_blk, v_blk, ranges, out, lse, queries, len, heads, kv_heads, scale,
+            q, k_ctx, v_ctx, k_blk, v_blk, ranges, out, out16, lse, queries, len, heads, kv_heads,
+            scale,
         )
         .expect("flash forward")
     });

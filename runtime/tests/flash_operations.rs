@@ -1,8 +1,13 @@
 //! The flash-attention operations of the `Backend` trait (`backend/flash.rs`) with exactly the buffers, strides
 //! and ranges the `dflash` model passes them: a block plan built by the model's own code
-//! (`BlockPlan::build`) for a ragged batch, the layout's bf16 scratch, NaN-poisoned outputs, against an f64
-//! reference attention over the same (bf16-representable) inputs. On the CPU the flash table's bodies run
-//! through the warp model (`cpu/flash.rs`); on CUDA (ignored here, run by `scripts/gpu-check.sh`) on the device.
+//! (`BlockPlan::build`) for a ragged batch, the bf16 operand copies written by their producers as the model
+//! writes them (`rope_bf16` for q and both key sets at the plan's positions, `round_to_bf16` for both value
+//! sets), NaN-poisoned outputs and copies, against an f64 reference attention over the operands the kernels
+//! read (the copies). On the CPU the flash table's bodies run through the warp model (`cpu/flash.rs`); on CUDA
+//! (ignored here, run by `scripts/gpu-check.sh`) on the device.
+//!
+//! - the copies: every element bit-equal to `half`'s rounding (nearest even) of the producer's f32 output, the
+//!   rotated f32 bit-equal to `rope`'s, the forward's output copy bit-equal to the rounding of its f32 output;
 //!
 //! - the batch: a long sequence (anchors drawn from every position), one whose only valid anchors are 0 and
 //!   its last valid position (with an absent third block), one too short for any anchor (all blocks absent),
@@ -25,10 +30,10 @@ use draftpipe_compiler::plan::{BucketPlan, DflashSpec, LossSpec, Precision};
 use draftpipe_compiler::workspace::{BackendKind, WorkspaceLayout};
 use draftpipe_gpu_kernels::flash::{BLOCK, HEAD_DIMS, check_head_dim};
 use draftpipe_runtime::backend::{
-    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, Buf, Dst, FlashCopies,
+    AttentionGrads, AttentionInputs, AttentionSaved, AttentionShape, Backend, Buf, Dst,
 };
 use draftpipe_runtime::model::dflash::{BlockGeometry, BlockPlan, PlanInput};
-use kernels_support::{bare, down, poisoned, seed, up};
+use kernels_support::{bare, down, poisoned, seed, uniform, up};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
@@ -80,14 +85,12 @@ fn ragged_plan() -> BlockPlan {
     plan
 }
 
-/// Values rounded to bf16 (so the flash path's copies are exact and every path sees the same operands).
-fn bf16_uniform(rng: &mut Xoshiro256PlusPlus, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| half::bf16::from_f32(rng.random_range(-scale..scale)).to_f32())
-        .collect()
-}
+/// Qwen3's RoPE base.
+const THETA: f32 = 1e6;
 
-/// One attention call's inputs.
+/// One attention call's inputs: for the flash path the producers' inputs (q and keys before RoPE, values
+/// before rounding), for the f32 path and the reference the attention operands themselves.
+#[derive(Clone)]
 struct Case {
     shape: AttentionShape,
     queries: usize,
@@ -95,6 +98,8 @@ struct Case {
     q: Vec<f32>,
     k: [Vec<f32>; 2],
     v: [Vec<f32>; 2],
+    /// RoPE positions of the context rows and of the block rows.
+    positions: [Vec<u32>; 2],
     dout: Vec<f32>,
     query_ranges: Vec<u32>,
     key_ranges: [Vec<u32>; 2],
@@ -109,15 +114,16 @@ fn case(plan: &BlockPlan, heads: usize, kv_heads: usize, head_dim: usize, seed: 
         shape: AttentionShape::new(heads, kv_heads, head_dim),
         queries,
         context,
-        q: bf16_uniform(&mut rng, queries * heads * head_dim, 2.0),
+        q: uniform(&mut rng, queries * heads * head_dim, 2.0),
         k: [
-            bf16_uniform(&mut rng, context * kv, 2.0),
-            bf16_uniform(&mut rng, queries * kv, 2.0),
+            uniform(&mut rng, context * kv, 2.0),
+            uniform(&mut rng, queries * kv, 2.0),
         ],
         v: [
-            bf16_uniform(&mut rng, context * kv, 1.0),
-            bf16_uniform(&mut rng, queries * kv, 1.0),
+            uniform(&mut rng, context * kv, 1.0),
+            uniform(&mut rng, queries * kv, 1.0),
         ],
+        positions: [plan.context_positions.clone(), plan.block_positions.clone()],
         dout: (0..queries * heads * head_dim)
             .map(|_| rng.random_range(-1.0..1.0))
             .collect(),
@@ -208,12 +214,7 @@ fn reference(c: &Case) -> Outputs<f64> {
 /// The case's buffers on `be`: inputs uploaded, outputs NaN-poisoned.
 struct Buffers<B: Backend> {
     inp: InputBuffers<B>,
-    out: Buf<B, f32>,
-    lse: Buf<B, f32>,
-    delta: Buf<B, f32>,
-    dq: Buf<B, f32>,
-    dk: [Buf<B, f32>; 2],
-    dv: [Buf<B, f32>; 2],
+    out: OutputBuffers<B>,
 }
 
 /// The case's inputs on a backend.
@@ -226,6 +227,16 @@ struct InputBuffers<B: Backend> {
     key_ranges: [Buf<B, u32>; 2],
 }
 
+/// What the operations write, and the backward's `delta` scratch.
+struct OutputBuffers<B: Backend> {
+    out: Buf<B, f32>,
+    lse: Buf<B, f32>,
+    delta: Buf<B, f32>,
+    dq: Buf<B, f32>,
+    dk: [Buf<B, f32>; 2],
+    dv: [Buf<B, f32>; 2],
+}
+
 impl<B: Backend> InputBuffers<B> {
     fn inputs(&self) -> AttentionInputs<'_, B> {
         AttentionInputs {
@@ -235,6 +246,49 @@ impl<B: Backend> InputBuffers<B> {
             k_blk: self.k[1].all(),
             v_blk: self.v[1].all(),
             query_ranges: self.query_ranges.all(),
+        }
+    }
+}
+
+impl<B: Backend> OutputBuffers<B> {
+    /// What both backward operations (f32 and flash) take besides their inputs: the saved views (`inp`'s
+    /// output gradient and key ranges), `delta` and the gradients.
+    fn backward_views<'a>(
+        &'a mut self,
+        inp: &'a InputBuffers<B>,
+    ) -> (
+        AttentionSaved<'a, B>,
+        Dst<'a, B, f32>,
+        AttentionGrads<'a, B>,
+    ) {
+        let [dk_ctx, dk_blk] = &mut self.dk;
+        let [dv_ctx, dv_blk] = &mut self.dv;
+        (
+            AttentionSaved {
+                out: self.out.all(),
+                dout: inp.dout.all(),
+                lse: self.lse.all(),
+                key_ranges_ctx: inp.key_ranges[0].all(),
+                key_ranges_blk: inp.key_ranges[1].all(),
+            },
+            self.delta.all_mut(),
+            AttentionGrads {
+                dq: self.dq.all_mut(),
+                dk_ctx: dk_ctx.all_mut(),
+                dv_ctx: dv_ctx.all_mut(),
+                dk_blk: dk_blk.all_mut(),
+                dv_blk: dv_blk.all_mut(),
+            },
+        )
+    }
+
+    fn read(&self, be: &mut B) -> Outputs<f32> {
+        Outputs {
+            out: down(be, self.out.all()),
+            lse: down(be, self.lse.all()),
+            dq: down(be, self.dq.all()),
+            dk: [down(be, self.dk[0].all()), down(be, self.dk[1].all())],
+            dv: [down(be, self.dv[0].all()), down(be, self.dv[1].all())],
         }
     }
 }
@@ -251,125 +305,170 @@ impl<B: Backend> Buffers<B> {
                 query_ranges: up(be, &c.query_ranges),
                 key_ranges: [up(be, &c.key_ranges[0]), up(be, &c.key_ranges[1])],
             },
-            out: poisoned(be, c.q.len()),
-            lse: poisoned(be, rows),
-            delta: poisoned(be, rows),
-            dq: poisoned(be, c.q.len()),
-            dk: [poisoned(be, c.k[0].len()), poisoned(be, c.k[1].len())],
-            dv: [poisoned(be, c.v[0].len()), poisoned(be, c.v[1].len())],
-        }
-    }
-
-    fn read(&self, be: &mut B) -> Outputs<f32> {
-        Outputs {
-            out: down(be, self.out.all()),
-            lse: down(be, self.lse.all()),
-            dq: down(be, self.dq.all()),
-            dk: [down(be, self.dk[0].all()), down(be, self.dk[1].all())],
-            dv: [down(be, self.dv[0].all()), down(be, self.dv[1].all())],
-        }
-    }
-}
-
-/// The bf16 scratch the layout gives the flash path, sized for this case (poisoned with NaN bits).
-struct Scratch<B: Backend> {
-    copies: [Buf<B, half::bf16>; 5],
-    dout: Buf<B, half::bf16>,
-}
-
-impl<B: Backend> Scratch<B> {
-    fn new(be: &mut B, c: &Case) -> Self {
-        let nan = |n: usize| vec![half::bf16::NAN; n];
-        let (q, ctx, blk) = (c.q.len(), c.k[0].len(), c.k[1].len());
-        Self {
-            copies: [q, ctx, ctx, blk, blk].map(|n| up(be, &nan(n))),
-            dout: up(be, &nan(q)),
-        }
-    }
-
-    /// The five operand copies and the output gradient's copy, as the model's `FlashScratch::views`.
-    fn views(&mut self) -> (FlashCopies<'_, B>, Dst<'_, B, half::bf16>) {
-        let [q, k_ctx, v_ctx, k_blk, v_blk] = &mut self.copies;
-        (
-            FlashCopies {
-                q: q.all_mut(),
-                k_ctx: k_ctx.all_mut(),
-                v_ctx: v_ctx.all_mut(),
-                k_blk: k_blk.all_mut(),
-                v_blk: v_blk.all_mut(),
+            out: OutputBuffers {
+                out: poisoned(be, c.q.len()),
+                lse: poisoned(be, rows),
+                delta: poisoned(be, rows),
+                dq: poisoned(be, c.q.len()),
+                dk: [poisoned(be, c.k[0].len()), poisoned(be, c.k[1].len())],
+                dv: [poisoned(be, c.v[0].len()), poisoned(be, c.v[1].len())],
             },
-            self.dout.all_mut(),
-        )
+        }
     }
 }
 
-/// Forward and backward through the flash operations, as the model calls them.
-fn run_flash<B: Backend>(be: &mut B, c: &Case) -> Outputs<f32> {
-    let mut b = Buffers::new(be, c);
-    // One scratch for both directions, as the model's: the backward rounds its operands again.
-    let mut scratch = Scratch::new(be, c);
+/// `n` bf16 NaNs on `be` (a copy nothing wrote stays NaN).
+fn nan_bf16<B: Backend>(be: &mut B, n: usize) -> Buf<B, half::bf16> {
+    up(be, &vec![half::bf16::NAN; n])
+}
+
+/// Asserts `copy` is `x` rounded to bf16 by `half` (nearest even), bit for bit.
+fn assert_rounded(what: &str, x: &[f32], copy: &[half::bf16]) {
+    assert_eq!(x.len(), copy.len(), "{what}: lengths");
+    for (i, (&x, &c)) in x.iter().zip(copy).enumerate() {
+        assert_eq!(
+            c.to_bits(),
+            half::bf16::from_f32(x).to_bits(),
+            "{what}[{i}]: the copy of {x:e} is {c}"
+        );
+    }
+}
+
+/// The flash path's bf16 operands `[q, k_ctx, v_ctx, k_blk, v_blk]` on a backend, with the query ranges.
+struct Copies<B: Backend> {
+    copies: [Buf<B, half::bf16>; 5],
+    query_ranges: Buf<B, u32>,
+}
+
+impl<B: Backend> Copies<B> {
+    fn inputs(&self) -> AttentionInputs<'_, B, half::bf16> {
+        let [q, k_ctx, v_ctx, k_blk, v_blk] = &self.copies;
+        AttentionInputs {
+            q: q.all(),
+            k_ctx: k_ctx.all(),
+            v_ctx: v_ctx.all(),
+            k_blk: k_blk.all(),
+            v_blk: v_blk.all(),
+            query_ranges: self.query_ranges.all(),
+        }
+    }
+}
+
+/// The copies as the model's forward writes them from the case's producer inputs: `rope_bf16` over q and
+/// both key sets at their positions, `round_to_bf16` over both value sets, into NaN-poisoned buffers. Each
+/// copy is checked against `half`'s rounding of its producer's f32 output, and the rotated f32 against
+/// `rope`'s; returns the copies and the case of the attention operands they hold (for the f64 reference and
+/// the f32 path).
+fn produce<B: Backend>(be: &mut B, c: &Case) -> (Copies<B>, Case) {
+    let AttentionShape {
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = c.shape;
+    let mut operands = c.clone();
+    let copy_of = |be: &mut B, name: &str, x: &[f32], positions: Option<(&[u32], usize)>| {
+        let mut f32s = up(be, x);
+        let mut copy = nan_bf16(be, x.len());
+        let produced = match positions {
+            Some((positions, heads)) => {
+                let positions = up(be, positions);
+                be.rope_bf16(
+                    (f32s.all_mut(), copy.all_mut()),
+                    positions.all(),
+                    THETA,
+                    heads,
+                    head_dim,
+                )
+                .expect("rope_bf16");
+                let mut alone = up(be, x);
+                be.rope(
+                    alone.all_mut(),
+                    positions.all(),
+                    THETA,
+                    heads,
+                    head_dim,
+                    false,
+                )
+                .expect("rope");
+                let (produced, alone) = (down(be, f32s.all()), down(be, alone.all()));
+                // The first element that differs, not the whole buffers, in the message.
+                let differs = produced
+                    .iter()
+                    .zip(&alone)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(differs, None, "{name}: rope_bf16 rotates as rope does");
+                produced
+            }
+            None => {
+                be.round_to_bf16(f32s.all(), copy.all_mut())
+                    .expect("round_to_bf16");
+                x.to_vec()
+            }
+        };
+        let values = down(be, copy.all());
+        assert_rounded(name, &produced, &values);
+        (
+            copy,
+            values.iter().map(|v| v.to_f32()).collect::<Vec<f32>>(),
+        )
+    };
+    let (q, q_values) = copy_of(be, "q", &c.q, Some((&c.positions[1], heads)));
+    let (k_ctx, k_ctx_values) = copy_of(be, "k_ctx", &c.k[0], Some((&c.positions[0], kv_heads)));
+    let (k_blk, k_blk_values) = copy_of(be, "k_blk", &c.k[1], Some((&c.positions[1], kv_heads)));
+    let (v_ctx, v_ctx_values) = copy_of(be, "v_ctx", &c.v[0], None);
+    let (v_blk, v_blk_values) = copy_of(be, "v_blk", &c.v[1], None);
+    operands.q = q_values;
+    operands.k = [k_ctx_values, k_blk_values];
+    operands.v = [v_ctx_values, v_blk_values];
+    let copies = Copies {
+        copies: [q, k_ctx, v_ctx, k_blk, v_blk],
+        query_ranges: up(be, &c.query_ranges),
+    };
+    (copies, operands)
+}
+
+/// Forward and backward through the flash operations over the producers' copies, as the model calls them;
+/// the outputs and the case of the operands the kernels read.
+fn run_flash<B: Backend>(be: &mut B, c: &Case) -> (Outputs<f32>, Case) {
+    let (copies, operands) = produce(be, c);
+    let mut b = Buffers::new(be, &operands);
+    let (mut out16, mut dout16) = (nan_bf16(be, c.q.len()), nan_bf16(be, c.q.len()));
     be.flash_attention_forward(
-        b.inp.inputs(),
+        copies.inputs(),
         c.shape,
-        scratch.views().0,
-        b.out.all_mut(),
-        b.lse.all_mut(),
+        (b.out.out.all_mut(), out16.all_mut()),
+        b.out.lse.all_mut(),
     )
     .expect("flash forward");
-    let [dk_ctx, dk_blk] = &mut b.dk;
-    let [dv_ctx, dv_blk] = &mut b.dv;
+    let (out, out16_values) = (down(be, b.out.out.all()), down(be, out16.all()));
+    assert_rounded("out16", &out, &out16_values);
+    let (saved, delta, grads) = b.out.backward_views(&b.inp);
     be.flash_attention_backward(
-        b.inp.inputs(),
+        copies.inputs(),
         c.shape,
-        AttentionSaved {
-            out: b.out.all(),
-            dout: b.inp.dout.all(),
-            lse: b.lse.all(),
-            key_ranges_ctx: b.inp.key_ranges[0].all(),
-            key_ranges_blk: b.inp.key_ranges[1].all(),
-        },
-        b.delta.all_mut(),
-        scratch.views(),
-        AttentionGrads {
-            dq: b.dq.all_mut(),
-            dk_ctx: dk_ctx.all_mut(),
-            dv_ctx: dv_ctx.all_mut(),
-            dk_blk: dk_blk.all_mut(),
-            dv_blk: dv_blk.all_mut(),
-        },
+        saved,
+        (delta, dout16.all_mut()),
+        grads,
     )
     .expect("flash backward");
-    b.read(be)
+    (b.out.read(be), operands)
 }
 
 /// Forward and backward through the f32 attention operations (the CPU's lanes on the CPU).
 fn run_f32<B: Backend>(be: &mut B, c: &Case) -> Outputs<f32> {
     let mut b = Buffers::new(be, c);
-    be.attention_forward(b.inp.inputs(), c.shape, b.out.all_mut(), b.lse.all_mut())
-        .expect("forward");
-    let [dk_ctx, dk_blk] = &mut b.dk;
-    let [dv_ctx, dv_blk] = &mut b.dv;
-    be.attention_backward(
+    be.attention_forward(
         b.inp.inputs(),
         c.shape,
-        AttentionSaved {
-            out: b.out.all(),
-            dout: b.inp.dout.all(),
-            lse: b.lse.all(),
-            key_ranges_ctx: b.inp.key_ranges[0].all(),
-            key_ranges_blk: b.inp.key_ranges[1].all(),
-        },
-        b.delta.all_mut(),
-        AttentionGrads {
-            dq: b.dq.all_mut(),
-            dk_ctx: dk_ctx.all_mut(),
-            dv_ctx: dv_ctx.all_mut(),
-            dk_blk: dk_blk.all_mut(),
-            dv_blk: dv_blk.all_mut(),
-        },
+        b.out.out.all_mut(),
+        b.out.lse.all_mut(),
     )
-    .expect("backward");
-    b.read(be)
+    .expect("forward");
+    let (saved, delta, grads) = b.out.backward_views(&b.inp);
+    be.attention_backward(b.inp.inputs(), c.shape, saved, delta, grads)
+        .expect("backward");
+    b.out.read(be)
 }
 
 /// `‖got − want‖₂ / ‖want‖₂`; infinite when `got` has a non-finite value.
@@ -455,11 +554,11 @@ fn flash_operations_match_f64_on_a_dflash_plan<D: TestDevice>(device: &D) {
     let base = seed();
     for (i, &(heads, kv_heads, head_dim)) in SHAPES.iter().enumerate() {
         let c = case(&plan, heads, kv_heads, head_dim, base + i as u64);
-        let got = run_flash(&mut be, &c);
+        let (got, operands) = run_flash(&mut be, &c);
         assert_close(
             &format!("{} flash {heads}/{kv_heads} heads of {head_dim}", D::NAME),
             &got,
-            &reference(&c),
+            &reference(&operands),
         );
     }
 }
@@ -475,8 +574,8 @@ fn cuda_flash_attention_matches_the_cpu_lanes() {
     let (mut gpu, mut cpu) = (bare(&cuda), bare(&backends::Cpu));
     for (i, &(heads, kv_heads, head_dim)) in SHAPES.iter().enumerate() {
         let c = case(&plan, heads, kv_heads, head_dim, seed() + i as u64);
-        let lanes = run_f32(&mut cpu, &c);
-        let device = run_flash(&mut gpu, &c);
+        let (device, operands) = run_flash(&mut gpu, &c);
+        let lanes = run_f32(&mut cpu, &operands);
         assert_close(
             &format!("cuda flash vs cpu lanes, {heads}/{kv_heads} heads of {head_dim}"),
             &device,
@@ -490,15 +589,15 @@ fn a_head_dim_the_kernels_refuse_is_an_error_not_a_launch() {
     let plan = ragged_plan();
     let mut be = bare(&backends::Cpu);
     let c = case(&plan, 2, 1, 96, seed());
-    let mut b = Buffers::new(&mut be, &c);
-    let mut scratch = Scratch::new(&mut be, &c);
+    let (copies, operands) = produce(&mut be, &c);
+    let mut b = Buffers::new(&mut be, &operands);
+    let mut out16 = nan_bf16(&mut be, c.q.len());
     let error = be
         .flash_attention_forward(
-            b.inp.inputs(),
+            copies.inputs(),
             c.shape,
-            scratch.views().0,
-            b.out.all_mut(),
-            b.lse.all_mut(),
+            (b.out.out.all_mut(), out16.all_mut()),
+            b.out.lse.all_mut(),
         )
         .expect_err("head_dim 96 has no flash kernel");
     assert!(
@@ -506,7 +605,7 @@ fn a_head_dim_the_kernels_refuse_is_an_error_not_a_launch() {
         "{error}"
     );
     assert!(
-        down(&mut be, b.out.all()).iter().all(|x| x.is_nan()),
+        down(&mut be, b.out.out.all()).iter().all(|x| x.is_nan()),
         "nothing was launched"
     );
 }

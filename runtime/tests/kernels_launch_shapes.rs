@@ -880,6 +880,7 @@ fn dflash_kernels_on_gpu_launch_shapes_match_the_host_launchers() {
         unsafe {
             draftpipe_gpu_kernels::rope::rope(
                 rotated.as_mut_ptr(),
+                std::ptr::null_mut(),
                 positions.as_ptr(),
                 heads,
                 head_dim,

@@ -1,8 +1,9 @@
-//! `draftpipe check FILE...`: compile every file, print every error, say which files are valid.
+//! `draftpipe check FILE...`: compile every file, print every error, say which files are valid (with their
+//! warnings, which do not fail the check).
 
 use std::process::ExitCode;
 
-use draftpipe_compiler::{CompileError, compile_file};
+use draftpipe_compiler::{CompileError, compile_file_with_warnings};
 
 use super::{CommandResult, StdoutClosed, say};
 use crate::cli::CheckArgs;
@@ -12,8 +13,11 @@ use crate::cli::CheckArgs;
 pub fn run(args: &CheckArgs) -> CommandResult {
     let mut failed = 0usize;
     for path in &args.files {
-        match compile_file(path) {
-            Ok(plan) => {
+        match compile_file_with_warnings(path) {
+            Ok((plan, warnings)) => {
+                if !warnings.is_empty() {
+                    draftpipe_runtime::log_line!("{warnings}\n");
+                }
                 let said = say(format_args!(
                     "ok: {} (pipeline \"{}\")",
                     path.display(),

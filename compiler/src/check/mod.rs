@@ -63,8 +63,8 @@ struct Sections<'a> {
     acceptance: Vec<&'a AcceptanceSection>,
 }
 
-/// Checks `file` and builds its plan, or returns every error found.
-pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
+/// Checks `file` and builds its plan with its warnings ([`plan_warnings`]), or returns every error found.
+pub(crate) fn check(file: &PipelineFile) -> Result<(Plan, Vec<Diagnostic>), Errs> {
     let mut errs = Errs::new();
     let sections = sort_sections(file, &mut errs);
     check_unique_names(&sections, &mut errs);
@@ -88,6 +88,9 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         .drafters
         .first()
         .map(|s| (s, stages::check_drafter(s, &mut errs)));
+    let precision_span = drafter
+        .as_ref()
+        .and_then(|(_, d)| d.precision.map(|(_, span)| span));
     let drafter_placement = sections
         .drafters
         .first()
@@ -236,7 +239,7 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         schedule.push(StepPhase::AllReduce);
     }
     schedule.push(StepPhase::Optimizer);
-    Ok(Plan {
+    let plan = Plan {
         name,
         devices: declared.into_iter().map(|(d, _)| d).collect(),
         model: ModelPlan::new(spec),
@@ -249,7 +252,43 @@ pub(crate) fn check(file: &PipelineFile) -> Result<Plan, Errs> {
         schedule,
         telemetry,
         acceptance,
-    })
+    };
+    let warnings = plan_warnings(&plan, precision_span.unwrap_or(drafter_section.header));
+    Ok((plan, warnings))
+}
+
+/// What a valid plan will do that its author may not expect, each a warning at `precision`'s span (the
+/// drafter's header when it is not written): a CUDA `dflash` drafter at `precision = bf16` whose heads or
+/// block size the flash kernels refuse runs attention on the f32 CUDA-core kernels
+/// ([`crate::family::dflash::flash`]), several times slower than the tensor-core kernels it asked for.
+fn plan_warnings(plan: &Plan, precision: Span) -> Vec<Diagnostic> {
+    let drafter = &plan.drafter;
+    let on_gpu = drafter.placement.workers.iter().any(|&d| d != Device::Cpu);
+    let Some(spec) = plan.model.spec.as_dflash() else {
+        return Vec::new();
+    };
+    if !on_gpu || drafter.precision != crate::plan::Precision::Bf16 {
+        return Vec::new();
+    }
+    let heads = (spec.heads, spec.kv_heads, spec.head_dim);
+    crate::family::dflash::flash::flash_refusal(heads, spec.block)
+        .map(|why| {
+            Diagnostic::warning(
+                precision,
+                format!(
+                    "drafter `{}` runs attention on the f32 CUDA-core kernels, not the bf16 flash kernels: \
+                     they do not take {why}",
+                    drafter.name
+                ),
+            )
+            .label("attention falls back to f32")
+            .help(
+                "a head_dim of 64 or 128, 1 to 8 query heads per kv head and `block = 16` put attention on \
+                 the tensor cores",
+            )
+        })
+        .into_iter()
+        .collect()
 }
 
 /// Rules between the drafter's model and the target: the family's own ([`ModelArgs::check_against_target`],

@@ -231,13 +231,16 @@ unsafe fn key_set_tiles<const N: usize, const D: usize, W: MatrixWarp<N>>(
 }
 
 /// Flash forward of block `index / kv_heads` and kv head `index % kv_heads`, this thread's warp taking query
-/// head `kv · G + warp`: `out [Q, heads, D]` (f32) and `lse [Q, heads]` for the block's 16 rows.
+/// head `kv · G + warp`: `out [Q, heads, D]` (f32) and `lse [Q, heads]` for the block's 16 rows, and unless
+/// `out16` is null the output rounded to bf16 beside it (nearest even): the `o_proj` product's operand on
+/// CUDA at `bf16`, written here rather than in a pass of its own.
 ///
 /// Launch: `(Q / 16) · kv_heads` blocks of `32 · G` threads, [`super::query_major_smem_bytes`]`(D)` shared.
 ///
 /// # Safety
 /// The inputs hold the layouts of [`super`] for a shape [`super::check_head_dim`] accepts with this `D`
-/// (`D8 = D / 8`, `D16 = D / 16`); `out`, `lse` hold `Q · heads · D`, `Q · heads` f32; `smem` as
+/// (`D8 = D / 8`, `D16 = D / 16`); `out`, `lse` hold `Q · heads · D`, `Q · heads` f32, `out16` (unless null)
+/// `Q · heads · D` u16; `smem` as
 /// [`for_each_key_tile`].
 #[inline(always)]
 pub unsafe fn flash_forward<
@@ -248,7 +251,7 @@ pub unsafe fn flash_forward<
     W: MatrixWarp<N>,
 >(
     inputs: FlashInputs,
-    out: *mut f32,
+    (out, out16): (*mut f32, *mut u16),
     lse: *mut f32,
     smem: *mut u8,
     warp: W,
@@ -291,7 +294,11 @@ pub unsafe fn flash_forward<
                         for i in 0..N {
                             let (g, t) = lanes.0[i];
                             let row = row0 + g + 8 * half;
-                            *out.add((row * heads + head) * D + 8 * n + 2 * t + reg % 2) = value.0[i];
+                            let at = (row * heads + head) * D + 8 * n + 2 * t + reg % 2;
+                            *out.add(at) = value.0[i];
+                            if !out16.is_null() {
+                                *out16.add(at) = crate::convert::f32_to_bf16_bits(value.0[i]);
+                            }
                         }
                     }
                 });

@@ -1,6 +1,7 @@
 //! The arguments of the attention operations ([`super::Backend::attention_forward`] and
 //! [`super::Backend::attention_backward`]): head counts and scale, the read views of the queries and of both
-//! key/value sets, the gradient views, and the one size check both backends run before a launch.
+//! key/value sets (f32, or the flash path's bf16 copies), the gradient views, and the size checks every
+//! attention operation (f32 or flash, `operations.rs` and `flash.rs`) runs before a launch.
 //!
 //! ```text
 //!  q [Q, heads, hd]            k_ctx, v_ctx [T, kv_heads, hd]    k_blk, v_blk [Q, kv_heads, hd]
@@ -8,7 +9,7 @@
 //!  backward only: key_ranges_ctx [T, 2], key_ranges_blk [Q, 2]: the query rows that see each key
 //! ```
 
-use super::{Backend, Dst, Src};
+use super::{Backend, Dst, Element, Src};
 
 /// Head counts, head dimension and the score scale of an attention call.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -85,30 +86,31 @@ impl AttentionShape {
     }
 }
 
-/// What attention reads: the queries, both key/value sets and each query's two key ranges.
-pub struct AttentionInputs<'a, B: Backend> {
+/// What attention reads: the queries, both key/value sets and each query's two key ranges; `T` is `f32` for
+/// the f32 kernels and `half::bf16` for the flash kernels' copies (`backend/flash.rs`).
+pub struct AttentionInputs<'a, B: Backend, T: Element = f32> {
     /// Queries `[Q, heads, head_dim]` (after RoPE).
-    pub q: Src<'a, B, f32>,
+    pub q: Src<'a, B, T>,
     /// Context keys `[T, kv_heads, head_dim]`.
-    pub k_ctx: Src<'a, B, f32>,
+    pub k_ctx: Src<'a, B, T>,
     /// Context values `[T, kv_heads, head_dim]`.
-    pub v_ctx: Src<'a, B, f32>,
+    pub v_ctx: Src<'a, B, T>,
     /// Block keys `[Q, kv_heads, head_dim]`.
-    pub k_blk: Src<'a, B, f32>,
+    pub k_blk: Src<'a, B, T>,
     /// Block values `[Q, kv_heads, head_dim]`.
-    pub v_blk: Src<'a, B, f32>,
+    pub v_blk: Src<'a, B, T>,
     /// `[Q, 4]`: context key range, then block key range, of each query (global row indices).
     pub query_ranges: Src<'a, B, u32>,
 }
 
-impl<B: Backend> Clone for AttentionInputs<'_, B> {
+impl<B: Backend, T: Element> Clone for AttentionInputs<'_, B, T> {
     fn clone(&self) -> Self {
         *self
     }
 }
-impl<B: Backend> Copy for AttentionInputs<'_, B> {}
+impl<B: Backend, T: Element> Copy for AttentionInputs<'_, B, T> {}
 
-impl<B: Backend> AttentionInputs<'_, B> {
+impl<B: Backend, T: Element> AttentionInputs<'_, B, T> {
     /// The lengths [`AttentionShape::sizes`] checks.
     pub fn lens(&self) -> [usize; 6] {
         [
@@ -157,6 +159,24 @@ impl<B: Backend> Clone for AttentionSaved<'_, B> {
 }
 impl<B: Backend> Copy for AttentionSaved<'_, B> {}
 
+/// Checks a forward call's outputs against its sizes: `out` as long as `q`, `lse` one per query row and head.
+///
+/// # Panics
+/// When a length disagrees.
+#[track_caller]
+pub(crate) fn check_forward_lens(
+    shape: &AttentionShape,
+    sizes: AttentionSizes,
+    q: usize,
+    out: usize,
+    lse: usize,
+) {
+    assert!(
+        out == q && lse == sizes.queries * shape.heads,
+        "attention forward: output sizes {out}, {lse} do not fit {sizes:?}, {shape:?}"
+    );
+}
+
 /// Checks the backward's extra views against the sizes.
 ///
 /// # Panics
@@ -187,4 +207,55 @@ pub(crate) fn check_backward_lens(
         "attention_backward: views {saved:?}, delta {delta}, gradients {grads:?} do not fit {queries} queries, \
          {context} context rows, {shape:?}"
     );
+}
+
+/// The sizes of a forward call over views, its outputs checked ([`check_forward_lens`]).
+///
+/// # Panics
+/// When a length disagrees with the layout (see [`AttentionShape::sizes`]).
+#[track_caller]
+pub(crate) fn check_forward<B: Backend, T: Element>(
+    shape: &AttentionShape,
+    inputs: &AttentionInputs<'_, B, T>,
+    out: usize,
+    lse: usize,
+) -> AttentionSizes {
+    let sizes = shape.sizes(inputs.lens());
+    check_forward_lens(shape, sizes, inputs.q.len(), out, lse);
+    sizes
+}
+
+/// The sizes of a backward call over views, every extra view checked ([`check_backward_lens`]).
+///
+/// # Panics
+/// When a length disagrees with the layout.
+#[track_caller]
+pub(crate) fn check_backward<B: Backend, T: Element>(
+    shape: &AttentionShape,
+    inputs: &AttentionInputs<'_, B, T>,
+    saved: &AttentionSaved<'_, B>,
+    delta: usize,
+    grads: &AttentionGrads<'_, B>,
+) -> AttentionSizes {
+    let sizes = shape.sizes(inputs.lens());
+    check_backward_lens(
+        shape,
+        sizes,
+        [
+            saved.out.len(),
+            saved.dout.len(),
+            saved.lse.len(),
+            saved.key_ranges_ctx.len(),
+            saved.key_ranges_blk.len(),
+        ],
+        delta,
+        [
+            grads.dq.len(),
+            grads.dk_ctx.len(),
+            grads.dv_ctx.len(),
+            grads.dk_blk.len(),
+            grads.dv_blk.len(),
+        ],
+    );
+    sizes
 }

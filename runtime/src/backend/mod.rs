@@ -40,7 +40,6 @@ pub use attention::{AttentionGrads, AttentionInputs, AttentionSaved, AttentionSh
 pub use draftpipe_gpu_kernels::adamw::{
     SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR, Schedule,
 };
-pub use flash::FlashCopies;
 pub use kernel::{FlashKernel, Kernel, Reinterpret};
 pub use views::{
     Buf, Dst, Element, HsBuf, HsOperand, HsSrc, Matrix, MatrixData, Operand, Src, gemm_shape,

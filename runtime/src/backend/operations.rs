@@ -604,6 +604,38 @@ macro_rules! kernel_operations {
             })
         }
 
+        /// [`Backend::rope`] forward that also writes the rotated `x` rounded to bf16 into `copy` (the same pass,
+        /// the same rotation: `x` ends bit-equal to [`Backend::rope`]'s), the flash kernels' q or k operand on
+        /// CUDA at `bf16` (`backend/flash.rs`). Every backend runs the table's body: only the flash path calls
+        /// it, which the CPU's steps never take.
+        fn rope_bf16(
+            &mut self,
+            (x, copy): (Dst<'_, Self, f32>, Dst<'_, Self, half::bf16>),
+            positions: Src<'_, Self, u32>,
+            theta: f32,
+            heads: usize,
+            head_dim: usize,
+        ) -> BackendResult {
+            let rows = positions.len();
+            assert!(
+                x.len() == rows * heads * head_dim
+                    && copy.len() == x.len()
+                    && head_dim.is_multiple_of(2)
+                    && theta > 0.0,
+                "rope_bf16: sizes"
+            );
+            self.launch(Kernel::rope_bf16 {
+                positions: Self::read(positions),
+                x: Self::write(x),
+                x16: Self::reinterpret_write(Self::write(copy)),
+                rows,
+                heads,
+                head_dim,
+                theta,
+                inverse: 0,
+            })
+        }
+
         /// Weighted fused cross-entropy of a logits chunk `[rows, vocab]`: the gradient
         /// `weights[r] · norm · (softmax − onehot)` in place, `row_loss = weights[r] · norm · CE`, `correct = 1`
         /// where the row's argmax is its label (labels −1: zero gradient, loss and `correct`); `norm` is one
@@ -666,11 +698,8 @@ macro_rules! kernel_operations {
             out: Dst<'_, Self, f32>,
             lse: Dst<'_, Self, f32>,
         ) -> BackendResult {
-            let AttentionSizes { queries, context } = shape.sizes(inputs.lens());
-            assert!(
-                out.len() == inputs.q.len() && lse.len() == queries * shape.heads,
-                "attention_forward: output sizes"
-            );
+            let AttentionSizes { queries, context } =
+                attention::check_forward(&shape, &inputs, out.len(), lse.len());
             self.launch(Kernel::attention_forward {
                 q: Self::read(inputs.q),
                 k_ctx: Self::read(inputs.k_ctx),
@@ -701,27 +730,8 @@ macro_rules! kernel_operations {
             mut delta: Dst<'_, Self, f32>,
             grads: AttentionGrads<'_, Self>,
         ) -> BackendResult {
-            let sizes = shape.sizes(inputs.lens());
-            attention::check_backward_lens(
-                &shape,
-                sizes,
-                [
-                    saved.out.len(),
-                    saved.dout.len(),
-                    saved.lse.len(),
-                    saved.key_ranges_ctx.len(),
-                    saved.key_ranges_blk.len(),
-                ],
-                delta.len(),
-                [
-                    grads.dq.len(),
-                    grads.dk_ctx.len(),
-                    grads.dv_ctx.len(),
-                    grads.dk_blk.len(),
-                    grads.dv_blk.len(),
-                ],
-            );
-            let AttentionSizes { queries, context } = sizes;
+            let AttentionSizes { queries, context } =
+                attention::check_backward(&shape, &inputs, &saved, delta.len(), &grads);
             let AttentionShape {
                 heads,
                 kv_heads,

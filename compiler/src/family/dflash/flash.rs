@@ -31,14 +31,83 @@ pub const FLASH_BLOCK: usize = 16;
 pub fn flash_attention(
     backend: BackendKind,
     precision: Precision,
-    (heads, kv_heads, head_dim): (usize, usize, usize),
+    heads: (usize, usize, usize),
     block: usize,
 ) -> bool {
     backend == BackendKind::Cuda
         && precision == Precision::Bf16
-        && FLASH_HEAD_DIMS.contains(&head_dim)
-        && kv_heads > 0
-        && heads.is_multiple_of(kv_heads)
-        && (1..=FLASH_MAX_GROUP).contains(&(heads / kv_heads))
-        && block == FLASH_BLOCK
+        && flash_refusal(heads, block).is_none()
+}
+
+/// Why the flash kernels do not take these heads and block size, in words (`check`'s warning for a CUDA
+/// worker at `precision = bf16`, whose attention then falls back to the f32 CUDA-core kernels), or `None` when
+/// they do.
+pub fn flash_refusal(
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    block: usize,
+) -> Option<String> {
+    if !FLASH_HEAD_DIMS.contains(&head_dim) {
+        let [a, b] = FLASH_HEAD_DIMS;
+        return Some(format!(
+            "head_dim {head_dim} (the flash kernels are built for {a} and {b})"
+        ));
+    }
+    let group = (kv_heads > 0 && heads.is_multiple_of(kv_heads)).then(|| heads / kv_heads);
+    if !group.is_some_and(|g| (1..=FLASH_MAX_GROUP).contains(&g)) {
+        return Some(format!(
+            "{heads} query heads over {kv_heads} kv heads (the flash kernels take 1 to {FLASH_MAX_GROUP} \
+             query heads per kv head)"
+        ));
+    }
+    (block != FLASH_BLOCK).then(|| {
+        format!("blocks of {block} slots (the flash kernels take blocks of {FLASH_BLOCK})")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_refusal_names_the_first_rule_a_shape_breaks() {
+        assert_eq!(flash_refusal((32, 8, 128), 16), None);
+        assert!(
+            flash_refusal((32, 8, 96), 16)
+                .unwrap()
+                .starts_with("head_dim 96")
+        );
+        assert!(
+            flash_refusal((32, 2, 64), 16)
+                .unwrap()
+                .starts_with("32 query heads over 2")
+        );
+        assert!(
+            flash_refusal((6, 4, 64), 16)
+                .unwrap()
+                .starts_with("6 query heads over 4")
+        );
+        assert!(
+            flash_refusal((8, 8, 64), 8)
+                .unwrap()
+                .starts_with("blocks of 8")
+        );
+        assert!(flash_attention(
+            BackendKind::Cuda,
+            Precision::Bf16,
+            (8, 8, 64),
+            16
+        ));
+        assert!(!flash_attention(
+            BackendKind::Cuda,
+            Precision::F32,
+            (8, 8, 64),
+            16
+        ));
+        assert!(!flash_attention(
+            BackendKind::Cpu,
+            Precision::Bf16,
+            (8, 8, 64),
+            16
+        ));
+    }
 }

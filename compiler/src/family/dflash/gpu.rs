@@ -5,13 +5,16 @@
 //! It describes the step as the CUDA backend launches it: at `precision = bf16` every product reads 16-bit
 //! operands (`e = 2` bytes below, 4 at f32/tf32, where no copies are written): the weights' copy AdamW writes,
 //! the norm and SwiGLU outputs their kernels write in bf16 (kept per layer, so the weight gradients read them
-//! again), the attention output rounded in its own pass, the gradients the backward's products read, written in
-//! bf16 beside their f32 values by the norms' and the SwiGLU's backward (the attention's dv outputs rounded in a
-//! pass of their own), and both `lm_head` products (the frozen `lm_head`'s copy rounded once at upload, the head
-//! rows gathered into bf16, the logits gradient's copy the fused loss writes in its gradient pass). The `lm_head`
+//! again), the attention output written in bf16 by the flash forward beside its f32 output (rounded in a pass of
+//! its own after the f32 attention kernels), the gradients the backward's products read, written in bf16 beside
+//! their f32 values by the norms' and the SwiGLU's backward (the attention's dv outputs rounded in a pass of their
+//! own), and both `lm_head` products (the frozen `lm_head`'s copy rounded once at upload, the head rows gathered
+//! into bf16, the logits gradient's copy the fused loss writes in its gradient pass). The `lm_head`
 //! products and the fused loss run over the labelled rows only ([`head_rows`]), gathered before the head and
-//! scattered back after it; attention runs the flash kernels (bf16, head_dim 64 or 128), whose q/k/v operands
-//! are rounded to bf16 in five passes of their own, in the forward and again in the backward. The shapes use the notation of [`super::cost`]: `N` sequences, `S` padded length, `T = N·S`
+//! scattered back after it; attention runs the flash kernels (bf16, head_dim 64 or 128), whose q and k
+//! operands RoPE writes in bf16 in its pass and whose v operands are rounded in two passes of their own, once
+//! in the forward, kept per layer for the backward. The shapes use the notation of [`super::cost`]: `N`
+//! sequences, `S` padded length, `T = N·S`
 //! context rows, `Q` block rows, `R` labelled rows, `H`, `Lt` taps, `nh`/`kv` heads of `hd`, `I`, `V`, `P`.
 //!
 //! Bytes of the bandwidth-bound kernels: each reads its f32 inputs and writes its outputs once (f32 where an
@@ -98,20 +101,21 @@ pub fn step_work(
     let per_layer = [
         Work::new("input_layernorm", F, stream(q * h * (4.0 + e))),
         Work::new("q_proj", F, gemm(q, qd, h)),
-        Work::new("q_norm + RoPE", F, stream(q * qd * 12.0)).launches(2.0),
+        Work::new("q_norm + RoPE", F, stream(q * qd * 12.0 + copy_out(q * qd))).launches(2.0),
         Work::new("k_proj, v_proj (block rows)", F, gemm(q, kd, h)).times(2.0),
-        Work::new("k_norm + RoPE (block rows)", F, stream(q * kd * 12.0)).launches(2.0),
-        Work::new("k_proj, v_proj (context)", F, gemm(t, kd, h)).times(2.0),
-        Work::new("k_norm + RoPE (context)", F, stream(t * kd * 12.0)).launches(2.0),
         Work::new(
-            "q, k, v bf16 copies",
+            "k_norm + RoPE (block rows)",
             F,
-            stream(conversion(q * qd + 2.0 * (q + t) * kd)),
+            stream(q * kd * 12.0 + copy_out(q * kd)),
         )
-        .launches(5.0),
+        .launches(2.0),
+        Work::new("k_proj, v_proj (context)", F, gemm(t, kd, h)).times(2.0),
+        Work::new("k_norm + RoPE (context)", F, stream(t * kd * 12.0 + copy_out(t * kd))).launches(2.0),
+        Work::new("v bf16 copies", F, stream(conversion((q + t) * kd))).launches(2.0),
         Work::new("attention forward", F, attention(false)),
+        // Written by the flash forward beside its f32 output: bytes, no launch of its own.
+        Work::new("attention output bf16 copy", F, stream(copy_out(q * qd))).launches(0.0),
         Work::new("residual copy", F, stream(8.0 * q * h)),
-        Work::new("attention output copy", F, stream(conversion(q * qd))),
         Work::new("o_proj", F, gemm_acc(q, h, qd)),
         Work::new("post_attention_layernorm", F, stream(q * h * (4.0 + e))),
         Work::new("gate_up_proj", F, gemm(q, 2.0 * i, h)),
@@ -162,12 +166,6 @@ pub fn step_work(
         Work::new("o_proj dW", B, gemm(h, qd, q)),
         Work::new("o_proj dX", B, gemm(q, qd, h)),
         Work::new("attention dO copy", B, stream(conversion(q * qd))),
-        Work::new(
-            "q, k, v bf16 copies (again)",
-            B,
-            stream(conversion(q * qd + 2.0 * (q + t) * kd)),
-        )
-        .launches(5.0),
         Work::new("attention backward", B, attention(true)),
         Work::new(
             "RoPE + q_norm backward",

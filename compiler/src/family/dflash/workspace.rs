@@ -221,8 +221,9 @@ impl WorkspaceLayout {
                 .try_fold(0, |most: usize, x| Some(most.max(x?)))?;
             add("grad_bf16", Dtype::Bf16, Some(grad))?;
         }
-        // The flash path's bf16 copies of one layer's attention operands (converted again in the backward)
-        // and of the output gradient the key-major pass reads.
+        // The flash path's bf16 copies of every layer's attention operands, written by their producers in the
+        // forward (RoPE for q and k, a rounding pass for v) and read again by the backward, which therefore
+        // rounds nothing; and one layer's copy of the output gradient the key-major pass reads.
         if flash_attention(backend, precision, (heads, kv_heads, hd), block) {
             for (name, rows, width) in [
                 ("flash_q", q, qd),
@@ -230,10 +231,10 @@ impl WorkspaceLayout {
                 ("flash_v_ctx", t, kd),
                 ("flash_k_blk", q, kd),
                 ("flash_v_blk", q, kd),
-                ("flash_dout", q, qd),
             ] {
-                add(name, Dtype::Bf16, m(rows, width))?;
+                add(name, Dtype::Bf16, per_layer(m(rows, width)))?;
             }
+            add("flash_dout", Dtype::Bf16, m(q, qd))?;
         }
         match backend {
             BackendKind::Cuda => add("cublas_workspace", U8, Some(CUBLAS_WORKSPACE_BYTES))?,

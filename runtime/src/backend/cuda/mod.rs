@@ -54,7 +54,6 @@ mod allreduce;
 mod blas;
 mod device;
 pub(super) mod error;
-mod flash;
 mod graphs;
 mod launch;
 mod module;
@@ -66,9 +65,12 @@ pub use allreduce::{GradientAllReduce, GroupAbort};
 pub use blas::{Gemm, HalfType, Op};
 pub use device::{CudaDeviceInfo, discover_devices, open_device};
 pub use error::CudaError;
-pub use flash::{FLASH_KERNEL_NAMES, FLASH_LAUNCH_ARGUMENT_WIDTHS, FlashLauncher};
+
 use graphs::{PartGraphs, StepGraph};
-pub use launch::{BLOCK_THREADS, DevicePtr, KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher};
+pub use launch::{
+    BLOCK_THREADS, DevicePtr, FLASH_KERNEL_NAMES, FLASH_LAUNCH_ARGUMENT_WIDTHS, FlashLauncher,
+    KERNEL_NAMES, LAUNCH_ARGUMENT_WIDTHS, Launcher,
+};
 pub use module::{EMBEDDED_PTX, KernelModule, embedded_ptx};
 use staging::{PinnedInput, PlanStaging, SlotHs, SlotPointers, plan_staging_bytes};
 pub use step_path::{CallCounts, StepPathCounts};

@@ -13,7 +13,7 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 
 use super::CudaError;
-use super::flash::FLASH_KERNEL_NAMES;
+use super::launch::FLASH_KERNEL_NAMES;
 use super::launch::KERNEL_NAMES;
 
 include!(concat!(env!("OUT_DIR"), "/embedded_ptx.rs"));

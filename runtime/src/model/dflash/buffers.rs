@@ -5,7 +5,7 @@
 use draftpipe_compiler::plan::WorkspaceLayout;
 
 use crate::backend::head::HeadOperands;
-use crate::backend::{Backend, Buf, Dst, FlashCopies, InputSlot};
+use crate::backend::{AttentionInputs, Backend, Buf, Dst, InputSlot, Src};
 use crate::model::step::{AllocateError, input_slot, take_buffer as take};
 
 /// One input slot's block plan on the device (see [`super::blocks::BlockPlan`]).
@@ -32,20 +32,27 @@ pub struct PlanSlot<B: Backend> {
     pub inv_weight_sum: Buf<B, f32>,
 }
 
-/// The flash path's bf16 scratch (the layout's `flash_*`): one layer's attention operands and the output
-/// gradient's copy, present exactly where the compiler's rule puts the worker on the flash kernels
+/// The flash path's bf16 copies (the layout's `flash_*`): every layer's attention operands, stacked as the f32
+/// ones are, written by their producers in the forward and read again by the backward, and one layer's output
+/// gradient copy; present exactly where the compiler's rule puts the worker on the flash kernels
 /// (`draftpipe_compiler::family::dflash::flash`, `backend/flash.rs`).
-pub(crate) struct FlashScratch<B: Backend> {
-    q: Buf<B, half::bf16>,
-    k_ctx: Buf<B, half::bf16>,
-    v_ctx: Buf<B, half::bf16>,
-    k_blk: Buf<B, half::bf16>,
-    v_blk: Buf<B, half::bf16>,
+pub(crate) struct FlashCopies<B: Backend> {
+    /// Queries `[layers, Q, heads, D]`, written by RoPE.
+    pub(crate) q: Buf<B, half::bf16>,
+    /// Context keys `[layers, T, kv_heads, D]`, written by RoPE.
+    pub(crate) k_ctx: Buf<B, half::bf16>,
+    /// Context values `[layers, T, kv_heads, D]`, rounded after their product.
+    pub(crate) v_ctx: Buf<B, half::bf16>,
+    /// Block keys `[layers, Q, kv_heads, D]`, written by RoPE.
+    pub(crate) k_blk: Buf<B, half::bf16>,
+    /// Block values `[layers, Q, kv_heads, D]`, rounded after their product.
+    pub(crate) v_blk: Buf<B, half::bf16>,
+    /// The output gradient's copy `[Q, heads, D]`, scratch of one layer's backward.
     dout: Buf<B, half::bf16>,
 }
 
-impl<B: Backend> FlashScratch<B> {
-    /// The scratch `layout` lists, or `None` when it lists none (the f32 attention path).
+impl<B: Backend> FlashCopies<B> {
+    /// The copies `layout` lists, or `None` when it lists none (the f32 attention path).
     fn take(be: &mut B, layout: &WorkspaceLayout) -> Result<Option<Self>, AllocateError> {
         if layout.elements("flash_q").is_none() {
             return Ok(None);
@@ -60,21 +67,22 @@ impl<B: Backend> FlashScratch<B> {
         }))
     }
 
-    /// Views of one call's copies (`q_len = Q·heads·D`, `ctx_len = T·kv_heads·D`, `blk_len = Q·kv_heads·D`) and
-    /// of the output gradient's copy.
-    pub(crate) fn views(
-        &mut self,
-        q_len: usize,
-        ctx_len: usize,
-        blk_len: usize,
-    ) -> (FlashCopies<'_, B>, Dst<'_, B, half::bf16>) {
+    /// Layer `layer`'s copies as the flash kernels' inputs (`q_len = Q·heads·D`, `ctx_len = T·kv_heads·D`,
+    /// `blk_len = Q·kv_heads·D` elements each) with `query_ranges`, and the output gradient's scratch.
+    pub(crate) fn layer<'a>(
+        &'a mut self,
+        layer: usize,
+        (q_len, ctx_len, blk_len): (usize, usize, usize),
+        query_ranges: Src<'a, B, u32>,
+    ) -> (AttentionInputs<'a, B, half::bf16>, Dst<'a, B, half::bf16>) {
         (
-            FlashCopies {
-                q: self.q.at_mut(0, q_len),
-                k_ctx: self.k_ctx.at_mut(0, ctx_len),
-                v_ctx: self.v_ctx.at_mut(0, ctx_len),
-                k_blk: self.k_blk.at_mut(0, blk_len),
-                v_blk: self.v_blk.at_mut(0, blk_len),
+            AttentionInputs {
+                q: self.q.at(layer * q_len, q_len),
+                k_ctx: self.k_ctx.at(layer * ctx_len, ctx_len),
+                v_ctx: self.v_ctx.at(layer * ctx_len, ctx_len),
+                k_blk: self.k_blk.at(layer * blk_len, blk_len),
+                v_blk: self.v_blk.at(layer * blk_len, blk_len),
+                query_ranges,
             },
             self.dout.at_mut(0, q_len),
         )
@@ -257,8 +265,8 @@ pub struct DflashWorkspace<B: Backend> {
     pub(crate) copies: Option<OperandCopies<B>>,
     /// The backward's bf16 gradient operands, likewise.
     pub(crate) grad_copies: Option<GradientCopies<B>>,
-    /// The flash path's scratch, when this worker takes it.
-    pub(crate) flash: Option<FlashScratch<B>>,
+    /// The flash path's bf16 copies, when this worker takes it.
+    pub(crate) flash: Option<FlashCopies<B>>,
     /// The input slots' batches.
     pub inputs: Vec<InputSlot<B>>,
     /// The input slots' block plans.
@@ -361,7 +369,7 @@ impl<B: Backend> DflashWorkspace<B> {
             adamw_state: take(be, layout, "adamw_state")?,
             copies: OperandCopies::take(be, layout)?,
             grad_copies: GradientCopies::take(be, layout)?,
-            flash: FlashScratch::take(be, layout)?,
+            flash: FlashCopies::take(be, layout)?,
             inputs,
             plans,
         })

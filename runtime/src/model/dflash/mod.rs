@@ -217,24 +217,36 @@ impl<B: Backend> Dflash<B> {
                 ws.q_inv_rms.at_mut(l * q * heads, q * heads),
                 eps,
             )?;
-            be.rope(
+            // On the flash path RoPE also writes the bf16 copies of q and k the attention kernels read, and the
+            // v products' outputs are rounded once; the copies stay per layer for the backward.
+            let flash = ws.flash.as_mut();
+            let (q16, [blk16, ctx16]) = match flash {
+                Some(f) => (
+                    Some(&mut f.q),
+                    [
+                        Some((&mut f.k_blk, &mut f.v_blk)),
+                        Some((&mut f.k_ctx, &mut f.v_ctx)),
+                    ],
+                ),
+                None => (None, [None, None]),
+            };
+            rope_with_copy(
+                be,
                 ws.q.at_mut(l * q * qd, q * qd),
-                blk_positions,
-                theta,
-                heads,
-                hd,
-                false,
+                q16.map(|c| c.at_mut(l * q * qd, q * qd)),
+                (blk_positions, theta),
+                (heads, hd),
             )?;
             // Keys and values of the block rows (from n) and of the context rows (from c).
-            for (rows, source, raw, inv, keys, values, positions) in [
+            for (rows, source, raw, inv, (keys, values), positions, copies) in [
                 (
                     q,
                     normed,
                     &mut ws.k_blk_raw,
                     &mut ws.k_blk_inv_rms,
-                    &mut ws.k_blk,
-                    &mut ws.v_blk,
+                    (&mut ws.k_blk, &mut ws.v_blk),
                     blk_positions,
+                    blk16,
                 ),
                 (
                     t,
@@ -246,9 +258,9 @@ impl<B: Backend> Dflash<B> {
                     ),
                     &mut ws.k_ctx_raw,
                     &mut ws.k_ctx_inv_rms,
-                    &mut ws.k_ctx,
-                    &mut ws.v_ctx,
+                    (&mut ws.k_ctx, &mut ws.v_ctx),
                     ctx_positions,
+                    ctx16,
                 ),
             ] {
                 let n = rows * kd;
@@ -267,7 +279,14 @@ impl<B: Backend> Dflash<B> {
                     inv.at_mut(l * rows * kvh, rows * kvh),
                     eps,
                 )?;
-                be.rope(keys.at_mut(l * n, n), positions, theta, kvh, hd, false)?;
+                let (k16, v16) = copies.unzip();
+                rope_with_copy(
+                    be,
+                    keys.at_mut(l * n, n),
+                    k16.map(|c| c.at_mut(l * n, n)),
+                    (positions, theta),
+                    (kvh, hd),
+                )?;
                 be.gemm_hs(
                     values.at_mut(l * n, n),
                     source,
@@ -276,6 +295,12 @@ impl<B: Backend> Dflash<B> {
                     0.0,
                     p,
                 )?;
+                // A pass of its own rather than a second, bf16-output product: cuBLAS writes one output, and
+                // re-running the product would re-read both operands (6 bytes per element here against
+                // 2·H + 2 bytes per element there).
+                if let Some(v16) = v16 {
+                    be.round_to_bf16(values.at(l * n, n), v16.at_mut(l * n, n))?;
+                }
             }
             let inputs = AttentionInputs {
                 q: ws.q.at(l * q * qd, q * qd),
@@ -288,21 +313,26 @@ impl<B: Backend> Dflash<B> {
             let shape = AttentionShape::new(heads, kvh, hd);
             let out = ws.attn.at_mut(l * q * qd, q * qd);
             let lse = ws.lse.at_mut(l * q * heads, q * heads);
-            // The flash kernels where the layout put this worker on them (backend/flash.rs).
-            match ws.flash.as_mut() {
-                Some(flash) => {
-                    let (copies, _) = flash.views(q * qd, t * kd, q * kd);
-                    be.flash_attention_forward(inputs, shape, copies, out, lse)?
-                }
-                None => be.attention_forward(inputs, shape, out, lse)?,
-            }
-            // m = x + attn · Woᵀ (on CUDA at bf16 the attention output's copy is a separate rounding pass: the
-            // attention kernels write f32 only).
-            be.copy(ws.mid.at_mut(l * qh, qh), x.at(0, qh))?;
+            // The flash kernels where the layout put this worker on them (backend/flash.rs), which also write
+            // the output's bf16 copy, the o_proj operand; the f32 kernels' output is rounded in a pass of its
+            // own where the layout keeps that operand (the flash path is a subset of CUDA at bf16, which keeps
+            // it, so the flash copies never go unused).
             let (qq, at_q) = (q * qd, l * q * qd);
-            if let Some(copies) = &mut ws.copies {
-                be.round_to_bf16(ws.attn.at(at_q, qq), copies.attn.at_mut(at_q, qq))?;
+            match (ws.flash.as_mut(), ws.copies.as_mut()) {
+                (Some(flash), Some(saved16)) => {
+                    let (copies, _) = flash.layer(l, (qq, t * kd, q * kd), inputs.query_ranges);
+                    let out16 = saved16.attn.at_mut(at_q, qq);
+                    be.flash_attention_forward(copies, shape, (out, out16), lse)?
+                }
+                (_, saved16) => {
+                    be.attention_forward(inputs, shape, out, lse)?;
+                    if let Some(saved16) = saved16 {
+                        be.round_to_bf16(ws.attn.at(at_q, qq), saved16.attn.at_mut(at_q, qq))?;
+                    }
+                }
             }
+            // m = x + attn · Woᵀ
+            be.copy(ws.mid.at_mut(l * qh, qh), x.at(0, qh))?;
             be.gemm_hs(
                 ws.mid.at_mut(l * qh, qh),
                 HsOperand::with_copy(
@@ -571,10 +601,11 @@ impl<B: Backend> Dflash<B> {
                 AttentionShape::new(heads, kvh, hd),
                 ws.attn_delta.at_mut(0, q * heads),
             );
+            // The flash path reads the copies its forward's producers wrote: no rounding here.
             match ws.flash.as_mut() {
                 Some(flash) => {
-                    let scratch = flash.views(qq, tk, qk);
-                    be.flash_attention_backward(inputs, shape, saved, delta, scratch, attn_grads)?
+                    let (copies, dout16) = flash.layer(l, (qq, tk, qk), inputs.query_ranges);
+                    be.flash_attention_backward(copies, shape, saved, (delta, dout16), attn_grads)?
                 }
                 None => be.attention_backward(inputs, shape, saved, delta, attn_grads)?,
             }
@@ -900,6 +931,21 @@ pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<
         &layout,
     )?;
     Ok((Box::new(model), layout))
+}
+
+/// RoPE forward over `x` at `positions` with `theta`, writing `x`'s bf16 copy in the same pass where the flash
+/// path keeps one (`copy`).
+fn rope_with_copy<B: Backend>(
+    be: &mut B,
+    x: Dst<'_, B, f32>,
+    copy: Option<Dst<'_, B, half::bf16>>,
+    (positions, theta): (Src<'_, B, u32>, f32),
+    (heads, head_dim): (usize, usize),
+) -> BackendResult {
+    match copy {
+        Some(copy) => be.rope_bf16((x, copy), positions, theta, heads, head_dim),
+        None => be.rope(x, positions, theta, heads, head_dim, false),
+    }
 }
 
 /// An RMSNorm forward over `x`'s rows into `y`, and into `copy` rounded to bf16 in the same pass when the

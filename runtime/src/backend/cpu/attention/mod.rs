@@ -10,7 +10,9 @@
 mod lanes;
 
 use super::kernels::launch;
-use crate::backend::attention::{AttentionShape, AttentionSizes, check_backward_lens};
+use crate::backend::attention::{
+    AttentionShape, AttentionSizes, check_backward_lens, check_forward_lens,
+};
 
 /// What attention reads, as host slices (see [`crate::backend::attention::AttentionInputs`]).
 #[derive(Clone, Copy)]
@@ -104,10 +106,7 @@ pub fn attention_forward(
 ) {
     let sizes = inputs.sizes(&shape);
     let AttentionSizes { queries, context } = sizes;
-    assert!(
-        out.len() == inputs.q.len() && lse.len() == queries * shape.heads,
-        "attention_forward: output sizes"
-    );
+    check_forward_lens(&shape, sizes, inputs.q.len(), out.len(), lse.len());
     if kernels == HostKernels::Lanes {
         // SAFETY: `sizes` checked every input against `shape`, and the outputs' lengths above; the outputs are
         // unique borrows.
