@@ -313,10 +313,13 @@ fn bench_attention(c: &mut Criterion) {
     group.finish();
 }
 
-/// The realistic DFlash step's products, `(name, (m, k, n), b read transposed)`: the head's logits `h · lm_headᵀ`
-/// and their input gradient `dlogits · lm_head`, the MLP's `x · gateᵀ`, the down projection's input gradient
-/// `dy · down` (`down` is `[512, 1536]`), and a weight gradient `dyᵀ · x` (`a` read transposed).
-const REALISTIC_GEMMS: [(&str, (usize, usize, usize), bool, bool); 5] = [
+/// One product of the realistic step: its name, `(m, k, n)`, and whether `a` and `b` are read transposed.
+type RealisticGemm = (&'static str, (usize, usize, usize), bool, bool);
+
+/// The realistic DFlash step's products: the head's logits `h · lm_headᵀ` and their input gradient
+/// `dlogits · lm_head`, the MLP's `x · gateᵀ`, the down projection's input gradient `dy · down` (`down` is
+/// `[512, 1536]`), and a weight gradient `dyᵀ · x` (`a` read transposed).
+const REALISTIC_GEMMS: [RealisticGemm; 5] = [
     ("logits", (480, 512, 8192), false, true),
     ("logits_input_grad", (480, 8192, 512), false, false),
     ("mlp_gate", (512, 512, 1536), false, true),

@@ -110,7 +110,12 @@ pub fn step_work(
         )
         .launches(2.0),
         Work::new("k_proj, v_proj (context)", F, gemm(t, kd, h)).times(2.0),
-        Work::new("k_norm + RoPE (context)", F, stream(t * kd * 12.0 + copy_out(t * kd))).launches(2.0),
+        Work::new(
+            "k_norm + RoPE (context)",
+            F,
+            stream(t * kd * 12.0 + copy_out(t * kd)),
+        )
+        .launches(2.0),
         Work::new("v bf16 copies", F, stream(conversion((q + t) * kd))).launches(2.0),
         Work::new("attention forward", F, attention(false)),
         // Written by the flash forward beside its f32 output: bytes, no launch of its own.
