@@ -5,8 +5,9 @@
 //!
 //! The command here is a stand-in for the draft-and-verify loop: `standin.sh`, given as the interpreter
 //! (`DRAFTPIPE_PYTHON`), takes the loop's arguments and writes figures of the loop's `--json` shape whose τ
-//! is `1.5 + step / 1000`, so each row can be told apart. The real loop runs in `scripts/acceptance-walk.sh
-//! --tiny` (CI's Python tests), which requires the run's τ to equal the stand-alone loop's on the same export.
+//! is `1.5 + step / 1000` (the gap `1 − τ / 2` to match, as the run checks), so each row can be told apart.
+//! The real loop runs in `scripts/acceptance-walk.sh --tiny` (CI's Python tests), which requires the run's τ
+//! to equal the stand-alone loop's on the same export.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -38,8 +39,8 @@ step=${draft##*step-}
 case "${STANDIN_MODE:-ok}" in
     fail) echo "Traceback (most recent call last):" >&2; echo "SpeculativeError: stand-in failure at step $step" >&2; exit 1 ;;
     garbage) echo "{not json" > "$json" ;;
-    *) milli=$((1500 + step))
-       printf '{"tau": %d.%03d, "teacher_forced_tau": 2.0, "gap": 0.25, "acceptance_by_position": [0.5, 0.25, 0.1], "target_forwards_per_token": 0.7, "prompts": 4, "generated_tokens": 96}\n' $((milli / 1000)) $((milli % 1000)) > "$json" ;;
+    *) milli=$((1500 + step)) gap=$((2500 - 5 * step))
+       printf '{"tau": %d.%03d, "teacher_forced_tau": 2.0, "gap": 0.%04d, "acceptance_by_position": [0.5, 0.25, 0.1], "target_forwards_per_token": 0.7, "prompts": 4, "generated_tokens": 96}\n' $((milli / 1000)) $((milli % 1000)) $gap > "$json" ;;
 esac
 "#;
 

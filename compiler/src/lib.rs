@@ -97,8 +97,9 @@ pub enum CompileError {
 /// and rendering cost time and memory linear in the file, so the limit bounds both.
 pub const MAX_SOURCE_BYTES: u64 = 1 << 20;
 
-/// What a path that is not a regular file is, in words.
-fn file_kind(file_type: std::fs::FileType) -> &'static str {
+/// What a path that is not a regular file is, in words (the runtime's reads of other processes' files say it
+/// the same way).
+pub fn file_kind(file_type: std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt as _;
     if file_type.is_dir() {
         "a directory"

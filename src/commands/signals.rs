@@ -56,7 +56,9 @@ pub fn install() -> anyhow::Result<Interrupts> {
         .spawn(move || {
             for received in signals.forever() {
                 if flag.load(Ordering::Acquire) {
-                    // A second signal means the user (or the scheduler) will not wait for the step in hand.
+                    // A second signal means the user (or the scheduler) will not wait for the step in hand;
+                    // an acceptance check's processes must not outlive the run all the same.
+                    draftpipe_runtime::acceptance::kill_live_groups();
                     std::process::exit(128 + received);
                 }
                 signal.store(received, Ordering::Release);

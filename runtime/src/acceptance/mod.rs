@@ -6,16 +6,21 @@
 //!  worker 0, step % every == 0 ──busy?──▶ skipped (counted, warned)
 //!        └─ idle: write_export(RUN_DIR/acceptance/step-N/) ──▶ spawn PYTHON -m draftpipe_client.speculative
 //!                                                                 --json RUN_DIR/acceptance/step-N.json
-//!  watcher thread: try_wait every 20 ms, timeout, kill on request ──▶ measurement or failure (warned)
+//!  watcher thread: output ──▶ step-N.log (capped), exit / timeout / kill request ──▶ the child's group killed
+//!                  ──▶ step-N.json (bounded, range-checked) ──▶ measurement or failure (warned)
 //!  telemetry thread: status() ──▶ status-line column          run end: finish() waits (bounded) or kills
 //! ```
 //!
-//! A check that cannot start, fails, times out or writes no figures is a warning naming the command and the
-//! tail of its output; the run goes on. The Python interpreter is `DRAFTPIPE_PYTHON` when set, else the
+//! A check that cannot start, fails, times out, writes no figures or impossible ones is a warning naming the
+//! command and the tail of its output; the run goes on. The files of the newest [`KEPT_CHECKS`] checks stay. The Python interpreter is `DRAFTPIPE_PYTHON` when set, else the
 //! section's `python`, else `python3`; it must import `draftpipe_client` (installed, or on `PYTHONPATH`).
 
+mod figures;
+mod group;
+mod output;
 mod watcher;
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -29,6 +34,10 @@ use crate::telemetry::{AcceptanceFailure, AcceptanceStatus, AcceptanceSummary};
 
 use watcher::{KillReason, Watch};
 
+pub use figures::MAX_FIGURES_BYTES;
+pub use group::kill_live_groups;
+pub use output::{LOG_HEAD_BYTES, LOG_TAIL_BYTES};
+
 /// The environment variable that names the Python interpreter of the acceptance check; it wins over the
 /// pipeline's `python`.
 pub const PYTHON_VAR: &str = "DRAFTPIPE_PYTHON";
@@ -38,6 +47,9 @@ pub const DEFAULT_PYTHON: &str = "python3";
 pub const LOOP_MODULE: &str = "draftpipe_client.speculative";
 /// The acceptance check's directory under the run directory.
 pub const ACCEPTANCE_DIR: &str = "acceptance";
+/// The checks whose `step-N.log` and `step-N.json` are kept: an older check's are removed when a newer one
+/// starts (its figures stay in the summary).
+pub const KEPT_CHECKS: usize = 5;
 
 /// Why the acceptance check cannot be set up: the pipeline names files this machine does not have.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +98,8 @@ pub struct AcceptanceMonitor {
     running: Mutex<Option<Running>>,
     /// The newest export written: removed when the next one is.
     newest_export: Mutex<Option<PathBuf>>,
+    /// The steps whose log and figures files are kept, oldest first.
+    kept_checks: Mutex<VecDeque<u64>>,
     record: Arc<Mutex<AcceptanceSummary>>,
 }
 
@@ -134,6 +148,7 @@ impl AcceptanceMonitor {
             dir,
             running: Mutex::new(None),
             newest_export: Mutex::new(None),
+            kept_checks: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -189,12 +204,13 @@ impl AcceptanceMonitor {
             self.fail(step, format!("the export could not be written: {error}"));
             return;
         }
-        let json = self.dir.join(format!("step-{step}.json"));
+        let (json, log) = self.check_files(step);
+        self.keep_newest_checks(step);
         let watch = Watch {
             step,
             command: self.command(&dir, &json),
             json,
-            log: self.dir.join(format!("step-{step}.log")),
+            log,
             export: dir,
             timeout: Duration::from_millis(self.spec.timeout_ms),
         };
@@ -238,6 +254,31 @@ impl AcceptanceMonitor {
         }
         drop(running);
         self.summary()
+    }
+
+    /// The figures and log files of the check of `step`.
+    fn check_files(&self, step: u64) -> (PathBuf, PathBuf) {
+        (
+            self.dir.join(format!("step-{step}.json")),
+            self.dir.join(format!("step-{step}.log")),
+        )
+    }
+
+    /// Counts `step` among the kept checks and removes the files of those older than the newest
+    /// [`KEPT_CHECKS`].
+    fn keep_newest_checks(&self, step: u64) {
+        let mut kept = self
+            .kept_checks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        kept.push_back(step);
+        while kept.len() > KEPT_CHECKS {
+            if let Some(old) = kept.pop_front() {
+                let (json, log) = self.check_files(old);
+                let _ = std::fs::remove_file(json);
+                let _ = std::fs::remove_file(log);
+            }
+        }
     }
 
     /// The command line of the check of the export in `dir`.

@@ -2,28 +2,35 @@
 //! the reading of its figures (`--json`) or of why it failed (the tail of its output).
 //!
 //! ```text
-//!  Watch::spawn ──Command (own process group, output to step-N.log)──▶ child
-//!       watcher thread: try_wait / timeout / kill request ──▶ step-N.json ──parse──▶ measurement or failure
+//!  Watch::spawn ──Command (own process group, stdout+stderr into one pipe)──▶ child
+//!       watcher thread: poll the pipe into step-N.log (capped), exit / timeout / kill request
+//!         └─ the child ended: its group killed, it reaped ──▶ step-N.json ──LoopFigures::read──▶ measurement
+//!                                                             or failure quoting the end of step-N.log
 //! ```
 
-use std::fs::File;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
-
+use crate::foreign_file;
 use crate::telemetry::{AcceptanceFailure, AcceptanceMeasurement, AcceptanceSummary};
 
-/// How often the watcher looks at the child and at a kill request.
+use super::figures::LoopFigures;
+use super::group::ChildGroup;
+use super::output::CappedLog;
+
+/// How often the watcher looks at the child and at a kill request (output wakes it sooner).
 pub(super) const POLL: Duration = Duration::from_millis(20);
 
 /// Lines of the child's output a failure quotes.
 const TAIL_LINES: usize = 12;
 /// Characters of the child's output a failure quotes at most.
 const TAIL_CHARS: usize = 2000;
+/// Bytes read from the end of the log for the quote: enough for [`TAIL_LINES`] lines of [`TAIL_CHARS`]
+/// characters in any UTF-8.
+const TAIL_READ_BYTES: u64 = 4 * TAIL_CHARS as u64;
 
 /// Why a check is stopped before it ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,21 +50,6 @@ pub(super) struct Watch {
     pub(super) log: PathBuf,
     pub(super) export: PathBuf,
     pub(super) timeout: Duration,
-}
-
-/// The figures of `python -m draftpipe_client.speculative --json` that the run records.
-#[derive(Deserialize)]
-struct LoopFigures {
-    tau: f64,
-    #[serde(default)]
-    teacher_forced_tau: Option<f64>,
-    #[serde(default)]
-    gap: Option<f64>,
-    acceptance_by_position: Vec<f64>,
-    #[serde(default)]
-    target_forwards_per_token: Option<f64>,
-    prompts: u64,
-    generated_tokens: u64,
 }
 
 /// Appends `failure` to the record, with a warning line.
@@ -83,31 +75,35 @@ impl Watch {
         record: Arc<Mutex<AcceptanceSummary>>,
     ) -> Result<JoinHandle<()>, String> {
         let shown = self.command.join(" ");
-        let log = File::create(&self.log)
-            .and_then(|out| Ok((out.try_clone()?, out)))
-            .map_err(|error| format!("cannot create {}: {error}", self.log.display()))?;
+        let cannot_log = |error| format!("cannot create {}: {error}", self.log.display());
+        let (pipe, out) = std::io::pipe().map_err(cannot_log)?;
+        let err = out.try_clone().map_err(cannot_log)?;
+        let log = CappedLog::create(&self.log, pipe).map_err(cannot_log)?;
         let mut command = Command::new(&self.command[0]);
         command
             .args(&self.command[1..])
             .stdin(Stdio::null())
-            .stdout(log.0)
-            .stderr(log.1);
-        // Its own process group: a Ctrl-C meant for the run reaches the run, which stops the child itself.
-        #[cfg(unix)]
+            .stdout(out)
+            .stderr(err);
+        // Its own process group: a Ctrl-C meant for the run reaches the run, which stops the child itself, and
+        // the group is what the watcher kills when the check ends, whichever way.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let _ = std::fs::remove_file(&self.json);
-        let child = command.spawn().map_err(|error| {
+        let spawned = command.spawn();
+        // The pipe's write ends now belong to the child alone: it ends when the child's group does.
+        drop(command);
+        let child = ChildGroup::register(spawned.map_err(|error| {
             format!(
                 "cannot start `{shown}`: {error} (name the interpreter with DRAFTPIPE_PYTHON or the \
                  acceptance section's `python`)"
             )
-        })?;
+        })?);
         let started = Instant::now();
         let refused = format!("cannot start the thread that watches `{shown}`");
         std::thread::Builder::new()
             .name(format!("acceptance-{}", self.step))
             .spawn(move || {
-                let outcome = self.watch(child, started, &kill, &shown);
+                let outcome = self.watch(child, log, started, &kill, &shown);
                 match outcome {
                     Ok(measurement) => {
                         crate::log_line!(
@@ -138,19 +134,21 @@ impl Watch {
             .map_err(|error| format!("{refused}: {error}"))
     }
 
-    /// Waits for the child (or its timeout, or a kill request) and reads its figures.
+    /// Waits for the child (or its timeout, or a kill request) while its output goes to the log, kills what
+    /// is left of its group, and reads its figures.
     fn watch(
         &self,
-        mut child: Child,
+        mut child: ChildGroup,
+        mut log: CappedLog,
         started: Instant,
         kill: &Mutex<Option<KillReason>>,
         shown: &str,
     ) -> Result<AcceptanceMeasurement, String> {
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) => {}
-                Err(error) => return Err(format!("cannot wait for `{shown}`: {error}")),
+        let killed = loop {
+            match child.has_exited() {
+                Ok(true) => break None,
+                Ok(false) => {}
+                Err(error) => break Some(format!("cannot wait for `{shown}`: {error}")),
             }
             let requested = *kill.lock().unwrap_or_else(PoisonError::into_inner);
             let stop = match requested {
@@ -163,12 +161,23 @@ impl Watch {
                 None => None,
             };
             if let Some(why) = stop {
-                kill_group(&mut child);
-                return Err(format!("`{shown}` was killed: {why}"));
+                break Some(format!("`{shown}` was killed: {why}"));
             }
-            std::thread::sleep(POLL);
+            if let Err(error) = log.wait_and_drain(POLL) {
+                break Some(format!("cannot write {}: {error}", self.log.display()));
+            }
         };
+        // Whatever the child started dies with it, whether it exited by itself or is being stopped.
+        let status = child.kill_and_reap();
         let wall_s = started.elapsed().as_secs_f64();
+        let logged = log.finish();
+        if let Some(reason) = killed {
+            return Err(reason);
+        }
+        let status = status.map_err(|error| format!("cannot wait for `{shown}`: {error}"))?;
+        if let Err(error) = logged {
+            return Err(format!("cannot write {}: {error}", self.log.display()));
+        }
         if !status.success() {
             return Err(format!(
                 "`{shown}` {}; its output ends:\n{}",
@@ -176,18 +185,10 @@ impl Watch {
                 self.tail()
             ));
         }
-        let text = std::fs::read_to_string(&self.json).map_err(|error| {
+        let figures = LoopFigures::read(&self.json).map_err(|problem| {
             format!(
-                "`{shown}` exited 0 but {} cannot be read ({error}); its output ends:\n{}",
-                self.json.display(),
+                "`{shown}` exited 0 but its figures were refused: {problem}; its output ends:\n{}",
                 self.tail()
-            )
-        })?;
-        let figures: LoopFigures = serde_json::from_str(&text).map_err(|error| {
-            format!(
-                "{} is not the loop's figures ({error}): expected `tau`, `acceptance_by_position`, \
-                 `prompts` and `generated_tokens`",
-                self.json.display()
             )
         })?;
         Ok(AcceptanceMeasurement {
@@ -204,9 +205,11 @@ impl Watch {
         })
     }
 
-    /// The last lines of the child's output (stdout and stderr together).
+    /// The last lines of the child's output (stdout and stderr together), read from the end of its log and
+    /// decoded lossily (a child may print any bytes).
     fn tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let bytes = foreign_file::read_tail(&self.log, TAIL_READ_BYTES).unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes);
         let lines: Vec<&str> = text.lines().collect();
         let tail = lines[lines.len().saturating_sub(TAIL_LINES)..].join("\n");
         let skip = tail.chars().count().saturating_sub(TAIL_CHARS);
@@ -219,27 +222,11 @@ impl Watch {
     }
 }
 
-/// Kills the child and every process it started (its process group: the interpreter's own children too),
-/// then reaps it.
-fn kill_group(child: &mut Child) {
-    #[cfg(unix)]
-    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-        // SAFETY: `kill` only sends a signal; the group is the child's own (made with `process_group(0)`, so
-        // its id is the child's pid), and the child is not reaped yet, so the id cannot have been reused.
-        unsafe {
-            libc::kill(-pid, libc::SIGKILL);
-        }
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 /// How a child ended, in words.
 fn exited(status: ExitStatus) -> String {
     match status.code() {
         Some(code) => format!("exited with status {code}"),
         None => {
-            #[cfg(unix)]
             if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&status) {
                 return format!("was killed by signal {signal}");
             }
