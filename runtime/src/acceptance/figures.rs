@@ -97,7 +97,8 @@ impl LoopFigures {
         match (self.gap, self.teacher_forced_tau) {
             (Some(gap), Some(teacher_forced)) => {
                 let expected = 1.0 - self.tau / teacher_forced;
-                if !((gap - expected).abs() <= ROUNDING) {
+                let off = (gap - expected).abs();
+                if off.is_nan() || off > ROUNDING {
                     return Err(format!(
                         "`gap` is {gap}, but 1 − tau / teacher_forced_tau is {expected} (tau {}, teacher-forced {})",
                         self.tau, teacher_forced
@@ -139,6 +140,9 @@ impl LoopFigures {
 mod tests {
     use super::*;
 
+    /// One change to the loop's figures.
+    type Edit = fn(&mut LoopFigures);
+
     fn figures(edit: impl FnOnce(&mut LoopFigures)) -> Result<(), String> {
         let mut figures = LoopFigures {
             tau: 1.75,
@@ -162,7 +166,7 @@ mod tests {
             f.gap = Some(1.0);
         });
         assert_eq!(nothing_verified, Ok(()));
-        let cases: [(fn(&mut LoopFigures), &str); 9] = [
+        let cases: [(Edit, &str); 9] = [
             (|f| f.tau = -5.0, "`tau` is -5"),
             (|f| f.tau = f64::NAN, "`tau` is NaN"),
             (|f| f.tau = 3.5, "`tau` is 3.5, not in [1, 3]"),
