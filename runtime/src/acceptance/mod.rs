@@ -12,8 +12,9 @@
 //! ```
 //!
 //! A check that cannot start, fails, times out, writes no figures or impossible ones is a warning naming the
-//! command and the tail of its output; the run goes on. The files of the newest [`KEPT_CHECKS`] checks stay. The Python interpreter is `DRAFTPIPE_PYTHON` when set, else the
-//! section's `python`, else `python3`; it must import `draftpipe_client` (installed, or on `PYTHONPATH`).
+//! command and the tail of its output; the run goes on. The files of the newest [`KEPT_CHECKS`] checks stay.
+//! The Python interpreter is `DRAFTPIPE_PYTHON` when set, else the section's `python`, else `python3`; it must
+//! import `draftpipe_client` (installed, or on `PYTHONPATH`).
 
 mod figures;
 mod group;
