@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod drafter;
 pub mod eval;
 pub mod export_check;
+pub mod figures;
 pub mod lock;
 pub mod log;
 pub mod model;

@@ -307,7 +307,7 @@ fn a_short_run_diagnoses_its_steady_state_not_its_start_and_end() {
     assert!((warmup.shutdown_s - 2.0).abs() < 1e-6, "{text}");
     assert_eq!(warmup.warmup_steps, 3.0, "{text}");
     assert!((warmup.warmup_s - warmup_s).abs() < 1e-6, "{text}");
-    assert!(text.contains("start-up 2.00 s"), "{text}");
+    assert!(text.contains("start-up 2 s"), "{text}");
     // Per-bucket steady step times, for the simulator.
     let buckets = &summary.drafters[0].buckets;
     assert_eq!(buckets.len(), 3);
