@@ -37,7 +37,7 @@ fn a_comparison_prints_every_variant_and_the_verdict() {
         "── queue.capacity=60,queue.min_ready=10",
         "── drafter.devices=3",
         "bottleneck: the drafters (consumers)",
-        "tokens/s",
+        "slots/s",
         "(+0.0%)",
         "(+50.0%)",
         "A larger queue or more producers will not change throughput",
