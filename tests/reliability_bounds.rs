@@ -52,7 +52,10 @@ fn assert_refused(out: &Output, needles: &[&str]) {
         assert!(stderr.contains(needle), "{needle:?} missing in\n{stderr}");
     }
     assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(longest_digit_run(&stderr) <= 12, "a long number in\n{stderr}");
+    assert!(
+        longest_digit_run(&stderr) <= 12,
+        "a long number in\n{stderr}"
+    );
 }
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -106,7 +109,12 @@ fn implausible_rates_are_refused_with_short_numbers() {
         &["--producer-rate", "1e-300"][..],
         &["--producer-rate", "50", "--set", "producer.rate=1e300"][..],
     ] {
-        let mut all = vec!["simulate", "pipelines/quickstart.pipe", "--step-time", "0.8"];
+        let mut all = vec![
+            "simulate",
+            "pipelines/quickstart.pipe",
+            "--step-time",
+            "0.8",
+        ];
         all.extend_from_slice(args);
         let out = draftpipe_within(&all, LIMIT);
         assert_refused(
@@ -180,8 +188,14 @@ fn simulate_labels_slots_as_slots() {
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
     assert!(!stdout.contains("tokens/s"), "{stdout}");
     assert!(stdout.contains("throughput: "), "{stdout}");
-    assert!(stdout.contains(" slots/s (token slots, padding included"), "{stdout}");
-    assert!(stdout.contains("\nslots/s "), "the comparison's row\n{stdout}");
+    assert!(
+        stdout.contains(" slots/s (token slots, padding included"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("\nslots/s "),
+        "the comparison's row\n{stdout}"
+    );
 }
 
 /// A finished run of the tiny pipeline in `dir/run`.
@@ -242,8 +256,9 @@ fn a_corrupt_summary_is_refused_with_a_short_number() {
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     for (edit, field) in [
         (
-            &(|s: &mut serde_json::Value| s["drafters"][0]["timeline"]["last_span_end_s"] = 1e308.into())
-                as &dyn Fn(&mut serde_json::Value),
+            &(|s: &mut serde_json::Value| {
+                s["drafters"][0]["timeline"]["last_span_end_s"] = 1e308.into()
+            }) as &dyn Fn(&mut serde_json::Value),
             "`drafters[0].timeline.last_span_end_s` is 1e308",
         ),
         (

@@ -191,7 +191,7 @@ fn rounds_of_one_bucket_beat_per_drafter_pops_at_dflash_5x3() {
         "the GPU time model (compile's)",
         "at the all-reduce 7.2%",
         "at the all-reduce 29.6%",
-        "tokens/s                117684      89202 (-24.2%)",
+        "slots/s                   118k      89.2k (-24.2%)",
     ] {
         assert!(
             stdout.contains(expected),

@@ -30,7 +30,10 @@ pub fn amount(value: f64) -> String {
         .and_then(|(m, e)| Some((m.parse::<f64>().ok()?, e.parse::<i32>().ok()?)))
         .unwrap_or((value, 0));
     if !(-3..21).contains(&exponent) {
-        return format!("{}e{exponent}", without_trailing_zeros(&format!("{mantissa:.2}")));
+        return format!(
+            "{}e{exponent}",
+            without_trailing_zeros(&format!("{mantissa:.2}"))
+        );
     }
     let group = exponent.max(0) / 3;
     let prefix = ["", "k", "M", "G", "T", "P", "E"][group as usize];
@@ -53,13 +56,15 @@ fn without_trailing_zeros(text: &str) -> String {
 }
 
 /// A duration with its unit, chosen so the number stays short: ns, µs, ms, s, h (from 10,000 s), days (from a
-/// million seconds), each written by [`amount`].
+/// million seconds), each written by [`amount`] (whole seconds from 1,000 to 10,000 s, never `3.6k s`).
 pub fn seconds(value: f64) -> String {
     let magnitude = value.abs();
     let (scaled, unit) = match magnitude {
         m if !m.is_finite() || m == 0.0 => (value, "s"),
         m if m >= 1e6 => (value / 86_400.0, "days"),
         m if m >= 1e4 => (value / 3600.0, "h"),
+        // Up to 10,000 s the seconds are four digits at most: "3600 s" reads better than "3.6k s".
+        m if m >= 1e3 => return format!("{value:.0} s"),
         m if m >= 1.0 => (value, "s"),
         m if m >= 1e-3 => (value * 1e3, "ms"),
         m if m >= 1e-6 => (value * 1e6, "µs"),

@@ -37,6 +37,7 @@ fn durations_pick_a_unit_that_keeps_the_number_short() {
         (0.0042, "4.2 ms"),
         (4.2e-7, "420 ns"),
         (3.25, "3.25 s"),
+        (3600.0, "3600 s"),
         (86_400.0, "24 h"),
         (1e308, "1.16e303 days"),
         (1e-300, "1e-300 s"),

@@ -227,10 +227,7 @@ fn waiting_for_the_first_producer_is_its_own_line_and_no_step_s_time() {
     assert!((timeline.longest_step_s - 1.0).abs() < 1e-6, "{timeline:?}");
     let diagnosis = Diagnosis::from_summary(&summary);
     let text = diagnosis.to_string();
-    assert!(
-        text.contains("waiting for the first data 20.00 s"),
-        "{text}"
-    );
+    assert!(text.contains("waiting for the first data 20 s"), "{text}");
     assert!(
         diagnosis.queue.drafter_wait_pct < 5.0,
         "the first wait is no steady-state wait: {text}"

@@ -202,7 +202,11 @@ impl fmt::Display for Comparison {
                     .map(|(_, p)| {
                         let rate = p.outcome.slots_per_s;
                         if base_rate > 0.0 && !std::ptr::eq(p, base) {
-                            format!("{} ({:+.1}%)", amount(rate), 100.0 * (rate / base_rate - 1.0))
+                            format!(
+                                "{} ({:+.1}%)",
+                                amount(rate),
+                                100.0 * (rate / base_rate - 1.0)
+                            )
                         } else {
                             amount(rate)
                         }

@@ -14,8 +14,8 @@ use std::fmt;
 use serde::Serialize;
 
 use super::phase::{DrafterPhase, ProducerPhase};
-use crate::figures::{amount, seconds};
 use super::summary::{DrafterSummary, RunSummary};
+use crate::figures::{amount, seconds};
 
 /// Share of a side's time spent waiting on the other side that counts as waiting: 10% is an idle time worth
 /// acting on and well above the jitter of a side that keeps pace (a few percent at step boundaries).

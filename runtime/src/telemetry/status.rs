@@ -289,7 +289,6 @@ pub fn progress_bar(done: u64, total: u64, width: usize) -> String {
     format!("[{}{}]", "#".repeat(filled), ".".repeat(width - filled))
 }
 
-
 fn join<T>(items: &[T], each: impl Fn(&T) -> String) -> String {
     items.iter().map(each).collect::<Vec<_>>().join(",")
 }
