@@ -37,7 +37,7 @@ fn a_comparison_prints_every_variant_and_the_verdict() {
         "── queue.capacity=60,queue.min_ready=10",
         "── drafter.devices=3",
         "bottleneck: the drafters (consumers)",
-        "tokens/s",
+        "slots/s",
         "(+0.0%)",
         "(+50.0%)",
         "A larger queue or more producers will not change throughput",
@@ -191,7 +191,7 @@ fn rounds_of_one_bucket_beat_per_drafter_pops_at_dflash_5x3() {
         "the GPU time model (compile's)",
         "at the all-reduce 7.2%",
         "at the all-reduce 29.6%",
-        "tokens/s                117684      89202 (-24.2%)",
+        "slots/s                   118k      89.2k (-24.2%)",
     ] {
         assert!(
             stdout.contains(expected),

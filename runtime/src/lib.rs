@@ -15,6 +15,7 @@ pub mod drafter;
 pub mod eval;
 pub mod export_check;
 pub mod foreign_file;
+pub mod figures;
 pub mod lock;
 pub mod log;
 pub mod model;

@@ -34,6 +34,7 @@ fn model(
         rounds: false,
         all_reduce_s: 0.0,
         step_common_share: 0.0,
+        real_share: None,
         producer_origin: "test".into(),
         drafter_origin: "test".into(),
     }
@@ -112,21 +113,21 @@ proptest! {
     #[test]
     fn throughput_never_exceeds_the_slower_side(m in arbitrary_model(), seed in any::<u64>()) {
         let duration = duration_for(&m, 40_000.0);
-        let p = m.predict(duration, seed);
+        let p = m.predict(duration, seed).unwrap();
         let bound = m.producer_capacity().min(m.drafter_capacity());
         let max_tokens = m.buckets.iter().map(|b| b.tokens).max().unwrap() as f64;
         let buffered = (m.capacity + m.drafters + m.producers) as f64 * max_tokens / p.outcome.measured_s;
         prop_assert!(
-            p.outcome.tokens_per_s <= bound * 1.08 + buffered,
+            p.outcome.slots_per_s <= bound * 1.08 + buffered,
             "{} tok/s above the bound {bound} (+{buffered} buffered)\n{p}",
-            p.outcome.tokens_per_s
+            p.outcome.slots_per_s
         );
     }
 
     /// The depth distribution covers exactly `0..=capacity` and all of the measured time.
     #[test]
     fn depth_never_exceeds_capacity(m in arbitrary_model(), seed in any::<u64>()) {
-        let p = m.predict(duration_for(&m, 20_000.0), seed);
+        let p = m.predict(duration_for(&m, 20_000.0), seed).unwrap();
         prop_assert_eq!(p.outcome.depth_share.len(), m.capacity + 1);
         let total: f64 = p.outcome.depth_share.iter().sum();
         prop_assert!((total - 1.0).abs() < 1e-6, "time at depths sums to {total}");
@@ -137,7 +138,7 @@ proptest! {
     fn infinitely_fast_producers_keep_the_queue_full(mut m in arbitrary_model(), seed in any::<u64>()) {
         m.produce_mean_s = 0.0;
         m.produce_std_s = 0.0;
-        let p = m.predict(duration_for(&m, 20_000.0), seed);
+        let p = m.predict(duration_for(&m, 20_000.0), seed).unwrap();
         prop_assert!(p.outcome.depth_share[m.capacity] > 0.999, "{p}");
         prop_assert_eq!(p.bottleneck, Bottleneck::Consumers);
         prop_assert!(p.outcome.drafter_wait < 1e-9, "{p}");
@@ -153,7 +154,7 @@ proptest! {
             bucket.step_mean_s = 0.0;
             bucket.step_std_s = 0.0;
         }
-        let p = m.predict(duration_for(&m, 20_000.0), seed);
+        let p = m.predict(duration_for(&m, 20_000.0), seed).unwrap();
         prop_assert!(p.outcome.drafter_wait + p.outcome.drafter_barrier > 0.999, "{p}");
         prop_assert!(p.outcome.producer_blocked < 1e-9, "{p}");
         // The queue never holds more than the watermark's worth minus one between hand-offs.
@@ -167,12 +168,12 @@ proptest! {
 #[test]
 fn throughput_is_the_slower_side_when_nothing_varies() {
     // One producer at 10 items/s against two drafters at 10 steps/s each: producer-bound at 10 items/s.
-    let producer_bound = model(16, 4, 1, 0.1, 2, 0.1).predict(3600.0, 1);
-    assert!((producer_bound.outcome.tokens_per_s / (10.0 * 2048.0) - 1.0).abs() < 0.01);
+    let producer_bound = model(16, 4, 1, 0.1, 2, 0.1).predict(3600.0, 1).unwrap();
+    assert!((producer_bound.outcome.slots_per_s / (10.0 * 2048.0) - 1.0).abs() < 0.01);
     assert_eq!(producer_bound.bottleneck, Bottleneck::Producers);
     // The same against drafters at 2 s per step in lockstep: 2 × 2048 tokens per 2 s.
-    let drafter_bound = model(16, 4, 1, 0.1, 2, 2.0).predict(3600.0, 1);
-    assert!((drafter_bound.outcome.tokens_per_s / 2048.0 - 1.0).abs() < 0.01);
+    let drafter_bound = model(16, 4, 1, 0.1, 2, 2.0).predict(3600.0, 1).unwrap();
+    assert!((drafter_bound.outcome.slots_per_s / 2048.0 - 1.0).abs() < 0.01);
     assert_eq!(drafter_bound.bottleneck, Bottleneck::Consumers);
 }
 
@@ -183,7 +184,7 @@ fn the_watermark_holds_drafters_until_the_queue_refills_to_min_ready() {
     // `published - claimed ≥ min_ready`), never at 5 or more, and never refills from empty after the first fill.
     let mut m = model(20, 5, 1, 1.0, 5, 0.0);
     m.lockstep = false;
-    let p = m.predict(1000.0, 1);
+    let p = m.predict(1000.0, 1).unwrap();
     assert!(
         p.outcome.depth_share[4] > 0.999,
         "{:?}",
@@ -203,7 +204,7 @@ fn the_seeds_question_a_deeper_queue_does_not_help_drafter_bound_pipelines() {
     let mut base = model(20, 1, 5, 0.05, 3, 0.5);
     base.buckets[0].step_std_s = 0.1;
     base.produce_std_s = 0.01;
-    let rate = |m: &Model| m.predict(3600.0, 7).outcome.tokens_per_s;
+    let rate = |m: &Model| m.predict(3600.0, 7).unwrap().outcome.slots_per_s;
     let baseline = rate(&base);
     let deeper = rate(&Model {
         capacity: 60,
@@ -232,7 +233,7 @@ fn producers_that_deliver_in_bursts_are_named_bursty_as_the_diagnosis_names_them
     // blocks, then it drains and the drafter waits.
     let mut bursty = model(4, 1, 1, 0.1, 1, 0.08);
     bursty.produce_std_s = 0.4;
-    let p = bursty.predict(3600.0, 3);
+    let p = bursty.predict(3600.0, 3).unwrap();
     assert!(
         p.outcome.producer_blocked >= 0.1 && p.outcome.drafter_wait >= 0.1,
         "{p}"
@@ -240,7 +241,7 @@ fn producers_that_deliver_in_bursts_are_named_bursty_as_the_diagnosis_names_them
     assert_eq!(p.bottleneck, Bottleneck::Bursty, "{p}");
     assert!(p.to_string().contains("bursts"), "{p}");
     // The same mean rate delivered evenly: the producer sets the pace, nobody blocks.
-    let even = model(4, 1, 1, 0.1, 1, 0.08).predict(3600.0, 3);
+    let even = model(4, 1, 1, 0.1, 1, 0.08).predict(3600.0, 3).unwrap();
     assert_eq!(even.bottleneck, Bottleneck::Producers, "{even}");
 }
 
@@ -264,8 +265,8 @@ fn two_bucket_lockstep(rounds: bool) -> Model {
 
 #[test]
 fn a_round_of_one_bucket_costs_that_buckets_step_not_the_slowest_members() {
-    let with = two_bucket_lockstep(true).predict(3600.0, 3);
-    let without = two_bucket_lockstep(false).predict(3600.0, 3);
+    let with = two_bucket_lockstep(true).predict(3600.0, 3).unwrap();
+    let without = two_bucket_lockstep(false).predict(3600.0, 3).unwrap();
     // Rounds alternate the buckets (round-robin among those that hold a round): a round costs 1 s or 3.5 s.
     let rounds_per_s = with.outcome.steps as f64 / with.outcome.measured_s;
     assert!(
@@ -277,7 +278,7 @@ fn a_round_of_one_bucket_costs_that_buckets_step_not_the_slowest_members() {
     let mixed_per_s = without.outcome.steps as f64 / without.outcome.measured_s;
     assert!(mixed_per_s < 1.0 / 3.0, "{mixed_per_s} rounds/s\n{without}");
     assert!(without.outcome.drafter_barrier > 0.1, "{without}");
-    assert!(with.outcome.tokens_per_s > 1.2 * without.outcome.tokens_per_s);
+    assert!(with.outcome.slots_per_s > 1.2 * without.outcome.slots_per_s);
 }
 
 #[test]

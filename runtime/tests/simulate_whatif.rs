@@ -24,6 +24,7 @@ fn base() -> Model {
         rounds: true,
         all_reduce_s: 0.0,
         step_common_share: 0.0,
+        real_share: None,
         producer_origin: "test".into(),
         drafter_origin: "test".into(),
     }

@@ -368,9 +368,9 @@ fn the_report_reads_as_text_and_as_json() {
     let text = diagnosis.to_string();
     for expected in [
         "run \"diagnosis-test\": 1000 steps, 1800000 real tokens (88% of 2048000 token slots; 1200000 with loss, \
-         59%) in 10.0 s (180000 real tok/s, 204800 slots/s), final loss 2.5000 (mean of the last 10 steps)",
+         59%) in 10 s (180k real tok/s, 205k slots/s), final loss 2.5000 (mean of the last 10 steps)",
         "bottleneck: the drafters (consumers)",
-        "drafters: 10.00 ms/step, busy 99.5%, compute 99.0%",
+        "drafters: 10 ms/step, busy 99.5%, compute 99.0%",
         "  forward       50.0     5.000",
         "per drafter: d0 busy 99.5% wait 0.5% | d1 busy 99.5% wait 0.5%",
         "advice: speed up the drafter step",

@@ -227,10 +227,7 @@ fn waiting_for_the_first_producer_is_its_own_line_and_no_step_s_time() {
     assert!((timeline.longest_step_s - 1.0).abs() < 1e-6, "{timeline:?}");
     let diagnosis = Diagnosis::from_summary(&summary);
     let text = diagnosis.to_string();
-    assert!(
-        text.contains("waiting for the first data 20.00 s"),
-        "{text}"
-    );
+    assert!(text.contains("waiting for the first data 20 s"), "{text}");
     assert!(
         diagnosis.queue.drafter_wait_pct < 5.0,
         "the first wait is no steady-state wait: {text}"
@@ -307,7 +304,7 @@ fn a_short_run_diagnoses_its_steady_state_not_its_start_and_end() {
     assert!((warmup.shutdown_s - 2.0).abs() < 1e-6, "{text}");
     assert_eq!(warmup.warmup_steps, 3.0, "{text}");
     assert!((warmup.warmup_s - warmup_s).abs() < 1e-6, "{text}");
-    assert!(text.contains("start-up 2.00 s"), "{text}");
+    assert!(text.contains("start-up 2 s"), "{text}");
     // Per-bucket steady step times, for the simulator.
     let buckets = &summary.drafters[0].buckets;
     assert_eq!(buckets.len(), 3);

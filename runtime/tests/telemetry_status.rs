@@ -103,7 +103,7 @@ fn a_status_line_measures_the_interval_not_the_whole_run() {
     let text = line.to_string();
     for expected in [
         "step 14/100",
-        "1.6k real tok/s",
+        "1.62k real tok/s",
         "of 1.8k slots/s: 90% real, 50% with loss",
         "q_hs=[18/20]",
         "q_hsb=[3,10,5]",

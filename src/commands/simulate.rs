@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::Context as _;
 use draftpipe_compiler::cost::gpu::gpu_step_model;
 use draftpipe_compiler::{Plan, compile_file, plan::Device};
+use draftpipe_runtime::figures::amount;
 use draftpipe_runtime::simulate::{
     Comparison, Model, StepTime, assumed_flops_per_s, parse_what_ifs,
 };
@@ -25,7 +26,7 @@ pub fn run(args: &SimulateArgs) -> CommandResult {
     anyhow::ensure!(
         args.duration.is_finite() && args.duration > 0.0 && args.duration <= MAX_DURATION_S,
         "--duration must be a number of simulated seconds above 0 and at most {MAX_DURATION_S}, found {}",
-        args.duration
+        amount(args.duration)
     );
     let plan = compile_file(&args.file).map_err(compile_failure)?;
     let what_ifs = parse_what_ifs(&args.set)?;
@@ -45,8 +46,8 @@ pub fn run(args: &SimulateArgs) -> CommandResult {
     let started = Instant::now();
     let predictions: Vec<_> = variants
         .into_iter()
-        .map(|(label, model)| (label, model.predict(args.duration, args.seed)))
-        .collect();
+        .map(|(label, model)| Ok((label, model.predict(args.duration, args.seed)?)))
+        .collect::<anyhow::Result<_>>()?;
     let took = started.elapsed();
     if args.compare {
         for (label, prediction) in &predictions {
@@ -70,7 +71,8 @@ fn base_model(args: &SimulateArgs, plan: &Plan) -> anyhow::Result<Model> {
     if let Some(rate) = args.producer_rate {
         anyhow::ensure!(
             rate > 0.0,
-            "--producer-rate must be a positive number of items per second, found {rate}"
+            "--producer-rate must be a positive number of items per second, found {}",
+            amount(rate)
         );
     }
     let mut model = match &args.from {
@@ -90,7 +92,8 @@ fn base_model(args: &SimulateArgs, plan: &Plan) -> anyhow::Result<Model> {
                 Some(seconds) => {
                     anyhow::ensure!(
                         seconds.is_finite() && seconds >= 0.0,
-                        "--step-time must be a duration in seconds, found {seconds}"
+                        "--step-time must be a duration in seconds, found {}",
+                        amount(seconds)
                     );
                     StepTime::Fixed { seconds }
                 }
@@ -106,7 +109,8 @@ fn base_model(args: &SimulateArgs, plan: &Plan) -> anyhow::Result<Model> {
                         Some(gflops) => {
                             anyhow::ensure!(
                                 gflops.is_finite() && gflops > 0.0,
-                                "--drafter-gflops must be positive, found {gflops}"
+                                "--drafter-gflops must be positive, found {}",
+                                amount(gflops)
                             );
                             StepTime::CostModel {
                                 flops_per_s: gflops * 1e9,
@@ -126,7 +130,10 @@ fn base_model(args: &SimulateArgs, plan: &Plan) -> anyhow::Result<Model> {
     if let (Some(rate), Some(_)) = (args.producer_rate, &args.from) {
         model.produce_mean_s = 1.0 / rate;
         model.produce_std_s = 0.0;
-        model.producer_origin = format!("--producer-rate {rate} items/s per worker (no spread)");
+        model.producer_origin = format!(
+            "--producer-rate {} items/s per worker (no spread)",
+            amount(rate)
+        );
     }
     Ok(model)
 }

@@ -24,7 +24,7 @@
 //!
 //! Every figure is time-weighted over the measured part of the run (after a warm-up share of the simulated
 //! time, which starts empty, as a run does): the depth histogram, producers' blocked time, drafters' data wait
-//! and all-reduce wait, and tokens of the steps that complete in it.
+//! and all-reduce wait, and token slots of the steps that complete in it.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -38,8 +38,8 @@ use super::Model;
 pub struct Outcome {
     /// Simulated seconds measured (after the warm-up share).
     pub measured_s: f64,
-    /// Tokens of the steps completed in the window, per second.
-    pub tokens_per_s: f64,
+    /// Token slots (padded lengths) of the steps completed in the window, per second.
+    pub slots_per_s: f64,
     /// Global steps completed in the window (rounds under lockstep; steps of all drafters otherwise).
     pub steps: u64,
     /// Share of the window at each depth `0..=capacity`.
@@ -52,6 +52,8 @@ pub struct Outcome {
     pub drafter_barrier: f64,
     /// Events processed (for the speed figure).
     pub events: u64,
+    /// The simulated time at which the engine stopped at its event bound, before the time asked for.
+    pub stopped_at: Option<f64>,
 }
 
 impl Outcome {
@@ -240,8 +242,15 @@ impl Queue {
     }
 }
 
-/// The simulation of one model for `duration_s` simulated seconds, the first `warmup_share` of them unmeasured.
-pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: u64) -> Outcome {
+/// The simulation of one model for `duration_s` simulated seconds, the first `warmup_share` of them unmeasured,
+/// stopping after `max_events` events (and saying when, in [`Outcome::stopped_at`]).
+pub(super) fn simulate(
+    model: &Model,
+    duration_s: f64,
+    warmup_share: f64,
+    seed: u64,
+    max_events: u64,
+) -> Outcome {
     let mut random = Random::new(seed);
     let capacity = model.capacity;
     let watermark = model.min_ready.max(1);
@@ -273,7 +282,7 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
     let mut blocked_time = 0.0;
     let mut wait_time = 0.0;
     let mut barrier_time = 0.0;
-    let mut tokens = 0.0;
+    let mut slots = 0.0;
     let mut steps = 0u64;
     let mut events = 0u64;
 
@@ -290,8 +299,13 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
         schedule(&mut heap, at, Event::Produced(p));
     }
 
+    let mut stopped_at = None;
     while let Some(Scheduled { at: now, event, .. }) = heap.pop() {
         if now > duration_s {
+            break;
+        }
+        if events == max_events {
+            stopped_at = Some(now);
             break;
         }
         events += 1;
@@ -323,7 +337,7 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
                     }
                 } else {
                     if now >= measure_from {
-                        tokens += model.buckets[bucket].tokens as f64;
+                        slots += model.buckets[bucket].tokens as f64;
                         steps += 1;
                     }
                     drafters[d] = Drafter::Waiting { since: now };
@@ -336,7 +350,7 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
                     if let Drafter::AtBarrier { since, bucket } = *state {
                         barrier_time += measured(since, round_done);
                         if round_done >= measure_from {
-                            tokens += model.buckets[bucket].tokens as f64;
+                            slots += model.buckets[bucket].tokens as f64;
                         }
                         *state = Drafter::Waiting { since: round_done };
                         waiting.push_back(d);
@@ -417,12 +431,13 @@ pub(super) fn simulate(model: &Model, duration_s: f64, warmup_share: f64, seed: 
     let share = |time: f64, workers: usize| (time / (window * workers.max(1) as f64)).min(1.0);
     Outcome {
         measured_s: window,
-        tokens_per_s: tokens / window,
+        slots_per_s: slots / window,
         steps,
         depth_share: depth_time.iter().map(|t| t / window).collect(),
         producer_blocked: share(blocked_time, model.producers),
         drafter_wait: share(wait_time, model.drafters),
         drafter_barrier: share(barrier_time, model.drafters),
         events,
+        stopped_at,
     }
 }

@@ -7,7 +7,7 @@
 //!        └─ drafters × step time per bucket ◀─ GPU time model │ FLOPs at an assumed rate (CPU) │ --step-time │ --from
 //!                                                                              ┘        (seeded, discrete-event)
 //!                                                                                              │
-//!   Prediction: tokens/s, queue depth distribution, producers blocked, drafters waiting ◀──────┘
+//!   Prediction: slots/s, queue depth distribution, producers blocked, drafters waiting ◀──────┘
 //!               + the bottleneck by the same rule the run's diagnosis uses ([`Bottleneck::judge`])
 //! ```
 //!
@@ -22,6 +22,7 @@ mod whatif;
 use draftpipe_compiler::cost::gpu::{bucket_shares, gpu_step_model};
 use draftpipe_compiler::plan::{Device, Plan, PullPolicy, SyncMode};
 
+use crate::figures::{amount, seconds};
 use crate::telemetry::{Bottleneck, DrafterPhase, RunSummary, Waits};
 
 pub use engine::Outcome;
@@ -41,7 +42,7 @@ pub const WARMUP_SHARE: f64 = 0.1;
 pub struct BucketModel {
     /// The bucket's padded sequence length.
     pub padded_len: usize,
-    /// Tokens per item (and per step).
+    /// Token slots per item (and per step): the padded length times the sequences, padding included.
     pub tokens: usize,
     /// Share of the items produced that land in this bucket.
     pub share: f64,
@@ -83,6 +84,9 @@ pub struct Model {
     /// Share (0–1) of the step-time variance common to all drafters of a lockstep round: what slows the machine
     /// slows every replica alike and costs no waiting at the all-reduce; the rest is each replica's own.
     pub step_common_share: f64,
+    /// Share (0–1) of the token slots that were real tokens, where a run measured it (`--from`); a plan
+    /// alone says only how many slots a step trains on.
+    pub real_share: Option<f64>,
     /// Where the producer figures came from (for the report).
     pub producer_origin: String,
     /// Where the drafter figures came from.
@@ -117,7 +121,7 @@ pub enum SimulateError {
         family: &'static str,
     },
     /// A number given on the command line is out of range.
-    #[error("{what} must be {expected}, found {found}")]
+    #[error("{what} must be {expected}, found {}", amount(*.found))]
     OutOfRange {
         /// The option.
         what: &'static str,
@@ -126,7 +130,69 @@ pub enum SimulateError {
         /// The value.
         found: f64,
     },
+    /// A rate or step time no machine has, from wherever the model took it.
+    #[error("{what} must be {expected}, found {} (from {origin})", amount(*.found))]
+    Implausible {
+        /// The figure.
+        what: &'static str,
+        /// The range.
+        expected: &'static str,
+        /// The value.
+        found: f64,
+        /// Where the model took it (the report's origin line).
+        origin: String,
+    },
+    /// The prediction would process more events than a prediction may.
+    #[error(
+        "simulating {} would take about {} events ({} items/s through the queue, up to 3 events each: \
+         produced, stepped, a round's all-reduce), more than the {} a prediction may process; give a \
+         --duration of at most {}",
+        seconds(*.duration_s),
+        amount(*.events),
+        amount(*.items_per_s),
+        amount(MAX_EVENTS as f64),
+        seconds(*.longest_duration_s)
+    )]
+    TooManyEvents {
+        /// The simulated time asked for.
+        duration_s: f64,
+        /// The events it would take.
+        events: f64,
+        /// Items per second the slower side lets through.
+        items_per_s: f64,
+        /// The longest simulated time within the bound.
+        longest_duration_s: f64,
+    },
+    /// The engine reached the event bound before the simulated time ended (the estimate fell short).
+    #[error(
+        "the simulation stopped at the bound of {} events after {} of the {} asked for; give a shorter \
+         --duration",
+        amount(MAX_EVENTS as f64),
+        seconds(*.reached_s),
+        seconds(*.duration_s)
+    )]
+    EventBoundReached {
+        /// The simulated time asked for.
+        duration_s: f64,
+        /// How far the simulated clock got.
+        reached_s: f64,
+    },
 }
+
+/// The most events one prediction processes (an item produced, a step done, a round's all-reduce): a few
+/// seconds of a release build, tens of a debug one. The simulated time multiplies the work, so like the
+/// checker's bounds on the counts of a `.pipe` file it is refused up front, with the longest duration that fits.
+pub const MAX_EVENTS: u64 = 100_000_000;
+
+/// The slowest producer rate a model takes, items per second per worker: one item in 11.6 days, which the
+/// longest simulated time (a week) would not see; a slower figure is a typo or a corrupt summary.
+pub const MIN_PRODUCER_RATE: f64 = 1e-6;
+
+/// The fastest, items per second per worker: a billion, far past any target model (a GPU makes hundreds).
+pub const MAX_PRODUCER_RATE: f64 = 1e9;
+
+/// The longest drafter step a model takes, seconds: a week, the longest simulated time.
+pub const MAX_STEP_S: f64 = 7.0 * 24.0 * 3600.0;
 
 /// Where the drafters' step time comes from when no run is given.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -171,11 +237,14 @@ impl Model {
         let (rate, origin) = match (producer_rate, plan.target.max_rate) {
             (Some(rate), _) => (
                 rate,
-                format!("--producer-rate {rate} items/s per worker (no spread)"),
+                format!(
+                    "--producer-rate {} items/s per worker (no spread)",
+                    amount(rate)
+                ),
             ),
             (None, Some(rate)) => (
                 rate,
-                format!("the plan's max_rate {rate} items/s per worker"),
+                format!("the plan's max_rate {} items/s per worker", amount(rate)),
             ),
             (None, None) => return Err(SimulateError::NoProducerRate),
         };
@@ -226,15 +295,17 @@ impl Model {
         let drafter_origin = match step {
             StepTime::GpuModel => format!(
                 "the GPU time model (compile's): modelled forward + backward + optimizer per bucket on an \
-                 H200, all-reduce {:.1} ms, MFU {:.1}% over the mix (a model, no spread)",
-                all_reduce_s * 1e3,
+                 H200, all-reduce {}, MFU {:.1}% over the mix (a model, no spread)",
+                seconds(all_reduce_s),
                 gpu.as_ref().map_or(0.0, |model| 100.0 * model.mfu)
             ),
             StepTime::CostModel { flops_per_s } => format!(
-                "cost model: the plan's FLOPs per step at an assumed {:.0} GFLOP/s per worker (no spread)",
-                flops_per_s / 1e9
+                "cost model: the plan's FLOPs per step at an assumed {} GFLOP/s per worker (no spread)",
+                amount(flops_per_s / 1e9)
             ),
-            StepTime::Fixed { seconds } => format!("--step-time {:.3} s (no spread)", seconds),
+            StepTime::Fixed { seconds: step } => {
+                format!("--step-time {} s (no spread)", amount(step))
+            }
         };
         Ok(Self {
             name: plan.name.clone(),
@@ -250,6 +321,7 @@ impl Model {
             rounds: plan.drafters_take_rounds(),
             all_reduce_s,
             step_common_share: 0.0,
+            real_share: None,
             producer_origin: origin,
             drafter_origin,
         })
@@ -373,10 +445,12 @@ impl Model {
             rounds: plan.drafters_take_rounds(),
             all_reduce_s: 0.0,
             step_common_share: 0.0,
+            real_share: (summary.real_tokens > 0 && summary.token_slots > 0)
+                .then(|| (summary.real_tokens as f64 / summary.token_slots as f64).min(1.0)),
             producer_origin: format!(
-                "measured in {run_dir}: {:.1} ms per item (spread {:.1} ms) over {items} items",
-                produce_mean_s * 1e3,
-                produce_std_s * 1e3
+                "measured in {run_dir}: {} per item (spread {}) over {items} items",
+                seconds(produce_mean_s),
+                seconds(produce_std_s)
             ),
             drafter_origin: format!(
                 "measured in {run_dir}: steady steps per bucket over {total_steps} steps"
@@ -403,7 +477,7 @@ impl Model {
             let mean_step: f64 = probe.buckets.iter().map(|b| b.share * b.step_mean_s).sum();
             // Enough rounds that the wait settles to a fraction of a percent.
             let duration = (mean_step * 20_000.0).max(1.0);
-            engine::simulate(&probe, duration, WARMUP_SHARE, 0x5EED).drafter_barrier
+            engine::simulate(&probe, duration, WARMUP_SHARE, 0x5EED, MAX_EVENTS).drafter_barrier
         };
         let (w0, w1) = (wait(0.0), wait(1.0));
         self.step_common_share = if w0 - w1 > 1e-6 {
@@ -414,8 +488,31 @@ impl Model {
         };
     }
 
-    /// Checks what the engine needs: at least one worker a side, and not both sides infinitely fast.
+    /// Checks what the engine needs: at least one worker a side, and rates and
+    /// step times within what a machine can have ([`MIN_PRODUCER_RATE`], [`MAX_PRODUCER_RATE`],
+    /// [`MAX_STEP_S`]), whether they came from the command line, a `--set` or a run's summary.
     pub fn validate(&self) -> Result<(), SimulateError> {
+        let rate = 1.0 / self.produce_mean_s;
+        if !(MIN_PRODUCER_RATE..=MAX_PRODUCER_RATE).contains(&rate) {
+            return Err(SimulateError::Implausible {
+                what: "the producer rate",
+                expected: "between 1e-6 and 1e9 items per second per worker",
+                found: rate,
+                origin: self.producer_origin.clone(),
+            });
+        }
+        if let Some(bucket) = self
+            .buckets
+            .iter()
+            .find(|b| !(0.0..=MAX_STEP_S).contains(&b.step_mean_s) || !b.step_std_s.is_finite())
+        {
+            return Err(SimulateError::Implausible {
+                what: "the drafter step time",
+                expected: "between 0 and 604800 s (a week), with a finite spread",
+                found: bucket.step_mean_s,
+                origin: self.drafter_origin.clone(),
+            });
+        }
         for (what, count) in [
             ("producer.workers", self.producers),
             ("drafter.devices", self.drafters),
@@ -429,12 +526,6 @@ impl Model {
                 });
             }
         }
-        let fastest_step = self
-            .buckets
-            .iter()
-            .filter(|b| b.share > 0.0)
-            .map(|b| b.step_mean_s)
-            .fold(f64::INFINITY, f64::min);
         let members = self.drafters;
         let round_capacity = self.buckets.len() * members.saturating_sub(1) + 1;
         if self.rounds && self.lockstep && members > 1 && self.capacity < round_capacity {
@@ -443,13 +534,6 @@ impl Model {
                 what: "queue.capacity",
                 expected: "at least buckets × (drafters − 1) + 1 when lockstep drafters take rounds of one bucket",
                 found: self.capacity as f64,
-            });
-        }
-        if self.produce_mean_s <= 0.0 && fastest_step <= 0.0 {
-            return Err(SimulateError::OutOfRange {
-                what: "producer and drafter times",
-                expected: "positive on at least one side (both infinitely fast never advance the clock)",
-                found: 0.0,
             });
         }
         Ok(())
@@ -485,9 +569,40 @@ impl Model {
             / total.max(f64::MIN_POSITIVE)
     }
 
+    /// Items per second the slower side lets through the queue (the producers' making, the drafters' taking).
+    fn items_per_s(&self) -> f64 {
+        let produced = self.producers as f64 / self.produce_mean_s;
+        let mean_step: f64 = self.buckets.iter().map(|b| b.share * b.step_mean_s).sum();
+        let taken = self.drafters as f64 / mean_step;
+        produced.min(taken)
+    }
+
     /// Simulates `duration_s` seconds with `seed` and judges the outcome as the run's diagnosis would.
-    pub fn predict(&self, duration_s: f64, seed: u64) -> Prediction {
-        let outcome = engine::simulate(self, duration_s, WARMUP_SHARE, seed);
+    ///
+    /// # Errors
+    /// [`SimulateError::TooManyEvents`] when the simulated time at the model's rates would take more than
+    /// [`MAX_EVENTS`] events (an item takes up to three), and [`SimulateError::EventBoundReached`] if the engine
+    /// reaches the bound anyway.
+    pub fn predict(&self, duration_s: f64, seed: u64) -> Result<Prediction, SimulateError> {
+        let items_per_s = self.items_per_s();
+        let events = 3.0 * (items_per_s * duration_s + self.capacity as f64);
+        // NaN (a model without validation, both sides infinitely fast) is as unbounded as too many.
+        if events.is_nan() || events > MAX_EVENTS as f64 {
+            return Err(SimulateError::TooManyEvents {
+                duration_s,
+                events,
+                items_per_s,
+                longest_duration_s: (MAX_EVENTS as f64 / 3.0 - self.capacity as f64).max(0.0)
+                    / items_per_s,
+            });
+        }
+        let outcome = engine::simulate(self, duration_s, WARMUP_SHARE, seed, MAX_EVENTS);
+        if let Some(reached_s) = outcome.stopped_at {
+            return Err(SimulateError::EventBoundReached {
+                duration_s,
+                reached_s,
+            });
+        }
         let near_full_from = self.capacity.saturating_sub(1).max(1);
         let watermark = self.min_ready.max(1);
         let near_full = outcome.share_where(|d| d >= near_full_from);
@@ -497,7 +612,7 @@ impl Model {
             drafter_wait: outcome.drafter_wait,
             below_watermark: Some(below),
         });
-        Prediction {
+        Ok(Prediction {
             model: self.clone(),
             outcome,
             bottleneck,
@@ -505,7 +620,7 @@ impl Model {
             below_watermark: below,
             duration_s,
             seed,
-        }
+        })
     }
 }
 

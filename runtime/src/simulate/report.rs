@@ -6,6 +6,7 @@ use draftpipe_compiler::plan::PullPolicy;
 
 use super::engine::Outcome;
 use super::{Model, WARMUP_SHARE};
+use crate::figures::{amount, seconds};
 use crate::telemetry::Bottleneck;
 
 /// One simulation's figures and verdict.
@@ -25,15 +26,6 @@ pub struct Prediction {
     pub duration_s: f64,
     /// The seed.
     pub seed: u64,
-}
-
-fn compact(value: f64) -> String {
-    match value {
-        v if !v.is_finite() => "unbounded".into(),
-        v if v >= 1e6 => format!("{:.2}M", v / 1e6),
-        v if v >= 1e4 => format!("{:.1}k", v / 1e3),
-        v => format!("{v:.0}"),
-    }
 }
 
 fn pull_name(pull: PullPolicy) -> &'static str {
@@ -67,6 +59,32 @@ impl Prediction {
         }
     }
 
+    /// Token slots per second (padding included: what the simulator counts, a bucket's padded length per
+    /// item) and, for a model measured in a run, the real tokens they stand for at the run's real share:
+    /// the two figures `run`'s status line shows, in its order when both exist.
+    fn throughput_line(&self) -> String {
+        let m = &self.model;
+        let slots = self.outcome.slots_per_s;
+        let capacities = format!(
+            "producers could make {} slots/s, drafters could train on {}",
+            amount(m.producer_capacity()),
+            amount(m.drafter_capacity())
+        );
+        match m.real_share {
+            Some(real) => format!(
+                "{} real tok/s of {} slots/s ({:.0}% of the slots were real tokens in the run; {capacities})",
+                amount(real * slots),
+                amount(slots),
+                100.0 * real
+            ),
+            None => format!(
+                "{} slots/s (token slots, padding included: `run` leads with the real tokens, fewer by the \
+                 padding; {capacities})",
+                amount(slots)
+            ),
+        }
+    }
+
     fn depth_line(&self) -> String {
         let o = &self.outcome;
         let m = &self.model;
@@ -91,15 +109,15 @@ impl fmt::Display for Prediction {
         let o = &self.outcome;
         writeln!(
             f,
-            "simulated \"{}\" for {:.0} s (seed {}; the first {:.0}% left out as warm-up; {} events)",
+            "simulated \"{}\" for {} (seed {}; the first {:.0}% left out as warm-up; {} events)",
             m.name,
-            self.duration_s,
+            seconds(self.duration_s),
             self.seed,
             100.0 * WARMUP_SHARE,
             o.events
         )?;
         let rate = if m.produce_mean_s > 0.0 {
-            format!("{:.2} items/s", 1.0 / m.produce_mean_s)
+            format!("{} items/s", amount(1.0 / m.produce_mean_s))
         } else {
             "unbounded".into()
         };
@@ -113,11 +131,16 @@ impl fmt::Display for Prediction {
             .iter()
             .filter(|b| b.share > 0.0)
             .map(|b| {
+                // A model without spread says so in its origin; "± 0 s" on every bucket would only repeat it.
+                let spread = if b.step_std_s > 0.0 {
+                    format!(" ± {}", seconds(b.step_std_s))
+                } else {
+                    String::new()
+                };
                 format!(
-                    "{}: {:.1} ± {:.1} ms ({:.0}% of items)",
+                    "{}: {}{spread} ({:.0}% of items)",
                     b.padded_len,
-                    b.step_mean_s * 1e3,
-                    b.step_std_s * 1e3,
+                    seconds(b.step_mean_s),
                     100.0 * b.share
                 )
             })
@@ -143,13 +166,7 @@ impl fmt::Display for Prediction {
             m.min_ready,
             pull_name(m.pull)
         )?;
-        writeln!(
-            f,
-            "tokens/s: {:.0} (producers could make {}, drafters could train on {})",
-            o.tokens_per_s,
-            compact(m.producer_capacity()),
-            compact(m.drafter_capacity())
-        )?;
+        writeln!(f, "throughput: {}", self.throughput_line())?;
         writeln!(f, "queue depth: {}", self.depth_line())?;
         writeln!(
             f,
@@ -176,18 +193,22 @@ impl fmt::Display for Comparison {
         let Some((_, base)) = self.variants.first() else {
             return Ok(());
         };
-        let base_rate = base.outcome.tokens_per_s;
+        let base_rate = base.outcome.slots_per_s;
         let rows: Vec<(&str, Vec<String>)> = vec![
             (
-                "tokens/s",
+                "slots/s",
                 self.variants
                     .iter()
                     .map(|(_, p)| {
-                        let rate = p.outcome.tokens_per_s;
+                        let rate = p.outcome.slots_per_s;
                         if base_rate > 0.0 && !std::ptr::eq(p, base) {
-                            format!("{rate:.0} ({:+.1}%)", 100.0 * (rate / base_rate - 1.0))
+                            format!(
+                                "{} ({:+.1}%)",
+                                amount(rate),
+                                100.0 * (rate / base_rate - 1.0)
+                            )
                         } else {
-                            format!("{rate:.0}")
+                            amount(rate)
                         }
                     })
                     .collect(),

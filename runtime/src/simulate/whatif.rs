@@ -11,7 +11,9 @@
 //!    |                 ^^ above the capacity
 //! ```
 //!
-//! One `--set` may hold several assignments separated by commas; it is one variant of `--compare`.
+//! One `--set` may hold several assignments separated by commas; it is one variant of `--compare`. A key set
+//! twice in what applies together (one variant, or every `--set` without `--compare`) is an error naming both
+//! places, as the checker refuses a field written twice: which one should win is the user's to say.
 
 use draftpipe_compiler::plan::PullPolicy;
 use draftpipe_compiler::span::Span;
@@ -183,7 +185,7 @@ impl WhatIf {
     /// `base` with these assignments, or every error they have.
     fn apply(&self, base: &Model) -> Result<Model, Vec<Diagnostic>> {
         let mut model = base.clone();
-        let mut errors = Vec::new();
+        let mut errors = self.repeated_keys();
         let mut capacity_at = None;
         let mut min_ready_at = None;
         for a in &self.assignments {
@@ -301,6 +303,31 @@ impl WhatIf {
         } else {
             Err(errors)
         }
+    }
+}
+
+impl WhatIf {
+    /// An error for every key set again after its first assignment, pointing at both.
+    fn repeated_keys(&self) -> Vec<Diagnostic> {
+        let mut first_at = std::collections::HashMap::new();
+        let mut errors = Vec::new();
+        for a in &self.assignments {
+            match first_at.get(a.key.as_str()) {
+                Some(&first) => errors.push(
+                    Diagnostic::error(a.key_span, format!("`{}` is set twice", a.key))
+                        .label("set again here")
+                        .related(first, "first set here")
+                        .help(
+                            "give each key once: the what-ifs apply together (compare values with one \
+                             `--set` each and `--compare`)",
+                        ),
+                ),
+                None => {
+                    first_at.insert(a.key.as_str(), a.key_span);
+                }
+            }
+        }
+        errors
     }
 }
 

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use super::phase::{DrafterPhase, ProducerPhase};
 use super::summary::{DrafterSummary, RunSummary};
+use crate::figures::{amount, seconds};
 
 /// Share of a side's time spent waiting on the other side that counts as waiting: 10% is an idle time worth
 /// acting on and well above the jitter of a side that keeps pace (a few percent at step boundaries).
@@ -600,24 +601,24 @@ impl fmt::Display for Diagnosis {
             let share = |count: u64| 100.0 * count as f64 / self.token_slots.max(1) as f64;
             write!(
                 f,
-                "{} real tokens ({:.0}% of {} token slots; {} with loss, {:.0}%) in {:.1} s ({:.0} real tok/s, \
-                 {:.0} slots/s)",
+                "{} real tokens ({:.0}% of {} token slots; {} with loss, {:.0}%) in {} ({} real tok/s, {} \
+                 slots/s)",
                 self.real_tokens,
                 share(self.real_tokens),
                 self.token_slots,
                 self.loss_tokens,
                 share(self.loss_tokens),
-                self.wall_s,
-                rate(self.real_tokens),
-                rate(self.token_slots)
+                seconds(self.wall_s),
+                amount(rate(self.real_tokens)),
+                amount(rate(self.token_slots))
             )?;
         } else {
             write!(
                 f,
-                "{} token slots (the build that wrote this summary did not count real tokens) in {:.1} s ({:.0} slots/s)",
+                "{} token slots (the build that wrote this summary did not count real tokens) in {} ({} slots/s)",
                 self.token_slots,
-                self.wall_s,
-                rate(self.token_slots)
+                seconds(self.wall_s),
+                amount(rate(self.token_slots))
             )?;
         }
         let over = match self.final_steps {
@@ -649,16 +650,16 @@ impl fmt::Display for Diagnosis {
         if let Some(w) = &self.warmup {
             writeln!(
                 f,
-                "steady state {:.1} s per drafter at {:.0} real tok/s, measured apart from start-up {:.2} s, waiting \
-                 for the first data {:.2} s, warm-up {:.0} step(s) {:.2} s (first step per bucket: workspace, graph \
-                 capture, first fill) and shut-down {:.2} s",
-                w.steady_s,
-                w.steady_tokens_per_s,
-                w.startup_s,
-                w.first_data_wait_s,
+                "steady state {} per drafter at {} real tok/s, measured apart from start-up {}, waiting for the \
+                 first data {}, warm-up {:.0} step(s) {} (first step per bucket: workspace, graph capture, first \
+                 fill) and shut-down {}",
+                seconds(w.steady_s),
+                amount(w.steady_tokens_per_s),
+                seconds(w.startup_s),
+                seconds(w.first_data_wait_s),
                 w.warmup_steps,
-                w.warmup_s,
-                w.shutdown_s
+                seconds(w.warmup_s),
+                seconds(w.shutdown_s)
             )?;
         }
         let d = &self.drafters;
@@ -669,8 +670,9 @@ impl fmt::Display for Diagnosis {
         };
         write!(
             f,
-            "{scope}: {:.2} ms/step, busy {:.1}%",
-            d.step_ms, d.busy_pct
+            "{scope}: {}/step, busy {:.1}%",
+            seconds(d.step_ms / 1e3),
+            d.busy_pct
         )?;
         if let Some(gpu) = d.gpu_pct {
             write!(f, ", gpu {gpu:.1}%")?;

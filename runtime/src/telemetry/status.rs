@@ -289,16 +289,6 @@ pub fn progress_bar(done: u64, total: u64, width: usize) -> String {
     format!("[{}{}]", "#".repeat(filled), ".".repeat(width - filled))
 }
 
-/// `12345` → `12.3k`: tokens per second stay readable from CPU to multi-GPU rates.
-fn compact(value: f64) -> String {
-    match value {
-        v if v >= 1e9 => format!("{:.2}G", v / 1e9),
-        v if v >= 1e6 => format!("{:.2}M", v / 1e6),
-        v if v >= 1e3 => format!("{:.1}k", v / 1e3),
-        v => format!("{v:.0}"),
-    }
-}
-
 fn join<T>(items: &[T], each: impl Fn(&T) -> String) -> String {
     items.iter().map(each).collect::<Vec<_>>().join(",")
 }
@@ -322,7 +312,7 @@ impl fmt::Display for StatusLine {
             return Ok(());
         }
         // Before the first step completes there is no rate to show, only steps under way.
-        let rate = |rate: Option<f64>| rate.map_or_else(|| "-".to_string(), compact);
+        let rate = |rate: Option<f64>| rate.map_or_else(|| "-".to_string(), crate::figures::amount);
         let share = |part: Option<f64>| match (part, self.token_slots_per_s) {
             (Some(part), Some(slots)) if slots > 0.0 => format!("{:.0}%", 100.0 * part / slots),
             _ => "-".to_string(),

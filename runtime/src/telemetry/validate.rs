@@ -1,6 +1,11 @@
 //! Checks on a summary read back from disk, before `draftpipe diagnose` explains it: a hand-edited or corrupt
 //! `summary.json` (negative or infinite durations, phases longer than the run) is an error that names the field,
-//! not a diagnosis of impossible percentages.
+//! not a diagnosis of impossible percentages. Every duration is bounded: the run's wall time by
+//! [`MAX_WALL_S`], every time inside the run (a drafter's timeline, a step, a bucket's mean) by the wall time,
+//! so no figure the diagnosis derives from them can be a 300-digit number; the values quoted in an error are
+//! written by [`amount`], as every figure is.
+
+use crate::figures::amount;
 
 use super::summary::{PhaseTotal, RunSummary};
 
@@ -9,6 +14,9 @@ use super::summary::{PhaseTotal, RunSummary};
 const WALL_SLACK_FACTOR: f64 = 1.05;
 /// Absolute slack in seconds for the same comparison on very short runs.
 const WALL_SLACK_S: f64 = 1.0;
+/// The longest wall time a summary may claim: ten years, longer than any training run, short of the values
+/// a corrupt or hand-edited file holds (`1e308`).
+pub const MAX_WALL_S: f64 = 10.0 * 365.25 * 86_400.0;
 
 /// A summary field with a value no run can produce.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -30,17 +38,35 @@ fn invalid(field: String, value: impl ToString, expected: impl Into<String>) -> 
     }
 }
 
+/// A number found in the file, written by the one rule for figures.
+fn invalid_number(field: String, value: f64, expected: impl Into<String>) -> InvalidSummary {
+    invalid(field, amount(value), expected)
+}
+
 /// A duration in seconds must be finite and not negative.
 fn seconds(field: impl FnOnce() -> String, value: f64) -> Result<(), InvalidSummary> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
-        Err(invalid(
+        Err(invalid_number(
             field(),
             value,
             "a duration: finite and not negative",
         ))
     }
+}
+
+/// A duration inside the run: valid, and no longer than the run's wall time (with the clocks' slack).
+fn within_wall(field: impl Fn() -> String, value: f64, wall_s: f64) -> Result<(), InvalidSummary> {
+    seconds(&field, value)?;
+    if value > wall_s * WALL_SLACK_FACTOR + WALL_SLACK_S {
+        return Err(invalid_number(
+            field(),
+            value,
+            format!("at most the run's wall time, {wall_s:.3} s"),
+        ));
+    }
+    Ok(())
 }
 
 /// One worker's phases: each a valid duration, together no longer than the run.
@@ -61,7 +87,7 @@ fn phases<P: Copy>(
     if sum > wall_s * WALL_SLACK_FACTOR + WALL_SLACK_S {
         return Err(invalid(
             format!("{worker}.phases"),
-            format!("{sum:.3} s in all"),
+            format!("{} s in all", amount(sum)),
             format!("at most the run's wall time, {wall_s:.3} s"),
         ));
     }
@@ -74,6 +100,13 @@ fn phases<P: Copy>(
 /// The first field found wrong, with its value and what was expected.
 pub fn validate_summary(summary: &RunSummary) -> Result<(), InvalidSummary> {
     seconds(|| "wall_s".into(), summary.wall_s)?;
+    if summary.wall_s > MAX_WALL_S {
+        return Err(invalid_number(
+            "wall_s".into(),
+            summary.wall_s,
+            "at most ten years (315576000 s)",
+        ));
+    }
     let wall = summary.wall_s;
     for (i, drafter) in summary.drafters.iter().enumerate() {
         phases(
@@ -94,17 +127,21 @@ pub fn validate_summary(summary: &RunSummary) -> Result<(), InvalidSummary> {
     if let Some(loss) = summary.final_loss
         && !loss.is_finite()
     {
-        return Err(invalid("final_loss".into(), loss, "a finite loss"));
+        return Err(invalid_number("final_loss".into(), loss, "a finite loss"));
     }
     for (i, sample) in summary.loss_curve.iter().enumerate() {
         if !sample.loss.is_finite() {
-            return Err(invalid(
+            return Err(invalid_number(
                 format!("loss_curve[{i}].loss"),
                 sample.loss,
                 "a finite loss",
             ));
         }
-        seconds(|| format!("loss_curve[{i}].elapsed_s"), sample.elapsed_s)?;
+        within_wall(
+            || format!("loss_curve[{i}].elapsed_s"),
+            sample.elapsed_s,
+            wall,
+        )?;
     }
     let q = &summary.queue;
     let workers = |n: usize| n.max(1) as f64;
@@ -122,7 +159,7 @@ pub fn validate_summary(summary: &RunSummary) -> Result<(), InvalidSummary> {
     ] {
         seconds(|| field.into(), value)?;
         if value > limit * WALL_SLACK_FACTOR + WALL_SLACK_S {
-            return Err(invalid(
+            return Err(invalid_number(
                 field.into(),
                 value,
                 format!("at most the run's wall time times the workers, {limit:.3} s"),
@@ -130,7 +167,7 @@ pub fn validate_summary(summary: &RunSummary) -> Result<(), InvalidSummary> {
         }
     }
     if !(q.sample_period_ms.is_finite() && q.sample_period_ms > 0.0) {
-        return Err(invalid(
+        return Err(invalid_number(
             "queue.sample_period_ms".into(),
             q.sample_period_ms,
             "a positive, finite period",
@@ -154,14 +191,15 @@ pub fn validate_summary(summary: &RunSummary) -> Result<(), InvalidSummary> {
         if let Some(t) = &drafter.timeline {
             for (name, value) in [
                 ("first_span_s", t.first_span_s),
+                ("first_data_wait_s", t.first_data_wait_s),
                 ("last_span_end_s", t.last_span_end_s),
                 ("warmup_wall_s", t.warmup_wall_s),
                 ("longest_step_s", t.longest_step_s),
             ] {
-                seconds(|| format!("drafters[{i}].timeline.{name}"), value)?;
+                within_wall(|| format!("drafters[{i}].timeline.{name}"), value, wall)?;
             }
             for total in &t.warmup_phases {
-                seconds(
+                within_wall(
                     || {
                         format!(
                             "drafters[{i}].timeline.warmup_phases.{}.total_s",
@@ -169,20 +207,26 @@ pub fn validate_summary(summary: &RunSummary) -> Result<(), InvalidSummary> {
                         )
                     },
                     total.total_s,
+                    wall,
                 )?;
             }
         }
         for (j, bucket) in drafter.buckets.iter().enumerate() {
-            seconds(
+            within_wall(
                 || format!("drafters[{i}].buckets[{j}].mean_s"),
                 bucket.mean_s,
+                wall,
             )?;
-            seconds(|| format!("drafters[{i}].buckets[{j}].std_s"), bucket.std_s)?;
+            within_wall(
+                || format!("drafters[{i}].buckets[{j}].std_s"),
+                bucket.std_s,
+                wall,
+            )?;
         }
     }
     for (i, producer) in summary.producers.iter().enumerate() {
         if let Some(std) = producer.produce_std_s {
-            seconds(|| format!("producers[{i}].produce_std_s"), std)?;
+            within_wall(|| format!("producers[{i}].produce_std_s"), std, wall)?;
         }
     }
     Ok(())

@@ -43,6 +43,11 @@ pub const T2D: &str = "t2d";
 /// and its chain's token frequencies settle long before this many batches.
 pub const SYNTHETIC_COUNT_BATCHES: u64 = 1000;
 
+/// The most synthetic batches one count makes: a synthetic stream never ends, so the count asked for is the
+/// whole work (each batch generated, hidden states included), and like the checker's bounds on a `.pipe`
+/// file's counts it is refused above this, a thousand times the default, whose frequencies long settled.
+pub const MAX_SYNTHETIC_COUNT_BATCHES: u64 = 1000 * SYNTHETIC_COUNT_BATCHES;
+
 /// Token counts of the training data, in the order SpecForge's `Counter` would hold them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenCounts {
@@ -157,6 +162,16 @@ pub enum VocabMapError {
          over a pipeline reading them, then give the map with `vocab_map = \"FILE\"`"
     )]
     StreamSource,
+    /// More synthetic batches asked for than one count makes.
+    #[error(
+        "{asked} batches of a synthetic source is more than a count makes ({MAX_SYNTHETIC_COUNT_BATCHES}): the \
+         synthetic stream never ends, so the batches asked for are all the work; its token frequencies settle \
+         within the default {SYNTHETIC_COUNT_BATCHES}"
+    )]
+    TooManySyntheticBatches {
+        /// The batches asked for.
+        asked: u64,
+    },
     /// The plan's drafter has no draft vocabulary.
     #[error("the drafter is `{family}`; a draft vocabulary belongs to an `eagle3` drafter")]
     NotEagle3 {
@@ -440,11 +455,12 @@ pub fn resolve_vocab_map(plan: &Plan, given: Option<&Path>) -> Result<VocabMap, 
 
 /// Counts the loss-masked tokens of `plan`'s source: for files, every sequence of one epoch in file order (the
 /// first `batches` planned batches when given), reading ids and masks only; for a synthetic target, its first
-/// `batches` batches ([`SYNTHETIC_COUNT_BATCHES`] when `None`), the ones a run trains on first. Returns the counts
-/// and the batches counted.
+/// `batches` batches ([`SYNTHETIC_COUNT_BATCHES`] when `None`, at most [`MAX_SYNTHETIC_COUNT_BATCHES`]), the ones a
+/// run trains on first. Returns the counts and the batches counted.
 ///
 /// # Errors
-/// [`VocabMapError::StreamSource`] for a stream; the source's errors (files named) otherwise.
+/// [`VocabMapError::StreamSource`] for a stream, [`VocabMapError::TooManySyntheticBatches`] above the bound; the
+/// source's errors (files named) otherwise.
 pub fn count_source_tokens(
     plan: &Plan,
     batches: Option<u64>,
@@ -476,6 +492,10 @@ pub fn count_source_tokens(
             min_len,
             max_len,
         } => {
+            let batches = batches.unwrap_or(SYNTHETIC_COUNT_BATCHES);
+            if batches > MAX_SYNTHETIC_COUNT_BATCHES {
+                return Err(VocabMapError::TooManySyntheticBatches { asked: batches });
+            }
             let target = SyntheticTarget::new(
                 *seed,
                 vocab,
@@ -489,7 +509,6 @@ pub fn count_source_tokens(
                 0,
                 1,
             )?;
-            let batches = batches.unwrap_or(SYNTHETIC_COUNT_BATCHES);
             let mut batch = shapes.buffer();
             let mut ids = Vec::new();
             for _ in 0..batches {
