@@ -100,7 +100,8 @@ impl SavingChild {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if line.starts_with("saving step ") {
+                // libtest may print its own `test … ... ` in front of the first line.
+                if line.contains("saving step ") {
                     counter.fetch_add(1, Ordering::Release);
                 }
             }
