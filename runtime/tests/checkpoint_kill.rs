@@ -126,7 +126,10 @@ impl SavingChild {
         // SAFETY: waits for a state change of our own child; `WUNTRACED` reports the stop without reaping it.
         let waited = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
         assert_eq!(waited, pid, "waitpid for the frozen child");
-        assert!(libc::WIFSTOPPED(status), "the child stopped: status {status}");
+        assert!(
+            libc::WIFSTOPPED(status),
+            "the child stopped: status {status}"
+        );
     }
 
     fn thaw(&self) {

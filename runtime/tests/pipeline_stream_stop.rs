@@ -144,24 +144,23 @@ fn an_interrupt_wakes_drafters_waiting_for_producers_that_never_came() {
 #[test]
 fn an_interrupt_saves_and_drops_a_producer_in_the_middle_of_a_message() {
     let dir = temp_dir("stream-stop-mid-message");
-    let (outcome, seconds, mut client) =
-        interrupted_run(&dir, 1, |socket| {
-            let mut client = connect(socket);
-            // Each message fills one queue item (4 sequences of bucket 16 at batch_tokens 64): a message of
-            // fewer rows would only be held in the slot's open item.
-            for salt in 0..2 {
-                let ack = client.send(&batch(4, 16, HIDDEN * TAPS, VOCAB, &[16; 4], salt));
-                assert!(ack.ok, "{ack:?}");
-            }
-            // The length of a third message and half of it, then nothing: the producer is stuck inside a frame.
-            let third = blob(&batch(1, 16, HIDDEN * TAPS, VOCAB, &[16], 7));
-            let stream = &mut client.stream;
-            stream
-                .write_all(&(third.len() as u64).to_le_bytes())
-                .unwrap();
-            stream.write_all(&third[..third.len() / 2]).unwrap();
-            client
-        });
+    let (outcome, seconds, mut client) = interrupted_run(&dir, 1, |socket| {
+        let mut client = connect(socket);
+        // Each message fills one queue item (4 sequences of bucket 16 at batch_tokens 64): a message of
+        // fewer rows would only be held in the slot's open item.
+        for salt in 0..2 {
+            let ack = client.send(&batch(4, 16, HIDDEN * TAPS, VOCAB, &[16; 4], salt));
+            assert!(ack.ok, "{ack:?}");
+        }
+        // The length of a third message and half of it, then nothing: the producer is stuck inside a frame.
+        let third = blob(&batch(1, 16, HIDDEN * TAPS, VOCAB, &[16], 7));
+        let stream = &mut client.stream;
+        stream
+            .write_all(&(third.len() as u64).to_le_bytes())
+            .unwrap();
+        stream.write_all(&third[..third.len() / 2]).unwrap();
+        client
+    });
     assert_eq!(outcome.stop, StopReason::Interrupted);
     assert!(seconds < 2.0, "the run took {seconds:.1} s to stop");
     // Two messages were acknowledged, the watermark let one train before the interrupt, and the other

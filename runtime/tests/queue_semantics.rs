@@ -551,7 +551,10 @@ fn stats_report_depth_traffic_and_waiting() {
 fn wait_until(what: &str, condition: impl Fn() -> bool) {
     let started = Instant::now();
     while !condition() {
-        assert!(started.elapsed() < Duration::from_secs(30), "{what}: not within 30 s");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{what}: not within 30 s"
+        );
         thread::sleep(Duration::from_millis(1));
     }
 }
