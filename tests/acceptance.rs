@@ -266,12 +266,20 @@ fn a_signal_kills_the_running_check_saves_and_exits() {
         .spawn()
         .unwrap();
     let pid_file = dir.join("runs/dflash-quickstart/acceptance/step-10.pid");
+    // The stand-in's `echo $$ >` creates the file before it writes the pid: wait for the whole line.
     let started = Instant::now();
-    while !pid_file.is_file() && started.elapsed() < Duration::from_secs(60) {
+    let check = loop {
+        let written = std::fs::read_to_string(&pid_file).unwrap_or_default();
+        if written.ends_with('\n') && written.trim().parse::<u32>().is_ok() {
+            break written;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the check wrote no pid to {} within 60 s",
+            pid_file.display()
+        );
         std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(200));
-    let check = std::fs::read_to_string(&pid_file).unwrap();
+    };
     assert!(alive(check.trim()), "the check runs in the background");
     let sent = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])

@@ -74,7 +74,8 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// Starts a stream run in `dir` (stderr to `stderr`) and waits until it listens.
+/// Starts a stream run in `dir` (stderr to `stderr`) and waits until it listens and has written a status line:
+/// it is running, its drafters waiting for data.
 fn start_stream_run(dir: &Path, stderr: Stdio) -> KillOnDrop {
     let pipe = tiny_pipe(dir, &stream_source(dir));
     let child = Command::new(env!("CARGO_BIN_EXE_draftpipe"))
@@ -85,10 +86,12 @@ fn start_stream_run(dir: &Path, stderr: Stdio) -> KillOnDrop {
         .spawn()
         .unwrap();
     let started = Instant::now();
-    while !dir.join("hs.sock").exists() {
+    let status_log = dir.join("runs/tiny/status.jsonl");
+    let has_a_line = || std::fs::read_to_string(&status_log).is_ok_and(|log| log.contains('\n'));
+    while !(dir.join("hs.sock").exists() && has_a_line()) {
         assert!(
             started.elapsed() < Duration::from_secs(60),
-            "never listened"
+            "never listened and wrote a status line"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -124,7 +127,6 @@ fn summary_reason(dir: &Path) -> serde_json::Value {
 fn sigterm_stops_a_stream_run_whose_producers_never_connected() {
     let dir = scratch("sigterm-stream");
     let mut child = start_stream_run(&dir, Stdio::null());
-    std::thread::sleep(Duration::from_millis(500));
     let (code, seconds) = terminate(&mut child);
     assert_eq!(code, Some(143));
     assert!(seconds < 3.0, "{seconds:.1} s from SIGTERM to exit");
@@ -144,7 +146,6 @@ fn a_closed_stderr_changes_no_exit_code() {
     assert_eq!(out.status.code(), Some(1));
     // The stream server logs every connection: with stderr closed it still listens, and stops at a signal.
     let mut child = start_stream_run(&dir, broken_pipe().into());
-    std::thread::sleep(Duration::from_millis(500));
     let (code, _) = terminate(&mut child);
     assert_eq!(code, Some(143));
     assert_eq!(summary_reason(&dir), "interrupted");

@@ -4,13 +4,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 mod binary_support;
 
 use binary_support::{SYNTHETIC, draftpipe, rewrite, text};
 use draftpipe_compiler::compile_file;
-use draftpipe_runtime::checkpoint::load_checkpoint;
+use draftpipe_runtime::checkpoint::{STATE_FILE, TRAINING_STATE_DIR, load_checkpoint};
 
 /// The tests' small pipeline, trained for 60 steps.
 fn tiny_pipe(dir: &Path, producers: usize, drafters: usize, pull: &str, source: &str) -> PathBuf {
@@ -344,43 +344,114 @@ fn resume_after_an_interruption_gives_the_same_weights() {
     assert_eq!(straight.state.optimizer_step, resumed.state.optimizer_step);
 }
 
+/// `path` was written after `since` (a file this run wrote, not one a killed run left behind).
+fn written_since(path: &Path, since: SystemTime) -> bool {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .is_ok_and(|modified| modified > since)
+}
+
+/// Every thread of process `pid` is stopped (state `T` or `t` in `/proc/PID/task/*/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the parenthesised command name, which may itself hold spaces.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+        })
+    })
+}
+
+/// Stops `child` and returns once all its threads are stopped, so nothing it writes changes until `SIGCONT`.
+fn freeze(child: &std::process::Child) {
+    signal(child, "STOP");
+    let started = Instant::now();
+    while !all_threads_stopped(child.id()) {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the run did not stop within 30 s of SIGSTOP"
+        );
+        std::thread::yield_now();
+    }
+}
+
 #[test]
 fn a_kill_during_checkpoint_writes_leaves_a_loadable_checkpoint() {
     let dir = scratch("kill");
     let pipe = tiny_pipe(&dir, 1, 1, "fifo", SYNTHETIC);
     let plan = compile_file(&pipe).unwrap();
-    let mut last_step = 0;
-    for (round, delay_ms) in [700u64, 950, 1200, 1500].into_iter().enumerate() {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_draftpipe"))
-            .args([
-                "run",
-                pipe.to_str().unwrap(),
-                "--steps",
-                "100000",
-                "--save",
-                "ckpt",
-                "--save-every",
-                "1",
-            ])
-            .current_dir(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        // Every step writes a checkpoint, so a kill lands during a write a good share of the time.
-        std::thread::sleep(Duration::from_millis(delay_ms));
-        child.kill().unwrap();
-        child.wait().unwrap();
-        if round == 0 && !dir.join("ckpt").exists() && !dir.join("ckpt.prev").exists() {
-            continue;
+    let (saved, staging, previous) = (
+        dir.join("ckpt"),
+        dir.join("ckpt.tmp"),
+        dir.join("ckpt.prev"),
+    );
+    let state_of = |checkpoint: &Path| checkpoint.join(TRAINING_STATE_DIR).join(STATE_FILE);
+    for round in 0..4 {
+        let spawned = SystemTime::now();
+        let mut child = KillOnDrop(Some(
+            Command::new(env!("CARGO_BIN_EXE_draftpipe"))
+                .args([
+                    "run",
+                    pipe.to_str().unwrap(),
+                    "--steps",
+                    "100000",
+                    "--save",
+                    "ckpt",
+                    "--save-every",
+                    "1",
+                ])
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ));
+        let run = child.0.as_mut().unwrap();
+        // Every step writes a checkpoint. Once this run has committed one (which clears what the last round's
+        // kill left), `ckpt.tmp` or `ckpt.prev` means a later save is under way: the run is frozen there, checked
+        // to be still inside it, and killed.
+        // (Between the two renames of a commit the run's last save is `ckpt.prev`.)
+        let mid_save = || {
+            let committed = written_since(&state_of(&saved), spawned)
+                || written_since(&state_of(&previous), spawned);
+            committed && (staging.exists() || previous.exists())
+        };
+        let started = Instant::now();
+        loop {
+            assert!(
+                run.try_wait().unwrap().is_none(),
+                "round {round}: the run ended"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "round {round}: no save of the run was seen in progress within 60 s"
+            );
+            if !mid_save() {
+                std::thread::yield_now();
+                continue;
+            }
+            freeze(run);
+            if mid_save() {
+                break;
+            }
+            // The save was committed between the look and the stop: catch the next one.
+            signal(run, "CONT");
         }
-        let checkpoint = load_checkpoint(&dir.join("ckpt"), &plan.model)
-            .unwrap_or_else(|e| panic!("after a kill at {delay_ms} ms: {e}"));
+        run.kill().unwrap();
+        run.wait().unwrap();
+        assert!(
+            staging.exists() || previous.exists(),
+            "round {round}: the kill interrupted a save"
+        );
+        let checkpoint = load_checkpoint(&saved, &plan.model)
+            .unwrap_or_else(|e| panic!("round {round}: after a kill inside a save: {e}"));
         assert_eq!(checkpoint.params.len(), plan.model.parameters);
         assert!(checkpoint.params.iter().all(|p| p.is_finite()));
-        last_step = last_step.max(checkpoint.state.step);
+        assert!(checkpoint.state.step > 0, "round {round}");
     }
-    assert!(last_step > 0, "no kill happened after the first checkpoint");
 }
 
 #[test]
@@ -526,7 +597,7 @@ fn a_plan_too_big_for_this_machine_is_a_clear_error_not_an_abort() {
 }
 
 /// Starts a long run of `pipe` in `dir` with `extra` arguments and waits until it is training (its status log
-/// exists), so a signal or a second run meets it mid-training.
+/// shows a step done), so a signal or a second run meets it mid-training.
 fn start_training(dir: &Path, pipe: &Path, extra: &[&str]) -> std::process::Child {
     let status_log = dir.join("runs/tiny/status.jsonl");
     let _ = std::fs::remove_file(&status_log);
@@ -539,11 +610,24 @@ fn start_training(dir: &Path, pipe: &Path, extra: &[&str]) -> std::process::Chil
         .spawn()
         .unwrap();
     let started = Instant::now();
-    while !status_log.exists() && started.elapsed() < Duration::from_secs(60) {
+    while !shows_a_step(&status_log) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{} shows no step done within 60 s",
+            status_log.display()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
-    std::thread::sleep(Duration::from_millis(800));
     child
+}
+
+/// A line of the status log at step 1 or later (a line still being written does not parse and is ignored).
+fn shows_a_step(status_log: &Path) -> bool {
+    std::fs::read_to_string(status_log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .any(|line| line["step"].as_u64().is_some_and(|step| step > 0))
 }
 
 /// A child process killed if the test fails before it is waited for, so a failed test leaves nothing running.

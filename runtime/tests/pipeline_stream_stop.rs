@@ -69,12 +69,13 @@ fn connect(socket: &Path) -> Client {
     client
 }
 
-/// Runs the plan, raising the interrupt `after` the producer `feed` has done its part; returns the outcome,
-/// the seconds from the interrupt to the run's return, and what `feed` returned. A run that does not stop
-/// within 20 s fails the test (the run's thread is left behind rather than waited for).
+/// Runs the plan, raising the interrupt once the producer `feed` has done its part and the run's status log
+/// shows step `min_step`; returns the outcome, the seconds from the interrupt to the run's return, and what
+/// `feed` returned. A run that does not stop within 20 s fails the test (the run's thread is left behind rather
+/// than waited for).
 fn interrupted_run<T>(
     dir: &Path,
-    after: Duration,
+    min_step: u64,
     feed: impl FnOnce(&Path) -> T,
 ) -> (RunOutcome, f64, T) {
     let socket = dir.join("hs.sock");
@@ -90,7 +91,7 @@ fn interrupted_run<T>(
         let _ = done.send(run(&plan, &options, flag, sink()));
     });
     let fed = feed(&socket);
-    std::thread::sleep(after);
+    wait_for_status_step(&dir.join("run"), min_step);
     interrupt.store(true, Ordering::Release);
     let raised = Instant::now();
     let outcome = outcome
@@ -100,10 +101,34 @@ fn interrupted_run<T>(
     (outcome, raised.elapsed().as_secs_f64(), fed)
 }
 
+/// Waits until the run's `status.jsonl` has a line at `min_step` or later: the run is up (its first line comes a
+/// second in), and its drafters have trained that many steps or, at step 0, are waiting for data.
+fn wait_for_status_step(run_dir: &Path, min_step: u64) {
+    let path = run_dir.join("status.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = std::fs::read_to_string(&path).unwrap_or_default();
+        // A line still being written does not parse, and is read again on the next look.
+        let reached = log
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .any(|line| line["step"].as_u64().is_some_and(|step| step >= min_step));
+        if reached {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} shows no step {min_step} within 30 s:\n{log}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn an_interrupt_wakes_drafters_waiting_for_producers_that_never_came() {
     let dir = temp_dir("stream-stop-idle");
-    let (outcome, seconds, ()) = interrupted_run(&dir, Duration::from_millis(500), |socket| {
+    let (outcome, seconds, ()) = interrupted_run(&dir, 0, |socket| {
         let deadline = Instant::now() + Duration::from_secs(30);
         while !socket.exists() {
             assert!(Instant::now() < deadline, "the run never listened");
@@ -119,24 +144,23 @@ fn an_interrupt_wakes_drafters_waiting_for_producers_that_never_came() {
 #[test]
 fn an_interrupt_saves_and_drops_a_producer_in_the_middle_of_a_message() {
     let dir = temp_dir("stream-stop-mid-message");
-    let (outcome, seconds, mut client) =
-        interrupted_run(&dir, Duration::from_millis(500), |socket| {
-            let mut client = connect(socket);
-            // Each message fills one queue item (4 sequences of bucket 16 at batch_tokens 64): a message of
-            // fewer rows would only be held in the slot's open item.
-            for salt in 0..2 {
-                let ack = client.send(&batch(4, 16, HIDDEN * TAPS, VOCAB, &[16; 4], salt));
-                assert!(ack.ok, "{ack:?}");
-            }
-            // The length of a third message and half of it, then nothing: the producer is stuck inside a frame.
-            let third = blob(&batch(1, 16, HIDDEN * TAPS, VOCAB, &[16], 7));
-            let stream = &mut client.stream;
-            stream
-                .write_all(&(third.len() as u64).to_le_bytes())
-                .unwrap();
-            stream.write_all(&third[..third.len() / 2]).unwrap();
-            client
-        });
+    let (outcome, seconds, mut client) = interrupted_run(&dir, 1, |socket| {
+        let mut client = connect(socket);
+        // Each message fills one queue item (4 sequences of bucket 16 at batch_tokens 64): a message of
+        // fewer rows would only be held in the slot's open item.
+        for salt in 0..2 {
+            let ack = client.send(&batch(4, 16, HIDDEN * TAPS, VOCAB, &[16; 4], salt));
+            assert!(ack.ok, "{ack:?}");
+        }
+        // The length of a third message and half of it, then nothing: the producer is stuck inside a frame.
+        let third = blob(&batch(1, 16, HIDDEN * TAPS, VOCAB, &[16], 7));
+        let stream = &mut client.stream;
+        stream
+            .write_all(&(third.len() as u64).to_le_bytes())
+            .unwrap();
+        stream.write_all(&third[..third.len() / 2]).unwrap();
+        client
+    });
     assert_eq!(outcome.stop, StopReason::Interrupted);
     assert!(seconds < 2.0, "the run took {seconds:.1} s to stop");
     // Two messages were acknowledged, the watermark let one train before the interrupt, and the other

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use draftpipe_runtime::queue::baseline::MutexQueue;
 use draftpipe_runtime::queue::{
@@ -514,11 +514,17 @@ fn stats_report_depth_traffic_and_waiting() {
     assert_eq!(queue.stats().per_bucket, vec![1, 1]);
     assert_eq!(queue.try_pop().map(|i| i.id), Ok(0));
     assert_eq!(queue.try_pop().err(), Some(PopError::BelowWatermark));
+    let below_before = queue.stats().seen_below_watermark;
     let consumer = {
         let queue = Arc::clone(&queue);
         // One item queued, watermark two: this pop waits for the push below.
         thread::spawn(move || queue.pop().map(|i| i.id))
     };
+    // The pop counts the watermark it found before it parks: from then on it is waiting, and the push comes
+    // 20 ms later, however late a loaded machine started the thread.
+    wait_until("the pop found the queue below its watermark", || {
+        queue.stats().seen_below_watermark > below_before
+    });
     thread::sleep(Duration::from_millis(20));
     queue.try_push(item(3, 5)).unwrap();
     // Round-robin: bucket 0 was served last, so bucket 1 is next.
@@ -541,6 +547,18 @@ fn stats_report_depth_traffic_and_waiting() {
     assert_eq!(json["seen_full"], serde_json::json!(1));
 }
 
+/// Polls `condition` until it holds, failing the test after 30 s.
+fn wait_until(what: &str, condition: impl Fn() -> bool) {
+    let started = Instant::now();
+    while !condition() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{what}: not within 30 s"
+        );
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn producer_blocked_time_is_counted() {
     let queue = Arc::new(HsQueue::new(config(1, 1, &[8], PullPolicy::Fifo)).unwrap());
@@ -548,6 +566,10 @@ fn producer_blocked_time_is_counted() {
     let consumer = {
         let queue = Arc::clone(&queue);
         thread::spawn(move || {
+            // The push counts the full queue before it parks: it has waited 30 ms when this pop frees a slot.
+            wait_until("the push found the queue full", || {
+                queue.stats().seen_full > 0
+            });
             thread::sleep(Duration::from_millis(30));
             queue.pop().unwrap()
         })

@@ -4,9 +4,11 @@
 //!
 //! The real recorders and reporter are driven by an injected clock (instants after the telemetry's epoch, passed
 //! to the recorders and to `report_at`), so minutes of 3 s steps take microseconds; one test runs on the real
-//! clock to show the same holds with threads and sleeps.
+//! clock to show the same holds with threads and sleeps (its lines are taken while a step is under way, whatever
+//! the scheduler does).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -236,27 +238,42 @@ fn waiting_for_the_first_producer_is_its_own_line_and_no_step_s_time() {
 
 #[test]
 fn the_real_clock_and_threads_agree() {
-    // 450 ms steps, lines every 150 ms, about 1.4 s: every line but the first cuts a step that is under way.
+    // 450 ms steps back to back, lines every 150 ms: every line cuts a step that is under way. The lines are
+    // taken only while the worker is stepping (from its first step until it is told to stop), so a worker
+    // thread that a loaded machine starts late, or a reporter that oversleeps, changes no line.
     let telemetry = Arc::new(Telemetry::new(0, 1, false));
     let recorder = telemetry.drafter(0).unwrap();
-    let worker = thread::spawn(move || {
-        let mut since = Instant::now();
-        for _ in 0..3 {
-            recorder.waiting(since);
-            recorder.lap(DrafterPhase::DataWait, &mut since);
-            recorder.begin_step(128);
-            thread::sleep(Duration::from_millis(450));
-            recorder.lap(DrafterPhase::Forward, &mut since);
-            recorder.step_done(StepTokens::unpadded(1024), 2.0);
-        }
-    });
+    let stepping = Arc::new(Barrier::new(2));
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let (stepping, stop) = (Arc::clone(&stepping), Arc::clone(&stop));
+        thread::spawn(move || {
+            let mut since = Instant::now();
+            let mut first = true;
+            while !stop.load(Ordering::Acquire) {
+                recorder.waiting(since);
+                recorder.lap(DrafterPhase::DataWait, &mut since);
+                recorder.begin_step(128);
+                if std::mem::take(&mut first) {
+                    stepping.wait();
+                }
+                thread::sleep(Duration::from_millis(450));
+                recorder.lap(DrafterPhase::Forward, &mut since);
+                recorder.step_done(StepTokens::unpadded(1024), 2.0);
+            }
+        })
+    };
     let config = ReporterConfig::new("real-clock", Duration::from_millis(150), 16, 4);
     let mut reporter = Reporter::new(config, Arc::clone(&telemetry), Vec::new()).unwrap();
+    stepping.wait();
+    // The interval before the first step (the thread's start) is no step's: this line only sets the baseline.
+    reporter.report(&queue(16)).unwrap();
     let mut lines = Vec::new();
     for _ in 0..8 {
         thread::sleep(Duration::from_millis(150));
         lines.push(reporter.report(&queue(16)).unwrap());
     }
+    stop.store(true, Ordering::Release);
     worker.join().unwrap();
     for line in &lines {
         assert!(line.drafters[0].busy_pct >= 95.0, "{line}");
