@@ -645,7 +645,7 @@ fn a_save_or_trace_path_that_cannot_work_is_refused_before_training() {
         (
             &traced_pipe,
             vec![],
-            "cannot write the trace file a-file/trace.json",
+            "cannot create the directory of a-file/trace.json",
         ),
     ] {
         let mut args = vec!["run", pipe.to_str().unwrap()];

@@ -17,6 +17,7 @@ pub mod export_check;
 pub mod lock;
 pub mod log;
 pub mod model;
+pub mod output_file;
 pub mod params;
 pub mod pipeline;
 pub mod queue;
