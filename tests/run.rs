@@ -642,11 +642,7 @@ fn a_save_or_trace_path_that_cannot_work_is_refused_before_training() {
             vec!["--save", "a-file/ckpt"],
             "cannot lock the checkpoint directory a-file/ckpt",
         ),
-        (
-            &traced_pipe,
-            vec![],
-            "cannot create the directory of a-file/trace.json",
-        ),
+        (&traced_pipe, vec![], "cannot inspect a-file/trace.json"),
     ] {
         let mut args = vec!["run", pipe.to_str().unwrap()];
         args.extend(extra);
