@@ -58,9 +58,13 @@ pub struct VocabArgs {
     /// The `.pipe` file of an `eagle3` drafter whose source is counted (files or synthetic, not a stream).
     #[arg(value_name = "PIPE")]
     pub file: PathBuf,
-    /// Where to write the map (a safetensors file with `d2t` int64 and `t2d` bool).
+    /// Where to write the map (a safetensors file with `d2t` int64 and `t2d` bool): a new path or an earlier
+    /// map; never a file the command reads, nor anything but a regular file.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+    /// Replace a regular file at `--out` that is not a draft vocabulary map.
+    #[arg(long)]
+    pub force: bool,
     /// Count only the first N batches of the source [default: all of the files' data; 1000 synthetic batches].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub batches: Option<u64>,
@@ -126,6 +130,10 @@ pub struct RunArgs {
     /// Seed of the drafter's initial weights.
     #[arg(long, value_name = "SEED", default_value_t = 0)]
     pub seed: u64,
+    /// Replace a regular file at the plan's `telemetry.trace` path that is not a trace (an input of the run
+    /// is never replaced).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Arguments of `draftpipe diagnose`.

@@ -155,7 +155,9 @@ fn refusals_exit_1_with_their_reason() {
     );
 
     let synthetic = eagle3_pipe(&dir, "synthetic(seed = 1, lengths = 4..16)", "");
-    let nowhere = dir.join("no/such/dir/map.safetensors");
+    // Under a regular file: no directory can be made there (a missing directory is created, as for a trace).
+    std::fs::write(dir.join("not-a-dir"), "a file").unwrap();
+    let nowhere = dir.join("not-a-dir/map.safetensors");
     let run = draftpipe(
         &[
             "vocab",
@@ -169,7 +171,7 @@ fn refusals_exit_1_with_their_reason() {
     );
     assert_eq!(run.status.code(), Some(1));
     assert!(
-        text(&run.stderr).contains("no/such/dir/map.safetensors"),
+        text(&run.stderr).contains("not-a-dir/map.safetensors"),
         "{}",
         text(&run.stderr)
     );

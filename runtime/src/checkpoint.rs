@@ -28,7 +28,8 @@
 //!
 //! **Validity.** A checkpoint whose weights or moments hold a NaN or an infinity is never written (the one in
 //! place is kept, and the error says so), and loading checks every field: each tensor's values (finite, second
-//! moments not negative), and the counters of `state.json` (`optimizer_step ≤ step ≤` [`MAX_STEP`]), so a
+//! moments not negative, weights small enough that their square is finite: a larger one cannot take a step),
+//! and the counters of `state.json` (`optimizer_step ≤ step ≤` [`MAX_STEP`]), so a
 //! corrupt or hand-edited file is an error naming what is wrong instead of a run of NaN weights.
 
 use std::collections::{HashMap, HashSet};
@@ -350,14 +351,20 @@ pub struct StagedCheckpoint {
     previous: PathBuf,
 }
 
-/// Fails on the first value that must not be saved: a NaN or an infinity, or a negative second moment.
+/// Fails on the first value that must not be saved: a NaN or an infinity, a negative second moment, or a
+/// weight too large to train.
 fn check_values(
     dir: &Path,
     model: &ModelPlan,
     buffer: &'static str,
     values: &[f32],
 ) -> Result<(), CheckpointError> {
-    let bad = |v: f32| !v.is_finite() || (buffer == "exp_avg_sq" && v < 0.0);
+    // The rules loading applies, so every checkpoint written can be resumed.
+    let bad = |v: f32| {
+        !v.is_finite()
+            || (buffer == "exp_avg_sq" && v < 0.0)
+            || (buffer == "params" && !is_trainable(v))
+    };
     if !values.iter().copied().any(bad) {
         return Ok(());
     }
@@ -871,7 +878,15 @@ pub fn load_weights(file: &Path, model: &ModelPlan) -> Result<Vec<f32>, Checkpoi
     Ok(params)
 }
 
-/// Reads every layout tensor, named `PREFIX + name`, into its range of `out`; returns the names read.
+/// Whether a weight can take a step: finite, and its square too (|w| < 2^64), since the forward multiplies
+/// weights with each other and with activations and AdamW squares their gradients. A larger weight can only
+/// come from a corrupt or edited file; its first step would be blamed on the learning rate.
+fn is_trainable(weight: f32) -> bool {
+    (weight * weight).is_finite()
+}
+
+/// Reads every layout tensor, named `PREFIX + name`, into its range of `out` (each value finite, each weight
+/// [trainable](is_trainable): the error names the tensor and the element); returns the names read.
 fn read_layout(
     file: &mut TensorFile,
     model: &ModelPlan,
@@ -904,6 +919,13 @@ fn read_layout(
         decode_floats(dtype, &bytes, values);
         if let Some((at, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             let problem = TensorProblem::NonFinite { value, at };
+            return Err(TensorFileError::tensor(file.path(), &name, problem).into());
+        }
+        let holds_weights = prefix.is_empty() || prefix == MASTER_PREFIX;
+        if holds_weights
+            && let Some((at, &value)) = values.iter().enumerate().find(|(_, v)| !is_trainable(**v))
+        {
+            let problem = TensorProblem::Untrainable { value, at };
             return Err(TensorFileError::tensor(file.path(), &name, problem).into());
         }
         names.insert(name);

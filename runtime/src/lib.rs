@@ -19,6 +19,7 @@ pub mod figures;
 pub mod lock;
 pub mod log;
 pub mod model;
+pub mod output_file;
 pub mod params;
 pub mod pipeline;
 pub mod queue;

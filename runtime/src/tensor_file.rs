@@ -100,6 +100,19 @@ pub enum TensorProblem {
         /// Its index in the flattened tensor.
         at: usize,
     },
+    /// A weight so large that its square overflows f32 (|w| ≥ 2^64 ≈ 1.8e19): finite, but the first step's
+    /// products, norms and AdamW moments would be infinite, so no step could train it.
+    #[error(
+        "weight {value:e} at element {at} (of the flattened tensor) is finite but too large to train: its square \
+         overflows f32 (|w| must stay below 1.8e19), so its first step cannot be finite; the file is corrupt or \
+         was edited"
+    )]
+    Untrainable {
+        /// The value found.
+        value: f32,
+        /// Its index in the flattened tensor.
+        at: usize,
+    },
     /// A finite value too large for the precision hidden states are held in: converted, it would be infinite.
     #[error(
         "value {value} at element {at} (of the flattened tensor) overflows hs_dtype {held} (it would become infinite)"

@@ -58,6 +58,8 @@ pub fn run(args: &RunArgs) -> CommandResult {
     options.keep_going = args.keep_going;
     options.max_nonfinite_in_row = args.max_nonfinite;
     options.init_seed = args.seed;
+    options.force_outputs = args.force;
+    options.inputs = vec![args.file.clone()];
 
     let outcome = run_pipeline(
         &plan,

@@ -119,17 +119,9 @@ pub enum RunError {
         /// How they collide.
         reason: &'static str,
     },
-    /// A file the run will write cannot be created.
-    #[error("cannot write {what} {}", path.display())]
-    Output {
-        /// What the file is for.
-        what: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
+    /// A file the run will write may not be written there (the output rule of `output_file`).
+    #[error("the trace file (the plan's telemetry.trace): {0}")]
+    Output(#[from] crate::output_file::OutputError),
     /// Every step of the run was skipped for non-finite values, so nothing was trained.
     #[error(
         "every step up to step {step} was skipped for a non-finite loss or gradient: nothing was trained and no \

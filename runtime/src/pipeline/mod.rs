@@ -104,7 +104,7 @@ pub fn run_with_sources(
     let plan = &crate::source::resolve_hs_dtype(plan)?;
     // The depth a `dflash` export writes as `num_target_layers`, read once from the target's `config.json`.
     let plan = &crate::target_depth::resolve_target_layers(plan)?;
-    let _output_locks = outputs::prepare(options)?;
+    let _output_locks = outputs::prepare(plan, options)?;
     let gpus = devices::ordinals(plan)?;
     let communicators = match &gpus {
         Some(ordinals) => devices::prepare(plan, ordinals)?,

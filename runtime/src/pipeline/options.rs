@@ -29,6 +29,10 @@ pub struct RunOptions {
     pub run_dir: Option<PathBuf>,
     /// Where the trace goes (the plan's `telemetry.trace`, or none).
     pub trace: Option<PathBuf>,
+    /// Replace a regular file at the trace path that is not a trace (`draftpipe run --force`).
+    pub force_outputs: bool,
+    /// Files the run reads that the plan does not name (the `.pipe` file): no output may replace them.
+    pub inputs: Vec<PathBuf>,
     /// Keep running on the other producers when one fails.
     pub keep_going: bool,
     /// Stop after this many non-finite steps in a row.
@@ -53,6 +57,8 @@ impl RunOptions {
             output: OutputMode::Plain,
             run_dir: None,
             trace: plan.telemetry.trace.as_ref().map(PathBuf::from),
+            force_outputs: false,
+            inputs: Vec::new(),
             keep_going: false,
             max_nonfinite_in_row: DEFAULT_MAX_NONFINITE_IN_ROW,
             init_seed: 0,

@@ -2,11 +2,13 @@
 //! checkpoint, an unwritable trace path, or a directory another run is using is an error at the start, not after
 //! hours of training.
 
-use std::fs::OpenOptions;
 use std::path::{Component, Path, PathBuf};
+
+use draftpipe_compiler::plan::Plan;
 
 use crate::checkpoint::check_save_target;
 use crate::lock::{DirLock, LockPlace};
+use crate::output_file::{OutputKind, check_output, plan_inputs};
 
 use super::error::RunError;
 use super::options::RunOptions;
@@ -18,9 +20,10 @@ pub(super) struct OutputLocks {
     _run_dir: Option<DirLock>,
 }
 
-/// Checks the checkpoint directory, the run directory and the trace path of `options`, and locks both
-/// directories for this process.
-pub(super) fn prepare(options: &RunOptions) -> Result<OutputLocks, RunError> {
+/// Checks the checkpoint directory, the run directory and the trace path of `options` (the output rule of
+/// `output_file`: never one of the run's inputs, a regular file or a new path, a trace unless forced), and locks
+/// both directories for this process.
+pub(super) fn prepare(plan: &Plan, options: &RunOptions) -> Result<OutputLocks, RunError> {
     if let (Some(save), Some(run_dir)) = (&options.save_dir, &options.run_dir) {
         check_apart(save, run_dir)?;
     }
@@ -45,7 +48,11 @@ pub(super) fn prepare(options: &RunOptions) -> Result<OutputLocks, RunError> {
         None => None,
     };
     if let Some(trace) = &options.trace {
-        check_writable(trace)?;
+        let mut inputs = plan_inputs(plan);
+        inputs.extend(options.inputs.iter().cloned());
+        inputs.extend(options.resume.iter().cloned());
+        inputs.extend(options.init.iter().cloned());
+        check_output(trace, OutputKind::Trace, &inputs, options.force_outputs)?;
     }
     Ok(OutputLocks {
         _save: save,
@@ -107,27 +114,4 @@ fn resolved(path: &Path) -> PathBuf {
         },
         None => lexical,
     }
-}
-
-/// Fails unless `file` can be created or written; a file this check creates is removed again.
-fn check_writable(file: &Path) -> Result<(), RunError> {
-    let error = |source| RunError::Output {
-        what: "the trace file",
-        path: file.to_path_buf(),
-        source,
-    };
-    if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(error)?;
-    }
-    let existed = file.exists();
-    OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(file)
-        .map_err(error)?;
-    if !existed {
-        std::fs::remove_file(file).map_err(error)?;
-    }
-    Ok(())
 }

@@ -84,6 +84,9 @@ pub enum TelemetryError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The trace file could not be written.
+    #[error(transparent)]
+    TraceFile(#[from] crate::output_file::OutputError),
     /// A trace was asked for, but the telemetry keeps no spans.
     #[error("a trace to {} needs span rings: make the telemetry with `trace: true`", path.display())]
     TraceWithoutRings {

@@ -9,8 +9,7 @@
 //! a time (no JSON tree is built in memory). Open it at <https://ui.perfetto.dev> or `chrome://tracing`.
 
 use std::collections::VecDeque;
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 use serde::Serialize;
@@ -19,6 +18,7 @@ use super::TelemetryError;
 use super::phase::{DrafterPhase, ProducerPhase};
 use super::recorder::{Span, Telemetry, Worker};
 use super::status::{DrafterStatus, StatusLine};
+use crate::output_file::write_output;
 
 /// Trace process id of the producers' tracks.
 pub const PRODUCER_PID: u32 = 1;
@@ -121,25 +121,11 @@ impl TraceBuffer {
         self.evicted
     }
 
-    /// Writes the trace JSON to `path`; `ring_dropped` (spans lost in full rings) goes into `otherData`.
+    /// Writes the trace JSON to `path` (through the output rule's [`write_output`]: a new file or the
+    /// regular file there replaced whole); `ring_dropped` (spans lost in full rings) goes into `otherData`.
     pub fn write(&self, path: &Path, ring_dropped: u64) -> Result<(), TelemetryError> {
-        let io = |action: &'static str| {
-            let path = path.to_path_buf();
-            move |source| TelemetryError::Io {
-                action,
-                path,
-                source,
-            }
-        };
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(io("create"))?;
-        }
-        let mut out = BufWriter::new(File::create(path).map_err(io("create"))?);
-        self.write_to(&mut out, ring_dropped).map_err(io("write"))?;
-        out.into_inner()
-            .map_err(|e| e.into_error())
-            .and_then(|f| f.sync_all())
-            .map_err(io("write"))
+        write_output(path, |out| self.write_to(out, ring_dropped))?;
+        Ok(())
     }
 
     fn write_to(&self, out: &mut impl Write, ring_dropped: u64) -> std::io::Result<()> {

@@ -24,11 +24,14 @@
 
 use std::path::{Path, PathBuf};
 
+use std::io::Write as _;
+
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
 use draftpipe_compiler::plan::{Plan, SourceSpec};
 
+use crate::output_file::{OutputError, write_output};
 use crate::source::{
     BucketShapes, HsSource, SafetensorsDataset, SourceError, SyntheticSource, SyntheticTarget,
 };
@@ -156,6 +159,9 @@ pub enum VocabMapError {
     /// The source could not be opened or read.
     #[error(transparent)]
     Source(#[from] SourceError),
+    /// The map's file could not be written (or what is at its path may not be replaced).
+    #[error(transparent)]
+    Output(#[from] OutputError),
     /// A stream's data arrives while the run trains, so nothing can be counted before it.
     #[error(
         "a stream source cannot be counted before training: record its data to files and run `draftpipe vocab` \
@@ -317,12 +323,14 @@ impl VocabMap {
                 TensorView::new(Dtype::BOOL, vec![self.target_vocab()], &t2d).map_err(bad)?,
             ),
         ];
-        safetensors::serialize_to_file(views, None, path).map_err(bad)?;
+        let bytes = safetensors::serialize(views, None).map_err(bad)?;
+        write_output(path, |out| out.write_all(&bytes))?;
         Ok(())
     }
 
     /// Reads `d2t` and `t2d` from the safetensors file at `path` (other tensors are ignored, so an export's
-    /// `model.safetensors` serves too) and checks them: `d2t` I64 `[draft_vocab]`, `t2d` BOOL `[vocab]`, the
+    /// `model.safetensors` serves too) and checks them: `d2t` I64 `[draft_vocab]`, `t2d` BOOL or U8 (each
+    /// byte 0 or 1; another value is refused naming the element) `[vocab]`, the
     /// ids `t2d` selects equal to `d2t[i] + i`, and, when `expected` is given, the plan's
     /// `(draft_vocab, vocab)`.
     ///
@@ -333,15 +341,16 @@ impl VocabMap {
         let d2t_len = rank1(
             &file,
             D2T,
-            Dtype::I64,
+            &[Dtype::I64],
             "I64",
             expected.map(|e| (e.0, "draft_vocab")),
         )?;
+        // SpecForge writes a torch.bool; a user writing the mask with numpy or by hand often has uint8 0/1.
         let t2d_len = rank1(
             &file,
             T2D,
-            Dtype::BOOL,
-            "BOOL",
+            &[Dtype::BOOL, Dtype::U8],
+            "BOOL or U8 (0 or 1)",
             expected.map(|e| (e.1, "vocab")),
         )?;
         let (_, bytes) = file.element_bytes(D2T, 0..d2t_len)?;
@@ -354,7 +363,7 @@ impl VocabMap {
                 let problem = TensorProblem::OutOfRange {
                     value: i64::from(byte),
                     at: format!("[{at}]"),
-                    allowed: "a bool byte is 0 or 1".to_string(),
+                    allowed: "t2d marks each target id with 0 or 1".to_string(),
                 };
                 return Err(TensorFileError::tensor(path, T2D, problem).into());
             }
@@ -397,17 +406,17 @@ impl VocabMap {
     }
 }
 
-/// The length of tensor `name`, which must be rank 1 of dtype `dtype` (and `expected.0` long, the plan's
+/// The length of tensor `name`, which must be rank 1 of one of `dtypes` (and `expected.0` long, the plan's
 /// `expected.1`).
 fn rank1(
     file: &TensorFile,
     name: &str,
-    dtype: Dtype,
+    dtypes: &[Dtype],
     in_words: &'static str,
     expected: Option<(usize, &str)>,
 ) -> Result<usize, TensorFileError> {
     let info = file.require(name)?;
-    let problem = if info.dtype != dtype {
+    let problem = if !dtypes.contains(&info.dtype) {
         TensorProblem::WrongDtype {
             found: info.dtype,
             expected: in_words,
