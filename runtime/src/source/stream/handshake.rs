@@ -54,14 +54,15 @@ struct Waiting {
 struct WaitingHellos {
     waiting: Vec<Waiting>,
     displaced: u64,
-    displaced_logged: Instant,
+    /// When displaced connections were last logged (`None`: never, so the first is logged at once).
+    displaced_logged: Option<Instant>,
 }
 
 pub(super) fn accept_loop(listener: &Listener, state: &Arc<ServerState>) {
     let mut hellos = WaitingHellos {
         waiting: Vec::with_capacity(MAX_WAITING_HELLOS),
         displaced: 0,
-        displaced_logged: Instant::now(),
+        displaced_logged: None,
     };
     while !state.stop.load(Ordering::Acquire) {
         hellos.read_all(state);
@@ -199,14 +200,17 @@ impl WaitingHellos {
     }
 
     fn log_displaced(&mut self, state: &ServerState) {
-        if self.displaced > 0 && self.displaced_logged.elapsed() >= DISPLACED_LOG_EVERY {
+        let due = self
+            .displaced_logged
+            .is_none_or(|logged| logged.elapsed() >= DISPLACED_LOG_EVERY);
+        if self.displaced > 0 && due {
             state.log(&format!(
                 "{} connections waiting for their hello gave their place to newer ones (refused for now; \
                  {MAX_WAITING_HELLOS} may wait, {MAX_WAITING_PER_ADDRESS} from one remote address)",
                 self.displaced
             ));
             self.displaced = 0;
-            self.displaced_logged = Instant::now();
+            self.displaced_logged = Some(Instant::now());
         }
     }
 
