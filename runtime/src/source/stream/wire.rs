@@ -437,10 +437,8 @@ impl Connection {
         let mut last_progress = Instant::now();
         while filled < out.len() {
             let got = offset + filled as u64;
-            if got > 0 {
-                if (wait.stop)() {
-                    return Err(WireError::Abandoned { got, expected });
-                }
+            if got > 0 && (wait.stop)() {
+                return Err(WireError::Abandoned { got, expected });
             }
             match self.socket.read(&mut out[filled..]) {
                 Ok(0) if got == 0 => return Err(WireError::Closed),
