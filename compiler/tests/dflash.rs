@@ -354,7 +354,7 @@ fn dflash_plans_round_trip_through_json() {
 }
 
 #[test]
-fn the_target_depth_is_taken_as_written_and_a_tap_at_or_beyond_it_is_a_spanned_error() {
+fn the_target_depth_is_taken_as_written_and_a_tap_beyond_it_is_a_spanned_error() {
     let with_depth = |layers: &str| {
         ISSUE_EXAMPLE.replace(
             "    hidden       = 64\n",
@@ -371,21 +371,28 @@ fn the_target_depth_is_taken_as_written_and_a_tap_at_or_beyond_it_is_a_spanned_e
         None
     );
 
-    // Tap 3 is the hidden state entering layer 3, which a 3-layer target does not have.
-    let source = with_depth("3");
+    // Tap 3 is entry 3 of the hidden states: a 3-layer target's last layer output, which a 2-layer one lacks.
+    assert_eq!(
+        compile_source("deepest.pipe", &with_depth("3"))
+            .unwrap()
+            .target
+            .layers,
+        Some(3)
+    );
+    let source = with_depth("2");
     let diagnostics = compile_source("shallow.pipe", &source).unwrap_err();
     let diagnostic = diagnostics
         .iter()
         .find(|d| d.message.contains("tap 3"))
         .unwrap_or_else(|| panic!("{diagnostics:?}"));
-    assert_eq!(diagnostic.message, "tap 3 is beyond the target's 3 layers");
+    assert_eq!(diagnostic.message, "tap 3 is beyond the target's 2 layers");
     assert_eq!(&source[diagnostic.span.start..diagnostic.span.end], "3");
     assert!(
         source[..diagnostic.span.start].ends_with("[1, 2, "),
         "the span is the tap"
     );
     let (depth_span, _) = &diagnostic.related[0];
-    assert_eq!(&source[depth_span.start..depth_span.end], "3");
+    assert_eq!(&source[depth_span.start..depth_span.end], "2");
     assert!(
         source[..depth_span.start].ends_with("layers       = "),
         "the related span is the `layers` value"

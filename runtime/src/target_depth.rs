@@ -7,7 +7,11 @@
 //! ```
 //!
 //! Both given must agree; a tap the config's depth cannot hold is an error here, as the compiler reports one
-//! beyond `layers`. Neither given: `plan.target.layers` stays `None` and the export says its depth is assumed.
+//! beyond `layers`: a `depth`-layer target's hidden-states tuple has `depth + 1` entries (0: the embeddings,
+//! `depth`: the last layer's output), so taps run from 0 to `depth`. A `config.json` that describes a draft model
+//! (a DFlash or EAGLE-3 export, by its `architectures`) is refused: its `num_hidden_layers` is the drafter's
+//! depth, not the target's. Neither given: `plan.target.layers` stays `None` and the export says its depth is
+//! assumed.
 
 use std::path::{Path, PathBuf};
 
@@ -46,10 +50,11 @@ pub enum TargetDepthError {
     },
     /// A tap needs a deeper target than the config describes.
     #[error(
-        "tap {tap} is beyond the target's {depth} layers ({} `num_hidden_layers`): tap t is the hidden state \
-         entering layer t, so the deepest tap this target has is {}",
+        "tap {tap} is beyond the target's {depth} layers ({} `num_hidden_layers`): tap t is entry t of the \
+         hidden states, which has {} entries (0: the embeddings, {depth}: the last layer's output), so the \
+         deepest tap this target has is {depth}",
         path.display(),
-        depth - 1
+        depth + 1
     )]
     TapBeyond {
         /// The tap.
@@ -58,6 +63,21 @@ pub enum TargetDepthError {
         depth: usize,
         /// The config file.
         path: PathBuf,
+    },
+    /// The `config.json` beside the weights describes a draft model, not the target.
+    #[error(
+        "{}: `architectures` is {architectures}, a draft model's config ({kind}), not the target's: its \
+         `num_hidden_layers` is the drafter's depth. Point the target's `weights` at the target model's \
+         directory (the one its `config.json` names as a causal LM)",
+        path.display()
+    )]
+    DraftConfig {
+        /// The config file.
+        path: PathBuf,
+        /// Its `architectures`, as written.
+        architectures: String,
+        /// Which kind of drafter: `a DFlash export` or `an EAGLE export`.
+        kind: &'static str,
     },
 }
 
@@ -80,7 +100,8 @@ pub fn target_config_path(weights: &WeightsSpec) -> Option<PathBuf> {
 /// for a multimodal model.
 ///
 /// # Errors
-/// [`TargetDepthError::Config`] when the file is unreadable, too large, not JSON, or has no positive integer there.
+/// [`TargetDepthError::Config`] when the file is unreadable, too large, not JSON, or has no positive integer there;
+/// [`TargetDepthError::DraftConfig`] when its `architectures` name a draft model.
 pub fn read_target_depth(path: &Path) -> Result<usize, TargetDepthError> {
     let error = |message: String| TargetDepthError::Config {
         path: path.to_path_buf(),
@@ -97,6 +118,13 @@ pub fn read_target_depth(path: &Path) -> Result<usize, TargetDepthError> {
     let text = std::fs::read(path).map_err(|e| error(e.to_string()))?;
     let config: Value = serde_json::from_slice(&text)
         .map_err(|e| error(format!("line {}, column {}: {e}", e.line(), e.column())))?;
+    if let Some(kind) = draft_kind(&config) {
+        return Err(TargetDepthError::DraftConfig {
+            path: path.to_path_buf(),
+            architectures: config["architectures"].to_string(),
+            kind,
+        });
+    }
     let layers = config
         .get("num_hidden_layers")
         .or_else(|| config.get("text_config")?.get("num_hidden_layers"));
@@ -115,6 +143,23 @@ pub fn read_target_depth(path: &Path) -> Result<usize, TargetDepthError> {
                 .to_owned(),
         )),
     }
+}
+
+/// The kind of drafter a config's `architectures` name, if any: draftpipe's own exports write
+/// `DFlashDraftModel` and `LlamaForCausalLMEagle3`, and the other EAGLE exports name `Eagle` in theirs
+/// (`Eagle3LlamaForCausalLM`, `EagleLlamaForCausalLM`).
+fn draft_kind(config: &Value) -> Option<&'static str> {
+    let names = config.get("architectures")?.as_array()?;
+    names.iter().filter_map(Value::as_str).find_map(|name| {
+        let name = name.to_ascii_lowercase();
+        if name.contains("dflash") {
+            Some("a DFlash export")
+        } else if name.contains("eagle") {
+            Some("an EAGLE export")
+        } else {
+            None
+        }
+    })
 }
 
 /// `plan` with `target.layers` settled: the pipeline's, checked against the target's `config.json` when the
@@ -137,12 +182,7 @@ pub fn resolve_target_layers(plan: &Plan) -> Result<Plan, TargetDepthError> {
             pipeline,
         });
     }
-    if let Some(&tap) = plan
-        .target
-        .tap_layers
-        .iter()
-        .find(|&&t| t as usize >= depth)
-    {
+    if let Some(&tap) = plan.target.tap_layers.iter().find(|&&t| t as usize > depth) {
         return Err(TargetDepthError::TapBeyond { tap, depth, path });
     }
     resolved.target.layers = Some(depth);

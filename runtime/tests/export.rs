@@ -437,12 +437,12 @@ drafter d on cpu {{
     );
     std::fs::write(
         weights.join("config.json"),
-        r#"{"text_config": {"num_hidden_layers": 4}}"#,
+        r#"{"text_config": {"num_hidden_layers": 3}}"#,
     )
     .unwrap();
     let shallow = resolve_target_layers(&compile("")).unwrap_err().to_string();
     assert!(
-        shallow.contains("tap 4 is beyond the target's 4 layers"),
+        shallow.contains("tap 4 is beyond the target's 3 layers"),
         "{shallow}"
     );
     std::fs::write(

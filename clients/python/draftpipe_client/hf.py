@@ -308,6 +308,27 @@ def _mask_token(args, tokenizer, vocab):
     return mask_id
 
 
+def _prepare_records(records, tokenizer, model, regenerate_tokens, max_length, every=5.0, clock=time.monotonic):
+    """Each ``(where, record)`` as ``chat.prepare`` makes it. Regenerating the assistant turns runs the target for
+    every chat record, a minute or more before the first message goes out, so a line on stderr says how far it
+    is: when it starts, at most every ``every`` seconds, and when it is done."""
+    chats = sum(1 for _, record in records if "messages" in record) if regenerate_tokens > 0 else 0
+    if chats:
+        print(f"regenerating the assistant turns of {chats} chat records with the target "
+              f"(up to {regenerate_tokens} new tokens a turn)", file=sys.stderr, flush=True)
+    prepared = []
+    started = last = clock()
+    for done, (where, record) in enumerate(records, 1):
+        prepared.append(chat.prepare(record, tokenizer, model, regenerate_tokens, max_length, where))
+        now = clock()
+        if chats and (now - last >= every or done == len(records)):
+            last = now
+            elapsed = now - started
+            print(f"regenerated {done}/{len(records)} records in {elapsed:.0f} s"
+                  f" ({done / max(elapsed, 1e-9):.2f} records/s)", file=sys.stderr, flush=True)
+    return prepared
+
+
 def main(argv=None):
     """Runs the producer; returns the exit status (one line on standard error for every refusal)."""
     args = _arguments(argv)
@@ -327,8 +348,8 @@ def main(argv=None):
         if args.save_tokenizer:
             tokenizer.save_pretrained(args.save_tokenizer)
         try:  # chat records: the template's ids, loss only on the assistant's tokens
-            records = [chat.prepare(r, tokenizer, target.model, args.regenerate, args.max_length, where)
-                       for where, r in records] * args.epochs
+            records = _prepare_records(records, tokenizer, target.model, args.regenerate,
+                                       args.max_length) * args.epochs
         except chat.ChatError as error:
             raise _Refusal(str(error)) from None
         if args.write:

@@ -138,10 +138,11 @@ fn weights(errs: &mut Errs, call: &Call) -> Option<WeightsSpec> {
     })
 }
 
-/// The taps of `tap_layers`, each below the target's depth when the section gives one (`depth`: `layers` and
-/// where it is written). Tap `t` is entry `t` of the hidden-states tuple (0: the embeddings, `i`: after layer `i`);
-/// the export's `target_layer_ids` holds `t − 1`, which SGLang and vLLM capture before target layer `t`, so a
-/// tap must name a layer the target has: `t < layers`.
+/// The taps of `tap_layers`, each at most the target's depth when the section gives one (`depth`: `layers` and
+/// where it is written). Tap `t` is entry `t` of the hidden-states tuple, which has `layers + 1` entries (0: the
+/// embeddings, `i`: after layer `i`, `layers`: the last layer's output), so `t ≤ layers`: a producer reading
+/// transformers' `hidden_states` can give every one. The export's `target_layer_ids` holds `t − 1`, which the
+/// serving engines capture before target layer `t` runs; `export-check` says which engine cannot serve a tap.
 fn tap_layers(errs: &mut Errs, value: &Value, depth: Option<(usize, Span)>) -> Option<Vec<u32>> {
     let items = values::list(errs, "tap_layers", value)?;
     if items.is_empty() || items.len() as u64 > MAX_REPEATS {
@@ -177,19 +178,19 @@ fn tap_layers(errs: &mut Errs, value: &Value, depth: Option<(usize, Span)>) -> O
             continue;
         };
         if let Some((depth, depth_span)) = depth
-            && layer as usize >= depth
+            && layer as usize > depth
         {
             errs.push(
                 Diagnostic::error(
                     item.span,
                     format!("tap {layer} is beyond the target's {depth} layers"),
                 )
-                .label(format!("must be below {depth}"))
+                .label(format!("must be at most {depth}"))
                 .related(depth_span, "the target's depth, set here")
                 .help(format!(
-                    "tap t is the hidden state entering target layer t (0: the embeddings); serving engines \
-                     capture it before that layer runs, so the deepest tap a {depth}-layer target has is {}",
-                    depth - 1
+                    "tap t is entry t of the target's hidden states, which a {depth}-layer target has {} of \
+                     (0: the embeddings, {depth}: the last layer's output), so its deepest tap is {depth}",
+                    depth + 1
                 )),
             );
             ok = false;

@@ -1,7 +1,7 @@
 //! Hidden states pushed over a socket by producer processes that run the target (`source = stream(...)`).
 //!
 //! ```text
-//!  producer processes ──TCP / unix socket──▶ Listener ──acceptor thread──▶ handshake thread per connection
+//!  producer processes ──TCP / unix socket──▶ Listener ──acceptor thread: every waiting hello read as it arrives
 //!        (hello checked: protocol, hidden, tap_layers, vocab, token; a slot assigned by producer name)
 //!                                                         │ Connection
 //!                                                         ▼
@@ -85,7 +85,7 @@ pub struct StreamConfig {
     pub log: StreamLog,
 }
 
-/// One producer slot's bookkeeping, shared by the handshake threads and the slot's source.
+/// One producer slot's bookkeeping, shared by the acceptor (which checks hellos) and the slot's source.
 #[derive(Debug, Default, Clone)]
 struct Slot {
     name: Option<String>,

@@ -14,10 +14,11 @@
 //! Any error is one reply `{"ok": false, "error": "..."}`, after which the server closes the connection.
 
 use std::io::{self, Read, Write};
+use std::net::IpAddr;
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -133,8 +134,10 @@ pub enum WireError {
         /// The timeout.
         timeout: Duration,
     },
-    /// A frame that must arrive whole within the timeout (a hello) did not.
-    #[error("only {got} of {expected} bytes of a frame arrived within {timeout:?} (read timeout)")]
+    /// A frame that must arrive whole within the timeout of the connection's accept (a hello) did not.
+    #[error(
+        "only {got} of {expected} bytes of a frame arrived within {timeout:?} of connecting (read timeout)"
+    )]
     Late {
         /// Bytes received.
         got: u64,
@@ -222,10 +225,16 @@ impl Listener {
         let accepted = match self {
             Self::Tcp(l) => l.accept().map(|(stream, peer)| {
                 let _ = stream.set_nodelay(true);
-                Connection::new(Socket::Tcp(stream), peer.to_string())
+                let ip = peer.ip().to_canonical();
+                let remote = (!ip.is_loopback()).then_some(ip);
+                Connection::new(Socket::Tcp(stream), peer.to_string(), remote)
             }),
             Self::Unix(l, path) => l.accept().map(|(stream, _)| {
-                Connection::new(Socket::Unix(stream), format!("unix:{}", path.display()))
+                Connection::new(
+                    Socket::Unix(stream),
+                    format!("unix:{}", path.display()),
+                    None,
+                )
             }),
         };
         match accepted {
@@ -261,6 +270,15 @@ fn remove_stale_socket(path: &std::path::Path) -> io::Result<()> {
                 path.display()
             ),
         )),
+    }
+}
+
+impl AsRawFd for Listener {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Self::Tcp(l) => l.as_raw_fd(),
+            Self::Unix(l, _) => l.as_raw_fd(),
+        }
     }
 }
 
@@ -309,8 +327,6 @@ struct Wait<'a> {
     idle: &'a mut dyn FnMut() -> bool,
     /// Asked between reads inside a frame: true gives up ([`WireError::Abandoned`]).
     stop: &'a dyn Fn() -> bool,
-    /// When the whole frame must have arrived, if ever ([`WireError::Late`] after it).
-    deadline: Option<Instant>,
 }
 
 /// One producer's connection, with its peer address for the logs.
@@ -318,10 +334,12 @@ struct Wait<'a> {
 pub struct Connection {
     socket: Socket,
     peer: String,
+    /// The peer's IP address when it is another machine's (`None`: loopback or a unix socket, this machine).
+    remote: Option<IpAddr>,
 }
 
 impl Connection {
-    fn new(socket: Socket, peer: String) -> io::Result<Self> {
+    fn new(socket: Socket, peer: String, remote: Option<IpAddr>) -> io::Result<Self> {
         match &socket {
             Socket::Tcp(s) => {
                 s.set_nonblocking(false)?;
@@ -332,7 +350,25 @@ impl Connection {
                 s.set_read_timeout(Some(POLL))?;
             }
         }
-        Ok(Self { socket, peer })
+        Ok(Self {
+            socket,
+            peer,
+            remote,
+        })
+    }
+
+    /// Non-blocking while the acceptor reads its hello among the others; blocking (with the [`POLL`] read
+    /// timeout) once a producer slot's thread owns it.
+    pub(super) fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
+        match &self.socket {
+            Socket::Tcp(s) => s.set_nonblocking(nonblocking),
+            Socket::Unix(s) => s.set_nonblocking(nonblocking),
+        }
+    }
+
+    /// The peer's IP address when it is another machine's; `None` for loopback and unix sockets.
+    pub(super) fn remote(&self) -> Option<IpAddr> {
+        self.remote
     }
 
     /// Bounds every write (replies, acknowledgements): a producer that stops reading cannot hold the run.
@@ -361,7 +397,6 @@ impl Connection {
         let mut wait = Wait {
             idle: &mut keep_waiting,
             stop: &|| false,
-            deadline: None,
         };
         self.read_full(&mut prefix, 0, 8, timeout, &mut wait)?;
         let len = u64::from_le_bytes(prefix);
@@ -385,7 +420,6 @@ impl Connection {
         let mut wait = Wait {
             idle: &mut || true,
             stop,
-            deadline: None,
         };
         self.read_full(out, 8 + at, 8 + len, timeout, &mut wait)
     }
@@ -403,20 +437,8 @@ impl Connection {
         let mut last_progress = Instant::now();
         while filled < out.len() {
             let got = offset + filled as u64;
-            if got > 0 {
-                if (wait.stop)() {
-                    return Err(WireError::Abandoned { got, expected });
-                }
-                if wait
-                    .deadline
-                    .is_some_and(|deadline| Instant::now() >= deadline)
-                {
-                    return Err(WireError::Late {
-                        got,
-                        expected,
-                        timeout,
-                    });
-                }
+            if got > 0 && (wait.stop)() {
+                return Err(WireError::Abandoned { got, expected });
             }
             match self.socket.read(&mut out[filled..]) {
                 Ok(0) if got == 0 => return Err(WireError::Closed),
@@ -450,39 +472,6 @@ impl Connection {
         Ok(())
     }
 
-    /// Reads one JSON control frame of at most [`MAX_HELLO_BYTES`], all of it within `timeout` of the call
-    /// (a deadline for the whole frame, not for each byte: a peer dripping a byte at a time cannot hold a
-    /// handshake slot longer), or until `stop` is raised.
-    pub fn read_json<T: for<'de> Deserialize<'de>>(
-        &mut self,
-        what: &'static str,
-        timeout: Duration,
-        stop: &AtomicBool,
-    ) -> Result<T, WireError> {
-        let deadline = Instant::now().checked_add(timeout);
-        let past_deadline = || deadline.is_some_and(|deadline| Instant::now() >= deadline);
-        let mut prefix = [0u8; 8];
-        let mut wait = Wait {
-            idle: &mut || !stop.load(Ordering::Relaxed) && !past_deadline(),
-            stop: &|| stop.load(Ordering::Relaxed),
-            deadline,
-        };
-        self.read_full(&mut prefix, 0, 8, timeout, &mut wait)?;
-        let len = u64::from_le_bytes(prefix);
-        if len > MAX_HELLO_BYTES {
-            return Err(WireError::TooLarge {
-                len,
-                max: MAX_HELLO_BYTES,
-            });
-        }
-        let mut buf = vec![0; len as usize];
-        self.read_full(&mut buf, 8, 8 + len, timeout, &mut wait)?;
-        serde_json::from_slice(&buf).map_err(|e| WireError::Malformed {
-            what,
-            detail: e.to_string(),
-        })
-    }
-
     /// Writes one reply frame, in one write: with `TCP_NODELAY` two writes are two segments, and a producer
     /// waiting for its acknowledgement would be woken twice.
     pub fn send(&mut self, reply: &Reply) -> Result<(), WireError> {
@@ -512,6 +501,78 @@ impl Connection {
             Socket::Tcp(s) => s.shutdown(Shutdown::Both),
             Socket::Unix(s) => s.shutdown(Shutdown::Both),
         };
+    }
+}
+
+impl AsRawFd for Connection {
+    fn as_raw_fd(&self) -> RawFd {
+        match &self.socket {
+            Socket::Tcp(s) => s.as_raw_fd(),
+            Socket::Unix(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+/// A control frame (a hello) of at most [`MAX_HELLO_BYTES`] read as its bytes arrive on a non-blocking
+/// connection, so one thread can read the hellos of every waiting connection.
+#[derive(Debug, Default)]
+pub(super) struct PartialFrame {
+    bytes: Vec<u8>,
+}
+
+impl PartialFrame {
+    /// Bytes of the frame received so far (the length prefix included).
+    pub(super) fn received(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    /// Bytes of the whole frame: 8 until the length prefix is in, then 8 + its length.
+    pub(super) fn expected(&self) -> u64 {
+        match self.bytes.get(..8) {
+            Some(prefix) => {
+                8 + u64::from_le_bytes(prefix.try_into().expect("an 8-byte length prefix"))
+            }
+            None => 8,
+        }
+    }
+
+    /// Reads what has arrived without waiting: the frame's body once it is whole, `None` while more is to come.
+    ///
+    /// # Errors
+    /// [`WireError::Closed`] (nothing of the frame came), [`WireError::Truncated`], [`WireError::TooLarge`] (the
+    /// length over [`MAX_HELLO_BYTES`], refused before its body is read), [`WireError::Io`].
+    pub(super) fn read_from(
+        &mut self,
+        connection: &mut Connection,
+    ) -> Result<Option<Vec<u8>>, WireError> {
+        let mut chunk = [0u8; 4096];
+        loop {
+            let expected = self.expected();
+            if self.bytes.len() == 8 && expected - 8 > MAX_HELLO_BYTES {
+                return Err(WireError::TooLarge {
+                    len: expected - 8,
+                    max: MAX_HELLO_BYTES,
+                });
+            }
+            let missing = expected - self.received();
+            if missing == 0 && self.bytes.len() >= 8 {
+                return Ok(Some(self.bytes.split_off(8)));
+            }
+            let want = chunk.len().min(missing as usize);
+            match connection.socket.read(&mut chunk[..want]) {
+                Ok(0) if self.bytes.is_empty() => return Err(WireError::Closed),
+                Ok(0) => {
+                    return Err(WireError::Truncated {
+                        got: self.received(),
+                        expected,
+                    });
+                }
+                Ok(n) => self.bytes.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 }
 
