@@ -88,9 +88,17 @@ fn a_lockstep_run_whose_data_never_fills_a_round_exits_3_and_names_what_it_left_
         "note: 1 batch(es) of the data were not trained (bucket 32: 1): the 2 lockstep drafters step only on a \
          round of 2 batches of one bucket, and the drafters waited for a round these could not fill",
         "checkpoint: none written to ckpt (no step was trained)",
+        // The verdict: not "balanced", and no breakdown of steps that never ran ("busy 100%").
+        "no step was trained: the 2 lockstep drafters waited for a round of 2 batches of one bucket, and the \
+         data ended with 1 of bucket 32",
+        "drafters: no step completed, so there is no step time to break down",
     ] {
         assert!(stdout.contains(said), "missing `{said}` in:\n{stdout}");
     }
+    assert!(
+        !stdout.contains("balanced") && !stdout.contains("busy 100"),
+        "{stdout}"
+    );
     assert!(
         !dir.join("ckpt").exists(),
         "a checkpoint of untrained weights"

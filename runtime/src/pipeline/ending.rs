@@ -158,7 +158,7 @@ pub(super) fn ending(
         steps_this_run,
         round_members: plan
             .drafters_take_rounds()
-            .then(|| plan.drafter.placement.workers.len()),
+            .then_some(plan.drafter.placement.workers.len()),
         untrained,
     }
 }

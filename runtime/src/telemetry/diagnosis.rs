@@ -452,7 +452,7 @@ impl Diagnosis {
         .map(|&p| drafters.share(p))
         .collect();
         let overhead_pct: f64 = overhead.iter().map(|s| s.percent).sum();
-        if overhead_pct >= 100.0 * OVERHEAD_SIGNIFICANT {
+        if drafters.steps > 0 && overhead_pct >= 100.0 * OVERHEAD_SIGNIFICANT {
             overhead.sort_by(|a, b| b.percent.total_cmp(&a.percent));
             let parts: Vec<String> = overhead
                 .iter()
@@ -694,6 +694,17 @@ impl fmt::Display for Diagnosis {
             )?;
         }
         let d = &self.drafters;
+        if self.steps == 0 {
+            // Without a step the breakdown would read a start-up's few milliseconds as "busy 100%".
+            writeln!(
+                f,
+                "drafters: no step completed, so there is no step time to break down"
+            )?;
+            for finding in &self.findings {
+                writeln!(f, "note: {finding}")?;
+            }
+            return write!(f, "advice: {}", self.advice);
+        }
         let scope = if self.warmup.is_some() {
             "drafters (steady state)"
         } else {
