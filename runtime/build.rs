@@ -8,8 +8,9 @@
 //!
 //! The PTX is optional: without the nightly toolchain (or its `rust-src`/`llvm-tools` components), with
 //! `DRAFTPIPE_NO_PTX=1`, or when the nested build fails for any reason (no network to fetch the standard
-//! library's own dependencies, a kernel that does not compile), the runtime builds without PTX, a
-//! `cargo:warning` says why, and the CUDA backend answers "built without GPU kernels: <reason>". With
+//! library's own dependencies, a kernel that does not compile), the runtime builds without PTX, a line says why
+//! once, when this script runs (on the build's terminal, else as a `cargo:warning`: see `build_notice.rs`), and
+//! the CUDA backend answers "built without GPU kernels: <reason>". With
 //! `DRAFTPIPE_REQUIRE_PTX=1` (CI sets it) every one of those is a build failure instead.
 //!
 //! The nested cargo runs online: `-Zbuild-std=core` resolves the standard library's workspace, whose lock file
@@ -23,6 +24,9 @@ use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+#[path = "build_notice.rs"]
+mod build_notice;
 
 const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 const CUDA_ARCH: &str = "sm_90";
@@ -41,6 +45,7 @@ fn main() {
         kernels_dir.join("ptx-linker.sh").display()
     );
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=build_notice.rs");
     println!("cargo:rerun-if-env-changed=DRAFTPIPE_NO_PTX");
     println!("cargo:rerun-if-env-changed={REQUIRE_PTX}");
 
@@ -51,7 +56,12 @@ fn main() {
         }
         Err(Unavailable(reason)) => {
             let first_line = reason.lines().next().unwrap_or_default();
-            println!("cargo:warning=building without GPU kernels: {first_line}");
+            // Once, on the build's terminal: a `cargo:warning` would be replayed on every later build.
+            let mut terminal = fs::OpenOptions::new().write(true).open("/dev/tty").ok();
+            let terminal = terminal.as_mut().map(|tty| tty as &mut dyn std::io::Write);
+            if let Some(directive) = build_notice::announce(first_line, terminal) {
+                println!("{directive}");
+            }
             format!("Err({first_line:?})")
         }
     };

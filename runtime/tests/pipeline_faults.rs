@@ -197,12 +197,16 @@ fn a_directory_another_run_holds_is_refused_with_the_holders_pid() {
         options.steps = Some(2);
         options.save_dir = Some(dir.join("ckpt"));
         options.run_dir = Some(dir.join("run"));
-        match run(options, None) {
-            Err(RunError::Lock(LockError::Held {
+        let refused = match run(options, None) {
+            Err(RunError::NotStarted(refused)) => *refused,
+            other => panic!("expected {held} to be refused before the start, got {other:?}"),
+        };
+        match refused {
+            RunError::Lock(LockError::Held {
                 holder,
                 dir: locked,
                 ..
-            })) => {
+            }) => {
                 assert_eq!(holder, Some(std::process::id()));
                 assert_eq!(locked, dir.join(held));
             }

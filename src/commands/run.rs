@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use draftpipe_compiler::compile_file;
 use draftpipe_compiler::plan::Plan;
 use draftpipe_runtime::acceptance::ACCEPTANCE_DIR;
@@ -11,14 +10,14 @@ use draftpipe_runtime::backend::cpu::{GEMM_THREADS_VAR, gemm_threads};
 use draftpipe_runtime::checkpoint::CONFIG_FILE;
 use draftpipe_runtime::export_check::{CheckOptions, check_export};
 use draftpipe_runtime::model::registry;
-use draftpipe_runtime::pipeline::{RunOptions, StopReason, run as run_pipeline};
+use draftpipe_runtime::pipeline::{RunError, RunOptions, StopReason, run as run_pipeline};
 use draftpipe_runtime::telemetry::{EndReason, OutputMode};
 
 use super::{CommandResult, StdoutClosed, compile_failure, say, signals};
 use crate::cli::RunArgs;
 
-/// Exit code when the data ran out before the step limit: the run trained on all of it and saved, but did not
-/// do what was asked.
+/// Exit code when the data ran out before the step limit (or, with no limit, before a first step): the run trained
+/// on all it could and saved, but did not do what was asked.
 pub const EXIT_DATA_EXHAUSTED_EARLY: u8 = 3;
 
 /// With several CPU drafters, gives each its share of the cores ([`gemm_threads`]) through `MATMUL_NUM_THREADS`,
@@ -67,12 +66,18 @@ pub fn run(args: &RunArgs) -> CommandResult {
         std::sync::Arc::clone(&interrupts.flag),
         std::io::stdout(),
     )
-    .with_context(|| {
-        format!(
-            "pipeline \"{}\" ({}) stopped",
+    .map_err(|error| {
+        // A run refused before it trained is not one that stopped: nothing ran, and nothing was left behind.
+        let ended = if matches!(error, RunError::NotStarted(_)) {
+            "did not start"
+        } else {
+            "stopped"
+        };
+        anyhow::Error::new(error).context(format!(
+            "pipeline \"{}\" ({}) {ended}",
             plan.name,
             args.file.display()
-        )
+        ))
     })?;
     for error in &outcome.producer_errors {
         draftpipe_runtime::log_line!(
@@ -90,8 +95,13 @@ pub fn run(args: &RunArgs) -> CommandResult {
         _ => {}
     }
     if ended_early {
+        let before = if outcome.summary.steps == 0 {
+            "before this run's first step"
+        } else {
+            "before the step limit"
+        };
         draftpipe_runtime::log_line!(
-            "warning: the data ran out at step {} before the step limit (exit status {EXIT_DATA_EXHAUSTED_EARLY})",
+            "warning: the data ran out at step {} {before} (exit status {EXIT_DATA_EXHAUSTED_EARLY})",
             outcome.step
         );
     }
@@ -145,6 +155,14 @@ fn report(
         ))?;
     }
     if let Some(dir) = &options.save_dir {
+        if outcome.summary.steps == 0 {
+            // Nothing was trained, so nothing was saved: a checkpoint there is an older run's, if any.
+            say(format_args!(
+                "checkpoint: none written to {} (no step was trained)",
+                dir.display()
+            ))?;
+            return Ok(());
+        }
         say(format_args!(
             "checkpoint: {} (step {})",
             dir.display(),

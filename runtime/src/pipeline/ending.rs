@@ -10,7 +10,10 @@ use draftpipe_compiler::plan::Plan;
 use crate::checkpoint::{TrainingState, save_last_good_checkpoint};
 use crate::drafter::DrafterError;
 use crate::params::FlatState;
-use crate::telemetry::{AcceptanceSummary, EndReason, RunEnding, RunSummary, write_summary};
+use crate::telemetry::{
+    AcceptanceSummary, EndReason, RunEnding, RunSummary, SUMMARY_FILE, TelemetryFiles,
+    UntrainedBucket, write_summary,
+};
 
 use super::error::RunError;
 use super::options::{RunOptions, StopReason};
@@ -98,18 +101,20 @@ pub(super) fn save_at_end(
     }
 }
 
-/// How the run ended, from the drafters' stop and the summary's counts.
+/// How the run ended, from the drafters' stop and the summary's counts: a run whose data ended before the step
+/// limit, or before a first step when no limit was asked for, ended early (exit status 3), and what the data left
+/// in the queue (batches too few to fill a lockstep round) is named per bucket.
 pub(super) fn ending(
+    plan: &Plan,
     shared: &Shared,
-    stop: StopReason,
-    step: u64,
-    step_limit: Option<u64>,
+    (stop, step, step_limit): (StopReason, u64, Option<u64>),
     summary: Option<&RunSummary>,
     fatal: Option<&RunError>,
     producer_errors: &[String],
 ) -> RunEnding {
     let nothing_trained =
         summary.is_some_and(|s| s.skipped_nonfinite > 0 && s.drafters.iter().all(|d| d.steps == 0));
+    let steps_this_run = summary.map_or(0, |s| s.steps);
     let reason = match (fatal, stop) {
         (Some(_), _) => EndReason::Error,
         _ if nothing_trained => EndReason::NothingTrained,
@@ -117,8 +122,26 @@ pub(super) fn ending(
         (None, StopReason::StepLimit) => EndReason::StepLimit,
         (None, StopReason::SourcesExhausted) => match step_limit {
             Some(limit) if step < limit => EndReason::DataExhaustedEarly,
+            None if steps_this_run == 0 => EndReason::DataExhaustedEarly,
             _ => EndReason::DataExhausted,
         },
+    };
+    // When the data ended, whatever is still queued was never handed out: under rounds, fewer batches of a
+    // bucket than the group (see `queue::rounds`, "End of data").
+    let untrained = if stop == StopReason::SourcesExhausted && fatal.is_none() {
+        let queued = shared.queue_snapshot().per_bucket;
+        plan.queue
+            .buckets
+            .iter()
+            .zip(queued)
+            .filter(|&(_, batches)| batches > 0)
+            .map(|(&padded_len, batches)| UntrainedBucket {
+                padded_len,
+                batches,
+            })
+            .collect()
+    } else {
+        Vec::new()
     };
     let mut failed_producers = producer_errors.to_vec();
     if let Some(RunError::Producer { .. }) = fatal {
@@ -132,6 +155,11 @@ pub(super) fn ending(
         error: fatal.map(|e| describe(e)),
         saved_after_error: saved_after_error(shared)
             .map(|(step, dir)| (step, dir.display().to_string())),
+        steps_this_run,
+        round_members: plan
+            .drafters_take_rounds()
+            .then_some(plan.drafter.placement.workers.len()),
+        untrained,
     }
 }
 
@@ -145,18 +173,21 @@ pub(super) fn saved_after_error(shared: &Shared) -> Option<(u64, PathBuf)> {
         .clone()
 }
 
-/// Puts `ending` and the acceptance record into the summary and rewrites `summary.json` with them.
+/// Puts `ending` and the acceptance record into the summary and rewrites `summary.json` with them, through the
+/// telemetry's `files` (a summary that cannot be written is a warning, once; the run's outcome stands).
 pub(super) fn record(
     summary: &mut RunSummary,
     (ending, acceptance): (RunEnding, Option<AcceptanceSummary>),
     options: &RunOptions,
-) -> Result<(), RunError> {
+    files: &TelemetryFiles,
+) {
     summary.ending = Some(ending);
     summary.acceptance = acceptance;
     if let Some(dir) = &options.run_dir {
-        write_summary(dir, summary)?;
+        files.write(&dir.join(SUMMARY_FILE), || {
+            write_summary(dir, summary).map(drop)
+        });
     }
-    Ok(())
 }
 
 /// The run's error, wrapped with where its last good state was saved (when it was).

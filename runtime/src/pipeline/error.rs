@@ -145,6 +145,10 @@ pub enum RunError {
         #[source]
         source: Box<RunError>,
     },
+    /// The run was refused before any thread started (a check, a lock, a checkpoint, a device, a source): it
+    /// trained nothing, and the directories it had made for its outputs are removed again.
+    #[error(transparent)]
+    NotStarted(Box<RunError>),
     /// A worker thread panicked: a bug in draftpipe, not in the input.
     #[error(
         "the {0} thread panicked (a bug in draftpipe; please report it with the message above)"

@@ -78,7 +78,9 @@ pub struct RunOutcome {
 ///
 /// # Errors
 /// [`RunError`] when the plan cannot run here, a source or checkpoint cannot be opened, a producer or drafter
-/// fails, or the loss stays non-finite. A run stopped by an error still writes its summary when it can.
+/// fails, or the loss stays non-finite. A run refused before any thread started is [`RunError::NotStarted`]
+/// (and removes the directories it had made); a run stopped by an error still writes its summary when it can.
+/// A telemetry file that cannot be written is a warning, never the run's error.
 pub fn run(
     plan: &Plan,
     options: &RunOptions,
@@ -100,30 +102,92 @@ pub fn run_with_sources(
     interrupt: Arc<AtomicBool>,
     out: impl Write + Send,
 ) -> Result<RunOutcome, RunError> {
+    // A run that cannot start leaves nothing behind: the directories it made for its outputs go again.
+    let new_directories = outputs::NewDirectories::of(options);
+    let prepared = match prepare(plan, options, open, interrupt, out) {
+        Ok(prepared) => prepared,
+        Err(error) => {
+            new_directories.remove();
+            return Err(RunError::NotStarted(Box::new(error)));
+        }
+    };
+    let Prepared {
+        plan,
+        _output_locks,
+        gpus,
+        communicators,
+        start,
+        producers,
+        shared,
+        telemetry,
+        step_limit,
+        reporter,
+    } = prepared;
+    let threads = Threads {
+        plan: &plan,
+        options,
+        shared: &shared,
+        telemetry: &telemetry,
+        start: &start,
+        step_limit,
+    };
+    let (stop, step, reporter) = threads.run(producers, gpus, communicators, reporter)?;
+    finish(
+        (&plan, options),
+        (&shared, &telemetry),
+        reporter,
+        (stop, step, step_limit),
+    )
+}
+
+/// Everything a run holds once it has started: checked, locked, loaded and opened, before any thread runs.
+struct Prepared<W: Write + Send> {
+    /// The plan with the hidden states' dtype and the target's depth resolved.
+    plan: Plan,
+    /// Held until the run ends.
+    _output_locks: outputs::OutputLocks,
+    gpus: Option<Vec<usize>>,
+    communicators: Vec<crate::backend::cuda::GradientAllReduce>,
+    start: Start,
+    producers: Vec<Producer>,
+    shared: Arc<Shared>,
+    telemetry: Arc<Telemetry>,
+    step_limit: Option<u64>,
+    reporter: Reporter<W>,
+}
+
+/// The start of a run: every check, lock, load and open that can refuse it before a thread runs.
+fn prepare<W: Write + Send>(
+    plan: &Plan,
+    options: &RunOptions,
+    open: impl FnOnce(&Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError>,
+    interrupt: Arc<AtomicBool>,
+    out: W,
+) -> Result<Prepared<W>, RunError> {
     // The pool, the sources and the drafters' input slots all hold hidden states in this one precision.
-    let plan = &crate::source::resolve_hs_dtype(plan)?;
+    let plan = crate::source::resolve_hs_dtype(plan)?;
     // The depth a `dflash` export writes as `num_target_layers`, read once from the target's `config.json`.
-    let plan = &crate::target_depth::resolve_target_layers(plan)?;
-    let _output_locks = outputs::prepare(plan, options)?;
-    let gpus = devices::ordinals(plan)?;
+    let plan = crate::target_depth::resolve_target_layers(&plan)?;
+    let output_locks = outputs::prepare(&plan, options)?;
+    let gpus = devices::ordinals(&plan)?;
     let communicators = match &gpus {
-        Some(ordinals) => devices::prepare(plan, ordinals)?,
+        Some(ordinals) => devices::prepare(&plan, ordinals)?,
         None => Vec::new(),
     };
     // After the devices: a plan for GPUs this machine lacks is first of all that, whatever its host memory.
-    host_memory::check(plan)?;
-    let start = starting_state(plan, options)?;
+    host_memory::check(&plan)?;
+    let start = starting_state(&plan, options)?;
     let acceptance = plan
         .acceptance
         .as_ref()
         .map(|spec| AcceptanceMonitor::new(spec, options.run_dir.as_deref()).map(Arc::new))
         .transpose()?;
-    let (producers, source_status, stream) = open_producers(plan, open, &start)?;
+    let (producers, source_status, stream) = open_producers(&plan, open, &start)?;
     let first_positions = start
         .data_positions
         .clone()
         .unwrap_or_else(|| (0..producers.len() as u64).collect());
-    let queue_config = QueueConfig::from_spec(&plan.queue, plan_seed(plan) ^ start.step);
+    let queue_config = QueueConfig::from_spec(&plan.queue, plan_seed(&plan) ^ start.step);
     // Data-parallel workers step in lockstep, so the queue hands them rounds of one bucket (not under `fifo`:
     // see `Plan::drafters_take_rounds`).
     let queue = if plan.drafters_take_rounds() {
@@ -133,7 +197,7 @@ pub fn run_with_sources(
     };
     let shared = Arc::new(Shared::new(
         queue,
-        BatchPool::for_plan(plan)?,
+        BatchPool::for_plan(&plan)?,
         interrupt,
         first_positions,
         start.state.step,
@@ -145,9 +209,9 @@ pub fn run_with_sources(
         drafters,
         options.trace.is_some(),
     ));
-    let step_limit = options.steps.or(plan.drafter.steps);
+    let step_limit = options.step_limit(&plan);
     let reporter = reporter(
-        plan,
+        &plan,
         options,
         &telemetry,
         (
@@ -158,16 +222,18 @@ pub fn run_with_sources(
         ),
         out,
     )?;
-    let threads = Threads {
+    Ok(Prepared {
         plan,
-        options,
-        shared: &shared,
-        telemetry: &telemetry,
-        start: &start,
+        _output_locks: output_locks,
+        gpus,
+        communicators,
+        start,
+        producers,
+        shared,
+        telemetry,
         step_limit,
-    };
-    let (stop, step, reporter) = threads.run(producers, gpus, communicators, reporter)?;
-    finish((plan, options), &shared, reporter, (stop, step, step_limit))
+        reporter,
+    })
 }
 
 /// What [`open_producers`] opens: the producers, the status line's probe, a stream's names and counts.
@@ -231,8 +297,9 @@ fn reporter<W: Write + Send>(
         plan.queue.min_ready,
     );
     config.mode = options.output;
-    // The status line counts the steps of this run, so a resumed run's total is what is left of the limit.
-    config.total_steps = step_limit.map(|limit| limit.saturating_sub(first_step));
+    // The status line counts on from a resumed checkpoint's step, up to the limit (both from step 0).
+    config.total_steps = step_limit;
+    config.first_step = first_step;
     config.run_dir = options.run_dir.clone();
     config.trace_path = options.trace.clone();
     config.source_status = source_status;
@@ -245,7 +312,7 @@ fn reporter<W: Write + Send>(
 /// saved), or the summary with how the run ended, and the diagnosis.
 fn finish<W: Write + Send>(
     (plan, options): (&Plan, &RunOptions),
-    shared: &Shared,
+    (shared, telemetry): (&Shared, &Telemetry),
     reporter: Option<Reporter<W>>,
     (stop, step, step_limit): (StopReason, u64, Option<u64>),
 ) -> Result<RunOutcome, RunError> {
@@ -281,19 +348,16 @@ fn finish<W: Write + Send>(
         None => None,
     };
     let ending = ending::ending(
+        plan,
         shared,
-        stop,
-        step,
-        step_limit,
+        (stop, step, step_limit),
         summary.as_ref(),
         fatal.as_ref(),
         &producer_errors,
     );
     let nothing_trained = ending.reason == crate::telemetry::EndReason::NothingTrained;
-    if let Some(summary) = summary.as_mut()
-        && let Err(error) = ending::record(summary, (ending, acceptance), options)
-    {
-        fatal.get_or_insert(error);
+    if let Some(summary) = summary.as_mut() {
+        ending::record(summary, (ending, acceptance), options, telemetry.files());
     }
     if let Some(error) = fatal {
         return Err(ending::with_saved_state(error, shared));

@@ -65,6 +65,12 @@ impl RunOptions {
             fail_spawn_after: None,
         }
     }
+
+    /// The step limit of a run of `plan` with these options: `--steps`, else the plan's `steps`, counted from
+    /// step 0 (a resumed run trains up to it, not that many more).
+    pub fn step_limit(&self, plan: &Plan) -> Option<u64> {
+        self.steps.or(plan.drafter.steps)
+    }
 }
 
 /// Non-finite steps in a row after which a run gives up: a few can be a bad batch, more mean the run diverged.

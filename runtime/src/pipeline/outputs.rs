@@ -1,6 +1,7 @@
 //! Everything a run will write, checked and locked before it trains: a `--save` path that cannot hold a
 //! checkpoint, an unwritable trace path, or a directory another run is using is an error at the start, not after
-//! hours of training.
+//! hours of training. A run refused at its start removes the directories it made for its outputs
+//! ([`NewDirectories`]), so a failed start leaves no empty run directory behind.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -58,6 +59,60 @@ pub(super) fn prepare(plan: &Plan, options: &RunOptions) -> Result<OutputLocks, 
         _save: save,
         _run_dir: run_dir,
     })
+}
+
+/// The directories a run's outputs need that do not exist before it starts (the run directory and its missing
+/// parents, the missing parents of the checkpoint's lock and of the trace), noted before anything is created so
+/// that a run refused at its start can remove exactly what it made.
+#[derive(Debug, Default)]
+pub(super) struct NewDirectories {
+    /// The run directory, when this run creates it: everything in it is this run's.
+    run_dir: Option<PathBuf>,
+    /// Missing parents, deepest first: removed only when empty, since another process may have written there.
+    parents: Vec<PathBuf>,
+}
+
+impl NewDirectories {
+    /// Notes which of `options`' output directories are missing now.
+    pub(super) fn of(options: &RunOptions) -> Self {
+        let mut noted = Self::default();
+        if let Some(dir) = &options.run_dir
+            && !dir.exists()
+        {
+            noted.run_dir = Some(dir.clone());
+            noted.note_missing_parents(dir);
+        }
+        // The checkpoint's lock goes beside it, and the trace check creates the trace's parent.
+        for file in [&options.save_dir, &options.trace].into_iter().flatten() {
+            noted.note_missing_parents(file);
+        }
+        noted
+    }
+
+    fn note_missing_parents(&mut self, path: &Path) {
+        for parent in path.ancestors().skip(1) {
+            if parent.as_os_str().is_empty() || parent.exists() {
+                break;
+            }
+            if !self.parents.iter().any(|noted| noted == parent) {
+                self.parents.push(parent.to_path_buf());
+            }
+        }
+    }
+
+    /// Removes what was noted, after a refused start (its locks already released). Failures are ignored: this
+    /// only tidies up after the error the user is shown.
+    pub(super) fn remove(self) {
+        if let Some(dir) = &self.run_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        let mut parents = self.parents;
+        // Deepest first, so a parent is empty by the time its turn comes.
+        parents.sort_by_key(|dir| std::cmp::Reverse(dir.components().count()));
+        for dir in parents {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
 }
 
 /// Fails when saving to `save` would move or remove `run_dir`: a checkpoint is written into `SAVE.tmp`, and the

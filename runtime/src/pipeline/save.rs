@@ -25,7 +25,7 @@ pub(super) fn export_options<'a>(
 }
 
 /// Writes worker 0's replica (every replica is identical under all-reduce) with the data positions of the
-/// batches its weights contain.
+/// batches its weights contain, and says so on standard error.
 pub(super) fn save(
     plan: &Plan,
     options: &RunOptions,
@@ -43,13 +43,15 @@ pub(super) fn save(
         data_positions,
         stream_producers: shared.stream_producers(),
     };
-    if let Err(error) = save_checkpoint_as(
+    match save_checkpoint_as(
         dir,
         &plan.model,
         [&state.params, &state.exp_avg, &state.exp_avg_sq],
         &training,
         export_options(plan, options, shared),
     ) {
-        shared.fail(RunError::Checkpoint(error));
+        // One line per save, so a `--save-every` run shows what is on disk and a kill's loss is known.
+        Ok(()) => crate::log_line!("saved the checkpoint at step {step} to {}", dir.display()),
+        Err(error) => shared.fail(RunError::Checkpoint(error)),
     }
 }

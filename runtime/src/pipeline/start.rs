@@ -42,6 +42,20 @@ pub(super) fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start,
     };
     if let Some(dir) = &options.resume {
         let checkpoint = load_checkpoint(dir, &plan.model)?;
+        // A resumed run trains up to the limit: a checkpoint already there has nothing left to train, and a run
+        // that started anyway would end at once having done nothing, with exit status 0.
+        if let Some(limit) = options.step_limit(plan)
+            && checkpoint.state.step >= limit
+        {
+            return Err(RunError::Resume {
+                dir: dir.clone(),
+                reason: format!(
+                    "its step {} is already at or past the step limit {limit} (the limit counts from step 0, not \
+                     from the checkpoint): nothing is left to train; ask for more with --steps",
+                    checkpoint.state.step
+                ),
+            });
+        }
         if checkpoint.state.plan_name != plan.name {
             return Err(RunError::Resume {
                 dir: dir.clone(),
@@ -66,6 +80,17 @@ pub(super) fn starting_state(plan: &Plan, options: &RunOptions) -> Result<Start,
         state.exp_avg_sq = checkpoint.exp_avg_sq;
         state.step = checkpoint.state.optimizer_step;
         let vocab = draft_vocabulary(plan, Some(dir))?;
+        let left = options.step_limit(plan).map_or_else(String::new, |limit| {
+            format!(
+                ", {} steps left of the {limit} asked for",
+                limit - checkpoint.state.step
+            )
+        });
+        crate::log_line!(
+            "resuming from step {} of {}{left}",
+            checkpoint.state.step,
+            dir.display()
+        );
         return Ok(Start {
             state,
             step: checkpoint.state.step,

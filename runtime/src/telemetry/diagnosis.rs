@@ -392,7 +392,12 @@ impl Diagnosis {
             seen_full: q.seen_full,
             seen_below_watermark: q.seen_below_watermark,
         };
-        let (bottleneck, reason) = verdict(&queue, producer_blocked, drafter_wait);
+        let round_never_filled = summary.ending.as_ref().and_then(round_never_filled);
+        let (bottleneck, reason) = match &round_never_filled {
+            // No step ran, so there is no pace to judge: the drafters waited for data that could not make a round.
+            Some((reason, _)) => (Bottleneck::Producers, reason.clone()),
+            None => verdict(&queue, producer_blocked, drafter_wait),
+        };
 
         let all: Vec<&DrafterSummary> = summary.drafters.iter().collect();
         let drafters = DrafterBreakdown::of(&all, summary.wall_s);
@@ -448,7 +453,7 @@ impl Diagnosis {
         .map(|&p| drafters.share(p))
         .collect();
         let overhead_pct: f64 = overhead.iter().map(|s| s.percent).sum();
-        if overhead_pct >= 100.0 * OVERHEAD_SIGNIFICANT {
+        if drafters.steps > 0 && overhead_pct >= 100.0 * OVERHEAD_SIGNIFICANT {
             overhead.sort_by(|a, b| b.percent.total_cmp(&a.percent));
             let parts: Vec<String> = overhead
                 .iter()
@@ -473,7 +478,10 @@ impl Diagnosis {
             ));
         }
         findings.extend(summary.ending.iter().flat_map(super::RunEnding::notices));
-        let advice = advice(bottleneck, host_side_gaps, &drafters);
+        let advice = match round_never_filled {
+            Some((_, advice)) => advice,
+            None => advice(bottleneck, host_side_gaps, &drafters),
+        };
         Self {
             plan: summary.plan.clone(),
             bottleneck,
@@ -496,6 +504,30 @@ impl Diagnosis {
             final_steps: summary.final_steps,
         }
     }
+}
+
+/// For a lockstep run whose data ended before it filled a single round: the verdict's reason and the advice.
+fn round_never_filled(ending: &super::RunEnding) -> Option<(String, String)> {
+    let members = ending.round_members?;
+    if ending.steps_this_run > 0 || ending.untrained.is_empty() {
+        return None;
+    }
+    let left = ending
+        .untrained
+        .iter()
+        .map(|bucket| format!("{} of bucket {}", bucket.batches, bucket.padded_len))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Some((
+        format!(
+            "no step was trained: the {members} lockstep drafters waited for a round of {members} batches of one \
+             bucket, and the data ended with {left}"
+        ),
+        format!(
+            "give the run more data (at least {members} batches of one bucket make a step), or train it on one \
+             drafter."
+        ),
+    ))
 }
 
 fn verdict(q: &QueueEvidence, producer_blocked: f64, drafter_wait: f64) -> (Bottleneck, String) {
@@ -663,6 +695,17 @@ impl fmt::Display for Diagnosis {
             )?;
         }
         let d = &self.drafters;
+        if self.steps == 0 {
+            // Without a step the breakdown would read a start-up's few milliseconds as "busy 100%".
+            writeln!(
+                f,
+                "drafters: no step completed, so there is no step time to break down"
+            )?;
+            for finding in &self.findings {
+                writeln!(f, "note: {finding}")?;
+            }
+            return write!(f, "advice: {}", self.advice);
+        }
         let scope = if self.warmup.is_some() {
             "drafters (steady state)"
         } else {

@@ -12,7 +12,7 @@ pub enum EndReason {
     StepLimit,
     /// The data ended and no step limit was asked for.
     DataExhausted,
-    /// The data ended before the step limit.
+    /// The data ended before the step limit, or (with no limit asked for) before a first step.
     DataExhaustedEarly,
     /// Stopped by a signal (Ctrl-C, SIGTERM, SIGHUP) after the step in hand.
     Interrupted,
@@ -40,6 +40,24 @@ pub struct RunEnding {
     /// The last good state saved after that error: its step and directory.
     #[serde(default)]
     pub saved_after_error: Option<(u64, String)>,
+    /// Steps this run trained (a resumed run's after its checkpoint's step).
+    #[serde(default)]
+    pub steps_this_run: u64,
+    /// Lockstep drafters (`sync = allreduce`) take a round of one bucket, one batch each: this many.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round_members: Option<usize>,
+    /// What the data left untrained when it ended: the batches of each bucket too few to fill a round.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub untrained: Vec<UntrainedBucket>,
+}
+
+/// The batches of one bucket left untrained when the data ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UntrainedBucket {
+    /// The bucket's padded length.
+    pub padded_len: usize,
+    /// Its batches left in the queue.
+    pub batches: usize,
 }
 
 impl RunEnding {
@@ -49,7 +67,17 @@ impl RunEnding {
         let mut notices = Vec::new();
         match (self.reason, self.step_limit) {
             (EndReason::DataExhaustedEarly, Some(limit)) => notices.push(format!(
-                "the data ran out at step {} of the {limit} asked for: the run ended early",
+                "the data ran out at step {} of the {limit} asked for: the run ended early{}",
+                self.step,
+                if self.steps_this_run == 0 {
+                    "; nothing was trained and no checkpoint was written"
+                } else {
+                    ""
+                }
+            )),
+            (EndReason::DataExhaustedEarly, None) => notices.push(format!(
+                "the data ended at step {} before this run's first step: nothing was trained and no checkpoint \
+                 was written",
                 self.step
             )),
             (EndReason::NothingTrained, _) => notices.push(format!(
@@ -64,6 +92,9 @@ impl RunEnding {
             )),
             _ => {}
         }
+        if let Some(notice) = self.untrained_notice() {
+            notices.push(notice);
+        }
         for failure in &self.failed_producers {
             notices.push(format!("failed producer: {failure}"));
         }
@@ -73,5 +104,28 @@ impl RunEnding {
             ));
         }
         notices
+    }
+
+    /// What the data left untrained, per bucket, and why: fewer batches of a bucket than a round needs.
+    fn untrained_notice(&self) -> Option<String> {
+        let batches: usize = self.untrained.iter().map(|bucket| bucket.batches).sum();
+        if batches == 0 {
+            return None;
+        }
+        let per_bucket = self
+            .untrained
+            .iter()
+            .map(|bucket| format!("bucket {}: {}", bucket.padded_len, bucket.batches))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let why = self.round_members.map_or_else(String::new, |members| {
+            format!(
+                ": the {members} lockstep drafters step only on a round of {members} batches of one bucket, and \
+                 the drafters waited for a round these could not fill"
+            )
+        });
+        Some(format!(
+            "{batches} batch(es) of the data were not trained ({per_bucket}){why}"
+        ))
     }
 }

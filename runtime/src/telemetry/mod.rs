@@ -9,6 +9,9 @@
 //!  queue stats ───────────────────────────────▶ depth histogram ─▶ RunSummary ─▶ summary.json ─▶ Diagnosis
 //! ```
 //!
+//! The files (`status.jsonl`, the trace, `summary.json`) are all written through [`TelemetryFiles`]: a write
+//! that fails is a warning once and that file stops; the run goes on.
+//!
 //! The lead's wiring: make one `Arc<`[`Telemetry`]`>`, give each worker its recorder
 //! ([`Telemetry::drafter`], [`Telemetry::producer`]), run [`Reporter::run`] on a telemetry thread with a
 //! closure that maps the queue's stats to a [`QueueSnapshot`], and after the workers stop call
@@ -19,6 +22,7 @@ mod acceptance;
 mod counts;
 mod diagnosis;
 mod ending;
+mod files;
 mod phase;
 mod recorder;
 mod reporter;
@@ -40,7 +44,8 @@ pub use diagnosis::{
     MIN_DEPTH_SAMPLES, OVERHEAD_SIGNIFICANT, PhaseShare, QueueEvidence, RAN_LOW_FRACTION,
     WAIT_SIGNIFICANT, Waits, WarmupEvidence,
 };
-pub use ending::{EndReason, RunEnding};
+pub use ending::{EndReason, RunEnding, UntrainedBucket};
+pub use files::TelemetryFiles;
 pub use phase::{DrafterPhase, ProducerPhase};
 pub use recorder::{DrafterRecorder, FINAL_STEPS, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
 pub use reporter::{AcceptanceProbe, BAR_WIDTH, OutputMode, Reporter, ReporterConfig};

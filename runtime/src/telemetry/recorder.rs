@@ -291,6 +291,7 @@ pub struct Telemetry {
     drafters: Box<[CachePadded<Slot<DrafterCounters>>]>,
     producers: Box<[CachePadded<Slot<ProducerCounters>>]>,
     tracing: bool,
+    files: super::files::TelemetryFiles,
 }
 
 impl Telemetry {
@@ -321,7 +322,13 @@ impl Telemetry {
             drafters: (0..drafters).map(|_| Slot::new(ring)).collect(),
             producers: (0..producers).map(|_| Slot::new(ring)).collect(),
             tracing: ring.is_some(),
+            files: super::files::TelemetryFiles::default(),
         }
+    }
+
+    /// The run's telemetry files, which every writer of one goes through.
+    pub fn files(&self) -> &super::files::TelemetryFiles {
+        &self.files
     }
 
     /// The instant all elapsed times and trace timestamps are measured from.

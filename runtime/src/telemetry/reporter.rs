@@ -22,7 +22,7 @@ use super::recorder::Telemetry;
 use super::status::{QueueSnapshot, StatusLine};
 use super::summary::{
     DepthSample, DrafterSummary, LossSample, ProducerSummary, QueueSummary, RunSummary,
-    STATUS_FILE, SUMMARY_FORMAT, Thinned, write_summary,
+    STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT, Thinned, write_summary,
 };
 use super::trace::TraceBuffer;
 
@@ -59,8 +59,11 @@ pub struct ReporterConfig {
     pub every: Duration,
     /// How lines are written to the output.
     pub mode: OutputMode,
-    /// Steps the run will take, when known (draws the progress bar).
+    /// The step limit, when known (draws the progress bar), counted from step 0 as `first_step` is.
     pub total_steps: Option<u64>,
+    /// The step this run starts from: a resumed checkpoint's step, 0 for a fresh run. Status lines count from
+    /// it, so a run resumed at step 50 of 100 shows `step 50/100` rising to `100/100`.
+    pub first_step: u64,
     /// Where `status.jsonl` and `summary.json` go; `None` writes neither.
     pub run_dir: Option<PathBuf>,
     /// Where the trace goes; `None` keeps no trace (the telemetry should then be made without rings).
@@ -108,6 +111,7 @@ impl ReporterConfig {
             every,
             mode: OutputMode::Plain,
             total_steps: None,
+            first_step: 0,
             run_dir: None,
             trace_path: None,
             max_spans_per_worker: TraceBuffer::DEFAULT_MAX_SPANS_PER_WORKER,
@@ -283,6 +287,7 @@ impl<W: Write> Reporter<W> {
         let mut line =
             StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
                 .with_rate_window(window_start, &current);
+        line.step += self.config.first_step;
         line.source = self.config.source_status.as_ref().map(|probe| probe.read());
         line.acceptance = self
             .config
@@ -317,15 +322,21 @@ impl<W: Write> Reporter<W> {
         self.write_line(&line)
             .map_err(|source| TelemetryError::Output { source })?;
         if let Some((path, log)) = &mut self.status_log {
-            serde_json::to_writer(&mut *log, &line)
-                .map_err(|source| TelemetryError::Encode { source })?;
-            writeln!(log)
-                .and_then(|_| log.flush())
-                .map_err(|source| TelemetryError::Io {
-                    action: "write",
-                    path: path.clone(),
-                    source,
-                })?;
+            let written = self.telemetry.files().write(path, || {
+                serde_json::to_writer(&mut *log, &line)
+                    .map_err(|source| TelemetryError::Encode { source })?;
+                writeln!(log)
+                    .and_then(|_| log.flush())
+                    .map_err(|source| TelemetryError::Io {
+                        action: "write",
+                        path: path.clone(),
+                        source,
+                    })
+            });
+            if !written && let Some((_, log)) = self.status_log.take() {
+                // Given up: what is still buffered is discarded, not flushed again on drop.
+                drop(log.into_parts());
+            }
         }
         self.last_report = current.elapsed;
         self.previous = current;
@@ -362,8 +373,9 @@ impl<W: Write> Reporter<W> {
         Ok(())
     }
 
-    /// Final status line, then `summary.json` (when a run directory is set) and the trace (when configured).
-    /// Call after the workers have stopped, so the totals are final.
+    /// Final status line, then `summary.json` (when a run directory is set) and the trace (when configured),
+    /// each through [`Telemetry::files`](super::Telemetry::files): a file that cannot be written is a warning,
+    /// and the summary is returned all the same. Call after the workers have stopped, so the totals are final.
     pub fn finish(self, queue: &QueueSnapshot) -> Result<RunSummary, TelemetryError> {
         self.finish_at(Instant::now(), queue)
     }
@@ -388,7 +400,7 @@ impl<W: Write> Reporter<W> {
         let summary = RunSummary {
             format: SUMMARY_FORMAT,
             plan: self.config.plan_name.clone(),
-            steps: line.step,
+            steps: line.step - self.config.first_step,
             token_slots: line.token_slots,
             real_tokens: line.real_tokens,
             loss_tokens: line.loss_tokens,
@@ -432,10 +444,15 @@ impl<W: Write> Reporter<W> {
             acceptance: None,
         };
         if let Some(dir) = &self.config.run_dir {
-            write_summary(dir, &summary)?;
+            let files = self.telemetry.files();
+            files.write(&dir.join(SUMMARY_FILE), || {
+                write_summary(dir, &summary).map(drop)
+            });
         }
         if let (Some(trace), Some(path)) = (&self.trace, &self.config.trace_path) {
-            trace.write(path, snapshot.spans_dropped)?;
+            self.telemetry
+                .files()
+                .write(path, || trace.write(path, snapshot.spans_dropped));
         }
         Ok(summary)
     }

@@ -372,7 +372,8 @@ pub struct RunSummary {
     pub format: u32,
     /// The plan's name.
     pub plan: String,
-    /// Global steps completed.
+    /// Steps completed by this run (a resumed run's steps after its checkpoint's step; `ending.step` is the
+    /// step reached, counted from 0).
     pub steps: u64,
     /// Token slots trained on over all drafters, padding included (what the steps cost).
     #[serde(alias = "tokens")]
