@@ -85,8 +85,10 @@ fn slow_hello(address: &str, sent: usize) -> std::io::Result<TcpStream> {
 /// Whether the server has answered or closed `stream` (a refusal), without waiting.
 fn dropped_by_server(stream: &mut TcpStream) -> bool {
     let mut byte = [0u8; 1];
+    // A byte is the refusal's reply, 0 the close: either way the server is done with it.
     match stream.read(&mut byte) {
-        Ok(_) => true,
+        Ok(0 | 1) => true,
+        Ok(_) => unreachable!("a one-byte buffer"),
         Err(e) => e.kind() != ErrorKind::WouldBlock,
     }
 }
