@@ -906,7 +906,9 @@ fn corrupt_init_weights_and_checkpoint_counters_are_refused_and_untrained_runs_s
         dir.join("huge.safetensors"),
     )
     .unwrap();
-    edit_weights(&dir.join("huge.safetensors"), |_, values| values.fill(1.8e19));
+    edit_weights(&dir.join("huge.safetensors"), |_, values| {
+        values.fill(1.8e19)
+    });
     let out = draftpipe(
         &[
             "run",

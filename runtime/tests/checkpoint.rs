@@ -17,9 +17,11 @@ fn buffers(n: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let bits = (state >> 32) as u32;
-        // Any finite f32 bit pattern, plus the odd subnormal and negative zero.
-        let v = f32::from_bits(bits);
-        if v.is_finite() { v } else { -0.0 }
+        // Any f32 bit pattern a trainable weight can hold, subnormals included: a magnitude at or past 2^64
+        // (its square overflows, so loading refuses it as untrainable) and the infinities and NaNs fold down
+        // by 2^128, keeping every sign and mantissa bit.
+        let exponent = (bits >> 23) & 0xff;
+        f32::from_bits(if exponent >= 127 + 64 { bits & !0x4000_0000 } else { bits })
     };
     (
         (0..n).map(|_| next()).collect(),

@@ -2,10 +2,12 @@
 //! global allocator. Materialising the logits would need `T × V × 4` = 1.05 GB for one head; the fused loss keeps
 //! one `[C, V]` chunk (C = 256: 32.8 MB).
 //!
-//! Stated bound: the peak heap growth of building the drafter and running a step stays within 4 MB (GEMM packing
-//! buffers) of what the compiler's workspace layout says the drafter allocates (flat state included), whose
-//! only vocabulary-sized part is the `C × V` chunk; the workspace itself stays under 10% of `T × V × 4`. The measured figure is printed
-//! with `--nocapture`.
+//! Stated bound: the peak heap growth of building the drafter and running a step stays within the GEMM library's
+//! own scratch of what the compiler's workspace layout says the drafter allocates (flat state included), whose
+//! only vocabulary-sized part is the `C × V` chunk; the workspace itself stays under 10% of `T × V × 4`. The
+//! scratch is measured here, one bare product of each of the step's shapes at a time, because `gemm` sizes its
+//! packing buffers from the machine's cache sizes (1.1 MB on a 32 MiB-L3 EPYC, about 17 MB on a larger-cache
+//! one): a fixed allowance fits one machine only. The measured figures are printed with `--nocapture`.
 
 mod cpu_step_support;
 
@@ -60,6 +62,15 @@ fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materia
     let batch = random_batch(&mut rng, padded_len, sequences, spec.din, VOCAB);
     let mut state = FlatState::init(&model, 0);
 
+    let gemm_scratch = gemm_scratch_bytes(&[
+        (TOKENS, spec.din, spec.hidden),
+        (TOKENS, spec.hidden, 2 * spec.intermediate),
+        (TOKENS, spec.intermediate, spec.hidden),
+        (256, spec.hidden, VOCAB),
+        (256, VOCAB, spec.hidden),
+        (VOCAB, 256, spec.hidden),
+    ]);
+
     let baseline = LIVE.load(Relaxed);
     PEAK.store(baseline, Relaxed);
     let mut drafter = CpuDrafter::new(
@@ -93,7 +104,9 @@ fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materia
     .unwrap();
     let allocated = layout.bytes().unwrap() as usize + 16 * model.parameters;
     assert_eq!(drafter.allocated_bytes() as usize, allocated);
-    let bound = allocated + 4_000_000;
+    println!("gemm scratch {:.1} MB", gemm_scratch as f64 / 1e6);
+    // 64 KiB for the drafter's own bookkeeping (bucket tables, names), which is not in the layout.
+    let bound = allocated + gemm_scratch + 64 * 1024;
     assert!(
         peak_growth <= bound,
         "peak growth {peak_growth} bytes over the bound {bound}"
@@ -105,5 +118,28 @@ fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materia
         workspace as f64 / 1e6,
         100.0 * workspace as f64 / materialised as f64
     );
-    assert!(workspace + 4_000_000 < materialised / 10);
+    assert!(workspace + gemm_scratch < materialised / 10);
+}
+
+/// The most heap one bare product of any of these `(m, k, n)` shapes, each operand read either way, takes beyond
+/// its operands (its packing buffers; the first call also allocates this thread's persistent packing slab).
+fn gemm_scratch_bytes(shapes: &[(usize, usize, usize)]) -> usize {
+    let mut most = 0;
+    for &(m, k, n) in shapes {
+        let (a, b, mut c) = (vec![0.5f32; m * k], vec![0.25f32; k * n], vec![0.0f32; m * n]);
+        for a_transposed in [false, true] {
+            for b_transposed in [false, true] {
+                let before = LIVE.load(Relaxed);
+                PEAK.store(before, Relaxed);
+                draftpipe_runtime::backend::cpu::matmul(
+                    &mut c,
+                    (&a, a_transposed),
+                    (&b, b_transposed),
+                    (m, k, n),
+                );
+                most = most.max(PEAK.load(Relaxed) - before);
+            }
+        }
+    }
+    most
 }
