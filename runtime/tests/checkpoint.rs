@@ -21,7 +21,11 @@ fn buffers(n: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         // (its square overflows, so loading refuses it as untrainable) and the infinities and NaNs fold down
         // by 2^128, keeping every sign and mantissa bit.
         let exponent = (bits >> 23) & 0xff;
-        f32::from_bits(if exponent >= 127 + 64 { bits & !0x4000_0000 } else { bits })
+        f32::from_bits(if exponent >= 127 + 64 {
+            bits & !0x4000_0000
+        } else {
+            bits
+        })
     };
     (
         (0..n).map(|_| next()).collect(),

@@ -126,7 +126,11 @@ fn fused_loss_peak_memory_at_8192_tokens_and_32000_vocab_stays_far_below_materia
 fn gemm_scratch_bytes(shapes: &[(usize, usize, usize)]) -> usize {
     let mut most = 0;
     for &(m, k, n) in shapes {
-        let (a, b, mut c) = (vec![0.5f32; m * k], vec![0.25f32; k * n], vec![0.0f32; m * n]);
+        let (a, b, mut c) = (
+            vec![0.5f32; m * k],
+            vec![0.25f32; k * n],
+            vec![0.0f32; m * n],
+        );
         for a_transposed in [false, true] {
             for b_transposed in [false, true] {
                 let before = LIVE.load(Relaxed);
