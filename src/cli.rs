@@ -25,6 +25,8 @@ pub enum Command {
     Run(RunArgs),
     /// Explain a finished run from its run directory (which side was the bottleneck, where the time went).
     Diagnose(DiagnoseArgs),
+    /// Write one self-contained HTML page of a run (ended, crashed or still going) with its charts and diagnosis.
+    Report(ReportArgs),
     /// Evaluate a trained drafter on held-out data: loss, accuracy per block slot, acceptance length τ.
     Eval(EvalArgs),
     /// Predict a plan's throughput and bottleneck with a discrete-event model, and what `--set` what-ifs change.
@@ -145,6 +147,21 @@ pub struct DiagnoseArgs {
     /// Print the diagnosis as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Arguments of `draftpipe report`.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// A run directory written by `draftpipe run --run-dir` (holds `status.jsonl`, and `summary.json` once the
+    /// run ended).
+    #[arg(value_name = "RUN_DIR")]
+    pub run_dir: PathBuf,
+    /// Where to write the page (default: `RUN_DIR/report.html`).
+    #[arg(long, value_name = "FILE.html")]
+    pub out: Option<PathBuf>,
+    /// Replace a file at `--out` that is not a draftpipe report.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Arguments of `draftpipe eval`.

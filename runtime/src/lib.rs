@@ -23,6 +23,7 @@ pub mod output_file;
 pub mod params;
 pub mod pipeline;
 pub mod queue;
+pub mod report;
 pub mod simulate;
 pub mod source;
 pub mod target_depth;

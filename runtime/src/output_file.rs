@@ -28,10 +28,15 @@ pub enum OutputKind {
     VocabMap,
     /// A run's Chrome trace (`telemetry.trace`): JSON that opens with `{"displayTimeUnit":`.
     Trace,
+    /// `draftpipe report --out`: a page that opens with [`REPORT_PREFIX`].
+    Report,
 }
 
 /// The first bytes of every trace this build writes.
 pub const TRACE_PREFIX: &[u8] = b"{\"displayTimeUnit\":";
+
+/// The first bytes of every report page this build writes.
+pub const REPORT_PREFIX: &[u8] = b"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>draftpipe report";
 
 impl OutputKind {
     /// The output in words, for errors.
@@ -39,6 +44,7 @@ impl OutputKind {
         match self {
             Self::VocabMap => "a draft vocabulary map (d2t, t2d)",
             Self::Trace => "a trace",
+            Self::Report => "a draftpipe report",
         }
     }
 
@@ -57,14 +63,18 @@ impl OutputKind {
                         crate::model::eagle3::vocab::T2D,
                     ]
             }),
-            Self::Trace => {
-                let mut head = [0u8; TRACE_PREFIX.len()];
-                File::open(path)
-                    .and_then(|mut f| f.read_exact(&mut head))
-                    .is_ok_and(|()| head == TRACE_PREFIX)
-            }
+            Self::Trace => starts_with(path, TRACE_PREFIX),
+            Self::Report => starts_with(path, REPORT_PREFIX),
         }
     }
+}
+
+/// Whether the file at `path` opens with `prefix`.
+fn starts_with(path: &Path, prefix: &[u8]) -> bool {
+    let mut head = vec![0u8; prefix.len()];
+    File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok_and(|()| head == prefix)
 }
 
 /// Why an output path is refused or could not be written.

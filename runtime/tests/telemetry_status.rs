@@ -331,3 +331,32 @@ fn bad_summaries_give_clear_errors() {
     assert!(error.to_string().contains("missing field"), "{error}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_status_line_gives_each_drafters_all_reduce_share_of_the_interval() {
+    let previous = TelemetrySnapshot {
+        elapsed: Duration::from_secs(8),
+        drafters: vec![drafter(0, 1000, 5, 1000, &[5.0])],
+        ..Default::default()
+    };
+    let mut now = drafter(0, 1500, 9, 1800, &[5.0, 4.0]);
+    now.phases[DrafterPhase::AllReduce.index()] = PhaseCount {
+        total: Duration::from_millis(500),
+        count: 4,
+    };
+    let current = TelemetrySnapshot {
+        elapsed: Duration::from_secs(10),
+        drafters: vec![now],
+        ..Default::default()
+    };
+    let line = StatusLine::between(&previous, &current, &queue(5, vec![5]), None);
+    assert!(
+        (line.drafters[0].all_reduce_pct - 25.0).abs() < 1e-9,
+        "500 ms of a 2 s interval: {:?}",
+        line.drafters
+    );
+    let old_line = serde_json::json!({"busy_pct": 90.0, "data_wait_pct": 10.0});
+    let old: draftpipe_runtime::telemetry::DrafterStatus =
+        serde_json::from_value(old_line).unwrap();
+    assert_eq!(old.all_reduce_pct, 0.0, "status lines of older builds read");
+}

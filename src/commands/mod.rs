@@ -17,6 +17,7 @@ pub mod diagnose;
 pub mod eval;
 pub mod export_check;
 pub mod input;
+pub mod report;
 pub mod run;
 pub mod signals;
 pub mod simulate;
@@ -41,6 +42,7 @@ pub fn dispatch(command: Command) -> CommandResult {
         Command::Run(args) => run::run(&args),
         Command::Diagnose(args) => diagnose::run(&args),
         Command::Eval(args) => eval::run(&args),
+        Command::Report(args) => report::run(&args),
         Command::Simulate(args) => simulate::run(&args),
         Command::ExportCheck(args) => export_check::run(&args),
         Command::Vocab(args) => vocab::run(&args),

@@ -57,6 +57,10 @@ pub struct DrafterStatus {
     pub busy_pct: f64,
     /// Percent of the interval spent blocked waiting for a batch, a wait still under way included.
     pub data_wait_pct: f64,
+    /// Percent of the interval spent in the gradient all-reduce (its wait for the slowest peer included); 0 in
+    /// status lines of older builds and for a single drafter's near-empty all-reduce.
+    #[serde(default)]
+    pub all_reduce_pct: f64,
     /// On a GPU: percent of the interval the device executed steps (CUDA events, the `device_step` phase).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_pct: Option<f64>,
@@ -167,6 +171,12 @@ impl StatusLine {
                     ),
                     data_wait_pct: percent(
                         now.wait_so_far().saturating_sub(before.wait_so_far()),
+                        interval,
+                    ),
+                    all_reduce_pct: percent(
+                        now.phase(DrafterPhase::AllReduce)
+                            .total
+                            .saturating_sub(before.phase(DrafterPhase::AllReduce).total),
                         interval,
                     ),
                     gpu_pct: (now.phase(DrafterPhase::DeviceStep).count > 0).then(|| {
