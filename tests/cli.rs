@@ -435,3 +435,33 @@ fn every_command_reports_its_error_once_with_its_causes() {
         );
     }
 }
+
+#[test]
+fn report_refuses_a_directory_without_run_files_and_says_where_a_report_went() {
+    let dir = std::env::temp_dir().join(format!("draftpipe-cli-report-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let dir_arg = dir.to_str().unwrap();
+    let out = draftpipe(&["report", dir_arg]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr)
+            .contains("is not a run directory: it holds neither status.jsonl nor summary.json"),
+        "{}",
+        text(&out.stderr)
+    );
+    std::fs::copy(
+        "runtime/tests/data/report/quickstart-status.jsonl",
+        dir.join("status.jsonl"),
+    )
+    .unwrap();
+    let out = draftpipe(&["report", dir_arg]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout)
+            .contains("report.html (3 status lines; the run stopped without a summary"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(dir.join("report.html").is_file());
+}

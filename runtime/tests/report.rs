@@ -42,7 +42,10 @@ fn layout_ids(html: &str) -> Vec<String> {
 fn assert_self_contained(html: &str) {
     assert!(html.as_bytes().starts_with(REPORT_PREFIX));
     assert!(!html.contains("<script"), "the page needs no script");
-    assert!(!html.contains("http"), "the page fetches and names no address");
+    assert!(
+        !html.contains("http"),
+        "the page fetches and names no address"
+    );
 }
 
 #[test]
@@ -57,7 +60,9 @@ fn an_ended_run_has_every_chart_and_the_diagnosis_in_words() {
     assert_eq!(ids, ["loss-tau", "tokens", "queue", "drafter-0", "phases"]);
     for id in &ids {
         let section = format!("<section class=\"chart\" id=\"{id}\"");
-        let at = html.find(&section).unwrap_or_else(|| panic!("no section {id}"));
+        let at = html
+            .find(&section)
+            .unwrap_or_else(|| panic!("no section {id}"));
         let chart = &html[at..at + html[at..].find("</section>").unwrap()];
         assert!(chart.contains("<svg"), "{id} has its svg");
         assert!(
@@ -141,7 +146,14 @@ fn several_drafters_get_a_chart_each() {
     let html = render(&RunRecord::load(&dir).unwrap()).unwrap();
     assert_eq!(
         layout_ids(&html),
-        ["loss-tau", "tokens", "queue", "drafter-0", "drafter-1", "phases"]
+        [
+            "loss-tau",
+            "tokens",
+            "queue",
+            "drafter-0",
+            "drafter-1",
+            "phases"
+        ]
     );
 }
 
@@ -152,10 +164,21 @@ fn a_bad_status_line_inside_the_file_is_an_error_naming_line_and_column() {
     let text = lines.join("\n") + "\n";
     let error = parse_status_lines(Path::new("run/status.jsonl"), &text).unwrap_err();
     assert!(
-        matches!(error, ReportError::StatusLine { line: 2, column: 28, .. }),
+        matches!(
+            error,
+            ReportError::StatusLine {
+                line: 2,
+                column: 28,
+                ..
+            }
+        ),
         "{error:?}"
     );
-    assert!(error.to_string().starts_with("run/status.jsonl:2:28: not a status line"));
+    assert!(
+        error
+            .to_string()
+            .starts_with("run/status.jsonl:2:28: not a status line")
+    );
     // A complete last line (it has its newline) that does not parse is an error too, not a cut-short one.
     let last_bad = format!("{STATUS}{{\"step\": 1}}\n");
     assert!(parse_status_lines(Path::new("s"), &last_bad).is_err());
@@ -166,7 +189,10 @@ fn a_directory_without_run_files_and_outputs_that_are_not_reports_are_refused() 
     let empty = std::env::temp_dir().join(format!("draftpipe-report-empty-{}", std::process::id()));
     fs::create_dir_all(&empty).unwrap();
     let error = RunRecord::load(&empty).unwrap_err();
-    assert!(error.to_string().contains("is not a run directory"), "{error}");
+    assert!(
+        error.to_string().contains("is not a run directory"),
+        "{error}"
+    );
 
     let dir = run_dir("outputs", STATUS, Some(SUMMARY));
     let notes = dir.join("notes.html");
@@ -176,5 +202,8 @@ fn a_directory_without_run_files_and_outputs_that_are_not_reports_are_refused() 
     assert_eq!(fs::read_to_string(&notes).unwrap(), "<p>mine</p>");
     write_report(&dir, Some(&notes), true).unwrap();
     let error = write_report(&dir, Some(&dir.join("status.jsonl")), true).unwrap_err();
-    assert!(error.to_string().contains("which this command reads"), "{error}");
+    assert!(
+        error.to_string().contains("which this command reads"),
+        "{error}"
+    );
 }

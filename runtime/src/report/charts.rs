@@ -14,6 +14,7 @@ use plotters::prelude::*;
 
 use super::ReportError;
 use super::run_files::{RunRecord, teacher_forced_tau};
+use crate::figures::amount;
 use crate::telemetry::{Diagnosis, StatusLine};
 
 /// Width of every chart in CSS pixels.
@@ -146,6 +147,8 @@ impl LineChart<'_> {
                 .bold_line_style(RGBColor(210, 210, 210))
                 .x_desc(self.x_desc)
                 .y_desc(self.y_desc)
+                .x_label_formatter(&|v| amount(*v))
+                .y_label_formatter(&|v| amount(*v))
                 .label_style(("sans-serif", 12))
                 .draw()
                 .map_err(|e| error(e.to_string()))?;
@@ -153,6 +156,7 @@ impl LineChart<'_> {
                 chart
                     .configure_secondary_axes()
                     .y_desc(y2)
+                    .y_label_formatter(&|v| amount(*v))
                     .label_style(("sans-serif", 12))
                     .draw()
                     .map_err(|e| error(e.to_string()))?;
@@ -449,6 +453,7 @@ pub fn step_phases(run: &RunRecord) -> Result<Chart, ReportError> {
             .light_line_style(RGBColor(235, 235, 235))
             .bold_line_style(RGBColor(210, 210, 210))
             .y_desc("% of the drafters' wall time")
+            .y_label_formatter(&|v| amount(*v))
             .label_style(("sans-serif", 11))
             .x_label_formatter(&|value| match value {
                 SegmentValue::CenterOf(i) => names.get(*i).copied().unwrap_or("").to_string(),
