@@ -212,7 +212,8 @@ fn defaults_are_documented_values() {
         plan.telemetry,
         TelemetrySpec {
             every_ms: 1000,
-            trace: None
+            trace: None,
+            tensorboard: None,
         }
     );
     assert_eq!(
