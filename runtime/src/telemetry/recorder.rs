@@ -440,9 +440,8 @@ impl Telemetry {
                             .collect(),
                         grad_norm_sum: f64::from_bits(c.grad_norm_sum_bits.load(Ordering::Relaxed)),
                         grad_norm_count: c.grad_norm_count.load(Ordering::Relaxed),
-                        last_grad_norm: (c.grad_norm_count.load(Ordering::Relaxed) > 0).then(|| {
-                            f64::from_bits(c.last_grad_norm_bits.load(Ordering::Relaxed))
-                        }),
+                        last_grad_norm: (c.grad_norm_count.load(Ordering::Relaxed) > 0)
+                            .then(|| f64::from_bits(c.last_grad_norm_bits.load(Ordering::Relaxed))),
                         last_slot_accuracy: c.slot_accuracy_bits[..slot_metrics]
                             .iter()
                             .map(|bits| f32::from_bits(bits.load(Ordering::Relaxed)))
@@ -744,7 +743,8 @@ impl DrafterRecorder {
             let c = &slot.counters;
             let sum = f64::from_bits(c.grad_norm_sum_bits.load(Ordering::Relaxed)) + norm;
             c.grad_norm_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
-            c.last_grad_norm_bits.store(norm.to_bits(), Ordering::Relaxed);
+            c.last_grad_norm_bits
+                .store(norm.to_bits(), Ordering::Relaxed);
             c.grad_norm_count.fetch_add(1, Ordering::Relaxed);
         });
     }

@@ -379,7 +379,11 @@ impl<W: Write> Reporter<W> {
         }
         if let Some(events) = &mut self.events {
             let path = events.path().to_path_buf();
-            if !self.telemetry.files().write(&path, || events.write_line(&line)) {
+            if !self
+                .telemetry
+                .files()
+                .write(&path, || events.write_line(&line))
+            {
                 self.events = None;
             }
         }

@@ -224,7 +224,10 @@ impl StatusLine {
             current.drafters.iter().find_map(|d| d.last_grad_norm)
         };
         let slot_accuracy = if tau_count > 0 {
-            accuracy_sums.iter().map(|sum| sum / tau_count as f64).collect()
+            accuracy_sums
+                .iter()
+                .map(|sum| sum / tau_count as f64)
+                .collect()
         } else {
             current
                 .drafters

@@ -39,7 +39,9 @@ pub enum RecordError {
         left: usize,
     },
     /// A stored CRC differs from the one computed.
-    #[error("the {part} CRC of the record at byte {offset} does not match (stored {stored:#010x}, computed {computed:#010x})")]
+    #[error(
+        "the {part} CRC of the record at byte {offset} does not match (stored {stored:#010x}, computed {computed:#010x})"
+    )]
     Crc {
         /// Where the record starts.
         offset: usize,
@@ -121,7 +123,10 @@ mod tests {
         let record = frame(b"abc");
         assert_eq!(record.len(), 3 + 16);
         assert_eq!(&record[..8], &3u64.to_le_bytes());
-        assert_eq!(&record[8..12], &masked_crc32c(&3u64.to_le_bytes()).to_le_bytes());
+        assert_eq!(
+            &record[8..12],
+            &masked_crc32c(&3u64.to_le_bytes()).to_le_bytes()
+        );
         assert_eq!(&record[12..15], b"abc");
         assert_eq!(&record[15..], &masked_crc32c(b"abc").to_le_bytes());
     }

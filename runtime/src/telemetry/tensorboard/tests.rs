@@ -30,7 +30,12 @@ fn values(event: &Event) -> Vec<(String, f32)> {
     summary
         .value
         .iter()
-        .map(|v| (v.tag.clone(), v.simple_value.expect("a value is always set")))
+        .map(|v| {
+            (
+                v.tag.clone(),
+                v.simple_value.expect("a value is always set"),
+            )
+        })
         .collect()
 }
 
@@ -41,13 +46,25 @@ fn the_file_opens_with_its_version_then_one_event_per_line() {
     let mut writer = EventWriter::create(&dir).unwrap();
     writer.write_line(&line(10, 2.5, 0.0)).unwrap();
     writer.write_line(&line(20, 2.25, 2.5)).unwrap();
-    let name = writer.path().file_name().unwrap().to_str().unwrap().to_owned();
+    let name = writer
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
     assert!(name.starts_with("events.out.tfevents."), "{name}");
-    assert!(name.contains(&format!(".{}.", std::process::id())), "{name}");
+    assert!(
+        name.contains(&format!(".{}.", std::process::id())),
+        "{name}"
+    );
 
     let events = events(writer.path());
     assert_eq!(events.len(), 3);
-    assert_eq!(events[0].what, Some(What::FileVersion("brain.Event:2".into())));
+    assert_eq!(
+        events[0].what,
+        Some(What::FileVersion("brain.Event:2".into()))
+    );
     assert_eq!((events[1].step, events[2].step), (10, 20));
     assert!(events[1].wall_time > 1.6e9);
     let first: std::collections::BTreeMap<_, _> = values(&events[1]).into_iter().collect();
@@ -72,7 +89,10 @@ fn the_file_opens_with_its_version_then_one_event_per_line() {
     ] {
         assert_eq!(first.get(tag), Some(&(value as f32)), "{tag}");
     }
-    assert!(!first.contains_key("drafter_0/gpu_pct"), "no GPU share on a CPU line");
+    assert!(
+        !first.contains_key("drafter_0/gpu_pct"),
+        "no GPU share on a CPU line"
+    );
     assert!(!first.contains_key("acceptance/teacher_forced_tau"));
     assert_eq!(values(&events[2])[0], ("train/loss".to_owned(), 2.25));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -98,9 +118,16 @@ fn every_tag_and_its_field_are_in_the_docs_table() {
     let docs = include_str!("../../../../docs/telemetry.md");
     for row in TAGS {
         let documented = format!("| `{}` |", row.tag);
-        assert!(docs.contains(&documented), "docs/telemetry.md has no row {documented}");
+        assert!(
+            docs.contains(&documented),
+            "docs/telemetry.md has no row {documented}"
+        );
         let field = format!("| `{}` |", row.field);
         let line = docs.lines().find(|l| l.starts_with(&documented)).unwrap();
-        assert!(line.ends_with(&field), "the row of {} must end with {field}: {line}", row.tag);
+        assert!(
+            line.ends_with(&field),
+            "the row of {} must end with {field}: {line}",
+            row.tag
+        );
     }
 }
