@@ -386,7 +386,11 @@ fn telemetry_tensorboard_names_a_directory_as_written() {
         "telemetry {\n    every = 1s\n    tensorboard = \"\"\n}",
     );
     let error = compile_source("tb.pipe", &empty).unwrap_err().to_string();
-    let line = source.lines().position(|l| l.contains("tensorboard")).unwrap() + 1;
+    let line = source
+        .lines()
+        .position(|l| l.contains("tensorboard"))
+        .unwrap()
+        + 1;
     assert!(error.contains("tensorboard"), "{error}");
     assert!(error.contains(&format!("tb.pipe:{line}:")), "{error}");
     let number = compile_source(

@@ -23,7 +23,10 @@ fn queue() -> QueueSnapshot {
 
 /// The scalars of the last summary event in the directory's only event file.
 fn last_scalars(dir: &std::path::Path) -> Vec<(String, f32)> {
-    let files: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     assert_eq!(files.len(), 1, "{files:?}");
     let bytes = std::fs::read(&files[0]).unwrap();
     let records = read_records(&bytes).unwrap();
@@ -57,13 +60,14 @@ fn gradient_norm_slot_accuracy_and_learning_rate_reach_the_line_and_the_event_fi
     });
     let mut reporter = Reporter::new(config, Arc::clone(&telemetry), Vec::new()).unwrap();
 
-    let step = |recorder: &draftpipe_runtime::telemetry::DrafterRecorder, norm: f64, acc: [f32; 2]| {
-        let now = Instant::now();
-        recorder.record(DrafterPhase::Forward, now, now + Duration::from_micros(5));
-        recorder.block_metrics(1.5, &acc);
-        recorder.grad_norm(norm);
-        recorder.step_done(StepTokens::unpadded(16), 2.0);
-    };
+    let step =
+        |recorder: &draftpipe_runtime::telemetry::DrafterRecorder, norm: f64, acc: [f32; 2]| {
+            let now = Instant::now();
+            recorder.record(DrafterPhase::Forward, now, now + Duration::from_micros(5));
+            recorder.block_metrics(1.5, &acc);
+            recorder.grad_norm(norm);
+            recorder.step_done(StepTokens::unpadded(16), 2.0);
+        };
     // Interval 1: drafter 0 takes two steps, drafter 1 one; a non-finite norm is no applied step's.
     step(&recorders[0], 1.0, [0.5, 0.25]);
     step(&recorders[0], 3.0, [1.0, 0.75]);
@@ -85,7 +89,10 @@ fn gradient_norm_slot_accuracy_and_learning_rate_reach_the_line_and_the_event_fi
 
     // An interval without steps shows the latest figures.
     let idle = reporter.report(&queue()).unwrap();
-    assert!(idle.grad_norm.is_some_and(|norm| norm == 10.0 || norm == 20.0));
+    assert!(
+        idle.grad_norm
+            .is_some_and(|norm| norm == 10.0 || norm == 20.0)
+    );
     assert_eq!(idle.slot_accuracy.len(), 2);
 
     let json: serde_json::Value = serde_json::to_value(&second).unwrap();
@@ -96,9 +103,15 @@ fn gradient_norm_slot_accuracy_and_learning_rate_reach_the_line_and_the_event_fi
     let get = |tag: &str| scalars.iter().find(|(t, _)| t == tag).map(|(_, v)| *v);
     assert_eq!(get("train/grad_norm"), idle.grad_norm.map(|v| v as f32));
     assert_eq!(get("train/learning_rate"), Some((0.5f64 * 0.9) as f32));
-    assert_eq!(get("train/slot_accuracy/2"), Some(idle.slot_accuracy[1] as f32));
+    assert_eq!(
+        get("train/slot_accuracy/2"),
+        Some(idle.slot_accuracy[1] as f32)
+    );
     assert_eq!(get("queue/bucket_1"), Some(2.0));
-    assert_eq!(get("drafter_1/busy_pct"), Some(idle.drafters[1].busy_pct as f32));
+    assert_eq!(
+        get("drafter_1/busy_pct"),
+        Some(idle.drafters[1].busy_pct as f32)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -109,7 +122,13 @@ fn an_event_directory_that_cannot_be_made_stops_the_reporter_before_the_run() {
     let telemetry = Arc::new(Telemetry::new(0, 1, false));
     let mut config = ReporterConfig::new("tb", Duration::from_secs(1), 8, 1);
     config.tensorboard_dir = Some(file.join("tb"));
-    let error = Reporter::new(config, telemetry, Vec::new()).err().unwrap().to_string();
-    assert!(error.contains(&file.join("tb").display().to_string()), "{error}");
+    let error = Reporter::new(config, telemetry, Vec::new())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        error.contains(&file.join("tb").display().to_string()),
+        "{error}"
+    );
     std::fs::remove_file(&file).unwrap();
 }
