@@ -12,7 +12,8 @@ venv=target/python-venv
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
-# Pinned to the versions the tests were written against. numpy, pytest and safetensors are required. torch and
+# Pinned to the versions the tests were written against. numpy, pytest, safetensors and tensorboard (whose own
+# reader checks the event files in test_tensorboard.py) are required. torch and
 # transformers (~5.6 GB with torch's nvidia-* wheels) are needed only by the tests that import them
 # (`pytest.importorskip`): a download that keeps breaking off (seen here: every try of torch's wheel stopped at
 # 515 of 539 MB) is retried and resumed, the install is tried three times, and when it still fails those tests
@@ -21,7 +22,7 @@ pip_install() {
     "$venv/bin/pip" install --quiet --retries 10 --timeout 60 --resume-retries 20 "$@"
 }
 "$venv/bin/pip" install --quiet --upgrade pip
-pip_install numpy==2.4.6 pytest==9.2.0 safetensors==0.8.0
+pip_install numpy==2.4.6 pytest==9.2.0 safetensors==0.8.0 tensorboard==2.21.0
 for attempt in 1 2 3; do
     if pip_install torch==2.15.0 transformers==5.24.0; then
         break

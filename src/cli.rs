@@ -120,6 +120,9 @@ pub struct RunArgs {
     /// Write status lines as JSON objects, one per line.
     #[arg(long)]
     pub json: bool,
+    /// Write TensorBoard event files to this directory (overrides the pipeline's `telemetry.tensorboard`).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Directory for `status.jsonl` and `summary.json` [default: runs/<pipeline name>].
     #[arg(long, value_name = "DIR")]
     pub run_dir: Option<PathBuf>,

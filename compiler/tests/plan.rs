@@ -212,7 +212,8 @@ fn defaults_are_documented_values() {
         plan.telemetry,
         TelemetrySpec {
             every_ms: 1000,
-            trace: None
+            trace: None,
+            tensorboard: None,
         }
     );
     assert_eq!(
@@ -362,4 +363,41 @@ fn safetensors_sources_take_epochs_and_a_shuffle_seed() {
     let errors = compile_source("st.pipe", &bad).unwrap_err().to_string();
     assert!(errors.contains("`epochs` must be"), "{errors}");
     assert!(errors.contains("unknown `shuffle` value `yes`"), "{errors}");
+}
+
+#[test]
+fn telemetry_tensorboard_names_a_directory_as_written() {
+    let source = QUICKSTART.replace(
+        "telemetry { every = 1s }",
+        "telemetry {\n    every = 1s\n    tensorboard = \"runs/tb\"\n}",
+    );
+    let plan = compile_source("tb.pipe", &source).unwrap();
+    assert_eq!(plan.telemetry.tensorboard.as_deref(), Some("runs/tb"));
+    assert_eq!(
+        compile_source("q.pipe", QUICKSTART)
+            .unwrap()
+            .telemetry
+            .tensorboard,
+        None
+    );
+
+    let empty = QUICKSTART.replace(
+        "telemetry { every = 1s }",
+        "telemetry {\n    every = 1s\n    tensorboard = \"\"\n}",
+    );
+    let error = compile_source("tb.pipe", &empty).unwrap_err().to_string();
+    let line = source
+        .lines()
+        .position(|l| l.contains("tensorboard"))
+        .unwrap()
+        + 1;
+    assert!(error.contains("tensorboard"), "{error}");
+    assert!(error.contains(&format!("tb.pipe:{line}:")), "{error}");
+    let number = compile_source(
+        "tb.pipe",
+        &QUICKSTART.replace("telemetry { every = 1s }", "telemetry { tensorboard = 3 }"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(number.contains("tensorboard"), "{number}");
 }

@@ -54,6 +54,9 @@ pub fn run(args: &RunArgs) -> CommandResult {
             .clone()
             .unwrap_or_else(|| PathBuf::from("runs").join(&plan.name)),
     );
+    if let Some(dir) = &args.tensorboard {
+        options.tensorboard = Some(dir.clone());
+    }
     options.keep_going = args.keep_going;
     options.max_nonfinite_in_row = args.max_nonfinite;
     options.init_seed = args.seed;

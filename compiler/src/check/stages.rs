@@ -1075,6 +1075,7 @@ pub(crate) fn check_telemetry(
         return Some(TelemetrySpec {
             every_ms: DEFAULT_EVERY_MS,
             trace: None,
+            tensorboard: None,
         });
     };
     let mut f = Fields::new(
@@ -1090,9 +1091,14 @@ pub(crate) fn check_telemetry(
         None => Some(None),
         Some(v) => values::nonempty_string(errs, "trace", v).map(|s| Some(s.to_owned())),
     };
+    let tensorboard = match f.optional("tensorboard") {
+        None => Some(None),
+        Some(v) => values::nonempty_string(errs, "tensorboard", v).map(|s| Some(s.to_owned())),
+    };
     f.finish(errs);
     Some(TelemetrySpec {
         every_ms: every_ms?,
         trace: trace?,
+        tensorboard: tensorboard?,
     })
 }

@@ -411,6 +411,9 @@ pub struct TelemetrySpec {
     pub every_ms: u64,
     /// Chrome/Perfetto trace output path, when requested.
     pub trace: Option<String>,
+    /// Directory of the TensorBoard event files, when requested (as written: relative to the working directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensorboard: Option<String>,
 }
 
 /// `acceptance { ... }`: every `every` steps the run exports the drafter and runs the draft-and-verify loop

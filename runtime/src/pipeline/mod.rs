@@ -50,7 +50,7 @@ use crate::source::{
     BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, StreamStatus, open_sources,
 };
 use crate::telemetry::{
-    AcceptanceProbe, Diagnosis, Reporter, ReporterConfig, RunSummary, Telemetry,
+    AcceptanceProbe, Diagnosis, LearningRate, Reporter, ReporterConfig, RunSummary, Telemetry,
 };
 
 impl SeqLen for Box<HsBatch> {
@@ -305,6 +305,12 @@ fn reporter<W: Write + Send>(
     config.source_status = source_status;
     config.acceptance_status =
         acceptance.map(|monitor| AcceptanceProbe::new(move || monitor.status()));
+    config.tensorboard_dir = options.tensorboard.clone();
+    config.learning_rate = Some(LearningRate {
+        lr: f64::from(plan.drafter.optimizer.lr),
+        schedule: plan.drafter.optimizer.schedule,
+        schedule_total: plan.drafter.steps.unwrap_or(0),
+    });
     Ok(Reporter::new(config, Arc::clone(telemetry), out)?)
 }
 

@@ -29,6 +29,8 @@ pub struct RunOptions {
     pub run_dir: Option<PathBuf>,
     /// Where the trace goes (the plan's `telemetry.trace`, or none).
     pub trace: Option<PathBuf>,
+    /// Where the TensorBoard event files go (the plan's `telemetry.tensorboard`, or none).
+    pub tensorboard: Option<PathBuf>,
     /// Replace a regular file at the trace path that is not a trace (`draftpipe run --force`).
     pub force_outputs: bool,
     /// Files the run reads that the plan does not name (the `.pipe` file): no output may replace them.
@@ -57,6 +59,7 @@ impl RunOptions {
             output: OutputMode::Plain,
             run_dir: None,
             trace: plan.telemetry.trace.as_ref().map(PathBuf::from),
+            tensorboard: plan.telemetry.tensorboard.as_ref().map(PathBuf::from),
             force_outputs: false,
             inputs: Vec::new(),
             keep_going: false,

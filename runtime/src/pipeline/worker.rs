@@ -421,6 +421,7 @@ impl<'a, B: Backend> Worker<'a, B> {
             if let Some(blocks) = &outcome.blocks {
                 recorder.block_metrics(f64::from(blocks.tau), &blocks.slot_accuracy);
             }
+            recorder.grad_norm(f64::from(outcome.grad_norm));
             recorder.step_done(tokens, f64::from(outcome.loss));
             self.nonfinite_in_row = 0;
         }

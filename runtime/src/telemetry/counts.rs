@@ -88,6 +88,14 @@ pub struct DrafterCounts {
     pub last_tau: Option<f64>,
     /// The latest step's accuracy of block slots `1..` (`dflash`; empty otherwise).
     pub last_slot_accuracy: Vec<f32>,
+    /// `dflash`: per block slot `1..`, the sum of the accuracies of the steps counted in `tau_count`.
+    pub slot_accuracy_sum: Vec<f64>,
+    /// Sum of the applied steps' gradient norms (before clipping).
+    pub grad_norm_sum: f64,
+    /// Number of norms in `grad_norm_sum`.
+    pub grad_norm_count: u64,
+    /// The latest applied step's gradient norm.
+    pub last_grad_norm: Option<f64>,
     /// The finite losses of the last steps (up to [`FINAL_STEPS`](super::FINAL_STEPS), in no particular order).
     pub recent_losses: Vec<f64>,
     /// `dflash`: the τ of the last steps (up to [`FINAL_STEPS`](super::FINAL_STEPS)).

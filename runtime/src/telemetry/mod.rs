@@ -6,10 +6,11 @@
 //!  ───────────────────────                  ────────────────                         ──────────
 //!  recorder.record(phase, t0, t1) ──atomics──▶ Telemetry::snapshot ─▶ StatusLine ─▶ stdout, status.jsonl
 //!                                 └─span ring─▶ TraceBuffer (last N per worker) ───▶ trace JSON
+//!                                                              └──▶ tensorboard::EventWriter ─▶ DIR/events.out.tfevents.…
 //!  queue stats ───────────────────────────────▶ depth histogram ─▶ RunSummary ─▶ summary.json ─▶ Diagnosis
 //! ```
 //!
-//! The files (`status.jsonl`, the trace, `summary.json`) are all written through [`TelemetryFiles`]: a write
+//! The files (`status.jsonl`, the TensorBoard events, the trace, `summary.json`) are all written through [`TelemetryFiles`]: a write
 //! that fails is a warning once and that file stops; the run goes on.
 //!
 //! The lead's wiring: make one `Arc<`[`Telemetry`]`>`, give each worker its recorder
@@ -28,6 +29,7 @@ mod recorder;
 mod reporter;
 mod status;
 mod summary;
+pub mod tensorboard;
 mod trace;
 mod validate;
 
@@ -48,7 +50,9 @@ pub use ending::{EndReason, RunEnding, UntrainedBucket};
 pub use files::TelemetryFiles;
 pub use phase::{DrafterPhase, ProducerPhase};
 pub use recorder::{DrafterRecorder, FINAL_STEPS, MAX_BUCKET_STATS, ProducerRecorder, Telemetry};
-pub use reporter::{AcceptanceProbe, BAR_WIDTH, OutputMode, Reporter, ReporterConfig};
+pub use reporter::{
+    AcceptanceProbe, BAR_WIDTH, LearningRate, OutputMode, Reporter, ReporterConfig,
+};
 pub use status::{DrafterStatus, QueueFill, QueueSnapshot, StatusLine, progress_bar};
 pub use summary::{
     BucketStepTimes, DepthSample, DrafterSummary, DrafterTimeline, LossSample, PhaseTotal,

@@ -113,6 +113,12 @@ struct DrafterCounters {
     last_tau_bits: AtomicU64,
     slot_accuracy_bits: [AtomicU32; MAX_SLOT_METRICS],
     slot_metrics: AtomicU32,
+    /// `dflash`: per block slot, the sum of the accuracies of the steps counted in `tau_count` (f64 bits).
+    slot_accuracy_sum_bits: [AtomicU64; MAX_SLOT_METRICS],
+    /// Sum and count of the applied steps' gradient norms, and the latest (f64 bits).
+    grad_norm_sum_bits: AtomicU64,
+    grad_norm_count: AtomicU64,
+    last_grad_norm_bits: AtomicU64,
     /// The last [`FINAL_STEPS`] finite losses and τ (f64 bits) and slot accuracies (f32 bits), each a ring
     /// indexed by its count modulo [`FINAL_STEPS`].
     recent_loss_bits: [AtomicU64; FINAL_STEPS],
@@ -428,6 +434,14 @@ impl Telemetry {
                         tau_count: c.tau_count.load(Ordering::Relaxed),
                         last_tau: (c.tau_count.load(Ordering::Relaxed) > 0)
                             .then(|| f64::from_bits(c.last_tau_bits.load(Ordering::Relaxed))),
+                        slot_accuracy_sum: c.slot_accuracy_sum_bits[..slot_metrics]
+                            .iter()
+                            .map(|bits| f64::from_bits(bits.load(Ordering::Relaxed)))
+                            .collect(),
+                        grad_norm_sum: f64::from_bits(c.grad_norm_sum_bits.load(Ordering::Relaxed)),
+                        grad_norm_count: c.grad_norm_count.load(Ordering::Relaxed),
+                        last_grad_norm: (c.grad_norm_count.load(Ordering::Relaxed) > 0)
+                            .then(|| f64::from_bits(c.last_grad_norm_bits.load(Ordering::Relaxed))),
                         last_slot_accuracy: c.slot_accuracy_bits[..slot_metrics]
                             .iter()
                             .map(|bits| f32::from_bits(bits.load(Ordering::Relaxed)))
@@ -705,11 +719,33 @@ impl DrafterRecorder {
                 for (bits, acc) in recent.iter().zip(&slot_accuracy[..kept]) {
                     bits.store(acc.to_bits(), Ordering::Relaxed);
                 }
+                for (bits, &acc) in c.slot_accuracy_sum_bits.iter().zip(&slot_accuracy[..kept]) {
+                    let sum = f64::from_bits(bits.load(Ordering::Relaxed)) + f64::from(acc);
+                    bits.store(sum.to_bits(), Ordering::Relaxed);
+                }
             }
             for (bits, acc) in c.slot_accuracy_bits.iter().zip(&slot_accuracy[..kept]) {
                 bits.store(acc.to_bits(), Ordering::Relaxed);
             }
             c.slot_metrics.store(kept as u32, Ordering::Relaxed);
+        });
+    }
+
+    /// Records an applied step's global gradient norm before clipping (before its [`Self::step_done`]); it comes
+    /// with the loss in the step's read-back, so recording it costs no device sync. A non-finite norm is left out
+    /// (that step is skipped, not applied).
+    pub fn grad_norm(&self, norm: f64) {
+        if !norm.is_finite() {
+            return;
+        }
+        let slot = self.slot();
+        slot.write(|| {
+            let c = &slot.counters;
+            let sum = f64::from_bits(c.grad_norm_sum_bits.load(Ordering::Relaxed)) + norm;
+            c.grad_norm_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
+            c.last_grad_norm_bits
+                .store(norm.to_bits(), Ordering::Relaxed);
+            c.grad_norm_count.fetch_add(1, Ordering::Relaxed);
         });
     }
 

@@ -4,6 +4,7 @@
 //! ```text
 //!  every SAMPLE_PERIOD:  tick(queue) ──▶ depth histogram, drain span rings
 //!  every `every`:        └──▶ StatusLine ──▶ out (plain │ progress │ json) + RUN_DIR/status.jsonl
+//!                                      └──▶ the TensorBoard event file (`telemetry.tensorboard`)
 //!  at the end:           finish(queue) ──▶ RUN_DIR/summary.json, trace file ──▶ RunSummary
 //! ```
 
@@ -24,7 +25,9 @@ use super::summary::{
     DepthSample, DrafterSummary, LossSample, ProducerSummary, QueueSummary, RunSummary,
     STATUS_FILE, SUMMARY_FILE, SUMMARY_FORMAT, Thinned, write_summary,
 };
+use super::tensorboard::EventWriter;
 use super::trace::TraceBuffer;
+use draftpipe_compiler::plan::LrSchedule;
 
 /// How status lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +81,29 @@ pub struct ReporterConfig {
     pub source_status: Option<crate::source::SourceStatusProbe>,
     /// The acceptance check's column, when the pipeline has an `acceptance` section.
     pub acceptance_status: Option<AcceptanceProbe>,
+    /// Where the TensorBoard event file goes (`telemetry.tensorboard`); `None` writes none.
+    pub tensorboard_dir: Option<PathBuf>,
+    /// The optimizer's learning rate and schedule, for the status line's `learning_rate`.
+    pub learning_rate: Option<LearningRate>,
+}
+
+/// The learning rate the status line reports: the plan's `lr` and its schedule over the drafter's `steps`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LearningRate {
+    /// The configured rate.
+    pub lr: f64,
+    /// Its schedule.
+    pub schedule: LrSchedule,
+    /// The steps the schedule runs over (the drafter's `steps`, as the device is given them).
+    pub schedule_total: u64,
+}
+
+impl LearningRate {
+    /// The rate of the latest applied step after `step` applied steps (`None` before the first).
+    pub fn of_step(&self, step: u64) -> Option<f64> {
+        let applied_before = step.checked_sub(1)?;
+        Some(self.lr * self.schedule.factor(applied_before, self.schedule_total))
+    }
 }
 
 /// The acceptance check's status-line column, read by the telemetry thread at each line.
@@ -119,6 +145,8 @@ impl ReporterConfig {
             queue_min_ready,
             source_status: None,
             acceptance_status: None,
+            tensorboard_dir: None,
+            learning_rate: None,
         }
     }
 }
@@ -158,6 +186,7 @@ pub struct Reporter<W: Write> {
     telemetry: Arc<Telemetry>,
     out: W,
     status_log: Option<(PathBuf, BufWriter<File>)>,
+    events: Option<EventWriter>,
     previous: TelemetrySnapshot,
     last_report: Duration,
     queue: QueueSummary,
@@ -204,6 +233,11 @@ impl<W: Write> Reporter<W> {
             }
             None => None,
         };
+        let events = config
+            .tensorboard_dir
+            .as_deref()
+            .map(EventWriter::create)
+            .transpose()?;
         let trace = config.trace_path.as_ref().map(|_| {
             TraceBuffer::new(
                 telemetry.producer_count(),
@@ -223,6 +257,7 @@ impl<W: Write> Reporter<W> {
             telemetry,
             out,
             status_log,
+            events,
             last_report: Duration::ZERO,
             timeline: Thinned::new(MAX_SERIES_POINTS),
             loss_curve: Thinned::new(MAX_SERIES_POINTS),
@@ -288,6 +323,10 @@ impl<W: Write> Reporter<W> {
             StatusLine::between(&self.previous, &current, queue, self.config.total_steps)
                 .with_rate_window(window_start, &current);
         line.step += self.config.first_step;
+        line.learning_rate = self
+            .config
+            .learning_rate
+            .and_then(|rate| rate.of_step(line.step));
         line.source = self.config.source_status.as_ref().map(|probe| probe.read());
         line.acceptance = self
             .config
@@ -336,6 +375,16 @@ impl<W: Write> Reporter<W> {
             if !written && let Some((_, log)) = self.status_log.take() {
                 // Given up: what is still buffered is discarded, not flushed again on drop.
                 drop(log.into_parts());
+            }
+        }
+        if let Some(events) = &mut self.events {
+            let path = events.path().to_path_buf();
+            if !self
+                .telemetry
+                .files()
+                .write(&path, || events.write_line(&line))
+            {
+                self.events = None;
             }
         }
         self.last_report = current.elapsed;

@@ -109,6 +109,18 @@ pub struct StatusLine {
     /// when the interval had none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tau: Option<f64>,
+    /// `dflash`: per block slot `1..`, the mean accuracy of the interval's steps over every drafter (the latest
+    /// step's when the interval had none); empty for the other families.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slot_accuracy: Vec<f64>,
+    /// The learning rate the latest applied step used: the plan's `lr` times its schedule at this line's step
+    /// (the host's copy of the device's formula); `None` before the first step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learning_rate: Option<f64>,
+    /// Mean global gradient norm, before clipping, of the interval's applied steps over every drafter (the
+    /// latest when the interval had none); `None` before the first step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
     /// Steps skipped so far for non-finite values.
     pub skipped: u64,
     /// Seconds the drafters have waited for the first data, while nothing has arrived yet (the run is waiting
@@ -205,6 +217,35 @@ impl StatusLine {
         } else {
             current.drafters.iter().find_map(|d| d.last_tau)
         };
+        let (mut norm_sum, mut norm_count) = (0.0, 0u64);
+        let mut accuracy_sums: Vec<f64> = Vec::new();
+        for (i, now) in current.drafters.iter().enumerate() {
+            let before = previous.drafters.get(i).cloned().unwrap_or_default();
+            norm_sum += now.grad_norm_sum - before.grad_norm_sum;
+            norm_count += now.grad_norm_count.saturating_sub(before.grad_norm_count);
+            accuracy_sums.resize(accuracy_sums.len().max(now.slot_accuracy_sum.len()), 0.0);
+            for (slot, sum) in now.slot_accuracy_sum.iter().enumerate() {
+                accuracy_sums[slot] += sum - before.slot_accuracy_sum.get(slot).unwrap_or(&0.0);
+            }
+        }
+        let grad_norm = if norm_count > 0 {
+            Some(norm_sum / norm_count as f64)
+        } else {
+            current.drafters.iter().find_map(|d| d.last_grad_norm)
+        };
+        let slot_accuracy = if tau_count > 0 {
+            accuracy_sums
+                .iter()
+                .map(|sum| sum / tau_count as f64)
+                .collect()
+        } else {
+            current
+                .drafters
+                .iter()
+                .find(|d| !d.last_slot_accuracy.is_empty())
+                .map(|d| d.last_slot_accuracy.iter().map(|&a| f64::from(a)).collect())
+                .unwrap_or_default()
+        };
         let loss = if loss_count > 0 {
             Some(loss_sum / loss_count as f64)
         } else {
@@ -230,6 +271,9 @@ impl StatusLine {
             drafters,
             loss,
             tau,
+            slot_accuracy,
+            learning_rate: None,
+            grad_norm,
             skipped: current.skipped(),
             first_data_wait_s: current
                 .drafters

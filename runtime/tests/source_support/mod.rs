@@ -95,6 +95,7 @@ pub fn plan(
         telemetry: TelemetrySpec {
             every_ms: 1000,
             trace: None,
+            tensorboard: None,
         },
         acceptance: None,
     };
