@@ -85,6 +85,12 @@ pub const TAGS: &[Tag] = &[
         0,
         |l| l.drafters.iter().map(|d| Some(d.data_wait_pct)).collect(),
     ),
+    each(
+        "drafter_{i}/all_reduce_pct",
+        "drafters[{i}].all_reduce_pct",
+        0,
+        |l| l.drafters.iter().map(|d| Some(d.all_reduce_pct)).collect(),
+    ),
     each("drafter_{i}/gpu_pct", "drafters[{i}].gpu_pct", 0, |l| {
         l.drafters.iter().map(|d| d.gpu_pct).collect()
     }),
