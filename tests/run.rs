@@ -154,11 +154,16 @@ fn the_dflash_quickstart_run_lowers_its_loss_and_raises_tau() {
     assert!(summary["final_tau_simulated"].as_f64().unwrap() >= 1.0);
     // The exact figure beside it, on every status line and in the summary: within a block of 4, bonus counted.
     for line in [first, last] {
-        let exact = line["tau_exact"].as_f64().expect("status lines carry τ exact");
+        let exact = line["tau_exact"]
+            .as_f64()
+            .expect("status lines carry τ exact");
         assert!((1.0..=4.0).contains(&exact), "τ exact {exact}");
     }
     let final_exact = summary["final_tau_exact"].as_f64().unwrap();
-    assert!((1.0..=4.0).contains(&final_exact), "final τ exact {final_exact}");
+    assert!(
+        (1.0..=4.0).contains(&final_exact),
+        "final τ exact {final_exact}"
+    );
     // Chance is ln(512) = 6.24; the untrained drafter starts near 7.2–7.8 with τ ≈ 1.001. Measured three times
     // (2026-12-01, release, warmup 100 steps): after 600 steps final loss 5.28–5.30, the last status line's τ
     // 1.20–1.27. Stated margins: final loss at most 5.8 (below chance, 0.75 of the untrained start); τ at least
@@ -182,7 +187,10 @@ fn the_eagle3_quickstart_run_raises_tau() {
     let (_, summary) = run_shipped("eagle3-quickstart", EAGLE3_QUICKSTART_TEST_STEPS);
     let final_tau = summary["final_tau_simulated"].as_f64().unwrap();
     let final_exact = summary["final_tau_exact"].as_f64().unwrap();
-    assert!((1.0..=8.0).contains(&final_exact), "final τ exact {final_exact} (7 TTT steps, bonus counted)");
+    assert!(
+        (1.0..=8.0).contains(&final_exact),
+        "final τ exact {final_exact} (7 TTT steps, bonus counted)"
+    );
     // τ is SpecForge's simulated acceptance length over the 7 TTT steps. Measured (2026-12-02, dev profile,
     // two busy cores, one run): τ 1.005 at step 1, 1.20 at step 68, 1.31 at step 110 (loss 12.1 at step 1, 15.0
     // at step 5, 11.5 at step 110); this test's 100 steps: final τ 1.285, final loss 11.97. Stated margin: the

@@ -50,7 +50,12 @@ pub unsafe fn accepted_prefix_sum(
 
 /// The elements `accepted_prefix_sum` reads: one past the largest index, 0 without a block or a slot.
 #[inline(always)]
-pub const fn strided_len(blocks: usize, slots: usize, block_stride: usize, slot_stride: usize) -> usize {
+pub const fn strided_len(
+    blocks: usize,
+    slots: usize,
+    block_stride: usize,
+    slot_stride: usize,
+) -> usize {
     if blocks == 0 || slots == 0 {
         0
     } else {

@@ -84,10 +84,20 @@ fn dflash_blocks_count_the_prefix_before_the_first_miss() {
     let accepted = kernel(&drafted, block, 1, 1);
     let expected = brute_force(&drafted);
     assert_eq!(f64::from(accepted), expected);
-    assert_ne!(expected, every_hit(&drafted), "the mistake must change the count");
+    assert_ne!(
+        expected,
+        every_hit(&drafted),
+        "the mistake must change the count"
+    );
     assert_ne!(f64::from(accepted), every_hit(&drafted));
-    let (exact, sim) = (1.0 + expected / blocks as f64, 1.0 + simulated(&drafted) / blocks as f64);
-    assert!((exact - sim).abs() > 0.1, "correlated misses: exact {exact}, simulated {sim}");
+    let (exact, sim) = (
+        1.0 + expected / blocks as f64,
+        1.0 + simulated(&drafted) / blocks as f64,
+    );
+    assert!(
+        (exact - sim).abs() > 0.1,
+        "correlated misses: exact {exact}, simulated {sim}"
+    );
 }
 
 #[test]
@@ -99,8 +109,14 @@ fn eagle3_start_rows_count_their_unroll_before_the_first_miss() {
     let expected = brute_force(&unroll);
     assert_eq!(f64::from(accepted), expected);
     assert_ne!(f64::from(accepted), every_hit(&unroll));
-    let (exact, sim) = (1.0 + expected / rows as f64, 1.0 + simulated(&unroll) / rows as f64);
-    assert!((exact - sim).abs() > 0.1, "correlated misses: exact {exact}, simulated {sim}");
+    let (exact, sim) = (
+        1.0 + expected / rows as f64,
+        1.0 + simulated(&unroll) / rows as f64,
+    );
+    assert!(
+        (exact - sim).abs() > 0.1,
+        "correlated misses: exact {exact}, simulated {sim}"
+    );
 }
 
 #[test]

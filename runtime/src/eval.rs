@@ -265,7 +265,10 @@ impl ForwardOnly for CpuEvaluator {
                 .blocks
                 .as_ref()
                 .map_or(0, |b| b.accepted.round() as u64),
-            blocks: evaluation.blocks.as_ref().map_or(0, |b| u64::from(b.blocks)),
+            blocks: evaluation
+                .blocks
+                .as_ref()
+                .map_or(0, |b| u64::from(b.blocks)),
         })
     }
 }

@@ -843,4 +843,3 @@ fn store_taus(bits: &[AtomicU64; 2], tau: Taus) {
     bits[0].store(tau.exact.to_bits(), Ordering::Relaxed);
     bits[1].store(tau.simulated.to_bits(), Ordering::Relaxed);
 }
-

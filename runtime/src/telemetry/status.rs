@@ -357,7 +357,9 @@ impl fmt::Display for StatusLine {
             None => write!(f, " | loss -")?,
         }
         match (self.tau_exact, self.tau_simulated) {
-            (Some(exact), Some(simulated)) => write!(f, " τ {exact:.3} exact ({simulated:.3} simulated)")?,
+            (Some(exact), Some(simulated)) => {
+                write!(f, " τ {exact:.3} exact ({simulated:.3} simulated)")?
+            }
             (None, Some(simulated)) => write!(f, " τ {simulated:.3} simulated")?,
             (Some(exact), None) => write!(f, " τ {exact:.3} exact")?,
             (None, None) => {}
