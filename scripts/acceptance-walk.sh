@@ -4,7 +4,8 @@
 #   2. regenerate the responses of the training prompts with that target (python -m draftpipe_client.chat),
 #   3. stream the target's hidden states on those conversations (loss on the responses only) into
 #      `draftpipe run` with a DFlash drafter of block 8 (pipelines/dflash-tiny-target.pipe), saved with --save,
-#   4. run the draft-and-verify loop on held-out prompts (python -m draftpipe_client.speculative): real tau,
+#   4. run the draft-and-verify loop on held-out prompts (python -m draftpipe_client.speculative): real tau beside
+#      both teacher-forced ones (exact and simulated),
 #      acceptance per position, target forwards per token, equality with greedy decoding, and the
 #      teacher-forced tau with the train/serve gap; the run's own acceptance checks (the pipeline's `acceptance`
 #      section, every half of the steps) must give the stand-alone loop's tau on the same export.
@@ -119,7 +120,8 @@ tail -n 4 "$work/run.log"
 "$python" - "$work/run/summary.json" <<'PY'
 import json, sys
 summary = json.load(open(sys.argv[1]))
-print(f"training: {summary['steps']} steps, final tau {summary['final_tau']:.3f} (teacher-forced, last batches)")
+print(f"training: {summary['steps']} steps, final teacher-forced tau {summary['final_tau_exact']:.3f} exact "
+      f"({summary['final_tau_simulated']:.3f} simulated), last batches")
 PY
 
 stage "3b. the export as SGLang's and vLLM's loaders read it"
@@ -153,14 +155,24 @@ import json, sys
 summary, alone = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 record = summary["acceptance"]
 for row in record["measurements"]:
-    print(f"run's check at step {row['step']}: tau {row['tau']:.6f}, teacher-forced {row['teacher_forced_tau']:.6f}, "
+    print(f"run's check at step {row['step']}: real loop tau {row['tau']:.6f}, teacher-forced "
+          f"{row['teacher_forced_tau_exact']:.6f} exact, {row['teacher_forced_tau_simulated']:.6f} simulated, "
           f"{row['wall_s']:.1f} s")
 print(f"skipped (busy) {record['skipped_busy']}, failed {len(record['failures'])}")
 row = record["measurements"][-1]
-for key in ("tau", "teacher_forced_tau"):
+for key in ("tau", "teacher_forced_tau_exact", "teacher_forced_tau_simulated"):
     if abs(row[key] - alone[key]) > 1e-6:
         sys.exit(f"acceptance-walk: the run's {key} at step {row['step']} is {row[key]}, "
                  f"the stand-alone loop's on the same export {alone[key]}")
-print(f"the run's tau at step {row['step']} equals the stand-alone loop's ({alone['tau']:.6f})")
+print(f"the run's figures at step {row['step']} equal the stand-alone loop's ({alone['tau']:.6f})")
+# The three acceptance lengths of the same drafter on the same sequences: the real loop's, and the two
+# teacher-forced ones. Greedy verification accepts exactly the teacher-forced prefix when the drafter drafts from
+# the target's own tokens, so the real tau tracks the exact figure; the simulated one multiplies marginals.
+real, exact, simulated = alone["tau"], alone["teacher_forced_tau_exact"], alone["teacher_forced_tau_simulated"]
+print(f"tau: real loop {real:.3f}, teacher-forced exact {exact:.3f}, teacher-forced simulated {simulated:.3f}; "
+      f"real/exact {real / exact:.3f}, real/simulated {real / simulated:.3f}")
+for name, value in (("real", real), ("exact", exact), ("simulated", simulated)):
+    if not 1.0 <= value <= alone["block_size"]:
+        sys.exit(f"acceptance-walk: the {name} tau {value} is not in [1, {alone['block_size']}]")
 PY
 echo "acceptance-walk: done in $((SECONDS - started)) s; figures in $work/acceptance.json"

@@ -50,7 +50,9 @@ rows = [
     ("real tokens/s (`real_tokens` / `wall_s`)", f"{s['real_tokens'] / wall:,.0f}"),
     ("token slots/s, padding included (`token_slots` / `wall_s`)", f"{s['token_slots'] / wall:,.0f}"),
     ("final loss (`final_loss`, mean of the last steps)", f"{s['final_loss']:.2f}"),
-    ("final tau (`final_tau`)", f"{s['final_tau']:.2f}" if s.get("final_tau") is not None else "-"),
+    ("final tau exact (`final_tau_exact`)", f"{s['final_tau_exact']:.2f}" if s.get("final_tau_exact") is not None else "-"),
+    ("final tau simulated (`final_tau_simulated`)",
+     f"{s['final_tau_simulated']:.2f}" if s.get("final_tau_simulated") is not None else "-"),
     ("load average before (1, 5, 15 min)", f"{load_before} on {cores} cores"),
     ("load average after (1, 5, 15 min)", load_after),
 ]

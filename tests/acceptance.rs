@@ -40,7 +40,7 @@ case "${STANDIN_MODE:-ok}" in
     fail) echo "Traceback (most recent call last):" >&2; echo "SpeculativeError: stand-in failure at step $step" >&2; exit 1 ;;
     garbage) echo "{not json" > "$json" ;;
     *) milli=$((1500 + step)) gap=$((2500 - 5 * step))
-       printf '{"tau": %d.%03d, "teacher_forced_tau": 2.0, "gap": 0.%04d, "acceptance_by_position": [0.5, 0.25, 0.1], "target_forwards_per_token": 0.7, "prompts": 4, "generated_tokens": 96}\n' $((milli / 1000)) $((milli % 1000)) $gap > "$json" ;;
+       printf '{"tau": %d.%03d, "teacher_forced_tau_exact": 2.25, "teacher_forced_tau_simulated": 2.0, "gap": 0.%04d, "acceptance_by_position": [0.5, 0.25, 0.1], "target_forwards_per_token": 0.7, "prompts": 4, "generated_tokens": 96}\n' $((milli / 1000)) $((milli % 1000)) $gap > "$json" ;;
 esac
 "#;
 
@@ -125,7 +125,8 @@ fn checks_run_every_n_steps_on_the_export_and_show_in_the_status_line_and_the_su
         (last["tau"].as_f64().unwrap() - 1.540).abs() < 1e-12,
         "{last}"
     );
-    assert_eq!(last["teacher_forced_tau"], 2.0);
+    assert_eq!(last["teacher_forced_tau_simulated"], 2.0);
+    assert_eq!(last["teacher_forced_tau_exact"], 2.25);
     assert_eq!(last["acceptance_by_position"].as_array().unwrap().len(), 3);
     assert_eq!(
         (last["prompts"].as_u64(), last["generated_tokens"].as_u64()),

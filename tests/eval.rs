@@ -255,7 +255,11 @@ fn eval_reports_the_loss_training_computes_at_the_same_weights() {
             Some(*p)
         })
         .sum();
-    assert!((report["tau"].as_f64().unwrap() - 1.0 - chain).abs() < 1e-9);
+    assert!((report["tau_simulated"].as_f64().unwrap() - 1.0 - chain).abs() < 1e-9);
+    // The exact figure counts blocks' prefixes: with at least one counted block it lies in [1, block].
+    assert!(report["blocks"].as_u64().unwrap() > 0);
+    let exact = report["tau_exact"].as_f64().unwrap();
+    assert!((1.0..=4.0).contains(&exact), "τ exact {exact}");
 }
 
 #[test]

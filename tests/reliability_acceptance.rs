@@ -278,7 +278,7 @@ fn impossible_figures_fail_the_check_naming_the_field_and_the_value() {
         (
             "\"gap\": 0.25",
             "\"gap\": -4",
-            "`gap` is -4, but 1 − tau / teacher_forced_tau is 0.25",
+            "`gap` is -4, but 1 − tau / teacher_forced_tau_simulated is 0.25",
         ),
         (
             "\\[0.3, 0.2\\]",

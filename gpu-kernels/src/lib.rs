@@ -41,6 +41,7 @@
 //! | [`eagle3::shift_rows`], [`eagle3::shift_rows_half`], [`eagle3::concat_columns`], [`eagle3::split_columns`] | element range | chunk |
 //! | [`eagle3::shift_ids`], [`eagle3::step_positions`] | a thread per row | row |
 //! | [`eagle3::step_mask_counts`] | one plane | — |
+//! | [`acceptance::accepted_prefix_sum`] | one plane | — |
 //! | [`flash`] forward, backward dq, backward dk/dv (own table, `flash_kernel_table!`) | a block of warps per (DFlash block, kv head) or (64 keys, kv head) | block |
 //!
 //! Which body each backend runs for attention: the CPU backend its own vector lanes
@@ -67,6 +68,7 @@
 )]
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features, improper_ctypes))]
 
+pub mod acceptance;
 pub mod activation;
 pub mod adamw;
 pub mod attention;

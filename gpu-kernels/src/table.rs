@@ -577,6 +577,17 @@ macro_rules! kernel_table {
                 launch: elements(n),
                 body: |chunk_len, chunk| $crate::eagle3::split_columns(x, a, b, wa, wb, n, chunk_len, chunk),
             }
+            /// The accepted prefixes of `blocks` blocks of `slots` drafted slots summed (the first slot whose
+            /// `correct` is 0 ends a block's), the exact acceptance length's numerator.
+            accepted_prefix_sum {
+                reads: [correct: f32 = $crate::acceptance::strided_len(blocks, slots, block_stride, slot_stride)],
+                writes: [accepted: f32 = 1],
+                scalars: [blocks: usize, slots: usize, block_stride: usize, slot_stride: usize],
+                launch: plane(),
+                body: |plane| $crate::acceptance::accepted_prefix_sum(
+                    correct, accepted, blocks, slots, block_stride, slot_stride, plane
+                ),
+            }
             /// Rows each TTT step's accuracy is over: the loss mask shifted by the step, counted.
             step_mask_counts {
                 reads: [loss_mask: u8 = rows],

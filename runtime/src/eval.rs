@@ -68,6 +68,10 @@ pub struct BatchMetrics {
     pub slot_correct: Vec<u64>,
     /// Per block slot: predictions that had a label.
     pub slot_counted: Vec<u64>,
+    /// The blocks' accepted prefixes summed (the drafted slots right in a row, up to the first miss).
+    pub accepted: u64,
+    /// The blocks counted for the exact acceptance length (those with a label at their first drafted slot).
+    pub blocks: u64,
 }
 
 /// A model that can run the forward pass and the loss on a batch without touching its weights.
@@ -97,6 +101,8 @@ impl EvalTotals {
         self.tokens += batch.seq_lens.iter().map(|&l| u64::from(l)).sum::<u64>();
         self.sums.weighted_loss += metrics.weighted_loss;
         self.sums.weight += metrics.weight;
+        self.sums.accepted += metrics.accepted;
+        self.sums.blocks += metrics.blocks;
         for (total, part) in [
             (&mut self.sums.slot_correct, &metrics.slot_correct),
             (&mut self.sums.slot_counted, &metrics.slot_counted),
@@ -138,9 +144,16 @@ impl EvalTotals {
         sum
     }
 
-    /// `τ`: tokens per target forward, the acceptance length plus the target's own (bonus) token.
-    pub fn tau(&self) -> f64 {
+    /// `τ_simulated`: SpecForge's tokens per target forward, the simulated acceptance length plus the target's
+    /// own (bonus) token.
+    pub fn tau_simulated(&self) -> f64 {
         1.0 + self.acceptance_length()
+    }
+
+    /// `τ_exact`: the blocks' accepted prefixes over the whole set per counted block, plus the bonus token (1
+    /// when no block was counted).
+    pub fn tau_exact(&self) -> f64 {
+        crate::model::family::exact_tau(self.sums.accepted as f64, self.sums.blocks)
     }
 }
 
@@ -248,6 +261,14 @@ impl ForwardOnly for CpuEvaluator {
                 .iter()
                 .map(|&(_, labelled)| u64::from(labelled))
                 .collect(),
+            accepted: evaluation
+                .blocks
+                .as_ref()
+                .map_or(0, |b| b.accepted.round() as u64),
+            blocks: evaluation
+                .blocks
+                .as_ref()
+                .map_or(0, |b| u64::from(b.blocks)),
         })
     }
 }
@@ -309,7 +330,7 @@ mod tests {
         let t = totals(&[9, 5, 2, 4], &[9, 10, 4, 4]);
         assert_eq!(t.slot_accuracy(), vec![Some(0.5), Some(0.5), Some(1.0)]);
         assert!((t.acceptance_length() - 1.0).abs() < 1e-12);
-        assert!((t.tau() - 2.0).abs() < 1e-12);
+        assert!((t.tau_simulated() - 2.0).abs() < 1e-12);
     }
 
     #[test]
@@ -329,12 +350,17 @@ mod tests {
             weight: 2.0,
             slot_correct: vec![0, 1],
             slot_counted: vec![0, 2],
+            accepted: 1,
+            blocks: 2,
         };
         t.add(&batch, &metrics);
         t.add(&batch, &metrics);
         assert_eq!((t.batches, t.sequences, t.tokens), (2, 2, 6));
         assert_eq!(t.loss(), Some(1.5));
         assert_eq!(t.slot_accuracy(), vec![Some(0.5)]);
+        assert_eq!((t.sums.accepted, t.sums.blocks), (2, 4));
+        assert!((t.tau_exact() - 1.5).abs() < 1e-12);
         assert_eq!(EvalTotals::default().loss(), None);
+        assert_eq!(EvalTotals::default().tau_exact(), 1.0);
     }
 }

@@ -340,7 +340,7 @@ fn loss_and_tau_improve<D: TestDevice>(device: &D) {
     let losses: Vec<f32> = outcomes.iter().map(|o| o.loss).collect();
     let taus: Vec<f32> = outcomes
         .iter()
-        .map(|o| o.blocks.as_ref().expect("dflash metrics").tau)
+        .map(|o| o.blocks.as_ref().expect("dflash metrics").tau_simulated)
         .collect();
     let (loss_first, loss_last) = (mean(&losses[..5]), mean(&losses[55..]));
     let (tau_first, tau_last) = (mean(&taus[..5]), mean(&taus[55..]));

@@ -290,7 +290,7 @@ fn loss_falls_and_tau_rises<D: TestDevice>(device: &D) {
         let loss = o.iter().map(|o| f64::from(o.loss)).sum::<f64>() / o.len() as f64;
         let tau = o
             .iter()
-            .map(|o| f64::from(o.blocks.as_ref().expect("metrics").tau))
+            .map(|o| f64::from(o.blocks.as_ref().expect("metrics").tau_simulated))
             .sum::<f64>()
             / o.len() as f64;
         (loss, tau)

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use draftpipe_runtime::telemetry::{
     DrafterCounts, DrafterPhase, OutputMode, PhaseCount, QueueSnapshot, Reporter, ReporterConfig,
-    RunSummary, StatusLine, StepTokens, Telemetry, TelemetryError, TelemetrySnapshot, load_summary,
+    RunSummary, StatusLine, StepTokens, Taus, Telemetry, TelemetryError, TelemetrySnapshot,
+    load_summary,
 };
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -126,6 +127,47 @@ fn an_interval_without_losses_shows_the_latest_one() {
     let line = StatusLine::between(&snapshot, &snapshot, &queue(0, vec![0]), None);
     assert_eq!(line.loss, Some(2.5));
     assert_eq!(line.real_tokens_per_s, Some(0.0));
+}
+
+/// The interval's two acceptance lengths are the means of its steps' (each kind on its own), the human line
+/// names which is which, and a status line of an older build (its one `tau`, the simulated figure) reads back
+/// as `tau_simulated`.
+#[test]
+fn both_acceptance_lengths_are_named_and_old_lines_read_as_simulated() {
+    let before = TelemetrySnapshot {
+        elapsed: Duration::from_secs(1),
+        drafters: vec![drafter(0, 0, 1, 1, &[2.5])],
+        ..Default::default()
+    };
+    let mut now = before.clone();
+    now.elapsed = Duration::from_secs(2);
+    now.drafters[0].tau_sum = Taus {
+        exact: 2.0 + 3.0,
+        simulated: 1.5 + 2.0,
+    };
+    now.drafters[0].tau_count = 2;
+    let line = StatusLine::between(&before, &now, &queue(0, vec![0]), None);
+    assert_eq!(
+        (line.tau_exact, line.tau_simulated),
+        (Some(2.5), Some(1.75))
+    );
+    assert!(
+        line.to_string().contains("τ 2.500 exact (1.750 simulated)"),
+        "{line}"
+    );
+    let json = serde_json::to_value(&line).unwrap();
+    assert_eq!(
+        (json["tau_exact"].as_f64(), json["tau_simulated"].as_f64()),
+        (Some(2.5), Some(1.75))
+    );
+    let mut old = json.clone();
+    let object = old.as_object_mut().unwrap();
+    object.remove("tau_exact");
+    let simulated = object.remove("tau_simulated").unwrap();
+    object.insert("tau".into(), simulated);
+    let read: StatusLine = serde_json::from_value(old).unwrap();
+    assert_eq!((read.tau_exact, read.tau_simulated), (None, Some(1.75)));
+    assert!(read.to_string().contains("τ 1.750 simulated"), "{read}");
 }
 
 #[test]

@@ -136,9 +136,12 @@ fn text_report(args: &EvalArgs, totals: &EvalTotals, seconds: f64) -> String {
         out += &format!("{:>4}  {accuracy:>8}  {counted:>8}\n", k + 1);
     }
     out += &format!(
-        "acceptance length {:.3}, τ {:.3} (τ = 1 + Σ_k Π_{{j≤k}} acc_j)",
+        "τ {:.3} exact (each block's drafted prefix that matches its labels, plus the bonus token; {} blocks)\n\
+         τ {:.3} simulated (SpecForge's 1 + Σ_k Π_{{j≤k}} acc_j; acceptance length {:.3})",
+        totals.tau_exact(),
+        totals.sums.blocks,
+        totals.tau_simulated(),
         totals.acceptance_length(),
-        totals.tau()
     );
     out
 }
@@ -154,6 +157,8 @@ fn json_report(args: &EvalArgs, totals: &EvalTotals) -> serde_json::Value {
         "slot_accuracy": totals.slot_accuracy(),
         "slot_labelled": totals.sums.slot_counted.iter().skip(1).collect::<Vec<_>>(),
         "acceptance_length": totals.acceptance_length(),
-        "tau": totals.tau(),
+        "blocks": totals.sums.blocks,
+        "tau_exact": totals.tau_exact(),
+        "tau_simulated": totals.tau_simulated(),
     })
 }

@@ -137,9 +137,12 @@ fn report(
         let newest = record.measurements.last().map_or_else(
             || "no figures".to_owned(),
             |m| {
-                let forced = m
-                    .teacher_forced_tau
-                    .map_or(String::new(), |tf| format!(", teacher-forced {tf:.3}"));
+                let exact = m.teacher_forced_tau_exact.map_or(String::new(), |tf| {
+                    format!(", teacher-forced {tf:.3} exact")
+                });
+                let forced = m.teacher_forced_tau_simulated.map_or(exact.clone(), |tf| {
+                    format!("{exact}, teacher-forced {tf:.3} simulated")
+                });
                 format!("newest τ {:.3} at step {}{forced}", m.tau, m.step)
             },
         );

@@ -163,7 +163,20 @@ def test_context_features_are_the_hidden_states_the_producer_taps():
 def test_teacher_forced_tau_is_the_training_formula():
     report = Report(block=4, tf_correct=torch.tensor([8, 4, 1]), tf_counted=torch.tensor([10, 10, 8]))
     assert report.slot_accuracy() == [0.8, 0.4, 0.125]
-    assert report.teacher_forced_tau == pytest.approx(1 + 0.8 + 0.8 * 0.4 + 0.8 * 0.4 * 0.125)
+    assert report.teacher_forced_tau_simulated == pytest.approx(1 + 0.8 + 0.8 * 0.4 + 0.8 * 0.4 * 0.125)
+
+
+def test_teacher_forced_exact_tau_is_the_brute_force_prefix_count():
+    # Correlated misses: blocks right everywhere or wrong from slot 1, so the marginals multiply to less.
+    correct = torch.tensor([[True, True, True], [False, True, True], [True, True, True], [False, False, True]])
+    counted = torch.ones_like(correct)
+    report = Report(block=4, tf_correct=torch.zeros(3, dtype=torch.long), tf_counted=torch.zeros(3, dtype=torch.long))
+    report.add_teacher_forced(correct, counted)
+    brute = 1 + sum(next((k for k, c in enumerate(row) if not c), len(row)) for row in correct.tolist()) / 4
+    assert report.teacher_forced_tau_exact == pytest.approx(brute) == pytest.approx(2.5)
+    assert report.teacher_forced_tau_simulated != pytest.approx(report.teacher_forced_tau_exact)
+    # The mistake (every hit counted) would give 1 + 9/4.
+    assert report.teacher_forced_tau_exact != pytest.approx(1 + int(correct.sum()) / 4)
 
 
 def test_teacher_forced_scores_every_anchor_of_the_continuation(decoder):

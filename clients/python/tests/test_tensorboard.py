@@ -103,7 +103,7 @@ def test_every_tag_equals_status_jsonl(start_run, tmp_path):
     for tag, series in expected.items():
         assert found[tag] == series, tag
     # The figures the issue names are there on the quick start (a CPU dflash drafter, two buckets).
-    for tag in ["train/loss", "train/tau", "train/slot_accuracy/1", "train/slot_accuracy/3", "train/learning_rate",
+    for tag in ["train/loss", "train/tau_exact", "train/tau_simulated", "train/slot_accuracy/1", "train/slot_accuracy/3", "train/learning_rate",
                 "train/grad_norm", "throughput/real_tokens_per_s", "throughput/token_slots_per_s", "queue/depth",
                 "queue/bucket_0", "queue/bucket_1", "drafter_0/busy_pct", "drafter_0/data_wait_pct"]:
         assert tag in found, tag

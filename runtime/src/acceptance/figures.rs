@@ -27,8 +27,12 @@ const ROUNDING: f64 = 1e-6;
 #[derive(Deserialize)]
 pub(super) struct LoopFigures {
     pub(super) tau: f64,
+    /// The loop's own teacher-forced figures on the same sequences (an older client names the simulated one
+    /// `teacher_forced_tau`).
+    #[serde(default, alias = "teacher_forced_tau")]
+    pub(super) teacher_forced_tau_simulated: Option<f64>,
     #[serde(default)]
-    pub(super) teacher_forced_tau: Option<f64>,
+    pub(super) teacher_forced_tau_exact: Option<f64>,
     #[serde(default)]
     pub(super) gap: Option<f64>,
     pub(super) acceptance_by_position: Vec<f64>,
@@ -86,28 +90,36 @@ impl LoopFigures {
                 self.tau
             ));
         }
-        if let Some(teacher_forced) = self.teacher_forced_tau
+        if let Some(teacher_forced) = self.teacher_forced_tau_simulated
             && !(1.0..=block).contains(&teacher_forced)
         {
             return Err(format!(
-                "`teacher_forced_tau` is {teacher_forced}, not in [1, {block}] (1 + Σ_k Π_j≤k acc_j over \
+                "`teacher_forced_tau_simulated` is {teacher_forced}, not in [1, {block}] (1 + Σ_k Π_j≤k acc_j over \
                  {positions} drafted positions)"
             ));
         }
-        match (self.gap, self.teacher_forced_tau) {
+        if let Some(exact) = self.teacher_forced_tau_exact
+            && !(1.0..=block).contains(&exact)
+        {
+            return Err(format!(
+                "`teacher_forced_tau_exact` is {exact}, not in [1, {block}] (1 + the mean accepted prefix over \
+                 {positions} drafted positions)"
+            ));
+        }
+        match (self.gap, self.teacher_forced_tau_simulated) {
             (Some(gap), Some(teacher_forced)) => {
                 let expected = 1.0 - self.tau / teacher_forced;
                 let off = (gap - expected).abs();
                 if off.is_nan() || off > ROUNDING {
                     return Err(format!(
-                        "`gap` is {gap}, but 1 − tau / teacher_forced_tau is {expected} (tau {}, teacher-forced {})",
+                        "`gap` is {gap}, but 1 − tau / teacher_forced_tau_simulated is {expected} (tau {}, teacher-forced {})",
                         self.tau, teacher_forced
                     ));
                 }
             }
             (Some(gap), None) if !(gap < 1.0 && gap > -block) => {
                 return Err(format!(
-                    "`gap` is {gap}, not in (−{block}, 1) (1 − tau / teacher_forced_tau)"
+                    "`gap` is {gap}, not in (−{block}, 1) (1 − tau / teacher_forced_tau_simulated)"
                 ));
             }
             _ => {}
@@ -146,7 +158,8 @@ mod tests {
     fn figures(edit: impl FnOnce(&mut LoopFigures)) -> Result<(), String> {
         let mut figures = LoopFigures {
             tau: 1.75,
-            teacher_forced_tau: Some(2.0),
+            teacher_forced_tau_simulated: Some(2.0),
+            teacher_forced_tau_exact: Some(2.1),
             gap: Some(0.125),
             acceptance_by_position: vec![0.5, 0.25],
             target_forwards_per_token: Some(0.6),

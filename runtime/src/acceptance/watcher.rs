@@ -110,12 +110,13 @@ impl Watch {
                             "acceptance: step {}: τ {:.3}{} on {} prompts ({:.1} s)",
                             measurement.step,
                             measurement.tau,
-                            measurement
-                                .teacher_forced_tau
-                                .map_or(String::new(), |tf| format!(
-                                    ", teacher-forced {tf:.3}, gap {:.1}%",
+                            measurement.teacher_forced_tau_simulated.map_or(
+                                String::new(),
+                                |tf| format!(
+                                    ", teacher-forced {tf:.3} simulated, gap {:.1}%",
                                     100.0 * (1.0 - measurement.tau / tf)
-                                )),
+                                )
+                            ),
                             measurement.prompts,
                             measurement.wall_s
                         );
@@ -194,7 +195,8 @@ impl Watch {
         Ok(AcceptanceMeasurement {
             step: self.step,
             tau: figures.tau,
-            teacher_forced_tau: figures.teacher_forced_tau,
+            teacher_forced_tau_simulated: figures.teacher_forced_tau_simulated,
+            teacher_forced_tau_exact: figures.teacher_forced_tau_exact,
             gap: figures.gap,
             acceptance_by_position: figures.acceptance_by_position,
             target_forwards_per_token: figures.target_forwards_per_token,

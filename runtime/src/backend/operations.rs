@@ -688,6 +688,37 @@ macro_rules! kernel_operations {
             }
         }
 
+        /// `accepted[0]`: the accepted prefixes of `blocks` blocks summed, block `b`'s slot `k` at `correct[b ·
+        /// block_stride + k · slot_stride]` (the loss kernels' flags; the first 0 ends a block's prefix). The
+        /// exact acceptance length's numerator, left on the device with the step's other scalars.
+        fn accepted_prefix_sum(
+            &mut self,
+            correct: Src<'_, Self, f32>,
+            accepted: Dst<'_, Self, f32>,
+            (blocks, slots): (usize, usize),
+            (block_stride, slot_stride): (usize, usize),
+        ) -> BackendResult {
+            assert!(
+                accepted.len() == 1
+                    && correct.len()
+                        >= draftpipe_gpu_kernels::acceptance::strided_len(
+                            blocks,
+                            slots,
+                            block_stride,
+                            slot_stride
+                        ),
+                "accepted_prefix_sum: sizes"
+            );
+            self.launch(Kernel::accepted_prefix_sum {
+                correct: Self::read(correct),
+                accepted: Self::write(accepted),
+                blocks,
+                slots,
+                block_stride,
+                slot_stride,
+            })
+        }
+
         /// Attention with two key ranges per query (see [`attention`]): `out [Q, heads, head_dim]` and the
         /// log-sum-exp `lse [Q, heads]` the backward reads (−∞ for a query without keys, whose output is 0). The
         /// CPU has its own body (`HOST_BODIES`).

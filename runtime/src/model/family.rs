@@ -204,9 +204,9 @@ pub trait Family<B: Backend>: Send + Any {
     }
 
     /// The position metrics of a step from its read-back values after the first three (`extra`: the correct
-    /// rows per position) and the labelled rows [`Family::stage`] returned.
+    /// rows per position, then the accepted prefixes summed) and the labelled rows [`Family::stage`] returned.
     fn metrics(&self, extra: &[f32], labelled: &[u32]) -> BlockMetrics {
-        BlockMetrics::new(extra, labelled)
+        BlockMetrics::new(extra, labelled, extra[labelled.len()])
     }
 
     /// The precision the input slots hold hidden states in.
@@ -224,38 +224,63 @@ pub trait Family<B: Backend>: Send + Any {
     }
 }
 
-/// A step's position metrics: SpecForge's per-position accuracy (dflash: per block slot) and simulated
-/// acceptance length.
+/// A step's position metrics: SpecForge's per-position accuracy (dflash: per block slot), the simulated
+/// acceptance length over those accuracies, and the exact one over the blocks' accepted prefixes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockMetrics {
     /// Accuracy of positions `1..` (argmax = label over the position's labelled rows; 0 for a position without
     /// one).
     pub slot_accuracy: Vec<f32>,
-    /// `τ = 1 + Σ_k Π_{j≤k} acc_j`: the simulated acceptance length with the bonus token counted.
-    pub tau: f32,
+    /// `τ_simulated = 1 + Σ_k Π_{j≤k} acc_j`: SpecForge's simulated acceptance length over the marginal
+    /// accuracies, bonus token counted. It multiplies marginals, so misses that fall on the same blocks (the
+    /// usual case) make it differ from [`Self::tau_exact`].
+    pub tau_simulated: f32,
+    /// `τ_exact = 1 + accepted / blocks`: the mean over the counted blocks of the drafted prefix that matches
+    /// the labels (the first miss or the first slot without a label ends it), plus the bonus token; 1 without a
+    /// counted block.
+    pub tau_exact: f32,
+    /// The accepted prefixes summed over the blocks (the device's `accepted_prefix_sum`).
+    pub accepted: f32,
+    /// The blocks counted: those whose first drafted position has a label (SpecForge's `valid_blocks`).
+    pub blocks: u32,
 }
 
 impl BlockMetrics {
-    /// The metrics from the correct rows of every position (position 0 included, never labelled) and the
-    /// labelled rows of every position.
-    pub fn new(correct: &[f32], labelled: &[u32]) -> Self {
+    /// The metrics from the correct rows of every position (position 0 included, never labelled), the labelled
+    /// rows of every position and the accepted prefixes summed over the blocks. The blocks counted are the
+    /// labelled rows of position 1: a block's prefix starts there, and a block without that label has none.
+    pub fn new(correct: &[f32], labelled: &[u32], accepted: f32) -> Self {
         let slot_accuracy: Vec<f32> = correct
             .iter()
             .zip(labelled)
             .skip(1)
             .map(|(&c, &n)| if n == 0 { 0.0 } else { c / n as f32 })
             .collect();
-        let accepted: f32 = slot_accuracy
+        let chained: f32 = slot_accuracy
             .iter()
             .scan(1.0f32, |chain, &acc| {
                 *chain *= acc;
                 Some(*chain)
             })
             .sum();
+        let blocks = labelled.get(1).copied().unwrap_or(0);
         Self {
             slot_accuracy,
-            tau: 1.0 + accepted,
+            tau_simulated: 1.0 + chained,
+            tau_exact: exact_tau(f64::from(accepted), u64::from(blocks)) as f32,
+            accepted,
+            blocks,
         }
+    }
+}
+
+/// `1 + accepted / blocks`, 1 without a block: the exact acceptance length from its two sums (one step's, or
+/// `draftpipe eval`'s over many batches).
+pub fn exact_tau(accepted: f64, blocks: u64) -> f64 {
+    if blocks == 0 {
+        1.0
+    } else {
+        1.0 + accepted / blocks as f64
     }
 }
 
@@ -267,12 +292,23 @@ mod tests {
     /// without labels counts as never accepted (the chain stops there).
     #[test]
     fn tau_is_one_plus_the_sum_of_accuracy_prefix_products() {
-        let metrics = BlockMetrics::new(&[0.0, 8.0, 4.0, 3.0], &[0, 10, 8, 6]);
+        let metrics = BlockMetrics::new(&[0.0, 8.0, 4.0, 3.0], &[0, 10, 8, 6], 12.0);
         assert_eq!(metrics.slot_accuracy, [0.8, 0.5, 0.5]);
         let expected = 1.0 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5;
-        assert!((metrics.tau - expected).abs() < 1e-6);
-        let unlabelled = BlockMetrics::new(&[0.0, 5.0, 0.0, 2.0], &[0, 5, 0, 2]);
+        assert!((metrics.tau_simulated - expected).abs() < 1e-6);
+        let unlabelled = BlockMetrics::new(&[0.0, 5.0, 0.0, 2.0], &[0, 5, 0, 2], 5.0);
         assert_eq!(unlabelled.slot_accuracy, [1.0, 0.0, 1.0]);
-        assert!((unlabelled.tau - 2.0).abs() < 1e-6);
+        assert!((unlabelled.tau_simulated - 2.0).abs() < 1e-6);
+    }
+
+    /// The exact figure divides the accepted prefixes by the blocks labelled at position 1 and adds the bonus
+    /// token; no counted block gives 1 (nothing accepted), never a division by zero.
+    #[test]
+    fn exact_tau_is_one_plus_the_accepted_prefixes_per_counted_block() {
+        let metrics = BlockMetrics::new(&[0.0, 8.0, 4.0, 3.0], &[0, 10, 8, 6], 12.0);
+        assert_eq!(metrics.blocks, 10);
+        assert!((metrics.tau_exact - 2.2).abs() < 1e-6);
+        let none = BlockMetrics::new(&[0.0, 0.0], &[0, 0], 0.0);
+        assert_eq!((none.blocks, none.tau_exact), (0, 1.0));
     }
 }

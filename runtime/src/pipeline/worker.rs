@@ -41,7 +41,7 @@ use crate::backend::Backend;
 use crate::checkpoint::write_export;
 use crate::drafter::{Drafter, DrafterError, StepOutcome};
 use crate::params::FlatState;
-use crate::telemetry::{DrafterPhase, DrafterRecorder, StepTokens};
+use crate::telemetry::{DrafterPhase, DrafterRecorder, StepTokens, Taus};
 
 use super::error::RunError;
 use super::options::{RunOptions, StopReason};
@@ -419,7 +419,13 @@ impl<'a, B: Backend> Worker<'a, B> {
             }
         } else {
             if let Some(blocks) = &outcome.blocks {
-                recorder.block_metrics(f64::from(blocks.tau), &blocks.slot_accuracy);
+                recorder.block_metrics(
+                    Taus {
+                        exact: f64::from(blocks.tau_exact),
+                        simulated: f64::from(blocks.tau_simulated),
+                    },
+                    &blocks.slot_accuracy,
+                );
             }
             recorder.grad_norm(f64::from(outcome.grad_norm));
             recorder.step_done(tokens, f64::from(outcome.loss));

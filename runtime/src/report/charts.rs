@@ -13,7 +13,7 @@ use plotters::coord::ranged1d::{IntoSegmentedCoord, SegmentValue};
 use plotters::prelude::*;
 
 use super::ReportError;
-use super::run_files::{RunRecord, teacher_forced_tau};
+use super::run_files::{RunRecord, simulated_tau, teacher_forced_tau};
 use crate::figures::amount;
 use crate::telemetry::{Diagnosis, StatusLine};
 
@@ -265,13 +265,20 @@ fn acceptance_taus(run: &RunRecord) -> Vec<(f64, f64)> {
 pub fn loss_and_tau(run: &RunRecord) -> Result<Chart, ReportError> {
     let loss = points(&run.status, by_step, |l| l.loss);
     let tau = points(&run.status, by_step, teacher_forced_tau);
+    let simulated = points(&run.status, by_step, simulated_tau);
     let accepted = acceptance_taus(run);
-    let has_tau = !tau.is_empty() || !accepted.is_empty();
+    let has_tau = !tau.is_empty() || !simulated.is_empty() || !accepted.is_empty();
     let mut all = vec![series("loss", 0, loss)];
     if !tau.is_empty() {
         all.push(Series {
             secondary: true,
-            ..series("τ teacher-forced (right axis)", 1, tau)
+            ..series("τ exact, teacher-forced (right axis)", 1, tau)
+        });
+    }
+    if !simulated.is_empty() {
+        all.push(Series {
+            secondary: true,
+            ..series("τ simulated from slot accuracies (right axis)", 3, simulated)
         });
     }
     if !accepted.is_empty() {

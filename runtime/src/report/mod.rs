@@ -22,7 +22,7 @@ use crate::telemetry::{STATUS_FILE, SUMMARY_FILE};
 
 pub use charts::{CHART_HEIGHT, CHART_WIDTH, Chart, all_charts};
 pub use page::{ChartRegion, LAYOUT_MARKER, Layout, render};
-pub use run_files::{RunRecord, RunState, parse_status_lines, teacher_forced_tau};
+pub use run_files::{RunRecord, RunState, parse_status_lines, simulated_tau, teacher_forced_tau};
 
 /// The report's file name inside the run directory when no `--out` is given.
 pub const REPORT_FILE: &str = "report.html";

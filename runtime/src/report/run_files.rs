@@ -42,10 +42,15 @@ pub struct RunRecord {
     pub state: RunState,
 }
 
-/// The teacher-forced τ a status line carries: the one place the report reads it, so a rename of the field
-/// changes one line.
+/// The exact teacher-forced τ a status line carries (each block's drafted prefix matching its labels, plus the
+/// bonus token); lines of builds before it have none.
 pub fn teacher_forced_tau(line: &StatusLine) -> Option<f64> {
-    line.tau
+    line.tau_exact
+}
+
+/// SpecForge's simulated τ over per-slot accuracies (`tau` in older status files), drawn beside the exact one.
+pub fn simulated_tau(line: &StatusLine) -> Option<f64> {
+    line.tau_simulated
 }
 
 impl RunRecord {

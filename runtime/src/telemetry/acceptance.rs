@@ -18,9 +18,17 @@ pub struct AcceptanceMeasurement {
     pub step: u64,
     /// Mean accepted length per verifying target forward, the bonus token counted (the real τ).
     pub tau: f64,
-    /// The teacher-forced τ of the same drafter on the same sequences, when the command reports it.
+    /// SpecForge's simulated teacher-forced τ of the same drafter on the same sequences, when the command
+    /// reports it (`teacher_forced_tau` in summaries written before the exact figure existed).
+    #[serde(
+        default,
+        alias = "teacher_forced_tau",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub teacher_forced_tau_simulated: Option<f64>,
+    /// The exact teacher-forced τ (each block's drafted prefix matching its labels, plus the bonus token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub teacher_forced_tau: Option<f64>,
+    pub teacher_forced_tau_exact: Option<f64>,
     /// `1 − τ / teacher-forced τ`: the train/serve gap, when the command reports it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gap: Option<f64>,
@@ -70,9 +78,16 @@ pub struct AcceptanceStatus {
     /// The step of that measurement.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
-    /// The newest measurement's teacher-forced τ.
+    /// The newest measurement's simulated teacher-forced τ.
+    #[serde(
+        default,
+        alias = "teacher_forced_tau",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub teacher_forced_tau_simulated: Option<f64>,
+    /// The newest measurement's exact teacher-forced τ.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub teacher_forced_tau: Option<f64>,
+    pub teacher_forced_tau_exact: Option<f64>,
     /// The step whose check is running now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub running: Option<u64>,
@@ -108,7 +123,8 @@ impl AcceptanceSummary {
         AcceptanceStatus {
             tau: latest.map(|m| m.tau),
             step: latest.map(|m| m.step),
-            teacher_forced_tau: latest.and_then(|m| m.teacher_forced_tau),
+            teacher_forced_tau_simulated: latest.and_then(|m| m.teacher_forced_tau_simulated),
+            teacher_forced_tau_exact: latest.and_then(|m| m.teacher_forced_tau_exact),
             running,
             skipped: self.skipped_busy.len() as u64,
             failed: self.failures.len() as u64,

@@ -7,6 +7,49 @@ use std::time::Duration;
 use super::phase::{DrafterPhase, ProducerPhase};
 use crate::batch::HsBatch;
 
+/// A step's two teacher-forced acceptance lengths (or a sum of them over steps), the bonus token counted:
+/// `exact`, the mean over its blocks of the drafted prefix that matches the labels, and `simulated`,
+/// SpecForge's `1 + Σ_k Π_{j≤k} acc_j` over the per-slot marginal accuracies (`model::BlockMetrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Taus {
+    /// The exact acceptance length.
+    pub exact: f64,
+    /// SpecForge's simulated acceptance length.
+    pub simulated: f64,
+}
+
+impl Taus {
+    /// Both figures divided by `n` (the mean of `n` steps' sum).
+    pub fn per(self, n: u64) -> Self {
+        Self {
+            exact: self.exact / n as f64,
+            simulated: self.simulated / n as f64,
+        }
+    }
+}
+
+impl std::ops::Add for Taus {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
+        Self {
+            exact: self.exact + other.exact,
+            simulated: self.simulated + other.simulated,
+        }
+    }
+}
+
+impl std::ops::Sub for Taus {
+    type Output = Self;
+
+    fn sub(self, other: Self) -> Self {
+        Self {
+            exact: self.exact - other.exact,
+            simulated: self.simulated - other.simulated,
+        }
+    }
+}
+
 /// What one step trained on, counted three ways: the batch's token slots (`sequences × padded_len`, padding
 /// included: what a step costs), its real tokens (positions within the sequences' lengths: what `eval` counts)
 /// and the real tokens whose loss mask is set (the positions a loss is computed at).
@@ -80,12 +123,12 @@ pub struct DrafterCounts {
     pub loss_count: u64,
     /// The latest finite loss.
     pub last_loss: Option<f64>,
-    /// `dflash`: sum of the steps' finite τ (simulated acceptance length, bonus token counted).
-    pub tau_sum: f64,
-    /// Number of τ in `tau_sum`.
+    /// `dflash`, `eagle3`: sum of the steps' finite τ, both kinds (bonus token counted).
+    pub tau_sum: Taus,
+    /// Number of steps in `tau_sum`.
     pub tau_count: u64,
-    /// The latest τ.
-    pub last_tau: Option<f64>,
+    /// The latest step's τ.
+    pub last_tau: Option<Taus>,
     /// The latest step's accuracy of block slots `1..` (`dflash`; empty otherwise).
     pub last_slot_accuracy: Vec<f32>,
     /// `dflash`: per block slot `1..`, the sum of the accuracies of the steps counted in `tau_count`.
@@ -99,7 +142,7 @@ pub struct DrafterCounts {
     /// The finite losses of the last steps (up to [`FINAL_STEPS`](super::FINAL_STEPS), in no particular order).
     pub recent_losses: Vec<f64>,
     /// `dflash`: the τ of the last steps (up to [`FINAL_STEPS`](super::FINAL_STEPS)).
-    pub recent_taus: Vec<f64>,
+    pub recent_taus: Vec<Taus>,
     /// `dflash`: per block slot `1..`, the accuracy averaged over the steps of `recent_taus`.
     pub recent_slot_accuracy: Vec<f32>,
     /// The part of a step still under way at the snapshot (inside the step, not yet recorded).

@@ -302,9 +302,12 @@ pub struct Diagnosis {
     pub wall_s: f64,
     /// The mean finite loss of the last `final_steps` steps.
     pub final_loss: Option<f64>,
-    /// `dflash`: the mean τ of the same steps.
+    /// `dflash`, `eagle3`: the mean exact acceptance length of the same steps.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub final_tau: Option<f64>,
+    pub final_tau_exact: Option<f64>,
+    /// The mean of SpecForge's simulated acceptance length over the same steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_tau_simulated: Option<f64>,
     /// `dflash`: the mean accuracy of block slots `1..` over the same steps.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub final_slot_accuracy: Vec<f32>,
@@ -499,7 +502,8 @@ impl Diagnosis {
             loss_tokens: summary.loss_tokens,
             wall_s: summary.wall_s,
             final_loss: summary.final_loss,
-            final_tau: summary.final_tau,
+            final_tau_exact: summary.final_tau_exact,
+            final_tau_simulated: summary.final_tau_simulated,
             final_slot_accuracy: summary.final_slot_accuracy.clone(),
             final_steps: summary.final_steps,
         }
@@ -660,15 +664,19 @@ impl fmt::Display for Diagnosis {
         if let Some(loss) = self.final_loss {
             write!(f, ", final loss {loss:.4} (mean of the {over})")?;
         }
-        if let Some(tau) = self.final_tau {
+        if let Some(simulated) = self.final_tau_simulated {
             let slots: Vec<String> = self
                 .final_slot_accuracy
                 .iter()
                 .map(|acc| format!("{acc:.2}"))
                 .collect();
+            // A summary of an older build has the simulated figure only.
+            let exact = self
+                .final_tau_exact
+                .map_or_else(String::new, |exact| format!("{exact:.3} exact, "));
             write!(
                 f,
-                ", τ {tau:.3} (slot accuracy {}; same steps)",
+                ", τ {exact}{simulated:.3} simulated (slot accuracy {}; same steps)",
                 slots.join(" ")
             )?;
         }

@@ -39,7 +39,7 @@ pub use acceptance::{
     AcceptanceFailure, AcceptanceMeasurement, AcceptanceStatus, AcceptanceSummary,
 };
 pub use counts::{
-    BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, StepTokens, TelemetrySnapshot,
+    BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, StepTokens, Taus, TelemetrySnapshot,
 };
 pub use diagnosis::{
     Bottleneck, Diagnosis, DrafterBreakdown, HOST_GAP_BUSY_BELOW, HOST_GAP_IDLE_ABOVE,

@@ -32,7 +32,7 @@ use crossbeam_utils::CachePadded;
 
 use super::TelemetryError;
 use super::counts::{
-    BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, StepTokens, TelemetrySnapshot,
+    BucketSteps, DrafterCounts, PhaseCount, ProducerCounts, StepTokens, Taus, TelemetrySnapshot,
 };
 use super::phase::{DrafterPhase, ProducerPhase};
 
@@ -107,10 +107,11 @@ struct DrafterCounters {
     loss_sum_bits: AtomicU64,
     loss_count: AtomicU64,
     last_loss_bits: AtomicU64,
-    /// `dflash`: sum and count of the steps' τ, the latest τ, and the latest per-slot accuracies (f32 bits).
-    tau_sum_bits: AtomicU64,
+    /// `dflash`, `eagle3`: sum and count of the steps' τ (`[exact, simulated]`, f64 bits), the latest τ, and
+    /// the latest per-slot accuracies (f32 bits).
+    tau_sum_bits: [AtomicU64; 2],
     tau_count: AtomicU64,
-    last_tau_bits: AtomicU64,
+    last_tau_bits: [AtomicU64; 2],
     slot_accuracy_bits: [AtomicU32; MAX_SLOT_METRICS],
     slot_metrics: AtomicU32,
     /// `dflash`: per block slot, the sum of the accuracies of the steps counted in `tau_count` (f64 bits).
@@ -122,7 +123,7 @@ struct DrafterCounters {
     /// The last [`FINAL_STEPS`] finite losses and τ (f64 bits) and slot accuracies (f32 bits), each a ring
     /// indexed by its count modulo [`FINAL_STEPS`].
     recent_loss_bits: [AtomicU64; FINAL_STEPS],
-    recent_tau_bits: [AtomicU64; FINAL_STEPS],
+    recent_tau_bits: [[AtomicU64; 2]; FINAL_STEPS],
     recent_slot_accuracy_bits: [[AtomicU32; MAX_SLOT_METRICS]; FINAL_STEPS],
     /// The drafter's first data wait (ns + 1; 0 until it ends): waiting for the first producer, kept out of the
     /// first step's window and of the warm-up.
@@ -430,10 +431,10 @@ impl Telemetry {
                         loss_sum: f64::from_bits(c.loss_sum_bits.load(Ordering::Relaxed)),
                         loss_count: c.loss_count.load(Ordering::Relaxed),
                         last_loss: (c.loss_count.load(Ordering::Relaxed) > 0).then_some(last),
-                        tau_sum: f64::from_bits(c.tau_sum_bits.load(Ordering::Relaxed)),
+                        tau_sum: load_taus(&c.tau_sum_bits),
                         tau_count: c.tau_count.load(Ordering::Relaxed),
                         last_tau: (c.tau_count.load(Ordering::Relaxed) > 0)
-                            .then(|| f64::from_bits(c.last_tau_bits.load(Ordering::Relaxed))),
+                            .then(|| load_taus(&c.last_tau_bits)),
                         slot_accuracy_sum: c.slot_accuracy_sum_bits[..slot_metrics]
                             .iter()
                             .map(|bits| f64::from_bits(bits.load(Ordering::Relaxed)))
@@ -452,7 +453,7 @@ impl Telemetry {
                             .collect(),
                         recent_taus: c.recent_tau_bits[..recent_taus]
                             .iter()
-                            .map(|bits| f64::from_bits(bits.load(Ordering::Relaxed)))
+                            .map(load_taus)
                             .collect(),
                         recent_slot_accuracy: (0..slot_metrics)
                             .map(|s| {
@@ -702,19 +703,18 @@ impl DrafterRecorder {
         });
     }
 
-    /// Records a `dflash` step's block metrics (before its [`Self::step_done`]): its τ and the accuracy of
-    /// its slots `1..block` (the first [`MAX_SLOT_METRICS`] of them).
-    pub fn block_metrics(&self, tau: f64, slot_accuracy: &[f32]) {
+    /// Records a `dflash` or `eagle3` step's block metrics (before its [`Self::step_done`]): its two τ and the
+    /// accuracy of its slots `1..block` (the first [`MAX_SLOT_METRICS`] of them).
+    pub fn block_metrics(&self, tau: Taus, slot_accuracy: &[f32]) {
         let slot = self.slot();
         slot.write(|| {
             let c = &slot.counters;
             let kept = slot_accuracy.len().min(MAX_SLOT_METRICS);
-            if tau.is_finite() {
-                let sum = f64::from_bits(c.tau_sum_bits.load(Ordering::Relaxed)) + tau;
-                c.tau_sum_bits.store(sum.to_bits(), Ordering::Relaxed);
-                c.last_tau_bits.store(tau.to_bits(), Ordering::Relaxed);
+            if tau.exact.is_finite() && tau.simulated.is_finite() {
+                store_taus(&c.tau_sum_bits, load_taus(&c.tau_sum_bits) + tau);
+                store_taus(&c.last_tau_bits, tau);
                 let count = c.tau_count.fetch_add(1, Ordering::Relaxed) as usize;
-                c.recent_tau_bits[count % FINAL_STEPS].store(tau.to_bits(), Ordering::Relaxed);
+                store_taus(&c.recent_tau_bits[count % FINAL_STEPS], tau);
                 let recent = &c.recent_slot_accuracy_bits[count % FINAL_STEPS];
                 for (bits, acc) in recent.iter().zip(&slot_accuracy[..kept]) {
                     bits.store(acc.to_bits(), Ordering::Relaxed);
@@ -865,4 +865,17 @@ impl Drop for ProducerRecorder {
     fn drop(&mut self) {
         self.slot().claimed.store(false, Ordering::Release);
     }
+}
+
+/// The `[exact, simulated]` f64 bits of a τ pair.
+fn load_taus(bits: &[AtomicU64; 2]) -> Taus {
+    Taus {
+        exact: f64::from_bits(bits[0].load(Ordering::Relaxed)),
+        simulated: f64::from_bits(bits[1].load(Ordering::Relaxed)),
+    }
+}
+
+fn store_taus(bits: &[AtomicU64; 2], tau: Taus) {
+    bits[0].store(tau.exact.to_bits(), Ordering::Relaxed);
+    bits[1].store(tau.simulated.to_bits(), Ordering::Relaxed);
 }

@@ -462,12 +462,19 @@ impl<W: Write> Reporter<W> {
                     .flat_map(|d| &d.recent_losses)
                     .copied(),
             ),
-            final_tau: mean(
+            final_tau_exact: mean(
                 snapshot
                     .drafters
                     .iter()
                     .flat_map(|d| &d.recent_taus)
-                    .copied(),
+                    .map(|t| t.exact),
+            ),
+            final_tau_simulated: mean(
+                snapshot
+                    .drafters
+                    .iter()
+                    .flat_map(|d| &d.recent_taus)
+                    .map(|t| t.simulated),
             ),
             final_slot_accuracy: final_slot_accuracy(snapshot),
             final_steps: snapshot

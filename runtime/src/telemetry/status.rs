@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::counts::{DrafterCounts, TelemetrySnapshot};
+use super::counts::{DrafterCounts, Taus, TelemetrySnapshot};
 use super::phase::DrafterPhase;
 
 /// The queue's statistics as telemetry reads them (the lead maps the queue's own stats type to this, which
@@ -105,10 +105,14 @@ pub struct StatusLine {
     pub drafters: Vec<DrafterStatus>,
     /// Mean of the finite losses reported in the interval (the latest known loss when the interval had none).
     pub loss: Option<f64>,
-    /// `dflash`: mean τ (simulated acceptance length with the bonus token) of the interval's steps (the latest
-    /// when the interval had none).
+    /// `dflash`, `eagle3`: mean over the interval's steps of the exact acceptance length (each block's drafted
+    /// prefix matching its labels, plus the bonus token; the latest when the interval had none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tau: Option<f64>,
+    pub tau_exact: Option<f64>,
+    /// The same mean of SpecForge's simulated acceptance length `1 + Σ_k Π_{j≤k} acc_j`; status files written
+    /// before the exact figure existed call it `tau`.
+    #[serde(default, alias = "tau", skip_serializing_if = "Option::is_none")]
+    pub tau_simulated: Option<f64>,
     /// `dflash`: per block slot `1..`, the mean accuracy of the interval's steps over every drafter (the latest
     /// step's when the interval had none); empty for the other families.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -206,14 +210,14 @@ impl StatusLine {
             loss_sum += now.loss_sum - before.loss_sum;
             loss_count += now.loss_count.saturating_sub(before.loss_count);
         }
-        let (mut tau_sum, mut tau_count) = (0.0, 0u64);
+        let (mut tau_sum, mut tau_count) = (Taus::default(), 0u64);
         for (i, now) in current.drafters.iter().enumerate() {
             let before = previous.drafters.get(i).cloned().unwrap_or_default();
-            tau_sum += now.tau_sum - before.tau_sum;
+            tau_sum = tau_sum + (now.tau_sum - before.tau_sum);
             tau_count += now.tau_count.saturating_sub(before.tau_count);
         }
         let tau = if tau_count > 0 {
-            Some(tau_sum / tau_count as f64)
+            Some(tau_sum.per(tau_count))
         } else {
             current.drafters.iter().find_map(|d| d.last_tau)
         };
@@ -270,7 +274,8 @@ impl StatusLine {
             q_hsb: queue.per_bucket.clone(),
             drafters,
             loss,
-            tau,
+            tau_exact: tau.map(|t| t.exact),
+            tau_simulated: tau.map(|t| t.simulated),
             slot_accuracy,
             learning_rate: None,
             grad_norm,
@@ -405,8 +410,13 @@ impl fmt::Display for StatusLine {
             Some(loss) => write!(f, " | loss {loss:.4}")?,
             None => write!(f, " | loss -")?,
         }
-        if let Some(tau) = self.tau {
-            write!(f, " τ {tau:.3}")?;
+        match (self.tau_exact, self.tau_simulated) {
+            (Some(exact), Some(simulated)) => {
+                write!(f, " τ {exact:.3} exact ({simulated:.3} simulated)")?
+            }
+            (None, Some(simulated)) => write!(f, " τ {simulated:.3} simulated")?,
+            (Some(exact), None) => write!(f, " τ {exact:.3} exact")?,
+            (None, None) => {}
         }
         if let Some(acceptance) = &self.acceptance {
             write!(f, " | {acceptance}")?;

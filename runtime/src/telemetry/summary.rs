@@ -390,9 +390,14 @@ pub struct RunSummary {
     pub skipped_nonfinite: u64,
     /// The mean finite loss of the last `final_steps` steps of every drafter.
     pub final_loss: Option<f64>,
-    /// `dflash`: the mean τ (simulated acceptance length, bonus token counted) of the same steps.
+    /// `dflash`, `eagle3`: the mean exact acceptance length (each block's drafted prefix matching its labels,
+    /// bonus token counted) of the same steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub final_tau: Option<f64>,
+    pub final_tau_exact: Option<f64>,
+    /// The mean of SpecForge's simulated acceptance length `1 + Σ_k Π_{j≤k} acc_j` of the same steps
+    /// (`final_tau` in summaries written before the exact figure existed).
+    #[serde(default, alias = "final_tau", skip_serializing_if = "Option::is_none")]
+    pub final_tau_simulated: Option<f64>,
     /// `dflash`: the mean accuracy of block slots `1..` over the same steps.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub final_slot_accuracy: Vec<f32>,

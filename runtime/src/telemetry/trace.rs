@@ -78,7 +78,7 @@ impl TraceBuffer {
             acceptance_tau: line
                 .acceptance
                 .as_ref()
-                .and_then(|a| a.tau.map(|tau| (tau, a.teacher_forced_tau))),
+                .and_then(|a| a.tau.map(|tau| (tau, a.teacher_forced_tau_simulated))),
         });
     }
 

@@ -168,9 +168,9 @@ impl WorkspaceLayout {
             Some(most.max(m(rows.div_ceil(NORM_ROWS_PER_CHUNK), cols)?))
         })?;
         add("norm_partials", F32, Some(norm_partials))?;
-        // Optimizer, and the read-back: [grad_norm, clip, loss, correct rows of each slot].
+        // Optimizer, and the read-back: [grad_norm, clip, loss, correct rows of each slot, accepted prefixes].
         add("grad_norm_partials", F32, Some(p.div_ceil(REDUCE_CHUNK)))?;
-        add("step_scalars", F32, STEP_SCALARS.checked_add(block))?;
+        add("step_scalars", F32, STEP_SCALARS.checked_add(block + 1))?;
         add("adamw_step", F32, Some(ADAMW_STEP_FLOATS))?;
         add("adamw_state", F64, Some(ADAMW_STATE_DOUBLES))?;
         let input_slots = match backend {

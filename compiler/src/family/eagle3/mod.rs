@@ -324,9 +324,13 @@ impl WorkspaceLayout {
         add("attn_delta", F32, m(t, spec.heads))?;
         add("norm_partials", F32, m(kt.div_ceil(NORM_ROWS_PER_CHUNK), h))?;
         // Optimizer, and the read-back: [grad_norm, clip, loss, then per step: loss, correct rows, supervised
-        // rows].
+        // rows; then the accepted prefixes over the unroll].
         add("grad_norm_partials", F32, Some(p.div_ceil(REDUCE_CHUNK)))?;
-        add("step_scalars", F32, STEP_SCALARS.checked_add(m(3, k)?))?;
+        add(
+            "step_scalars",
+            F32,
+            STEP_SCALARS.checked_add(m(3, k)?.checked_add(1)?),
+        )?;
         add("adamw_step", F32, Some(ADAMW_STEP_FLOATS))?;
         add("adamw_state", F64, Some(ADAMW_STATE_DOUBLES))?;
         let input_slots = match backend {

@@ -466,6 +466,50 @@ mod tests {
         assert_eq!(anchors(9, 1, 63), all);
     }
 
+    /// A row is one document (no source packs several into a row: docs/dflash.md, "Anchors and documents"), so
+    /// anchors and blocks are counted per row: every anchor of a row lies inside that row's own length, and
+    /// every label of its block is a token of the same row, before its end. Two rows of lengths 5 and 8 (padded
+    /// 8): the blocks of the first never reach the second's tokens, and its anchors are at most its own four.
+    #[test]
+    fn anchors_and_blocks_stay_inside_their_own_row() {
+        let s = 8;
+        let ids: Vec<u32> = (0..2 * s as u32).map(|i| 100 + i).collect();
+        let mask = vec![1u8; 2 * s];
+        let lens = [5u32, 8];
+        let input = PlanInput {
+            padded_len: s,
+            input_ids: &ids,
+            loss_mask: &mask,
+            seq_lens: &lens,
+        };
+        let (block, slots) = (3, 8);
+        let mut plan = BlockPlan::default();
+        plan.build(&geometry(block, slots), input, 1, 0);
+        assert_eq!(plan.present, [4, 7], "valid anchors a + 1 < len, per row");
+        for (seq, &len) in lens.iter().enumerate() {
+            for slot in 0..plan.present[seq] as usize {
+                let b = seq * slots + slot;
+                let anchor = plan.anchors[b] as usize;
+                assert!(
+                    anchor + 1 < len as usize,
+                    "row {seq}: anchor {anchor} of length {len}"
+                );
+                for k in 1..block {
+                    let label = plan.labels[b * block + k];
+                    if anchor + k < len as usize {
+                        assert_eq!(
+                            label,
+                            ids[seq * s + anchor + k] as i32,
+                            "row {seq}'s own token"
+                        );
+                    } else {
+                        assert_eq!(label, -1, "row {seq}: no label past its end");
+                    }
+                }
+            }
+        }
+    }
+
     /// Every valid position is drawn about equally often (without replacement: `A / valid` per step).
     #[test]
     fn draws_are_uniform_over_valid_positions() {

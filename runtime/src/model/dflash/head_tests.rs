@@ -75,6 +75,8 @@ struct Outcome {
     grads: Vec<f32>,
     correct: Vec<f32>,
     head_rows: usize,
+    /// The step's accepted prefixes (its read-back) and a brute-force count of them from its per-row flags.
+    accepted: (f32, f64),
 }
 
 fn step(bucket_head: bool) -> Outcome {
@@ -155,7 +157,16 @@ fn step(bucket_head: bool) -> Outcome {
     let mut scalars = vec![0.0; d.ws.step_scalars.len()];
     be.download(d.ws.step_scalars.all(), &mut scalars)
         .expect("scalars");
+    let mut flags = vec![0.0; d.ws.correct.len()];
+    be.download(d.ws.correct.all(), &mut flags)
+        .expect("correct");
+    let rows = 3 * spec.block_slots(10) * spec.block;
+    let brute_force: usize = flags[..rows]
+        .chunks(spec.block)
+        .map(|block| block[1..].iter().take_while(|&&c| c == 1.0).count())
+        .sum();
     Outcome {
+        accepted: (scalars[3 + spec.block], brute_force as f64),
         loss: scalars[2],
         grads,
         correct: scalars[3..3 + spec.block].to_vec(),
@@ -186,6 +197,10 @@ fn the_labelled_rows_and_the_buckets_bound_give_the_same_step() {
     );
     assert_eq!(labelled.correct, bound.correct, "per-slot hits");
     assert_eq!(labelled.correct[0], 0.0, "slot 0 has no label");
+    for outcome in [&labelled, &bound] {
+        let (read_back, brute_force) = outcome.accepted;
+        assert_eq!(f64::from(read_back), brute_force, "accepted prefixes");
+    }
     let norm = |x: &[f32]| x.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt();
     assert!(
         labelled.grads.iter().all(|g| g.is_finite()),

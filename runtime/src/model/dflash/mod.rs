@@ -448,6 +448,14 @@ impl<B: Backend> Dflash<B> {
             1.0,
             0.0,
             Precision::F32,
+        )?;
+        // The exact acceptance length's numerator: each block's drafted slots 1..B right in a row (slot 0 is the
+        // anchor, given), on the device beside the counts above.
+        be.accepted_prefix_sum(
+            ws.correct.at(1, q - 1),
+            ws.step_scalars.at_mut(3 + b, 1),
+            (blocks, b - 1),
+            (b, 1),
         )
     }
 
@@ -801,7 +809,8 @@ impl<B: Backend> Family<B> for Dflash<B> {
 
     /// Forward, weighted loss and backward of the batch in input slot `slot` (its plan staged by
     /// [`Dflash::stage_plan`]): overwrites every gradient, writes the loss into `step_scalars[2]` and the
-    /// correct rows of each slot into `step_scalars[3..3 + block]`. Returns the host time of each phase.
+    /// correct rows of each slot into `step_scalars[3..3 + block]`, the accepted prefixes summed into
+    /// `step_scalars[3 + block]`. Returns the host time of each phase.
     fn forward_backward(
         &mut self,
         be: &mut B,

@@ -17,11 +17,13 @@ use crate::tensor_file::F32Tensor;
 pub const ARCHITECTURE: &str = "LlamaForCausalLMEagle3";
 
 /// An `eagle3` step's metrics from its read-back values after the first three, `[loss_k …, correct_k …,
-/// supervised_k …]` for `steps` TTT steps: accuracy_k = correct_k / supervised_k (0 without a supervised row),
-/// and SpecForge's simulated acceptance length `τ = 1 + Σ_k Π_{j≤k} acc_j`, TTT step `k` standing for draft
-/// position `k + 1`.
+/// supervised_k …, accepted]` for `steps` TTT steps: accuracy_k = correct_k / supervised_k (0 without a
+/// supervised row), SpecForge's simulated acceptance length `τ = 1 + Σ_k Π_{j≤k} acc_j`, TTT step `k` standing
+/// for draft position `k + 1`, and the exact one: the start rows supervised at step 0 are the blocks, `accepted`
+/// their steps right in a row.
 pub fn ttt_metrics(extra: &[f32], steps: usize) -> BlockMetrics {
     let (correct, supervised) = (&extra[steps..2 * steps], &extra[2 * steps..3 * steps]);
+    let accepted = extra[3 * steps];
     // `BlockMetrics::new` skips position 0 (a DFlash block's anchor): prepend an empty one.
     let correct: Vec<f32> = std::iter::once(0.0)
         .chain(correct.iter().copied())
@@ -29,7 +31,7 @@ pub fn ttt_metrics(extra: &[f32], steps: usize) -> BlockMetrics {
     let supervised: Vec<u32> = std::iter::once(0)
         .chain(supervised.iter().map(|&n| n as u32))
         .collect();
-    BlockMetrics::new(&correct, &supervised)
+    BlockMetrics::new(&correct, &supervised, accepted)
 }
 
 impl<B: Backend> Family<B> for Eagle3<B> {

@@ -22,7 +22,9 @@
 //! The loss is SpecForge's: per step `Σ_rows −Σ p log q` over all `T = N·S` rows (padding included) divided by
 //! `T`, i.e. the mean over sequences of the per-sequence sum divided by `S`; the total `Σ_k decay^k · loss_k`,
 //! not renormalised. `step_scalars` after a step: `[‖g‖, clip, loss, loss_k (weighted) …, correct_k …,
-//! supervised_k …]` for `k < K`; accuracy_k = correct_k / supervised_k over the shifted loss mask.
+//! supervised_k …, accepted]` for `k < K`; accuracy_k = correct_k / supervised_k over the shifted loss mask, and
+//! `accepted` the sum over start rows of the TTT steps right in a row from step 0 (the exact acceptance length's
+//! numerator, `draftpipe_gpu_kernels::acceptance`).
 //!
 //! Nothing here reads back or allocates on the step path: every size is the bucket's, so the CUDA backend can
 //! capture each part as a graph.
@@ -498,6 +500,14 @@ impl<B: Backend> Eagle3<B> {
             ws.inputs[slot].loss_mask.at(0, t),
             ws.step_scalars.at_mut(STEP_SCALARS + 2 * steps, steps),
             len,
+        )?;
+        // Start row r's unroll: step k's row r drafts token r + k + 1 from the steps before it, so its chain is
+        // `correct[k · t + r]` for k = 0, 1, …; a row past its sequence's end has weight 0, so `correct` 0.
+        be.accepted_prefix_sum(
+            ws.correct.at(0, steps * t),
+            ws.step_scalars.at_mut(STEP_SCALARS + 3 * steps, 1),
+            (t, steps),
+            (1, t),
         )?;
         be.sum(
             ws.row_loss.at(0, steps * t),

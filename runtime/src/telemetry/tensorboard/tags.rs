@@ -56,7 +56,8 @@ const fn each(
 /// Every tag written, in the order of docs/telemetry.md's table.
 pub const TAGS: &[Tag] = &[
     one("train/loss", "loss", |l| l.loss),
-    one("train/tau", "tau", |l| l.tau),
+    one("train/tau_exact", "tau_exact", |l| l.tau_exact),
+    one("train/tau_simulated", "tau_simulated", |l| l.tau_simulated),
     each("train/slot_accuracy/{i}", "slot_accuracy[{i-1}]", 1, |l| {
         l.slot_accuracy.iter().copied().map(Some).collect()
     }),
@@ -98,9 +99,14 @@ pub const TAGS: &[Tag] = &[
         l.acceptance.as_ref()?.tau
     }),
     one(
-        "acceptance/teacher_forced_tau",
-        "acceptance.teacher_forced_tau",
-        |l| l.acceptance.as_ref()?.teacher_forced_tau,
+        "acceptance/teacher_forced_tau_exact",
+        "acceptance.teacher_forced_tau_exact",
+        |l| l.acceptance.as_ref()?.teacher_forced_tau_exact,
+    ),
+    one(
+        "acceptance/teacher_forced_tau_simulated",
+        "acceptance.teacher_forced_tau_simulated",
+        |l| l.acceptance.as_ref()?.teacher_forced_tau_simulated,
     ),
     one("acceptance/measured_step", "acceptance.step", |l| {
         l.acceptance.as_ref()?.step.map(|s| s as f64)

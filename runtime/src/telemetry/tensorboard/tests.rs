@@ -70,7 +70,7 @@ fn the_file_opens_with_its_version_then_one_event_per_line() {
     let first: std::collections::BTreeMap<_, _> = values(&events[1]).into_iter().collect();
     for (tag, value) in [
         ("train/loss", 2.5),
-        ("train/tau", 1.75),
+        ("train/tau_simulated", 1.75),
         ("train/slot_accuracy/1", 0.5),
         ("train/slot_accuracy/3", 0.125),
         ("train/learning_rate", 1e-3),
@@ -93,7 +93,7 @@ fn the_file_opens_with_its_version_then_one_event_per_line() {
         !first.contains_key("drafter_0/gpu_pct"),
         "no GPU share on a CPU line"
     );
-    assert!(!first.contains_key("acceptance/teacher_forced_tau"));
+    assert!(!first.contains_key("acceptance/teacher_forced_tau_simulated"));
     assert_eq!(values(&events[2])[0], ("train/loss".to_owned(), 2.25));
     std::fs::remove_dir_all(&dir).unwrap();
 }
