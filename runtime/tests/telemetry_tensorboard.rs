@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use draftpipe_compiler::plan::{LrSchedule, ScheduleKind};
 use draftpipe_runtime::telemetry::tensorboard::{Event, What, read_records};
 use draftpipe_runtime::telemetry::{
-    DrafterPhase, LearningRate, QueueSnapshot, Reporter, ReporterConfig, StepTokens, Telemetry,
+    DrafterPhase, LearningRate, QueueSnapshot, Reporter, ReporterConfig, StepTokens, Taus,
+    Telemetry,
 };
 use prost::Message;
 
@@ -64,7 +65,13 @@ fn gradient_norm_slot_accuracy_and_learning_rate_reach_the_line_and_the_event_fi
         |recorder: &draftpipe_runtime::telemetry::DrafterRecorder, norm: f64, acc: [f32; 2]| {
             let now = Instant::now();
             recorder.record(DrafterPhase::Forward, now, now + Duration::from_micros(5));
-            recorder.block_metrics(1.5, &acc);
+            recorder.block_metrics(
+                Taus {
+                    exact: 1.5,
+                    simulated: 1.5,
+                },
+                &acc,
+            );
             recorder.grad_norm(norm);
             recorder.step_done(StepTokens::unpadded(16), 2.0);
         };

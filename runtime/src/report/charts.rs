@@ -278,7 +278,11 @@ pub fn loss_and_tau(run: &RunRecord) -> Result<Chart, ReportError> {
     if !simulated.is_empty() {
         all.push(Series {
             secondary: true,
-            ..series("τ simulated from slot accuracies (right axis)", 3, simulated)
+            ..series(
+                "τ simulated from slot accuracies (right axis)",
+                3,
+                simulated,
+            )
         });
     }
     if !accepted.is_empty() {

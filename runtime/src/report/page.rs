@@ -294,7 +294,8 @@ fn known_facts(run: &RunRecord) -> Vec<String> {
         ));
     }
     if let Some(loss) = last.loss {
-        let tau = teacher_forced_tau(last).map_or_else(String::new, |t| format!(", τ {t:.3} exact"));
+        let tau =
+            teacher_forced_tau(last).map_or_else(String::new, |t| format!(", τ {t:.3} exact"));
         facts.push(format!("Loss {loss:.4}{tau} at step {}.", last.step));
     }
     if last.skipped > 0 {
