@@ -10,6 +10,12 @@
 //!                          ├──▶ runtime/src/backend/cuda/launch.rs   CUDA launcher, one method per kernel, typed
 //!                          │                                         pointers, and the CUDA `launch` onto them
 //!                          └──▶ KERNELS (below)                      names and argument widths, for the PTX check
+//!
+//!  flash_kernel_table!(generator) ──▶ gpu-kernels/src/ptx.rs          the flash-attention entry points (blocks of warps)
+//!                                ├──▶ runtime/src/backend/kernel.rs  `FlashKernel`: `Backend::launch_flash`
+//!                                ├──▶ runtime/src/backend/cpu/flash.rs   the warp model (host lanes)
+//!                                ├──▶ runtime/src/backend/cuda/launch.rs `FlashLauncher` (grid, block, shared memory)
+//!                                └──▶ FLASH_KERNELS (below)          for the PTX check
 //! ```
 //!
 //! The operations a model calls (`rmsnorm_forward`, the two-pass `sum`, the losses, EAGLE-3's) are written once,

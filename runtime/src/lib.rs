@@ -1,9 +1,11 @@
 //! The draftpipe runtime: executes a compiled [`Plan`](draftpipe_compiler::plan::Plan).
 //!
 //! ```text
-//!  sources (producers) ──▶ HS queue (lock-free, bucketed) ──▶ drafter workers (pipeline::worker, one loop)
+//!  source (synthetic │ safetensors │ stream) ──▶ queue (lock-free, bucketed) ──▶ drafter workers (pipeline::worker)
 //!             └──────────── telemetry, trace, diagnosis, checkpoints ──────────┘        │
-//!                          drafter::Drafter ──▶ model::Family (registry: mlp │ dflash) ──▶ backend: cpu │ cuda
+//!        drafter::Drafter ──▶ model::Family (model::registry: mlp │ dflash │ eagle3) ──▶ backend: cpu │ cuda
+//!
+//!  beside a run: acceptance (draft-and-verify checks), eval, export_check, report, simulate
 //! ```
 
 pub mod acceptance;

@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::Duration;
 
-use draftpipe_compiler::plan::PullPolicy;
-use draftpipe_runtime::queue::{HsQueue, PopError, QueueConfig, QueueConfigError, SeqLen};
+use draftpipe_runtime::queue::{
+    HsQueue, PopError, PullPolicy, QueueConfig, QueueConfigError, SeqLen,
+};
 
 /// An item: its sequence length and a unique id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

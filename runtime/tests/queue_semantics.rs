@@ -474,27 +474,14 @@ fn baseline_drops_items_left_in_a_dropped_queue() {
 }
 
 #[test]
-fn config_comes_from_the_plan_spec() {
-    let spec = draftpipe_compiler::plan::QueueSpec {
-        name: "hs".into(),
-        from: "target".into(),
-        to: "drafter".into(),
+fn config_routes_a_length_to_the_first_bucket_that_holds_it() {
+    let config = QueueConfig {
         capacity: 20,
         min_ready: 10,
         buckets: vec![512, 1024, 2048],
         pull: PullPolicy::RandomInBucket,
+        seed: 9,
     };
-    let config = QueueConfig::from_spec(&spec, 9);
-    assert_eq!(
-        config,
-        QueueConfig {
-            capacity: 20,
-            min_ready: 10,
-            buckets: vec![512, 1024, 2048],
-            pull: PullPolicy::RandomInBucket,
-            seed: 9,
-        }
-    );
     assert_eq!(config.bucket_of(1), Some(0));
     assert_eq!(config.bucket_of(512), Some(0));
     assert_eq!(config.bucket_of(513), Some(1));

@@ -14,7 +14,8 @@ use draftpipe_runtime::backend::{Backend, HsBuf, HsOperand, Operand};
 use draftpipe_runtime::batch::{HsBatch, HsData};
 use draftpipe_runtime::drafter::Drafter;
 use draftpipe_runtime::params::FlatState;
-use draftpipe_runtime::queue::{HsQueue, QueueConfig};
+use draftpipe_runtime::pipeline::queue_config;
+use draftpipe_runtime::queue::HsQueue;
 use draftpipe_runtime::source::{BatchPool, Producer, open_sources, resolve_hs_dtype};
 use half::{bf16, f16};
 use rand::rngs::Xoshiro256PlusPlus;
@@ -71,7 +72,7 @@ fn a_bf16_file_fills_a_bf16_pool_and_crosses_the_queue_bit_for_bit() {
     );
 
     let pool = BatchPool::for_plan(&plan).unwrap();
-    let queue = HsQueue::new(QueueConfig::from_spec(&plan.queue, 1)).unwrap();
+    let queue = HsQueue::new(queue_config(&plan.queue, 1)).unwrap();
     let mut producer = Producer::new(open_sources(&plan).unwrap().remove(0));
     let stop = std::sync::atomic::AtomicBool::new(false);
     while let Some(batch) = producer.next_batch(&pool, &stop).unwrap() {

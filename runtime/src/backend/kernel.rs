@@ -3,7 +3,7 @@
 //! once as a generated match (CPU: the host launchers, `cpu/kernels.rs`; CUDA: the device launcher,
 //! `cuda/launch.rs`). The flash-attention table (`flash_kernel_table!`) gives [`FlashKernel`] the same way,
 //! launched by [`Backend::launch_flash`](super::Backend::launch_flash) (CPU: the warp model, `cpu/flash.rs`;
-//! CUDA: thread blocks of warps, `cuda/flash.rs`).
+//! CUDA: thread blocks of warps, `cuda/launch.rs`'s `FlashLauncher`).
 //!
 //! ```text
 //!  model step ──▶ Backend's provided operations (`backend/mod.rs`, `backend/eagle3.rs`: sizes derived and checked

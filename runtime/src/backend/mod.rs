@@ -46,7 +46,6 @@ pub use views::{
 };
 
 use crate::batch::{HsBatch, HsData, HsSlice};
-use cuda::error::CudaError;
 
 /// The floats of an [`AdamWStep`] as a step buffer holds them.
 const ADAMW_STEP_FLOATS: usize = size_of::<AdamWStep>() / size_of::<f32>();
@@ -55,13 +54,26 @@ const ADAMW_STEP_FLOATS: usize = size_of::<AdamWStep>() / size_of::<f32>();
 /// every buffer from one layout and a mismatch is a bug).
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// The CUDA backend failed.
+    /// The device failed: the implementation's own error (the CUDA backend's `CudaError`: no driver, a launch,
+    /// cuBLAS, …), converted by that implementation, so this trait's error names none of them. A caller that
+    /// knows which backend it drives reads the error back with [`BackendError::device_error`].
     #[error(transparent)]
-    Cuda(#[from] CudaError),
+    Device(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// The backend has no path for this operation's operand types (e.g. a CUDA product of bf16 hidden states at
     /// f32 precision, whose layout holds them in f32).
     #[error("not supported by this backend: {0}")]
     Unsupported(String),
+}
+
+impl BackendError {
+    /// The device error of a backend implementation, typed as that implementation's error when it is one
+    /// (`err.device_error::<CudaError>()`), `None` for another kind or another implementation's.
+    pub fn device_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            BackendError::Device(source) => source.downcast_ref(),
+            BackendError::Unsupported(_) => None,
+        }
+    }
 }
 
 /// The error of staging a batch without `last_hidden_states` into a slot whose family reads them (the drafter's

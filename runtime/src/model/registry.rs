@@ -3,8 +3,9 @@
 //! `model/` and one line in each of the two matches here.
 //!
 //! ```text
-//!  ModelPlan ──build──▶ mlp::build │ dflash::build ──▶ (Box<dyn Family<B>>, its WorkspaceLayout) ──▶ Drafter<B>
-//!  ModelSpec ──spec───▶ &MlpSpec │ &DflashSpec as &dyn FamilySpec ──▶ pipeline, checkpoint, eval, run
+//!  ModelPlan ──build──▶ mlp::build │ dflash::build │ eagle3::build ──▶ (Box<dyn Family<B>>, its WorkspaceLayout)
+//!                                                                       ──▶ Drafter<B>
+//!  ModelSpec ──spec───▶ &MlpSpec │ &DflashSpec │ &Eagle3Spec as &dyn FamilySpec ──▶ pipeline, checkpoint, eval, run
 //! ```
 
 use draftpipe_compiler::plan::ModelSpec;

@@ -22,6 +22,7 @@ mod host_memory;
 mod options;
 mod outputs;
 mod producer;
+mod queue_plan;
 mod save;
 mod shared;
 mod spawn;
@@ -32,6 +33,7 @@ mod worker;
 pub use error::RunError;
 pub use host_memory::HostMemoryError;
 pub use options::{DEFAULT_MAX_NONFINITE_IN_ROW, RunOptions, StopReason};
+pub use queue_plan::queue_config;
 use shared::Shared;
 use start::{Start, starting_state};
 use threads::Threads;
@@ -45,7 +47,7 @@ use draftpipe_compiler::plan::Plan;
 
 use crate::acceptance::AcceptanceMonitor;
 use crate::batch::HsBatch;
-use crate::queue::{HsQueue, QueueConfig, SeqLen};
+use crate::queue::{HsQueue, SeqLen};
 use crate::source::{
     BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, StreamStatus, open_sources,
 };
@@ -187,7 +189,7 @@ fn prepare<W: Write + Send>(
         .data_positions
         .clone()
         .unwrap_or_else(|| (0..producers.len() as u64).collect());
-    let queue_config = QueueConfig::from_spec(&plan.queue, plan_seed(&plan) ^ start.step);
+    let queue_config = queue_config(&plan.queue, plan_seed(&plan) ^ start.step);
     // Data-parallel workers step in lockstep, so the queue hands them rounds of one bucket (not under `fifo`:
     // see `Plan::drafters_take_rounds`).
     let queue = if plan.drafters_take_rounds() {

@@ -11,19 +11,16 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use draftpipe_compiler::plan::PullPolicy;
-
 use super::config::{GOLDEN_GAMMA, below, mix64};
-use super::{PopError, PushError, QueueConfig, QueueConfigError, SeqLen};
+use super::{PopError, PullPolicy, PushError, QueueConfig, QueueConfigError, SeqLen};
 
 /// `Mutex<VecDeque>` + `Condvar` queue with [`HsQueue`](super::HsQueue)'s semantics.
 ///
 /// # Examples
 ///
 /// ```
-/// use draftpipe_compiler::plan::PullPolicy;
 /// use draftpipe_runtime::queue::baseline::MutexQueue;
-/// use draftpipe_runtime::queue::{QueueConfig, SeqLen};
+/// use draftpipe_runtime::queue::{PullPolicy, QueueConfig, SeqLen};
 ///
 /// struct Len(usize);
 /// impl SeqLen for Len {

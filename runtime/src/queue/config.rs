@@ -1,12 +1,23 @@
-//! Queue configuration: built from the compiled plan's [`QueueSpec`], validated once at construction.
-
-use draftpipe_compiler::plan::{PullPolicy, QueueSpec};
+//! Queue configuration, validated once at construction. The queue is a data structure of its own: it knows
+//! nothing of the `.pipe` language or the plan, and the pipeline translates the plan's queue block into this
+//! (`pipeline::queue_config`).
 
 use super::error::QueueConfigError;
 
 /// The largest accepted capacity. The top bit of the slot counter marks the queue closed, and every
 /// bucket preallocates `capacity` slots, so an absurd capacity is refused instead of allocated.
 pub const MAX_CAPACITY: usize = 1 << 20;
+
+/// Which queued item a consumer takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PullPolicy {
+    /// Round-robin over non-empty buckets, uniform at random inside the chosen bucket.
+    RandomInBucket,
+    /// Round-robin over non-empty buckets, oldest item first inside a bucket.
+    RoundRobin,
+    /// Oldest item over all buckets.
+    Fifo,
+}
 
 /// What an [`HsQueue`](super::HsQueue) (or its [`MutexQueue`](super::baseline::MutexQueue)
 /// baseline) is built from.
@@ -27,17 +38,6 @@ pub struct QueueConfig {
 }
 
 impl QueueConfig {
-    /// The configuration a plan's queue block describes, with `seed` for the random pull policy.
-    pub fn from_spec(spec: &QueueSpec, seed: u64) -> Self {
-        Self {
-            capacity: spec.capacity,
-            min_ready: spec.min_ready,
-            buckets: spec.buckets.clone(),
-            pull: spec.pull,
-            seed,
-        }
-    }
-
     /// Checks the invariants the queue relies on.
     ///
     /// # Errors

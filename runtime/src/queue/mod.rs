@@ -86,8 +86,7 @@
 //! # Examples
 //!
 //! ```
-//! use draftpipe_compiler::plan::PullPolicy;
-//! use draftpipe_runtime::queue::{HsQueue, PopError, PushError, QueueConfig, SeqLen};
+//! use draftpipe_runtime::queue::{HsQueue, PopError, PullPolicy, PushError, QueueConfig, SeqLen};
 //!
 //! struct Batch(usize);
 //! impl SeqLen for Batch {
@@ -132,8 +131,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use std::thread;
-//! use draftpipe_compiler::plan::PullPolicy;
-//! use draftpipe_runtime::queue::{HsQueue, QueueConfig, SeqLen};
+//! use draftpipe_runtime::queue::{HsQueue, PullPolicy, QueueConfig, SeqLen};
 //!
 //! struct Len(usize);
 //! impl SeqLen for Len {
@@ -183,9 +181,8 @@ mod sync;
 use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
-pub use draftpipe_compiler::plan::PullPolicy;
 
-pub use config::{MAX_CAPACITY, QueueConfig};
+pub use config::{MAX_CAPACITY, PullPolicy, QueueConfig};
 pub use error::{PopError, PushError, QueueConfigError};
 pub use rounds::RoundItem;
 pub use stats::QueueStats;

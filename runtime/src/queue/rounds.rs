@@ -153,8 +153,7 @@ impl<T> HsQueue<T> {
     /// ```
     /// use std::sync::Arc;
     /// use std::thread;
-    /// use draftpipe_compiler::plan::PullPolicy;
-    /// use draftpipe_runtime::queue::{HsQueue, QueueConfig, SeqLen};
+    /// use draftpipe_runtime::queue::{HsQueue, PullPolicy, QueueConfig, SeqLen};
     ///
     /// struct Len(usize);
     /// impl SeqLen for Len {

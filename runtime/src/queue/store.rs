@@ -17,9 +17,8 @@ use std::mem::MaybeUninit;
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
-use draftpipe_compiler::plan::PullPolicy;
 
-use super::config::{GOLDEN_GAMMA, below, mix64};
+use super::config::{GOLDEN_GAMMA, PullPolicy, below, mix64};
 use super::sync::{AtomicU64, AtomicUsize, Backoff, Ordering, UnsafeCell};
 
 /// The items of one queue, laid out for its pull policy.

@@ -3,6 +3,8 @@
 use cudarc::cublas::result::CublasError;
 use cudarc::driver::DriverError;
 
+use crate::backend::BackendError;
+
 /// Why the CUDA backend cannot do what was asked.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -102,4 +104,11 @@ pub enum CudaError {
     /// A CUDA driver call failed.
     #[error("CUDA driver error: {0}")]
     Driver(#[from] DriverError),
+}
+
+/// The CUDA backend's failures as the backend trait's device error (`?` in every CUDA operation).
+impl From<CudaError> for BackendError {
+    fn from(error: CudaError) -> Self {
+        BackendError::Device(Box::new(error))
+    }
 }
