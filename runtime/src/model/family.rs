@@ -14,9 +14,10 @@
 //! `B`.
 
 use std::any::Any;
+use std::time::Instant;
 
 use draftpipe_compiler::plan::{
-    AdamWSpec, BucketPlan, LossSpec, ModelPlan, Precision, WorkspaceLayout,
+    AdamWSpec, BackendKind, BucketPlan, LossSpec, ModelPlan, Precision, WorkspaceLayout,
 };
 
 use crate::backend::{Backend, BackendResult, Buf, InputSlot};
@@ -101,6 +102,55 @@ pub(crate) use family_state_parts;
 /// A family built on a backend, with the workspace layout its buffers were allocated from.
 pub type Built<B> = (Box<dyn Family<B>>, WorkspaceLayout);
 
+/// What the registry's one [`build`] asks of a family's model type: its parameter offsets checked against the
+/// plan's layout, its workspace from the compiler's memory model, and its allocation over both.
+pub trait FamilyModel<B: Backend>: Family<B> + Sized {
+    /// The family's parameter offsets in the flat buffers.
+    type Offsets;
+
+    /// The offsets of `model`'s parameters, or why its layout is not this family's.
+    ///
+    /// # Errors
+    /// [`LayoutError`].
+    fn offsets(model: &ModelPlan) -> Result<Self::Offsets, LayoutError>;
+
+    /// The compiler's workspace layout of this family for `plan` on `kind`; `None` when its sizes overflow.
+    fn workspace(
+        offsets: &Self::Offsets,
+        plan: &FamilyPlan<'_>,
+        kind: BackendKind,
+    ) -> Option<WorkspaceLayout>;
+
+    /// The model with every buffer of `layout` allocated on `backend`.
+    ///
+    /// # Errors
+    /// [`AllocateError`].
+    fn allocate(
+        backend: &mut B,
+        plan: &FamilyPlan<'_>,
+        offsets: Self::Offsets,
+        layout: &WorkspaceLayout,
+    ) -> Result<Self, AllocateError>;
+}
+
+/// Family `F` of `plan` on `backend`, with its workspace (allocated here, once): the registry's one path for
+/// every family.
+///
+/// # Errors
+/// [`BuildError`] when the plan's layout is not `F`'s, the workspace overflows or a buffer cannot be allocated.
+pub fn build<B: Backend, F: FamilyModel<B>>(
+    backend: &mut B,
+    plan: FamilyPlan<'_>,
+) -> Result<Built<B>, BuildError> {
+    let kind = backend.kind();
+    let offsets = F::offsets(plan.model)?;
+    let layout = F::workspace(&offsets, &plan, kind)
+        .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
+        .ok_or(BuildError::WorkspaceTooLarge)?;
+    let model = F::allocate(backend, &plan, offsets, &layout)?;
+    Ok((Box::new(model), layout))
+}
+
 /// Why a model could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -124,19 +174,49 @@ pub trait Family<B: Backend>: Send + Any {
     /// The family's name as the plan writes it (`mlp`, `dflash`, …).
     fn name(&self) -> &'static str;
 
-    /// Forward, loss and backward of the batch in input slot `slot`: overwrites every gradient and writes the
-    /// loss into `step_scalars[2]` (and the family's further read-back values after it). Returns the host time
-    /// of each phase (what the CPU spends; on CUDA only the enqueueing).
+    /// The forward of the batch in input slot `slot`: every activation the loss and the backward read.
+    fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult;
+
+    /// The training loss after [`Family::forward`]: the loss into `step_scalars[2]` (and the family's further
+    /// read-back values after it) and the gradient the backward starts from.
+    fn loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult;
+
+    /// The backward after [`Family::loss`]: overwrites every gradient.
+    fn backward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult;
+
+    /// The evaluation loss after [`Family::forward`]: the same read-back values as [`Family::loss`]; a family
+    /// whose loss can skip its gradient for evaluation says so here (the default is the training loss, whose
+    /// gradient then belongs to no step).
+    fn evaluation_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.loss(be, shape, slot)
+    }
+
+    /// Forward, loss and backward of the batch in input slot `slot`, timed per phase: the host time of each
+    /// (what the CPU spends; on CUDA only the enqueueing). Written once here for every family.
     fn forward_backward(
         &mut self,
         be: &mut B,
         shape: StepShape,
         slot: usize,
-    ) -> BackendResult<PhaseTimes>;
+    ) -> BackendResult<PhaseTimes> {
+        let started = Instant::now();
+        self.forward(be, shape, slot)?;
+        let forward_done = Instant::now();
+        self.loss(be, shape, slot)?;
+        let loss_done = Instant::now();
+        self.backward(be, shape, slot)?;
+        Ok(PhaseTimes {
+            forward: forward_done - started,
+            loss: loss_done - forward_done,
+            backward: loss_done.elapsed(),
+        })
+    }
 
-    /// Forward and loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves behind
-    /// are partial and belong to no step.
-    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult;
+    /// Forward and loss only (evaluation): the loss into `step_scalars[2]`, no step's gradient.
+    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        self.forward(be, shape, slot)?;
+        self.evaluation_loss(be, shape, slot)
+    }
 
     /// The optimizer, state and buffers the shared update ([`Optimizer::update`]) runs on.
     fn update_parts(&mut self) -> UpdateParts<'_, B>;

@@ -4,6 +4,7 @@
 //!
 //! ```text
 //!  Plan (model, buckets, loss, precision) ──registry::build──▶ Box<dyn Family<B>>: mlp::Mlp<B> │ dflash::Dflash<B>
+//!                                                               │                   │ eagle3::Eagle3<B>
 //!                                                               └──calls──▶ B: CpuBackend │ CudaBackend
 //! ```
 

@@ -3,17 +3,19 @@
 //! `model/` and one line in each of the two matches here.
 //!
 //! ```text
-//!  ModelPlan ──build──▶ mlp::build │ dflash::build │ eagle3::build ──▶ (Box<dyn Family<B>>, its WorkspaceLayout)
-//!                                                                       ──▶ Drafter<B>
+//!  ModelPlan ──build──▶ family::build::<Mlp │ Dflash │ Eagle3> (one path: FamilyModel's offsets, workspace,
+//!                      allocate) ──▶ (Box<dyn Family<B>>, its WorkspaceLayout) ──▶ Drafter<B>
 //!  ModelSpec ──spec───▶ &MlpSpec │ &DflashSpec │ &Eagle3Spec as &dyn FamilySpec ──▶ pipeline, checkpoint, eval, run
 //! ```
 
 use draftpipe_compiler::plan::ModelSpec;
 
 use crate::backend::Backend;
-use crate::model::family::{BuildError, Built, FamilyPlan};
+use crate::model::dflash::Dflash;
+use crate::model::eagle3::Eagle3;
+use crate::model::family::{self, BuildError, Built, FamilyPlan};
+use crate::model::mlp::Mlp;
 use crate::model::serving::FamilySpec;
-use crate::model::{dflash, eagle3, mlp};
 
 /// The family facts of the plan's model (what the runtime reads without a backend).
 pub fn spec(spec: &ModelSpec) -> &dyn FamilySpec {
@@ -30,9 +32,9 @@ pub fn spec(spec: &ModelSpec) -> &dyn FamilySpec {
 /// [`BuildError`].
 pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
     match &plan.model.spec {
-        ModelSpec::Mlp(_) => mlp::build(backend, plan),
-        ModelSpec::Dflash(_) => dflash::build(backend, plan),
-        ModelSpec::Eagle3(_) => eagle3::build(backend, plan),
+        ModelSpec::Mlp(_) => family::build::<B, Mlp<B>>(backend, plan),
+        ModelSpec::Dflash(_) => family::build::<B, Dflash<B>>(backend, plan),
+        ModelSpec::Eagle3(_) => family::build::<B, Eagle3<B>>(backend, plan),
     }
 }
 

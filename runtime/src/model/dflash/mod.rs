@@ -29,9 +29,9 @@ mod buffers;
 mod head_tests;
 mod offsets;
 
-use std::time::Instant;
-
-use draftpipe_compiler::plan::{AdamWSpec, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout};
+use draftpipe_compiler::plan::{
+    AdamWSpec, BackendKind, DflashSpec, LossSpec, ModelPlan, WorkspaceLayout,
+};
 
 use crate::backend::head::{HeadOutputs, HeadPlan, HeadScratch};
 use crate::backend::{
@@ -39,12 +39,12 @@ use crate::backend::{
     Dst, HsBuf, HsOperand, Operand, Precision, Src,
 };
 use crate::batch::HsBatch;
-use crate::model::family::{BuildError, Built, Family, FamilyPlan, FrozenTables};
+use crate::model::family::{Family, FamilyModel, FamilyPlan, FrozenTables};
 use crate::model::layers::{
     MlpDims, NormSaved, SwigluCopies, SwigluSaved, SwigluWeights, linear_backward,
     rmsnorm_backward, swiglu_mlp_backward, swiglu_mlp_forward,
 };
-use crate::model::step::{AllocateError, PhaseTimes, StepShape};
+use crate::model::step::{AllocateError, LayoutError, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer};
 
 pub mod serving;
@@ -807,34 +807,19 @@ impl<B: Backend> Family<B> for Dflash<B> {
         "dflash"
     }
 
-    /// Forward, weighted loss and backward of the batch in input slot `slot` (its plan staged by
-    /// [`Dflash::stage_plan`]): overwrites every gradient, writes the loss into `step_scalars[2]` and the
-    /// correct rows of each slot into `step_scalars[3..3 + block]`, the accepted prefixes summed into
-    /// `step_scalars[3 + block]`. Returns the host time of each phase.
-    fn forward_backward(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        let started = Instant::now();
-        self.forward(be, shape, slot)?;
-        let forward_done = Instant::now();
-        self.loss(be, shape, slot)?;
-        let loss_done = Instant::now();
-        self.backward(be, shape, slot)?;
-        Ok(PhaseTimes {
-            forward: forward_done - started,
-            loss: loss_done - forward_done,
-            backward: loss_done.elapsed(),
-        })
+    fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Dflash::forward(self, be, shape, slot)
     }
 
-    /// Forward and weighted loss only (evaluation, [`crate::drafter::Drafter::evaluate`]): the loss and the
-    /// per-slot correct counts into the step scalars, no gradient of any parameter.
-    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.forward(be, shape, slot)?;
-        self.loss(be, shape, slot)
+    /// The weighted loss and its gradient (the batch's plan staged by [`Dflash::stage_plan`]): the loss into
+    /// `step_scalars[2]`, the correct rows of each slot into `step_scalars[3..3 + block]`, the accepted prefixes
+    /// summed into `step_scalars[3 + block]`. Evaluation runs the same.
+    fn loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Dflash::loss(self, be, shape, slot)
+    }
+
+    fn backward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Dflash::backward(self, be, shape, slot)
     }
 
     crate::model::family::family_state_parts!();
@@ -914,32 +899,43 @@ impl<B: Backend> Family<B> for Dflash<B> {
     }
 }
 
-/// The `dflash` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
-///
-/// # Errors
-/// [`BuildError`] when the plan's layout is not the `dflash` layout, the workspace overflows or a buffer cannot
-/// be allocated.
-pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
-    let kind = backend.kind();
-    let offsets = DflashOffsets::new(plan.model)?;
-    let layout = WorkspaceLayout::dflash(
-        offsets.spec(),
-        plan.buckets,
-        &plan.loss,
-        kind,
-        plan.precision,
-    )
-    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
-    .ok_or(BuildError::WorkspaceTooLarge)?;
-    let model = Dflash::new(
-        backend,
-        (plan.model, offsets),
-        plan.loss,
-        plan.optimizer,
-        plan.precision,
-        &layout,
-    )?;
-    Ok((Box::new(model), layout))
+/// The `dflash` family as the registry builds it.
+impl<B: Backend> FamilyModel<B> for Dflash<B> {
+    type Offsets = DflashOffsets;
+
+    fn offsets(model: &ModelPlan) -> Result<DflashOffsets, LayoutError> {
+        DflashOffsets::new(model)
+    }
+
+    fn workspace(
+        offsets: &DflashOffsets,
+        plan: &FamilyPlan<'_>,
+        kind: BackendKind,
+    ) -> Option<WorkspaceLayout> {
+        WorkspaceLayout::dflash(
+            offsets.spec(),
+            plan.buckets,
+            &plan.loss,
+            kind,
+            plan.precision,
+        )
+    }
+
+    fn allocate(
+        backend: &mut B,
+        plan: &FamilyPlan<'_>,
+        offsets: DflashOffsets,
+        layout: &WorkspaceLayout,
+    ) -> Result<Self, AllocateError> {
+        Dflash::new(
+            backend,
+            (plan.model, offsets),
+            plan.loss,
+            plan.optimizer,
+            plan.precision,
+            layout,
+        )
+    }
 }
 
 /// RoPE forward over `x` at `positions` with `theta`, writing `x`'s bf16 copy in the same pass where the flash

@@ -1,16 +1,17 @@
-//! The `eagle3` family as the drafter sees it: [`Family`] for [`Eagle3`] (its registry entry is [`build`]),
+//! The `eagle3` family as the drafter sees it: [`Family`] and [`FamilyModel`] (what the registry builds) for
+//! [`Eagle3`],
 //! [`FamilySpec`] for the compiler's [`Eagle3Spec`], and the per-TTT-step metrics of its read-back values.
 
 use std::path::Path;
 
-use draftpipe_compiler::plan::{Eagle3Spec, WorkspaceLayout};
+use draftpipe_compiler::plan::{BackendKind, Eagle3Spec, ModelPlan, WorkspaceLayout};
 
 use super::{Eagle3, Eagle3Offsets};
 use crate::backend::{Backend, BackendResult};
 use crate::batch::HsBatch;
-use crate::model::family::{BlockMetrics, BuildError, Built, Family, FamilyPlan, FrozenTables};
+use crate::model::family::{BlockMetrics, Family, FamilyModel, FamilyPlan, FrozenTables};
 use crate::model::serving::{ExportOptions, FamilySpec};
-use crate::model::step::{PhaseTimes, StepShape};
+use crate::model::step::{AllocateError, LayoutError, StepShape};
 use crate::tensor_file::F32Tensor;
 
 /// The architecture SGLang and vLLM load an EAGLE-3 draft as.
@@ -39,17 +40,21 @@ impl<B: Backend> Family<B> for Eagle3<B> {
         "eagle3"
     }
 
-    fn forward_backward(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        self.train_step(be, shape, slot)
+    fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Eagle3::forward(self, be, shape, slot)
     }
 
-    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.evaluate(be, shape, slot)
+    fn loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Eagle3::loss(self, be, shape, slot, true)
+    }
+
+    fn backward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Eagle3::backward(self, be, shape, slot)
+    }
+
+    /// The unroll's losses and counts without the logits' gradient.
+    fn evaluation_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Eagle3::loss(self, be, shape, slot, false)
     }
 
     crate::model::family::family_state_parts!();
@@ -86,32 +91,43 @@ impl<B: Backend> Family<B> for Eagle3<B> {
     }
 }
 
-/// The `eagle3` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
-///
-/// # Errors
-/// [`BuildError`] when the plan's layout is not the `eagle3` layout, the workspace overflows or a buffer cannot
-/// be allocated.
-pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
-    let kind = backend.kind();
-    let offsets = Eagle3Offsets::new(plan.model)?;
-    let layout = WorkspaceLayout::eagle3(
-        offsets.spec(),
-        plan.buckets,
-        &plan.loss,
-        kind,
-        plan.precision,
-    )
-    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
-    .ok_or(BuildError::WorkspaceTooLarge)?;
-    let model = Eagle3::new(
-        backend,
-        (plan.model, offsets),
-        plan.loss,
-        plan.optimizer,
-        plan.precision,
-        &layout,
-    )?;
-    Ok((Box::new(model), layout))
+/// The `eagle3` family as the registry builds it.
+impl<B: Backend> FamilyModel<B> for Eagle3<B> {
+    type Offsets = Eagle3Offsets;
+
+    fn offsets(model: &ModelPlan) -> Result<Eagle3Offsets, LayoutError> {
+        Eagle3Offsets::new(model)
+    }
+
+    fn workspace(
+        offsets: &Eagle3Offsets,
+        plan: &FamilyPlan<'_>,
+        kind: BackendKind,
+    ) -> Option<WorkspaceLayout> {
+        WorkspaceLayout::eagle3(
+            offsets.spec(),
+            plan.buckets,
+            &plan.loss,
+            kind,
+            plan.precision,
+        )
+    }
+
+    fn allocate(
+        backend: &mut B,
+        plan: &FamilyPlan<'_>,
+        offsets: Eagle3Offsets,
+        layout: &WorkspaceLayout,
+    ) -> Result<Self, AllocateError> {
+        Eagle3::new(
+            backend,
+            (plan.model, offsets),
+            plan.loss,
+            plan.optimizer,
+            plan.precision,
+            layout,
+        )
+    }
 }
 
 /// What the runtime reads of an `eagle3` plan: its step reads the target's embedding and `lm_head`. Its export

@@ -36,19 +36,17 @@ mod family;
 mod offsets;
 pub mod vocab;
 
-use std::time::Instant;
-
 use draftpipe_compiler::plan::{AdamWSpec, Eagle3Spec, LossSpec, ModelPlan, WorkspaceLayout};
 use draftpipe_compiler::workspace::STEP_SCALARS;
 
 use crate::backend::{Backend, BackendError, BackendResult, HsOperand, HsSrc, Operand, Precision};
 use crate::model::layers::{self, MlpDims, SwigluWeights};
-use crate::model::step::{AllocateError, PhaseTimes, StepShape};
+use crate::model::step::{AllocateError, StepShape};
 use crate::model::update::{FlatBuffers, Optimizer};
 
 pub use crate::backend::eagle3::{UnrollAttention, UnrollSaved};
 pub use buffers::{Eagle3Frozen, Eagle3Workspace};
-pub use family::{build, ttt_metrics};
+pub use family::ttt_metrics;
 pub use offsets::Eagle3Offsets;
 
 /// SpecForge's TTT step weight when the plan gives none (`0.8^k`).
@@ -200,35 +198,8 @@ impl<B: Backend> Eagle3<B> {
         Ok(())
     }
 
-    /// Forward, loss and backward of the batch in input slot `slot`: overwrites every gradient and writes the
-    /// step scalars (module docs). Returns the host time of each phase.
-    pub(super) fn train_step(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        let started = Instant::now();
-        self.forward(be, shape, slot)?;
-        let forward_done = Instant::now();
-        self.loss(be, shape, slot, true)?;
-        let loss_done = Instant::now();
-        self.backward(be, shape, slot)?;
-        Ok(PhaseTimes {
-            forward: forward_done - started,
-            loss: loss_done - forward_done,
-            backward: loss_done.elapsed(),
-        })
-    }
-
-    /// Forward and loss only (evaluation): the step scalars' loss and per-step counts, no gradient.
-    pub(super) fn evaluate(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.forward(be, shape, slot)?;
-        self.loss(be, shape, slot, false)
-    }
-
     /// The batch's shifts and teacher rows, `fc`, and the unroll up to each step's midlayer output.
-    fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+    pub(super) fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
         let spec = self.offsets.spec();
         let (h, d, i, vocab) = (
             spec.hidden,
@@ -406,7 +377,13 @@ impl<B: Backend> Eagle3<B> {
     /// Per step: the final norm, then chunk by chunk the draft head and the teacher on the draft vocabulary and
     /// the fused soft-label loss (never `[T, Vd]`), writing `dz_k` and, with `train`, the `lm_head` gradient;
     /// the loss total, per-step losses, correct and supervised rows into the step scalars.
-    fn loss(&mut self, be: &mut B, shape: StepShape, slot: usize, train: bool) -> BackendResult {
+    pub(super) fn loss(
+        &mut self,
+        be: &mut B,
+        shape: StepShape,
+        slot: usize,
+        train: bool,
+    ) -> BackendResult {
         let spec = self.offsets.spec();
         let (h, vd, eps, steps) = (spec.hidden, spec.draft_vocab, spec.rms_norm_eps, spec.ttt);
         let (t, len) = (shape.tokens(), shape.padded_len);

@@ -12,15 +12,15 @@
 //! Nothing here reads back or allocates: every size is the bucket's, every scalar (loss, norm, AdamW's step
 //! count and bias corrections) lives in a device buffer, so the CUDA backend can capture each part as a graph.
 
-use std::time::Instant;
-
-use draftpipe_compiler::plan::{AdamWSpec, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout};
+use draftpipe_compiler::plan::{
+    AdamWSpec, BackendKind, LossSpec, MlpSpec, ModelPlan, WorkspaceLayout,
+};
 
 use crate::backend::{Backend, BackendResult, HsOperand, Operand, Precision};
-use crate::model::family::{BuildError, Built, Family, FamilyPlan};
+use crate::model::family::{Family, FamilyModel, FamilyPlan};
 use crate::model::layers::{self, MlpDims, NormSaved, SwigluSaved, SwigluWeights};
 use crate::model::serving::FamilySpec;
-use crate::model::step::{AllocateError, PhaseTimes, StepShape};
+use crate::model::step::{AllocateError, LayoutError, StepShape};
 use crate::model::update::Optimizer;
 
 mod buffers;
@@ -304,33 +304,18 @@ impl<B: Backend> Family<B> for Mlp<B> {
         "mlp"
     }
 
-    /// Forward, fused loss and backward of the batch in input slot `slot`: overwrites every gradient and
-    /// writes the loss into `step_scalars[2]`. Returns the host time of each phase (what the CPU spends; on
-    /// CUDA only the enqueueing).
-    fn forward_backward(
-        &mut self,
-        be: &mut B,
-        shape: StepShape,
-        slot: usize,
-    ) -> BackendResult<PhaseTimes> {
-        let started = Instant::now();
-        self.forward(be, shape, slot)?;
-        let forward_done = Instant::now();
-        self.loss_and_heads(be, shape, slot)?;
-        let loss_done = Instant::now();
-        self.backward(be, shape, slot)?;
-        Ok(PhaseTimes {
-            forward: forward_done - started,
-            loss: loss_done - forward_done,
-            backward: loss_done.elapsed(),
-        })
+    /// The hidden layers' and the head's activations.
+    fn forward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Mlp::forward(self, be, shape, slot)
     }
 
-    /// Forward and fused loss only (evaluation): the loss into `step_scalars[2]`; the gradients it leaves
-    /// behind are partial and belong to no step.
-    fn forward_loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
-        self.forward(be, shape, slot)?;
+    /// The fused vocabulary loss and the head's gradients.
+    fn loss(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
         self.loss_and_heads(be, shape, slot)
+    }
+
+    fn backward(&mut self, be: &mut B, shape: StepShape, slot: usize) -> BackendResult {
+        Mlp::backward(self, be, shape, slot)
     }
 
     crate::model::family::family_state_parts!();
@@ -340,32 +325,43 @@ impl<B: Backend> Family<B> for Mlp<B> {
     }
 }
 
-/// The `mlp` family of `plan` on `backend` (its [`registry`](crate::model::registry) entry).
-///
-/// # Errors
-/// [`BuildError`] when the plan's layout is not the `mlp` layout, the workspace overflows or a buffer cannot
-/// be allocated.
-pub fn build<B: Backend>(backend: &mut B, plan: FamilyPlan<'_>) -> Result<Built<B>, BuildError> {
-    let kind = backend.kind();
-    let offsets = MlpOffsets::new(plan.model)?;
-    let layout = WorkspaceLayout::mlp(
-        offsets.spec(),
-        plan.buckets,
-        &plan.loss,
-        kind,
-        plan.precision,
-    )
-    .and_then(|layout| layout.with_hs_dtype(kind, plan.hs_dtype))
-    .ok_or(BuildError::WorkspaceTooLarge)?;
-    let model = Mlp::new(
-        backend,
-        (plan.model, offsets),
-        plan.loss,
-        plan.optimizer,
-        plan.precision,
-        &layout,
-    )?;
-    Ok((Box::new(model), layout))
+/// The `mlp` family as the registry builds it.
+impl<B: Backend> FamilyModel<B> for Mlp<B> {
+    type Offsets = MlpOffsets;
+
+    fn offsets(model: &ModelPlan) -> Result<MlpOffsets, LayoutError> {
+        MlpOffsets::new(model)
+    }
+
+    fn workspace(
+        offsets: &MlpOffsets,
+        plan: &FamilyPlan<'_>,
+        kind: BackendKind,
+    ) -> Option<WorkspaceLayout> {
+        WorkspaceLayout::mlp(
+            offsets.spec(),
+            plan.buckets,
+            &plan.loss,
+            kind,
+            plan.precision,
+        )
+    }
+
+    fn allocate(
+        backend: &mut B,
+        plan: &FamilyPlan<'_>,
+        offsets: MlpOffsets,
+        layout: &WorkspaceLayout,
+    ) -> Result<Self, AllocateError> {
+        Mlp::new(
+            backend,
+            (plan.model, offsets),
+            plan.loss,
+            plan.optimizer,
+            plan.precision,
+            layout,
+        )
+    }
 }
 
 /// `mlp` reads no target tensors and exports no serving config (the defaults).
