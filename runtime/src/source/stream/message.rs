@@ -17,7 +17,8 @@ use safetensors::Dtype;
 
 use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
-use crate::batch::{HsBatch, HsDtype};
+use crate::batch::{HsBatch, HsData, HsDtype};
+use crate::fp8::{HIDDEN_STATES_SCALE, ScaledRowsError, store_scaled_rows};
 use crate::source::safetensors::{
     HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors, too_long,
 };
@@ -233,7 +234,10 @@ impl Message {
             let (dtype, bytes) = self
                 .blob
                 .element_bytes(name, first * width..(first + len) * width)?;
-            if !decode_floats_into(dtype, bytes, data, base * width) {
+            if dtype == Dtype::F8_E4M3 {
+                let (_, scales) = self.blob.element_bytes(HIDDEN_STATES_SCALE, first..first + len)?;
+                store_fp8_rows(bytes, scales, (width, first), data, base * width, &origin)?;
+            } else if !decode_floats_into(dtype, bytes, data, base * width) {
                 return Err(corrupt(name));
             }
             // The message was scanned for NaN when it was parsed; only a narrowing conversion (f32 into bf16, bf16
@@ -258,4 +262,33 @@ impl Message {
     pub(super) fn into_bytes(self) -> Vec<u8> {
         self.blob.into_bytes()
     }
+}
+
+/// Stores a message's FP8 rows (`codes` of `width` per token, from token `first` of the message, with their
+/// `scales`) into `data` from element `start` on: a non-finite scale is refused naming the scale tensor and
+/// the token.
+pub(super) fn store_fp8_rows(
+    codes: &[u8],
+    scales: &[u8],
+    (width, first): (usize, usize),
+    data: &mut HsData,
+    start: usize,
+    origin: &std::path::Path,
+) -> Result<(), TensorFileError> {
+    store_scaled_rows(codes, scales, width, data, start).map_err(|error| {
+        let (tensor, problem) = match error {
+            ScaledRowsError::NonFiniteScale { row, value } => (
+                HIDDEN_STATES_SCALE,
+                TensorProblem::NonFinite {
+                    value,
+                    at: first + row,
+                },
+            ),
+            ScaledRowsError::Shape { .. } => (
+                HIDDEN_STATES,
+                TensorProblem::BadHeader("data changed after it was checked".into()),
+            ),
+        };
+        TensorFileError::tensor(origin, tensor, problem)
+    })
 }

@@ -15,11 +15,17 @@ use crate::batch::HsDtype;
 /// Elements per block.
 const BLOCK: usize = 4096;
 
-/// The first NaN or infinity among little-endian floats of `dtype` (F32, BF16 or F16), with its index.
+/// The first NaN or infinity among little-endian floats of `dtype` (F32, BF16 or F16; a NaN code of F8_E4M3),
+/// with its index.
 pub(super) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
     match dtype {
         Dtype::BF16 => halves(bytes, 0x7F80, |b| bf16::from_bits(b).to_f32()),
         Dtype::F16 => halves(bytes, 0x7C00, |b| f16::from_bits(b).to_f32()),
+        // E4M3 has no infinity; its NaN is every bit but the sign set.
+        Dtype::F8_E4M3 => bytes
+            .iter()
+            .position(|&code| code & 0x7F == crate::fp8::E4M3_NAN)
+            .map(|at| (at, f32::NAN)),
         _ => singles(bytes),
     }
 }
