@@ -100,6 +100,22 @@ fn scan_rows(
     Ok(())
 }
 
+/// The first non-finite scale of an `F8_E4M3` message's `hidden_states_scale` (which `check_tensors` found
+/// present and `[N, S]` F32); nothing for a float message.
+fn scan_scales(blob: &TensorBlob) -> Result<(), TensorProblem> {
+    if blob.tensor_info(HIDDEN_STATES).map(|hs| hs.dtype) != Some(Dtype::F8_E4M3) {
+        return Ok(());
+    }
+    let tokens = blob.tensor_info(HIDDEN_STATES_SCALE).map_or(0, |scale| scale.shape.iter().product());
+    let (dtype, bytes) = blob
+        .element_bytes(HIDDEN_STATES_SCALE, 0..tokens)
+        .map_err(|e| e.problem)?;
+    match first_non_finite(dtype, bytes) {
+        Some((at, value)) => Err(TensorProblem::NonFinite { value, at }),
+        None => Ok(()),
+    }
+}
+
 impl Message {
     /// Parses and checks the first `len` bytes of `bytes`. On an error the buffer comes back for reuse.
     pub(super) fn parse(
@@ -137,6 +153,12 @@ impl Message {
                 let error = TensorFileError::tensor(&origin, name, problem);
                 return Err((Box::new(error.into()), blob.into_bytes()));
             }
+        }
+        // A non-finite FP8 scale is refused before any row is placed, as a NaN is.
+        if let Err(problem) = scan_scales(&blob) {
+            let origin = blob.origin().to_path_buf();
+            let error = TensorFileError::tensor(&origin, HIDDEN_STATES_SCALE, problem);
+            return Err((Box::new(error.into()), blob.into_bytes()));
         }
         let rows = match bucket_rows(&checked.lengths, shapes) {
             Ok(rows) => rows,
