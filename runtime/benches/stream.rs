@@ -256,7 +256,8 @@ fn main() {
     let tokens = (ROWS * SEQ * MESSAGES) as f64;
     let (mut plain, mut streamed, mut copied, mut fp8_tokens) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut direct_ratios, mut buffered_ratios, mut fp8_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut direct_ratios, mut buffered_ratios, mut fp8_ratios) =
+        (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
         let p = bytes / plain_copy(&direct) / 1e9;
         let s = bytes / stream_into_pool(&direct, HsDtype::Bf16) / 1e9;

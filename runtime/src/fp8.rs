@@ -46,7 +46,11 @@ const fn decode_table() -> [f32; 256] {
             // (1 + mantissa/8) · 2^(exponent − 7), built from its f32 bits (exact).
             f32::from_bits((((exponent + 120) as u32) << 23) | ((mantissa as u32) << 20))
         };
-        table[code] = if code & 0x80 != 0 { -magnitude } else { magnitude };
+        table[code] = if code & 0x80 != 0 {
+            -magnitude
+        } else {
+            magnitude
+        };
         code += 1;
     }
     table
@@ -110,7 +114,9 @@ pub fn quantise_row(row: &[f32], codes: &mut [u8]) -> f32 {
 #[derive(Debug, Clone, Copy, PartialEq, Error)]
 pub enum ScaledRowsError {
     /// The codes, the scales and the destination do not agree (a file that changed after it was checked).
-    #[error("{codes} codes and {scales} scale bytes are not rows of {width} inside the destination")]
+    #[error(
+        "{codes} codes and {scales} scale bytes are not rows of {width} inside the destination"
+    )]
     Shape {
         /// Codes given.
         codes: usize,
@@ -171,7 +177,10 @@ pub fn store_scaled_rows(
             }
             let first_row = start / width;
             held.codes[start..start + codes.len()].copy_from_slice(codes);
-            for (row, scale) in held.scales[first_row..first_row + rows].iter_mut().enumerate() {
+            for (row, scale) in held.scales[first_row..first_row + rows]
+                .iter_mut()
+                .enumerate()
+            {
                 *scale = scale_of(row);
             }
         }
@@ -490,7 +499,12 @@ mod tests {
         assert!((out[4] - 0.001).abs() <= 0.001 / 16.0);
         assert_eq!(rows.as_slice().first_non_finite(), None);
         rows.parts_mut().0[7] = E4M3_NAN;
-        assert!(rows.as_slice().slice(2..9).first_non_finite().is_some_and(|(i, _)| i == 5));
+        assert!(
+            rows.as_slice()
+                .slice(2..9)
+                .first_non_finite()
+                .is_some_and(|(i, _)| i == 5)
+        );
     }
 
     #[test]

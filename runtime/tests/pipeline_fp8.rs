@@ -28,7 +28,10 @@ fn quickstart_in(dtype: HsDtype) -> Plan {
         .replace("steps     = 12000", &format!("steps     = {STEPS}"))
         .replace("pull      = random_in_bucket", "pull      = fifo");
     for changed in [source, "steps     = 12000", "pull      = random_in_bucket"] {
-        assert!(QUICKSTART.contains(changed), "the quick start no longer has `{changed}`");
+        assert!(
+            QUICKSTART.contains(changed),
+            "the quick start no longer has `{changed}`"
+        );
     }
     let plan = compile_source("dflash-quickstart.pipe", &text).unwrap();
     assert_eq!(plan.target.hs_dtype, Some(dtype));
@@ -65,19 +68,36 @@ fn fp8_hidden_states_train_the_quickstart_to_bf16s_loss_and_tau_within_two_perce
     assert!(bf16_loss < 0.75 * (512f64).ln(), "bf16 loss {bf16_loss}");
     assert!(bf16_tau > 1.5, "bf16 τ {bf16_tau}");
     let within = |a: f64, b: f64| (a - b).abs() <= 0.02 * b.abs();
-    assert!(within(fp8_loss, bf16_loss), "loss fp8 {fp8_loss} vs bf16 {bf16_loss}");
-    assert!(within(fp8_tau, bf16_tau), "τ fp8 {fp8_tau} vs bf16 {bf16_tau}");
-    assert!(within(fp8_tau_sim, bf16_tau_sim), "simulated τ fp8 {fp8_tau_sim} vs bf16 {bf16_tau_sim}");
+    assert!(
+        within(fp8_loss, bf16_loss),
+        "loss fp8 {fp8_loss} vs bf16 {bf16_loss}"
+    );
+    assert!(
+        within(fp8_tau, bf16_tau),
+        "τ fp8 {fp8_tau} vs bf16 {bf16_tau}"
+    );
+    assert!(
+        within(fp8_tau_sim, bf16_tau_sim),
+        "simulated τ fp8 {fp8_tau_sim} vs bf16 {bf16_tau_sim}"
+    );
     assert_eq!(fp8.skipped_nonfinite, 0);
 }
 
 #[test]
 fn the_fp8_pool_allocates_exactly_the_host_memory_compile_reports() {
-    let (bf16, fp8) = (quickstart_in(HsDtype::Bf16), quickstart_in(HsDtype::Fp8E4m3));
+    let (bf16, fp8) = (
+        quickstart_in(HsDtype::Bf16),
+        quickstart_in(HsDtype::Fp8E4m3),
+    );
     for plan in [&bf16, &fp8] {
         let pool = BatchPool::for_plan(plan).unwrap();
         assert_eq!(pool.items() as u64, plan.host_memory.hs_pool_buffers);
-        assert_eq!(pool.allocated_bytes(), plan.host_memory.hs_pool(), "{:?}", plan.target.hs_dtype);
+        assert_eq!(
+            pool.allocated_bytes(),
+            plan.host_memory.hs_pool(),
+            "{:?}",
+            plan.target.hs_dtype
+        );
     }
     // Per token: 192 elements (64 × 3 taps) at 2 bytes in bf16, at 1 byte plus a 4-byte scale in fp8.
     let tokens = bf16.buckets.iter().map(|b| b.tokens as u64).max().unwrap();

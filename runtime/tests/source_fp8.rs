@@ -41,7 +41,11 @@ fn hidden_like(rng: &mut Xoshiro256PlusPlus, n: usize, width: usize) -> Vec<f32>
     (0..n)
         .map(|i| {
             let normal: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 0.8;
-            if i % width == 3 { normal * 80.0 + 120.0 } else { normal }
+            if i % width == 3 {
+                normal * 80.0 + 120.0
+            } else {
+                normal
+            }
         })
         .collect()
 }
@@ -51,7 +55,10 @@ fn write_raw(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(name, dtype, shape, bytes)| {
-            (name.to_string(), TensorView::new(*dtype, shape.clone(), bytes).unwrap())
+            (
+                name.to_string(),
+                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+            )
         })
         .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
@@ -69,7 +76,9 @@ fn quantised(values: &[f32]) -> (Vec<u8>, Vec<u8>) {
 }
 
 fn ids() -> Vec<u8> {
-    (0..ROWS * SEQ).flat_map(|i| ((i * 7 % VOCAB) as i64).to_le_bytes()).collect()
+    (0..ROWS * SEQ)
+        .flat_map(|i| ((i * 7 % VOCAB) as i64).to_le_bytes())
+        .collect()
 }
 
 /// An FP8 file of `values` with the scale tensor `scale` (`None`: the right one, or none for a `missing` file).
@@ -108,23 +117,42 @@ fn an_fp8_file_is_held_as_it_is_in_an_fp8_plan_and_dequantised_into_a_bf16_one()
     let path = dir.join("a.safetensors");
     fp8_file(&path, &values, None);
     let (codes, scales) = quantised(&values);
-    let scales: Vec<f32> = scales.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    let scales: Vec<f32> = scales
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
 
     let fp8 = file_plan(&path, None);
-    assert_eq!(fp8.target.hs_dtype, Some(HsDtype::Fp8E4m3), "the file decides");
+    assert_eq!(
+        fp8.target.hs_dtype,
+        Some(HsDtype::Fp8E4m3),
+        "the file decides"
+    );
     let batches = read_all(&fp8).unwrap();
     assert_eq!(batches.len(), 2);
     for (b, batch) in batches.iter().enumerate() {
-        let HsData::Fp8E4m3(rows) = &batch.hs else { panic!("a {:?} batch", batch.hs.dtype()) };
+        let HsData::Fp8E4m3(rows) = &batch.hs else {
+            panic!("a {:?} batch", batch.hs.dtype())
+        };
         let mut rows = rows.clone();
         let (got_codes, got_scales) = rows.parts_mut();
         let tokens = 4 * SEQ;
-        assert_eq!(got_codes, &codes[b * tokens * D..(b + 1) * tokens * D], "batch {b}");
-        assert_eq!(got_scales, &scales[b * tokens..(b + 1) * tokens], "batch {b}");
+        assert_eq!(
+            got_codes,
+            &codes[b * tokens * D..(b + 1) * tokens * D],
+            "batch {b}"
+        );
+        assert_eq!(
+            got_scales,
+            &scales[b * tokens..(b + 1) * tokens],
+            "batch {b}"
+        );
     }
 
     let into_bf16 = read_all(&file_plan(&path, Some(HsDtype::Bf16))).unwrap();
-    let HsData::Bf16(got) = &into_bf16[0].hs else { panic!("not bf16") };
+    let HsData::Bf16(got) = &into_bf16[0].hs else {
+        panic!("not bf16")
+    };
     for (i, got) in got.iter().enumerate() {
         let want = bf16::from_f32(decode(codes[i]) * scales[i / D]);
         assert_eq!(got.to_bits(), want.to_bits(), "element {i}");
@@ -140,7 +168,10 @@ fn a_bf16_file_is_quantised_per_token_when_it_is_read_into_an_fp8_plan() {
         .map(|&v| bf16::from_f32(v).to_f32())
         .collect();
     let path = dir.join("b.safetensors");
-    let hs: Vec<u8> = values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
+    let hs: Vec<u8> = values
+        .iter()
+        .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+        .collect();
     write_raw(
         &path,
         &[
@@ -167,7 +198,11 @@ fn a_missing_misshapen_or_non_finite_scale_is_refused_naming_the_file_and_the_te
         assert!(error.contains("hidden_states_scale"), "{error}");
         error
     };
-    let ones = |n: usize| (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect::<Vec<u8>>();
+    let ones = |n: usize| {
+        (0..n)
+            .flat_map(|_| 1.0f32.to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
     let missing = refused("missing.safetensors", None);
     assert!(missing.contains("missing"), "{missing}");
     let shape = refused(

@@ -58,7 +58,11 @@ fn values() -> Vec<f32> {
     (0..ROWS * SEQ * DIN)
         .map(|i| {
             let token = i / DIN;
-            if token == 5 { 0.0 } else { ((i * 37 % 101) as f32 - 50.0) * (1 + token % 4) as f32 / 8.0 }
+            if token == 5 {
+                0.0
+            } else {
+                ((i * 37 % 101) as f32 - 50.0) * (1 + token % 4) as f32 / 8.0
+            }
         })
         .collect()
 }
@@ -76,12 +80,16 @@ fn blob(tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
     header.resize(header.len().next_multiple_of(8), b' ');
     let mut blob = (header.len() as u64).to_le_bytes().to_vec();
     blob.extend_from_slice(&header);
-    tensors.iter().for_each(|(.., data)| blob.extend_from_slice(data));
+    tensors
+        .iter()
+        .for_each(|(.., data)| blob.extend_from_slice(data));
     blob
 }
 
 fn ids() -> Vec<u8> {
-    (0..ROWS * SEQ).flat_map(|i| ((i * 3 % VOCAB) as i64).to_le_bytes()).collect()
+    (0..ROWS * SEQ)
+        .flat_map(|i| ((i * 3 % VOCAB) as i64).to_le_bytes())
+        .collect()
 }
 
 /// The codes and the scales' bytes of `values()`, quantised as the Python producer does.
@@ -135,7 +143,10 @@ fn exchange(hs_dtype: HsDtype, message: &[u8]) -> Result<HsBatch, String> {
             Ok(batches.recv_timeout(Duration::from_secs(10)).unwrap())
         } else {
             let error = reply.error.unwrap_or_default();
-            assert!(error.contains(&peer), "the error names the peer {peer}: {error}");
+            assert!(
+                error.contains(&peer),
+                "the error names the peer {peer}: {error}"
+            );
             Err(error)
         };
         stop.store(true, Ordering::Release);
@@ -146,14 +157,21 @@ fn exchange(hs_dtype: HsDtype, message: &[u8]) -> Result<HsBatch, String> {
 #[test]
 fn fp8_messages_are_held_as_sent_on_the_direct_and_the_buffered_path() {
     let (codes, scales) = quantised();
-    let scales: Vec<f32> = scales.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    let scales: Vec<f32> = scales
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
     let mut want = Fp8Rows::zeroed(DIN, ROWS * SEQ * DIN);
     want.parts_mut().0.copy_from_slice(&codes);
     want.parts_mut().1.copy_from_slice(&scales);
     for scale_first in [true, false] {
         let batch = exchange(HsDtype::Fp8E4m3, &fp8_message(scale_first, None)).unwrap();
         assert_eq!(batch.seq_lens, [8; 4]);
-        assert_eq!(batch.hs, HsData::Fp8E4m3(want.clone()), "scales first: {scale_first}");
+        assert_eq!(
+            batch.hs,
+            HsData::Fp8E4m3(want.clone()),
+            "scales first: {scale_first}"
+        );
         assert_eq!(want.parts_mut().1[5], 1.0, "the zero token's scale");
     }
 }
@@ -161,13 +179,19 @@ fn fp8_messages_are_held_as_sent_on_the_direct_and_the_buffered_path() {
 #[test]
 fn bf16_into_an_fp8_server_is_quantised_and_fp8_into_a_bf16_server_dequantised() {
     let values = values();
-    let bf16_bytes: Vec<u8> = values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+    let bf16_bytes: Vec<u8> = values
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect();
     let message = blob(&[
         ("input_ids", "I64", vec![ROWS, SEQ], ids()),
         ("hidden_states", "BF16", vec![ROWS, SEQ, DIN], bf16_bytes),
     ]);
     let batch = exchange(HsDtype::Fp8E4m3, &message).unwrap();
-    let rounded: Vec<f32> = values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    let rounded: Vec<f32> = values
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
     let mut want = Fp8Rows::zeroed(DIN, rounded.len());
     want.store_f32(0, &rounded);
     assert_eq!(batch.hs, HsData::Fp8E4m3(want));
@@ -175,29 +199,55 @@ fn bf16_into_an_fp8_server_is_quantised_and_fp8_into_a_bf16_server_dequantised()
     let (codes, scales) = quantised();
     let batch = exchange(HsDtype::Bf16, &fp8_message(true, None)).unwrap();
     for (i, &code) in codes.iter().enumerate() {
-        let scale = f32::from_le_bytes(scales[4 * (i / DIN)..4 * (i / DIN) + 4].try_into().unwrap());
-        assert_eq!(batch.hs.get(i), half::bf16::from_f32(decode(code) * scale).to_f32(), "element {i}");
+        let scale =
+            f32::from_le_bytes(scales[4 * (i / DIN)..4 * (i / DIN) + 4].try_into().unwrap());
+        assert_eq!(
+            batch.hs.get(i),
+            half::bf16::from_f32(decode(code) * scale).to_f32(),
+            "element {i}"
+        );
     }
 }
 
 #[test]
 fn a_missing_misshapen_or_non_finite_scale_is_refused_naming_the_tensor() {
-    let ones = |n: usize| (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect::<Vec<u8>>();
+    let ones = |n: usize| {
+        (0..n)
+            .flat_map(|_| 1.0f32.to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
     let mut nan = ones(ROWS * SEQ);
     nan[4 * 9..4 * 10].copy_from_slice(&f32::INFINITY.to_le_bytes());
     for scale_first in [true, false] {
         let missing = blob(&[
             ("input_ids", "I64", vec![ROWS, SEQ], ids()),
-            ("hidden_states", "F8_E4M3", vec![ROWS, SEQ, DIN], quantised().0),
+            (
+                "hidden_states",
+                "F8_E4M3",
+                vec![ROWS, SEQ, DIN],
+                quantised().0,
+            ),
         ]);
         let error = exchange(HsDtype::Fp8E4m3, &missing).unwrap_err();
-        assert!(error.contains("hidden_states_scale") && error.contains("missing"), "{error}");
-        let shape = fp8_message(scale_first, Some((vec![ROWS, SEQ - 1], ones(ROWS * (SEQ - 1)))));
+        assert!(
+            error.contains("hidden_states_scale") && error.contains("missing"),
+            "{error}"
+        );
+        let shape = fp8_message(
+            scale_first,
+            Some((vec![ROWS, SEQ - 1], ones(ROWS * (SEQ - 1)))),
+        );
         let error = exchange(HsDtype::Fp8E4m3, &shape).unwrap_err();
-        assert!(error.contains("hidden_states_scale") && error.contains("[4, 7]"), "{error}");
+        assert!(
+            error.contains("hidden_states_scale") && error.contains("[4, 7]"),
+            "{error}"
+        );
         let infinite = fp8_message(scale_first, Some((vec![ROWS, SEQ], nan.clone())));
         let error = exchange(HsDtype::Fp8E4m3, &infinite).unwrap_err();
-        assert!(error.contains("hidden_states_scale") && error.contains("element 9 "), "{scale_first}: {error}");
+        assert!(
+            error.contains("hidden_states_scale") && error.contains("element 9 "),
+            "{scale_first}: {error}"
+        );
     }
     // A NaN code is the hidden states' NaN, refused with its element.
     let (mut codes, scales) = quantised();
@@ -208,5 +258,8 @@ fn a_missing_misshapen_or_non_finite_scale_is_refused_naming_the_tensor() {
         ("hidden_states", "F8_E4M3", vec![ROWS, SEQ, DIN], codes),
     ]);
     let error = exchange(HsDtype::Fp8E4m3, &message).unwrap_err();
-    assert!(error.contains("hidden_states") && error.contains("element 17 "), "{error}");
+    assert!(
+        error.contains("hidden_states") && error.contains("element 17 "),
+        "{error}"
+    );
 }

@@ -24,8 +24,8 @@ use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
 use crate::family::{REGISTRY, TargetFacts};
 use crate::plan::{
-    DeclaredDevice, Device, DeviceMemory, HostMemory, HsDtype, ModelPlan, Placement, Plan, SourceSpec,
-    StepPhase, SyncMode,
+    DeclaredDevice, Device, DeviceMemory, HostMemory, HsDtype, ModelPlan, Placement, Plan,
+    SourceSpec, StepPhase, SyncMode,
 };
 use crate::span::Span;
 

@@ -417,7 +417,13 @@ pub fn check_tensors(
         // FP8 rows are meaningless without their scales: one f32 per token.
         let scale = file.require_tensor(HIDDEN_STATES_SCALE)?;
         let is_f32 = |dtype| dtype == Dtype::F32;
-        check_rows(HIDDEN_STATES_SCALE, scale.dtype, &scale.shape, is_f32, "F32")?;
+        check_rows(
+            HIDDEN_STATES_SCALE,
+            scale.dtype,
+            &scale.shape,
+            is_f32,
+            "F32",
+        )?;
     }
     let ids = file.require_tensor(INPUT_IDS)?;
     check_rows(INPUT_IDS, ids.dtype, &ids.shape, is_id_dtype, "I32 or I64")?;
@@ -669,7 +675,9 @@ impl SafetensorsSource {
                     let problem = TensorProblem::NonFinite { value, at };
                     return Err(TensorFileError::tensor(&path, HIDDEN_STATES_SCALE, problem).into());
                 }
-                Err(crate::fp8::ScaledRowsError::Shape { .. }) => return Err(changed(HIDDEN_STATES)),
+                Err(crate::fp8::ScaledRowsError::Shape { .. }) => {
+                    return Err(changed(HIDDEN_STATES));
+                }
             }
         } else if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
             return Err(changed(HIDDEN_STATES));

@@ -106,7 +106,9 @@ fn scan_scales(blob: &TensorBlob) -> Result<(), TensorProblem> {
     if blob.tensor_info(HIDDEN_STATES).map(|hs| hs.dtype) != Some(Dtype::F8_E4M3) {
         return Ok(());
     }
-    let tokens = blob.tensor_info(HIDDEN_STATES_SCALE).map_or(0, |scale| scale.shape.iter().product());
+    let tokens = blob
+        .tensor_info(HIDDEN_STATES_SCALE)
+        .map_or(0, |scale| scale.shape.iter().product());
     let (dtype, bytes) = blob
         .element_bytes(HIDDEN_STATES_SCALE, 0..tokens)
         .map_err(|e| e.problem)?;
@@ -257,7 +259,9 @@ impl Message {
                 .blob
                 .element_bytes(name, first * width..(first + len) * width)?;
             if dtype == Dtype::F8_E4M3 {
-                let (_, scales) = self.blob.element_bytes(HIDDEN_STATES_SCALE, first..first + len)?;
+                let (_, scales) = self
+                    .blob
+                    .element_bytes(HIDDEN_STATES_SCALE, first..first + len)?;
                 store_fp8_rows(bytes, scales, (width, first), data, base * width, &origin)?;
             } else if !decode_floats_into(dtype, bytes, data, base * width) {
                 return Err(corrupt(name));
