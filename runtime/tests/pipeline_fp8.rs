@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use draftpipe_compiler::compile_source;
 use draftpipe_compiler::plan::{HsDtype, Plan};
 use draftpipe_runtime::pipeline::{RunOptions, run};
-use draftpipe_runtime::source::BatchPool;
+use draftpipe_runtime::source::{BatchPool, Producer, open_sources};
 use draftpipe_runtime::telemetry::RunSummary;
 
 const QUICKSTART: &str = include_str!("../../pipelines/dflash-quickstart.pipe");
@@ -81,6 +81,44 @@ fn fp8_hidden_states_train_the_quickstart_to_bf16s_loss_and_tau_within_two_perce
         "simulated τ fp8 {fp8_tau_sim} vs bf16 {bf16_tau_sim}"
     );
     assert_eq!(fp8.skipped_nonfinite, 0);
+}
+
+/// The quickstart's model normalises each token's input, so a wrong per-token scale would barely move its loss:
+/// the values staging dequantises (`widen_into`, what the CPU and CUDA staging call) are checked here against
+/// the bf16 run's, batch for batch, so the comparison above is of correctly scaled hidden states.
+#[test]
+fn the_synthetic_targets_fp8_batches_dequantise_to_its_bf16_values_within_e4m3s_step() {
+    let batches = |plan: &Plan| {
+        let pool = BatchPool::for_plan(plan).unwrap();
+        let mut producer = Producer::new(open_sources(plan).unwrap().remove(0));
+        let stop = AtomicBool::new(false);
+        (0..4)
+            .map(|_| {
+                let batch = producer.next_batch(&pool, &stop).unwrap().unwrap();
+                let values = batch.hs.to_f32_vec(0..batch.hs.len());
+                pool.give_back(batch).unwrap();
+                values
+            })
+            .collect::<Vec<_>>()
+    };
+    let (bf16, fp8) = (
+        batches(&quickstart_in(HsDtype::Bf16)),
+        batches(&quickstart_in(HsDtype::Fp8E4m3)),
+    );
+    for (b, (bf16, fp8)) in bf16.iter().zip(&fp8).enumerate() {
+        for (row, (bf16, fp8)) in bf16.chunks(192).zip(fp8.chunks(192)).enumerate() {
+            let amax = bf16.iter().fold(0f32, |m, x| m.max(x.abs()));
+            for (d, (&want, &got)) in bf16.iter().zip(fp8).enumerate() {
+                // E4M3's half step relative to the value, or its subnormal step (2⁻⁹ of the scale, amax / 448),
+                // and bf16's own rounding of the reference (2⁻⁹ relative).
+                let bound = want.abs() / 16.0 + amax / 448.0 / 512.0 + want.abs() / 256.0;
+                assert!(
+                    (got - want).abs() <= bound,
+                    "batch {b} token {row} element {d}: {got} vs {want}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
