@@ -13,12 +13,13 @@
 //! of part of one, which requantises that row.
 
 use std::ops::Range;
+use std::path::Path;
 
 use safetensors::Dtype;
 use thiserror::Error;
 
 use crate::batch::HsData;
-use crate::tensor_file::decode_floats;
+use crate::tensor_file::{TensorFileError, TensorProblem, decode_floats};
 
 /// The tensor beside an `F8_E4M3` `hidden_states` that holds each token's scale, `[N, S]` F32 (files and
 /// stream messages alike).
@@ -197,6 +198,35 @@ pub fn store_scaled_rows(
         }
     }
     Ok(())
+}
+
+/// [`store_scaled_rows`] for a source: FP8 rows of a file or a message (`codes` of `width` per token, from token
+/// `first` of its tensors, with their `scales`) into `data` from element `start` on; a non-finite scale is
+/// refused naming `origin`, the scale tensor and the token.
+pub(crate) fn store_fp8_rows(
+    codes: &[u8],
+    scales: &[u8],
+    (width, first): (usize, usize),
+    data: &mut HsData,
+    start: usize,
+    origin: &Path,
+) -> Result<(), TensorFileError> {
+    store_scaled_rows(codes, scales, width, data, start).map_err(|error| {
+        let (tensor, problem) = match error {
+            ScaledRowsError::NonFiniteScale { row, value } => (
+                HIDDEN_STATES_SCALE,
+                TensorProblem::NonFinite {
+                    value,
+                    at: first + row,
+                },
+            ),
+            ScaledRowsError::Shape { .. } => (
+                crate::source::safetensors::HIDDEN_STATES,
+                TensorProblem::BadHeader("data changed after it was checked".into()),
+            ),
+        };
+        TensorFileError::tensor(origin, tensor, problem)
+    })
 }
 
 /// Rows of E4M3 codes, each with its f32 scale: the pool's buffer of an `fp8_e4m3` plan.

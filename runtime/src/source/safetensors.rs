@@ -42,7 +42,7 @@ use safetensors::Dtype;
 
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
-use crate::fp8::{HIDDEN_STATES_SCALE, store_scaled_rows};
+use crate::fp8::{HIDDEN_STATES_SCALE, store_fp8_rows};
 use crate::tensor_file::{
     TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids,
     decode_mask, is_float_dtype, is_id_dtype, is_mask_dtype,
@@ -668,17 +668,7 @@ impl SafetensorsSource {
         let (dtype, bytes) = file.element_bytes(HIDDEN_STATES, first * din..(first + len) * din)?;
         if dtype == Dtype::F8_E4M3 {
             let (_, scales) = file.element_bytes(HIDDEN_STATES_SCALE, first..first + len)?;
-            match store_scaled_rows(bytes, scales, din, &mut out.hs, base * din) {
-                Ok(()) => {}
-                Err(crate::fp8::ScaledRowsError::NonFiniteScale { row, value }) => {
-                    let at = first + row;
-                    let problem = TensorProblem::NonFinite { value, at };
-                    return Err(TensorFileError::tensor(&path, HIDDEN_STATES_SCALE, problem).into());
-                }
-                Err(crate::fp8::ScaledRowsError::Shape { .. }) => {
-                    return Err(changed(HIDDEN_STATES));
-                }
-            }
+            store_fp8_rows(bytes, scales, (din, first), &mut out.hs, base * din, &path)?;
         } else if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
             return Err(changed(HIDDEN_STATES));
         }

@@ -17,8 +17,8 @@ use safetensors::Dtype;
 
 use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
-use crate::batch::{HsBatch, HsData, HsDtype};
-use crate::fp8::{HIDDEN_STATES_SCALE, ScaledRowsError, store_scaled_rows};
+use crate::batch::{HsBatch, HsDtype};
+use crate::fp8::{HIDDEN_STATES_SCALE, store_fp8_rows};
 use crate::source::safetensors::{
     HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors, too_long,
 };
@@ -288,33 +288,4 @@ impl Message {
     pub(super) fn into_bytes(self) -> Vec<u8> {
         self.blob.into_bytes()
     }
-}
-
-/// Stores a message's FP8 rows (`codes` of `width` per token, from token `first` of the message, with their
-/// `scales`) into `data` from element `start` on: a non-finite scale is refused naming the scale tensor and
-/// the token.
-pub(super) fn store_fp8_rows(
-    codes: &[u8],
-    scales: &[u8],
-    (width, first): (usize, usize),
-    data: &mut HsData,
-    start: usize,
-    origin: &std::path::Path,
-) -> Result<(), TensorFileError> {
-    store_scaled_rows(codes, scales, width, data, start).map_err(|error| {
-        let (tensor, problem) = match error {
-            ScaledRowsError::NonFiniteScale { row, value } => (
-                HIDDEN_STATES_SCALE,
-                TensorProblem::NonFinite {
-                    value,
-                    at: first + row,
-                },
-            ),
-            ScaledRowsError::Shape { .. } => (
-                HIDDEN_STATES,
-                TensorProblem::BadHeader("data changed after it was checked".into()),
-            ),
-        };
-        TensorFileError::tensor(origin, tensor, problem)
-    })
 }
