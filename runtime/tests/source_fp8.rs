@@ -256,3 +256,36 @@ fn the_quantisation_error_against_f32_is_e4m3s_half_step() {
     assert!(worst_bf16 <= 1.0 / 256.0 + 1e-9, "{worst_bf16}");
     assert!(rms < 0.04, "{rms}");
 }
+
+/// The Python producer's quantiser (`clients/python/draftpipe_client/_fp8.py`) and the runtime's give the same
+/// codes and scales: `tests/data/fp8_golden.safetensors` holds f32 rows (a zero row, a row of scale 1 with ties
+/// and subnormals, one with an outlier, random rows over eight decades) and what the Python side made of them
+/// (`python scripts/fp8_golden.py runtime/tests/data/fp8_golden.safetensors` writes it).
+#[test]
+fn the_python_producers_codes_and_scales_are_the_runtimes() {
+    let bytes = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/fp8_golden.safetensors"
+    ))
+    .unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensor = |name: &str| file.tensor(name).unwrap();
+    assert_eq!(tensor("hidden_states").dtype(), Dtype::F8_E4M3);
+    let values: Vec<f32> = tensor("values")
+        .data()
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let width = tensor("values").shape()[1];
+    let mut codes = vec![0u8; values.len()];
+    let scales: Vec<u8> = values
+        .chunks(width)
+        .zip(codes.chunks_mut(width))
+        .flat_map(|(row, codes)| quantise_row(row, codes).to_le_bytes())
+        .collect();
+    assert_eq!(scales, tensor("hidden_states_scale").data());
+    let python = tensor("hidden_states").data();
+    for (i, (ours, theirs)) in codes.iter().zip(python).enumerate() {
+        assert_eq!(ours, theirs, "element {i} ({})", values[i]);
+    }
+}
