@@ -100,22 +100,26 @@ fn scan_rows(
     Ok(())
 }
 
-/// The first non-finite scale of an `F8_E4M3` message's `hidden_states_scale` (which `check_tensors` found
-/// present and `[N, S]` F32); nothing for a float message.
-fn scan_scales(blob: &TensorBlob) -> Result<(), TensorProblem> {
+/// The first non-finite scale of the kept tokens (rows of `seq` tokens of which `lengths` are kept) of an
+/// `F8_E4M3` message's `hidden_states_scale`, which `check_tensors` found present and `[N, S]` F32: the tokens
+/// the direct path copies scales for, so both paths refuse the same messages. Nothing for a float message.
+fn scan_scales(blob: &TensorBlob, lengths: &[usize], seq: usize) -> Result<(), TensorProblem> {
     if blob.tensor_info(HIDDEN_STATES).map(|hs| hs.dtype) != Some(Dtype::F8_E4M3) {
         return Ok(());
     }
-    let tokens = blob
-        .tensor_info(HIDDEN_STATES_SCALE)
-        .map_or(0, |scale| scale.shape.iter().product());
-    let (dtype, bytes) = blob
-        .element_bytes(HIDDEN_STATES_SCALE, 0..tokens)
-        .map_err(|e| e.problem)?;
-    match first_non_finite(dtype, bytes) {
-        Some((at, value)) => Err(TensorProblem::NonFinite { value, at }),
-        None => Ok(()),
+    for (row, &len) in lengths.iter().enumerate() {
+        let first = row * seq;
+        let (dtype, bytes) = blob
+            .element_bytes(HIDDEN_STATES_SCALE, first..first + len)
+            .map_err(|e| e.problem)?;
+        if let Some((at, value)) = first_non_finite(dtype, bytes) {
+            return Err(TensorProblem::NonFinite {
+                value,
+                at: first + at,
+            });
+        }
     }
+    Ok(())
 }
 
 impl Message {
@@ -157,7 +161,7 @@ impl Message {
             }
         }
         // A non-finite FP8 scale is refused before any row is placed, as a NaN is.
-        if let Err(problem) = scan_scales(&blob) {
+        if let Err(problem) = scan_scales(&blob, &checked.lengths, checked.seq) {
             let origin = blob.origin().to_path_buf();
             let error = TensorFileError::tensor(&origin, HIDDEN_STATES_SCALE, problem);
             return Err((Box::new(error.into()), blob.into_bytes()));
