@@ -79,7 +79,7 @@ def test_each_token_has_its_own_scale_and_a_zero_row_no_nan():
     assert not np.isnan(back).any()
     assert (back[0, 1] == 0).all()
     # Each row's largest magnitude lands on ±448 and comes back to float32 rounding.
-    assert list(codes[0, 0]) [2] == 0x7E and codes[0, 2, 2] == 0xFE
+    assert codes[0, 0, 2] == 0x7E and codes[0, 2, 2] == 0xFE
     np.testing.assert_allclose(back, hs, rtol=1 / 16)
 
 
