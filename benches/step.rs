@@ -252,7 +252,7 @@ fn bench_hs_dtype(c: &mut Criterion) {
             .upload_state(&FlatState::init(&model, 0))
             .expect("state");
         let mut batch = HsBatch {
-            hs: HsData::zeroed(hs, values.len()),
+            hs: HsData::zeroed(hs, wide.din, values.len()),
             ..wide.clone()
         };
         // Both runs see the same values: each rounded to bf16 once.

@@ -159,7 +159,8 @@ impl WorkspaceLayout {
     /// `last_hs`, which no 16-bit product reads, stays f16. `None` on overflow.
     pub fn with_hs_dtype(mut self, backend: BackendKind, hs: HsDtype) -> Option<Self> {
         let dtype = match hs {
-            HsDtype::F32 => return Some(self),
+            // FP8 batches are dequantised into f32 slots when they are staged (no product reads FP8).
+            HsDtype::F32 | HsDtype::Fp8E4m3 => return Some(self),
             HsDtype::Bf16 => Dtype::Bf16,
             HsDtype::F16 => Dtype::F16,
         };

@@ -7,12 +7,15 @@
 //! Every sequence in a batch is padded to the bucket's `padded_len`, so each bucket has one static shape.
 //! Hidden states are held in the plan's `hs_dtype` ([`HsData`]): bf16 from a target stays bf16 (half the bytes
 //! of f32) through the pool, the queue and the drafter's input slot, and is widened to f32 only a tile at a time
-//! inside the first layer's matrix products.
+//! inside the first layer's matrix products. FP8 (`fp8_e4m3`, [`Fp8Rows`]) holds a byte per element and an f32
+//! scale per token row, and is dequantised to f32 when a batch is staged into a drafter's input slot.
 
 use std::ops::Range;
 
 pub use draftpipe_compiler::plan::HsDtype;
 use half::{bf16, f16};
+
+use crate::fp8::{Fp8Rows, Fp8Slice};
 
 /// Hidden states in the precision they are held in.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,6 +26,8 @@ pub enum HsData {
     Bf16(Vec<bf16>),
     /// IEEE half.
     F16(Vec<f16>),
+    /// FP8 E4M3 codes with one scale per token row.
+    Fp8E4m3(Fp8Rows),
 }
 
 /// A borrowed run of hidden states, in their precision.
@@ -34,6 +39,8 @@ pub enum HsSlice<'a> {
     Bf16(&'a [bf16]),
     /// IEEE half.
     F16(&'a [f16]),
+    /// FP8 E4M3 codes with their rows' scales.
+    Fp8E4m3(Fp8Slice<'a>),
 }
 
 /// Applies `$body` to the vector (or slice) inside any variant, bound to `$v`.
@@ -43,26 +50,29 @@ macro_rules! each_dtype {
             $ty::F32($v) => $body,
             $ty::Bf16($v) => $body,
             $ty::F16($v) => $body,
+            $ty::Fp8E4m3($v) => $body,
         }
     };
 }
 
 impl HsData {
-    /// `len` zeros in `dtype`.
-    pub fn zeroed(dtype: HsDtype, len: usize) -> Self {
+    /// `len` zeros in `dtype`, in rows of `width` (a token's; the rows FP8 scales).
+    pub fn zeroed(dtype: HsDtype, width: usize, len: usize) -> Self {
         match dtype {
             HsDtype::F32 => Self::F32(vec![0.0; len]),
             HsDtype::Bf16 => Self::Bf16(vec![bf16::ZERO; len]),
             HsDtype::F16 => Self::F16(vec![f16::ZERO; len]),
+            HsDtype::Fp8E4m3 => Self::Fp8E4m3(Fp8Rows::zeroed(width, len)),
         }
     }
 
-    /// An empty buffer in `dtype` with room for `capacity` elements.
-    pub fn with_capacity(dtype: HsDtype, capacity: usize) -> Self {
+    /// An empty buffer in `dtype`, rows of `width`, with room for `capacity` elements.
+    pub fn with_capacity(dtype: HsDtype, width: usize, capacity: usize) -> Self {
         match dtype {
             HsDtype::F32 => Self::F32(Vec::with_capacity(capacity)),
             HsDtype::Bf16 => Self::Bf16(Vec::with_capacity(capacity)),
             HsDtype::F16 => Self::F16(Vec::with_capacity(capacity)),
+            HsDtype::Fp8E4m3 => Self::Fp8E4m3(Fp8Rows::with_capacity(width, capacity)),
         }
     }
 
@@ -72,6 +82,7 @@ impl HsData {
             Self::F32(_) => HsDtype::F32,
             Self::Bf16(_) => HsDtype::Bf16,
             Self::F16(_) => HsDtype::F16,
+            Self::Fp8E4m3(_) => HsDtype::Fp8E4m3,
         }
     }
 
@@ -90,6 +101,14 @@ impl HsData {
         each_dtype!(self, Self, v => v.capacity())
     }
 
+    /// Bytes the buffer holds room for (an FP8 one's scales included).
+    pub fn allocated_bytes(&self) -> usize {
+        match self {
+            Self::Fp8E4m3(rows) => rows.allocated_bytes(),
+            other => other.capacity() * other.dtype().bytes(),
+        }
+    }
+
     /// Address of the first element (to tell buffers apart, e.g. that a pool reuses them).
     pub fn as_ptr(&self) -> *const u8 {
         each_dtype!(self, Self, v => v.as_ptr().cast())
@@ -101,6 +120,7 @@ impl HsData {
             Self::F32(v) => v.resize(len, 0.0),
             Self::Bf16(v) => v.resize(len, bf16::ZERO),
             Self::F16(v) => v.resize(len, f16::ZERO),
+            Self::Fp8E4m3(rows) => rows.resize(len),
         }
     }
 
@@ -110,6 +130,7 @@ impl HsData {
             Self::F32(v) => v[range].fill(0.0),
             Self::Bf16(v) => v[range].fill(bf16::ZERO),
             Self::F16(v) => v[range].fill(f16::ZERO),
+            Self::Fp8E4m3(rows) => rows.zero(range),
         }
     }
 
@@ -119,6 +140,7 @@ impl HsData {
             Self::F32(v) => v.fill(value),
             Self::Bf16(v) => v.fill(bf16::from_f32(value)),
             Self::F16(v) => v.fill(f16::from_f32(value)),
+            Self::Fp8E4m3(rows) => rows.fill(value),
         }
     }
 
@@ -131,10 +153,12 @@ impl HsData {
             Self::F32(v) => v[index],
             Self::Bf16(v) => v[index].to_f32(),
             Self::F16(v) => v[index].to_f32(),
+            Self::Fp8E4m3(rows) => rows.get(index),
         }
     }
 
-    /// Writes `values` from element `start` on, rounded to nearest (ties to even) when the dtype is narrower.
+    /// Writes `values` from element `start` on, rounded to nearest (ties to even) when the dtype is narrower;
+    /// quantised with a scale per row they touch in FP8 ([`Fp8Rows::store_f32`]).
     pub fn store_f32(&mut self, start: usize, values: &[f32]) {
         let range = start..start + values.len();
         match self {
@@ -147,6 +171,7 @@ impl HsData {
                 .iter_mut()
                 .zip(values)
                 .for_each(|(d, &x)| *d = f16::from_f32(x)),
+            Self::Fp8E4m3(rows) => rows.store_f32(start, values),
         }
     }
 
@@ -172,10 +197,11 @@ impl HsData {
             Self::F32(v) => HsSlice::F32(v),
             Self::Bf16(v) => HsSlice::Bf16(v),
             Self::F16(v) => HsSlice::F16(v),
+            Self::Fp8E4m3(rows) => HsSlice::Fp8E4m3(rows.as_slice()),
         }
     }
 
-    /// Elements `range`, widened to f32 (exact: every bf16 and f16 value is an f32).
+    /// Elements `range`, widened to f32 (exact: every bf16 and f16 value is an f32; FP8 ones dequantised).
     pub fn to_f32_vec(&self, range: Range<usize>) -> Vec<f32> {
         let mut out = vec![0.0; range.len()];
         self.as_slice().slice(range).widen_into(&mut out);
@@ -190,6 +216,7 @@ impl<'a> HsSlice<'a> {
             Self::F32(_) => HsDtype::F32,
             Self::Bf16(_) => HsDtype::Bf16,
             Self::F16(_) => HsDtype::F16,
+            Self::Fp8E4m3(_) => HsDtype::Fp8E4m3,
         }
     }
 
@@ -209,10 +236,11 @@ impl<'a> HsSlice<'a> {
             Self::F32(v) => Self::F32(&v[range]),
             Self::Bf16(v) => Self::Bf16(&v[range]),
             Self::F16(v) => Self::F16(&v[range]),
+            Self::Fp8E4m3(v) => Self::Fp8E4m3(v.slice(range)),
         }
     }
 
-    /// Widens every element into `out` (same length; exact).
+    /// Widens every element into `out` (same length; exact, except that FP8 is dequantised: `code · scale`).
     ///
     /// # Panics
     /// When the lengths differ.
@@ -226,6 +254,7 @@ impl<'a> HsSlice<'a> {
                 .zip(v)
                 .for_each(|(o, x)| *o = f32::from_bits(u32::from(x.to_bits()) << 16)),
             Self::F16(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = x.to_f32()),
+            Self::Fp8E4m3(v) => v.dequantise_into(out),
         }
     }
 
@@ -241,6 +270,7 @@ impl<'a> HsSlice<'a> {
                 .iter()
                 .position(|x| !x.is_finite())
                 .map(|i| (i, v[i].to_f32())),
+            Self::Fp8E4m3(v) => v.first_non_finite(),
         }
     }
 }
@@ -283,7 +313,7 @@ impl HsBatch {
             padded_len,
             sequences,
             din,
-            hs: HsData::zeroed(dtype, tokens * din),
+            hs: HsData::zeroed(dtype, din, tokens * din),
             last_hidden_states: None,
             input_ids: vec![0; tokens],
             seq_lens: vec![0; sequences],
@@ -294,7 +324,11 @@ impl HsBatch {
 
     /// The batch with a zeroed `last_hidden_states` of `hidden` per token, in the dtype of `hs`.
     pub fn with_last_hidden_states(mut self, hidden: usize) -> Self {
-        self.last_hidden_states = Some(HsData::zeroed(self.hs.dtype(), self.tokens() * hidden));
+        self.last_hidden_states = Some(HsData::zeroed(
+            self.hs.dtype(),
+            hidden,
+            self.tokens() * hidden,
+        ));
         self
     }
 
@@ -314,8 +348,8 @@ impl HsBatch {
         let last = self
             .last_hidden_states
             .as_ref()
-            .map_or(0, |last| last.capacity() * last.dtype().bytes());
-        let bytes = self.hs.capacity() * self.hs.dtype().bytes()
+            .map_or(0, HsData::allocated_bytes);
+        let bytes = self.hs.allocated_bytes()
             + last
             + self.input_ids.capacity() * size_of::<u32>()
             + self.seq_lens.capacity() * size_of::<u32>()

@@ -18,6 +18,7 @@ pub mod eval;
 pub mod export_check;
 pub mod figures;
 pub mod foreign_file;
+pub mod fp8;
 pub mod lock;
 pub mod log;
 pub mod model;

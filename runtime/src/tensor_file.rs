@@ -327,6 +327,7 @@ pub fn decode_floats_into(dtype: Dtype, bytes: &[u8], out: &mut HsData, start: u
     };
     match (out, dtype) {
         (HsData::F32(v), _) => return decode_floats(dtype, bytes, &mut v[range]),
+        (HsData::Fp8E4m3(rows), _) => return rows.store_floats(dtype, bytes, start),
         // The same precision on a little-endian host: the bytes are the values, one memcpy (this is the path
         // every bf16 message and file row takes; an element loop ran at a fraction of copy speed).
         (HsData::Bf16(v), Dtype::BF16) if cfg!(target_endian = "little") => {

@@ -3,8 +3,8 @@
 Every frame is an 8-byte little-endian length and that many bytes. The producer sends a JSON hello (protocol
 version, the target's ``hidden``, ``tap_layers`` and ``vocab``, a token, a producer name) and gets a JSON
 reply; then each message is one safetensors blob (``input_ids [N, S]``, ``hidden_states [N, S, D]``, optional
-``loss_mask [N, S]``, and ``last_hidden_states [N, S, hidden]`` when the reply says the plan's drafter reads
-them), answered by a JSON acknowledgement once its batches are in draftpipe's queue. An empty
+``loss_mask [N, S]``, ``last_hidden_states [N, S, hidden]`` when the reply says the plan's drafter reads
+them, and ``hidden_states_scale [N, S]`` float32 beside ``F8_E4M3`` hidden states), answered by a JSON acknowledgement once its batches are in draftpipe's queue. An empty
 frame says the producer is done. Any error is one reply ``{"ok": false, "error": ...}``, then the server closes.
 """
 
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._safetensors import Tensor, float32_to_bf16_bits, serialize
+from ._fp8 import quantise_e4m3
+from ._safetensors import Tensor, bf16_bits_to_float32, float32_to_bf16_bits, serialize
 
 PROTOCOL_VERSION = 1
 
-_HIDDEN_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+_HIDDEN_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32", "fp8_e4m3": "F8_E4M3"}
 
 
 class DraftpipeError(RuntimeError):
@@ -91,8 +92,9 @@ class Producer:
     plan's target stage; ``token`` defaults to ``$DRAFTPIPE_TOKEN``. ``name`` identifies this producer across
     reconnects (default: host name and process id); a restarted producer that reuses its name takes its slot
     back and learns from :attr:`delivered` how many messages were acknowledged before. ``hidden_dtype``
-    (``"bf16"``, ``"f16"``, ``"f32"`` or ``None`` to send floats as given) converts float32 hidden states before
-    sending. For ``connect_timeout`` seconds the producer keeps trying while the run is still starting and while
+    (``"bf16"``, ``"f16"``, ``"f32"``, ``"fp8_e4m3"`` or ``None`` to send floats as given) converts hidden states
+    before sending; ``"fp8_e4m3"`` quantises each token's row with its own scale (``_fp8.quantise_e4m3``: a byte
+    per value and 4 per token, against bf16's 2 per value), and sends ``last_hidden_states``, if any, in bf16. For ``connect_timeout`` seconds the producer keeps trying while the run is still starting and while
     draftpipe refuses it only for now (every handshake or producer slot taken), waiting longer after each
     refusal; a refusal for cause (wrong token, shapes that do not match the plan) raises at once.
     """
@@ -251,6 +253,8 @@ class Producer:
 
     def _sent_itemsize(self, hs, hs_dtype):
         """Bytes per hidden-state value as :meth:`_hidden_tensor` will send them."""
+        if self.hidden_dtype == "fp8_e4m3":
+            return 1
         if hs_dtype == "BF16" or self.hidden_dtype in ("bf16", "f16"):
             return 2
         if self.hidden_dtype == "f32":
@@ -261,11 +265,15 @@ class Producer:
         """Rows of ``width`` tokens that fit one message under the server's ``max_message_bytes``, with hidden
         states of ``itemsize`` bytes per value (and ``last_hidden_states`` too when the run wants them), int64
         ids and (``masked``) a one-byte loss mask; at least 1."""
-        floats = self.width + (self.hidden if self.wants_last_hidden_states else 0)
-        row_bytes = width * (floats * itemsize + 8 + (1 if masked else 0))
+        floats = self.width * itemsize + (self.hidden * max(itemsize, 2) if self.wants_last_hidden_states else 0)
+        # An FP8 row carries its 4-byte scale.
+        scale = 4 if itemsize == 1 else 0
+        row_bytes = width * (floats + scale + 8 + (1 if masked else 0))
         return max(1, (self.max_message_bytes - (1 << 16)) // max(row_bytes, 1))
 
-    def _hidden_tensor(self, hs, hs_dtype):
+    def _hidden_tensor(self, hs, hs_dtype, quantise=True):
+        if self.hidden_dtype == "fp8_e4m3" and not quantise:
+            return Tensor(hs if hs_dtype == "BF16" else float32_to_bf16_bits(hs), "BF16")
         if hs_dtype == "BF16":
             return Tensor(hs, "BF16")
         if self.hidden_dtype == "bf16":
@@ -319,8 +327,16 @@ class Producer:
             if mask is not None:
                 tensors["loss_mask"] = Tensor(np.asarray(mask[rows]).astype(np.uint8, copy=False))
             if last is not None:
-                tensors["last_hidden_states"] = self._hidden_tensor(last[0][rows], last[1])
-            tensors["hidden_states"] = self._hidden_tensor(hs[rows], hs_dtype)
+                tensors["last_hidden_states"] = self._hidden_tensor(last[0][rows], last[1], quantise=False)
+            if self.hidden_dtype == "fp8_e4m3":
+                # The scales before the codes: the server takes them from the part it has read when it reads
+                # the codes straight into the batch.
+                wide = bf16_bits_to_float32(hs[rows]) if hs_dtype == "BF16" else hs[rows]
+                codes, scales = quantise_e4m3(wide)
+                tensors["hidden_states_scale"] = Tensor(scales)
+                tensors["hidden_states"] = Tensor(codes, "F8_E4M3")
+            else:
+                tensors["hidden_states"] = self._hidden_tensor(hs[rows], hs_dtype)
             parts, length = serialize(tensors)
             self._frame(parts, length)
             reply = self._reply()

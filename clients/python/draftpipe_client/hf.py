@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 
 from . import Producer, ProducerError, RunEnded, chat
+from ._fp8 import quantise_e4m3
 from ._safetensors import Tensor, serialize
 
-_SENT_DTYPES = {"bf16": "bf16", "f16": "f16", "f32": "f32"}
+_SENT_DTYPES = {"bf16": "bf16", "f16": "f16", "f32": "f32", "fp8_e4m3": "fp8_e4m3"}
 
 
 class _Refusal(Exception):
@@ -205,7 +206,8 @@ class _Progress:
 
 
 def _hidden_torch_dtype(torch, name):
-    return {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[name]
+    # FP8 is quantised from float32 by the producer or the writer (a scale per token), not by torch.
+    return {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "fp8_e4m3": torch.float32}[name]
 
 
 def _stream(args, target, sequences_of):
@@ -216,7 +218,7 @@ def _stream(args, target, sequences_of):
                   hidden_dtype=_SENT_DTYPES[args.dtype]) as producer:
         limit = min(args.max_length, producer.largest_bucket or args.max_length)
         sequences, masks = sequences_of(limit)
-        itemsize = 4 if args.dtype == "f32" else 2
+        itemsize = {"f32": 4, "fp8_e4m3": 1}.get(args.dtype, 2)
         plan = plan_messages([len(s) for s in sequences], producer.batch_tokens or 0,
                              lambda width: producer.rows_per_message(width, itemsize))
         skip = min(producer.delivered, len(plan))
@@ -258,6 +260,8 @@ def _write(args, target, tokenized):
     hidden_size = target.config.hidden_size
 
     def stored(values):
+        if args.dtype == "fp8_e4m3":
+            return Tensor(values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), "BF16")
         if dtype == torch.bfloat16:
             return Tensor(values.view(torch.int16).numpy().view(np.uint16), "BF16")
         return Tensor(values.numpy())
@@ -280,7 +284,12 @@ def _write(args, target, tokenized):
         tensors = {"input_ids": Tensor(ids), "loss_mask": Tensor(mask)}
         if args.last_hidden_states:
             tensors["last_hidden_states"] = stored(final)
-        tensors["hidden_states"] = stored(hidden)
+        if args.dtype == "fp8_e4m3":
+            codes, scales = quantise_e4m3(hidden.numpy())
+            tensors["hidden_states_scale"] = Tensor(scales)
+            tensors["hidden_states"] = Tensor(codes, "F8_E4M3")
+        else:
+            tensors["hidden_states"] = stored(hidden)
         parts, _ = serialize(tensors)
         with open(out / f"hs-{files:05}.safetensors", "wb") as file:
             for part in parts:

@@ -24,8 +24,8 @@ use crate::cost::{self, format_bytes};
 use crate::diagnostic::Diagnostic;
 use crate::family::{REGISTRY, TargetFacts};
 use crate::plan::{
-    DeclaredDevice, Device, DeviceMemory, HostMemory, ModelPlan, Placement, Plan, SourceSpec,
-    StepPhase, SyncMode,
+    DeclaredDevice, Device, DeviceMemory, HostMemory, HsDtype, ModelPlan, Placement, Plan,
+    SourceSpec, StepPhase, SyncMode,
 };
 use crate::span::Span;
 
@@ -178,6 +178,20 @@ pub(crate) fn check(file: &PipelineFile) -> Result<(Plan, Vec<Diagnostic>), Errs
             )),
         ]
     };
+    if target.hs_dtype == Some(HsDtype::Fp8E4m3) && spec.reads_last_hidden_states() {
+        // The teacher's `last_hidden_states` would need their own per-token scales through every source.
+        return Err(vec![
+            Diagnostic::error(
+                drafter_section.header,
+                format!(
+                    "drafter `{}` reads the target's `last_hidden_states`, which this build does not hold in fp8_e4m3",
+                    drafter.name
+                ),
+            )
+            .label("reads last_hidden_states")
+            .help("write `hs_dtype = bf16` on the target, or use a drafter that reads only the taps (mlp, dflash)"),
+        ]);
+    }
     if spec.family().parameter_count_wide() > MAX_PARAMETERS {
         return Err(too_large("parameter count"));
     }

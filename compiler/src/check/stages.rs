@@ -107,6 +107,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
                 ("bf16", HsDtype::Bf16),
                 ("f16", HsDtype::F16),
                 ("f32", HsDtype::F32),
+                ("fp8_e4m3", HsDtype::Fp8E4m3),
             ],
         )
     });

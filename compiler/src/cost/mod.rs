@@ -16,9 +16,10 @@
 //! **Host memory** ([`host_memory`]) outside the drafters' replicas: the hidden-state pool, one allocation on the
 //! host whatever the drafters' devices, of `capacity + 2·drafters + producers` buffers (the queue, each
 //! drafter's batch in its step and the one staged next, each producer's batch being filled), each of
-//! `Tmax·(e·din + 4 + 1) + 4·Smax` bytes, `Tmax` and `Smax` the most tokens and sequences of any bucket (hidden
-//! states of `e` bytes each, 4 in f32 and 2 in bf16/f16 as `hs_dtype` says, token ids, loss mask, sequence
-//! lengths, as in the runtime's `HsBatch`, which allocates every pooled buffer for any bucket).
+//! `Tmax·(e·din + s + 4 + 1) + 4·Smax` bytes, `Tmax` and `Smax` the most tokens and sequences of any bucket
+//! (hidden states of `e` bytes each, 4 in f32, 2 in bf16/f16 and 1 in fp8_e4m3 as `hs_dtype` says, `s` the
+//! bytes of a token's scale, 4 in fp8_e4m3 and 0 otherwise, token ids, loss mask, sequence lengths, as in the
+//! runtime's `HsBatch`, which allocates every pooled buffer for any bucket).
 //!
 //! Target devices are not in the memory plan: the frozen target's memory is outside draftpipe's control.
 
@@ -148,7 +149,8 @@ pub fn host_memory(
 ) -> Option<HostMemory> {
     let most_tokens = buckets.iter().map(|b| wide(b.tokens)).max().unwrap_or(0);
     let most_sequences = buckets.iter().map(|b| wide(b.sequences)).max().unwrap_or(0);
-    let buffer = most_tokens * (wide(hs.bytes()) * wide(din) + 4 + 1) + 4 * most_sequences;
+    let row = wide(hs.bytes()) * wide(din) + wide(hs.scale_bytes_per_row());
+    let buffer = most_tokens * (row + 4 + 1) + 4 * most_sequences;
     let buffers = wide(capacity) + 2 * wide(drafters) + wide(producers);
     let memory = HostMemory {
         hs_pool_buffers: fit(buffers)?,

@@ -108,6 +108,9 @@ pub enum HsDtype {
     Bf16,
     /// IEEE half precision.
     F16,
+    /// OCP FP8 E4M3 (max 448, no infinities) with one f32 scale per token row: 1 byte per element plus
+    /// [`HsDtype::scale_bytes_per_row`] per token. Dequantised to f32 when a batch is staged for the step.
+    Fp8E4m3,
 }
 
 impl HsDtype {
@@ -116,6 +119,16 @@ impl HsDtype {
         match self {
             HsDtype::F32 => 4,
             HsDtype::Bf16 | HsDtype::F16 => 2,
+            HsDtype::Fp8E4m3 => 1,
+        }
+    }
+
+    /// Bytes of scale beside each token's row of hidden states: the f32 scale of an FP8 row, 0 for the
+    /// float dtypes (which need none).
+    pub fn scale_bytes_per_row(self) -> usize {
+        match self {
+            HsDtype::Fp8E4m3 => 4,
+            HsDtype::F32 | HsDtype::Bf16 | HsDtype::F16 => 0,
         }
     }
 
@@ -125,6 +138,7 @@ impl HsDtype {
             HsDtype::F32 => "f32",
             HsDtype::Bf16 => "bf16",
             HsDtype::F16 => "f16",
+            HsDtype::Fp8E4m3 => "fp8_e4m3",
         }
     }
 

@@ -171,10 +171,10 @@ impl BucketShapes {
             padded_len: 0,
             sequences: 0,
             din: self.din,
-            hs: HsData::with_capacity(self.hs_dtype, tokens * self.din),
+            hs: HsData::with_capacity(self.hs_dtype, self.din, tokens * self.din),
             last_hidden_states: self
                 .last_hidden
-                .map(|hidden| HsData::with_capacity(self.hs_dtype, tokens * hidden)),
+                .map(|hidden| HsData::with_capacity(self.hs_dtype, hidden, tokens * hidden)),
             input_ids: Vec::with_capacity(tokens),
             seq_lens: Vec::with_capacity(max_sequences),
             loss_mask: Vec::with_capacity(tokens),
@@ -301,6 +301,7 @@ pub fn resolve_hs_dtype(plan: &Plan) -> Result<Plan, SourceError> {
                 let dtype = match file.info(name).map(|t| t.dtype) {
                     Some(::safetensors::Dtype::BF16) => HsDtype::Bf16,
                     Some(::safetensors::Dtype::F16) => HsDtype::F16,
+                    Some(::safetensors::Dtype::F8_E4M3) => HsDtype::Fp8E4m3,
                     // F32, or a file the dataset's own checks will refuse with a precise error.
                     _ => HsDtype::F32,
                 };

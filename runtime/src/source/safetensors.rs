@@ -42,6 +42,7 @@ use safetensors::Dtype;
 
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
+use crate::fp8::{HIDDEN_STATES_SCALE, store_fp8_rows};
 use crate::tensor_file::{
     TensorFile, TensorFileError, TensorProblem, TensorRead, decode_floats_into, decode_ids,
     decode_mask, is_float_dtype, is_id_dtype, is_mask_dtype,
@@ -316,15 +317,16 @@ pub fn check_tensors(
     };
 
     let hs = file.require_tensor(HIDDEN_STATES)?;
-    if !is_float_dtype(hs.dtype) {
+    if !is_float_dtype(hs.dtype) && hs.dtype != Dtype::F8_E4M3 {
         return Err(bad(
             HIDDEN_STATES,
             TensorProblem::WrongDtype {
                 found: hs.dtype,
-                expected: "F32, BF16 or F16",
+                expected: "F32, BF16, F16 or F8_E4M3 (with hidden_states_scale)",
             },
         ));
     }
+    let fp8 = hs.dtype == Dtype::F8_E4M3;
     let &[rows, seq, width] = hs.shape.as_slice() else {
         return Err(bad(
             HIDDEN_STATES,
@@ -411,6 +413,18 @@ pub fn check_tensors(
             }
             Ok(())
         };
+    if fp8 {
+        // FP8 rows are meaningless without their scales: one f32 per token.
+        let scale = file.require_tensor(HIDDEN_STATES_SCALE)?;
+        let is_f32 = |dtype| dtype == Dtype::F32;
+        check_rows(
+            HIDDEN_STATES_SCALE,
+            scale.dtype,
+            &scale.shape,
+            is_f32,
+            "F32",
+        )?;
+    }
     let ids = file.require_tensor(INPUT_IDS)?;
     check_rows(INPUT_IDS, ids.dtype, &ids.shape, is_id_dtype, "I32 or I64")?;
     let has_mask = match file.tensor_info(LOSS_MASK) {
@@ -652,7 +666,10 @@ impl SafetensorsSource {
         }
         // Decoded straight from the mapping: only the pages of this row are read from disk.
         let (dtype, bytes) = file.element_bytes(HIDDEN_STATES, first * din..(first + len) * din)?;
-        if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
+        if dtype == Dtype::F8_E4M3 {
+            let (_, scales) = file.element_bytes(HIDDEN_STATES_SCALE, first..first + len)?;
+            store_fp8_rows(bytes, scales, (din, first), &mut out.hs, base * din, &path)?;
+        } else if !decode_floats_into(dtype, bytes, &mut out.hs, base * din) {
             return Err(changed(HIDDEN_STATES));
         }
         // A NaN in the data (or an f32 too large for a narrower `hs_dtype`) would otherwise surface as a

@@ -5,13 +5,14 @@
 //! [`PlanStaging`]. Every buffer is allocated once, with the backend, for the layout's largest bucket.
 //!
 //! ```text
-//!  HsBatch (bf16 | f16 | f32) ──one pass──▶ pinned staging, in the slot's dtype ──async H2D (copy stream)──▶ slot
+//!  HsBatch (bf16 | f16 | f32 | fp8) ──one pass──▶ pinned staging, in the slot's dtype ──async H2D (copy stream)──▶ slot
 //!  block plan (11 arrays)     ──copy─────▶ the slot's pinned plan arena, packed ─async H2D (copy stream)──▶ plan slot
 //! ```
 //!
 //! Hidden states cross in the slot's precision: a bf16 (f16) slot receives the batch's 16-bit values as they
 //! are, half the bytes of f32; an f32 slot (CUDA at f32 or TF32 precision, whose products read f32) receives a
-//! narrower batch widened exactly in the pass that fills the staging buffer anyway.
+//! narrower batch widened exactly in the pass that fills the staging buffer anyway. An FP8 batch always goes to
+//! an f32 slot and is dequantised (`code · scale`) on the host in that same pass: no kernel reads FP8.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -81,7 +82,8 @@ impl PinnedInput {
         let pinned_hs = |len: usize| -> Result<PinnedHs, CudaError> {
             unsafe {
                 Ok(match hs {
-                    HsDtype::F32 => PinnedHs::F32(ctx.alloc_pinned(len)?),
+                    // FP8 batches are dequantised into f32 slots (`WorkspaceLayout::with_hs_dtype`).
+                    HsDtype::F32 | HsDtype::Fp8E4m3 => PinnedHs::F32(ctx.alloc_pinned(len)?),
                     HsDtype::Bf16 => PinnedHs::Bf16(ctx.alloc_pinned(len)?),
                     HsDtype::F16 => PinnedHs::F16(ctx.alloc_pinned(len)?),
                 })

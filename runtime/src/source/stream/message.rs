@@ -18,6 +18,7 @@ use safetensors::Dtype;
 use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use crate::batch::{HsBatch, HsDtype};
+use crate::fp8::{HIDDEN_STATES_SCALE, store_fp8_rows};
 use crate::source::safetensors::{
     HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors, too_long,
 };
@@ -99,6 +100,28 @@ fn scan_rows(
     Ok(())
 }
 
+/// The first non-finite scale of the kept tokens (rows of `seq` tokens of which `lengths` are kept) of an
+/// `F8_E4M3` message's `hidden_states_scale`, which `check_tensors` found present and `[N, S]` F32: the tokens
+/// the direct path copies scales for, so both paths refuse the same messages. Nothing for a float message.
+fn scan_scales(blob: &TensorBlob, lengths: &[usize], seq: usize) -> Result<(), TensorProblem> {
+    if blob.tensor_info(HIDDEN_STATES).map(|hs| hs.dtype) != Some(Dtype::F8_E4M3) {
+        return Ok(());
+    }
+    for (row, &len) in lengths.iter().enumerate() {
+        let first = row * seq;
+        let (dtype, bytes) = blob
+            .element_bytes(HIDDEN_STATES_SCALE, first..first + len)
+            .map_err(|e| e.problem)?;
+        if let Some((at, value)) = first_non_finite(dtype, bytes) {
+            return Err(TensorProblem::NonFinite {
+                value,
+                at: first + at,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Message {
     /// Parses and checks the first `len` bytes of `bytes`. On an error the buffer comes back for reuse.
     pub(super) fn parse(
@@ -136,6 +159,12 @@ impl Message {
                 let error = TensorFileError::tensor(&origin, name, problem);
                 return Err((Box::new(error.into()), blob.into_bytes()));
             }
+        }
+        // A non-finite FP8 scale is refused before any row is placed, as a NaN is.
+        if let Err(problem) = scan_scales(&blob, &checked.lengths, checked.seq) {
+            let origin = blob.origin().to_path_buf();
+            let error = TensorFileError::tensor(&origin, HIDDEN_STATES_SCALE, problem);
+            return Err((Box::new(error.into()), blob.into_bytes()));
         }
         let rows = match bucket_rows(&checked.lengths, shapes) {
             Ok(rows) => rows,
@@ -233,7 +262,12 @@ impl Message {
             let (dtype, bytes) = self
                 .blob
                 .element_bytes(name, first * width..(first + len) * width)?;
-            if !decode_floats_into(dtype, bytes, data, base * width) {
+            if dtype == Dtype::F8_E4M3 {
+                let (_, scales) = self
+                    .blob
+                    .element_bytes(HIDDEN_STATES_SCALE, first..first + len)?;
+                store_fp8_rows(bytes, scales, (width, first), data, base * width, &origin)?;
+            } else if !decode_floats_into(dtype, bytes, data, base * width) {
                 return Err(corrupt(name));
             }
             // The message was scanned for NaN when it was parsed; only a narrowing conversion (f32 into bf16, bf16

@@ -33,6 +33,7 @@ use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use super::wire::{Connection, WireError};
 use crate::batch::{HsBatch, HsData, HsDtype};
+use crate::fp8::{HIDDEN_STATES_SCALE, ScaledRowsError};
 use crate::source::safetensors::{
     HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors,
 };
@@ -275,6 +276,18 @@ fn read_head(
     {
         return Ok(None);
     }
+    // FP8 goes direct only as it is held: its rows' codes land in place and their scales, which must precede
+    // `hidden_states`, are copied from the prefix. A conversion into or out of FP8 needs whole rows at once
+    // (a row's scale is its largest magnitude), which the buffered path has.
+    let fp8_wire = hs.dtype == Dtype::F8_E4M3;
+    if fp8_wire != (shapes.hs_dtype == HsDtype::Fp8E4m3)
+        || fp8_wire
+            && metadata
+                .info(HIDDEN_STATES_SCALE)
+                .is_none_or(|scale| scale.data_offsets.1 > hs.data_offsets.0)
+    {
+        return Ok(None);
+    }
     body.read_into(buffer, data_start + hs.data_offsets.0)?;
     let mut prefix = Prefix {
         origin,
@@ -371,7 +384,10 @@ fn receive_rows(
 fn same_precision(dtype: Dtype, held: HsDtype) -> bool {
     matches!(
         (dtype, held),
-        (Dtype::F32, HsDtype::F32) | (Dtype::BF16, HsDtype::Bf16) | (Dtype::F16, HsDtype::F16)
+        (Dtype::F32, HsDtype::F32)
+            | (Dtype::BF16, HsDtype::Bf16)
+            | (Dtype::F16, HsDtype::F16)
+            | (Dtype::F8_E4M3, HsDtype::Fp8E4m3)
     )
 }
 
@@ -381,6 +397,8 @@ fn raw_bytes_mut(data: &mut HsData, range: Range<usize>) -> &mut [u8] {
         HsData::F32(v) => bytemuck::cast_slice_mut(&mut v[range]),
         HsData::Bf16(v) => bytemuck::cast_slice_mut(&mut v[range]),
         HsData::F16(v) => bytemuck::cast_slice_mut(&mut v[range]),
+        // The codes; their rows' scales are copied from the prefix by `fill_tokens`.
+        HsData::Fp8E4m3(rows) => &mut rows.parts_mut().0[range],
     }
 }
 
@@ -424,6 +442,23 @@ fn fill_tokens(
         let (start, end) = (base + len, base + padded);
         out.input_ids[start..end].fill(0);
         out.loss_mask[start..end].fill(0);
+        if let HsData::Fp8E4m3(held) = &mut out.hs {
+            // The codes were read in place; their scales come from the prefix.
+            let first = row * head.seq;
+            let (_, scales) = prefix.element_bytes(HIDDEN_STATES_SCALE, first..first + len)?;
+            held.set_scales(base, scales).map_err(|error| {
+                let problem = match error {
+                    ScaledRowsError::NonFiniteScale { row, value } => TensorProblem::NonFinite {
+                        value,
+                        at: first + row,
+                    },
+                    ScaledRowsError::Shape { .. } => {
+                        TensorProblem::BadHeader("data changed after it was checked".into())
+                    }
+                };
+                TensorFileError::tensor(prefix.origin, HIDDEN_STATES_SCALE, problem)
+            })?;
+        }
         out.hs.zero(start * din..end * din);
         let hidden = out.last_hidden();
         if let (Some(last), Some(hidden)) = (out.last_hidden_states.as_mut(), hidden) {

@@ -15,11 +15,21 @@ use crate::batch::HsDtype;
 /// Elements per block.
 const BLOCK: usize = 4096;
 
-/// The first NaN or infinity among little-endian floats of `dtype` (F32, BF16 or F16), with its index.
+/// The first NaN or infinity among little-endian floats of `dtype` (F32, BF16 or F16; a NaN code of F8_E4M3),
+/// with its index.
 pub(super) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<(usize, f32)> {
     match dtype {
         Dtype::BF16 => halves(bytes, 0x7F80, |b| bf16::from_bits(b).to_f32()),
         Dtype::F16 => halves(bytes, 0x7C00, |b| f16::from_bits(b).to_f32()),
+        // E4M3 has no infinity; its NaN is every bit but the sign set, the largest magnitude a code can have.
+        Dtype::F8_E4M3 => {
+            let nan = |code: u8| code & 0x7F == crate::fp8::E4M3_NAN;
+            first_in_blocks(
+                bytes,
+                |block| nan(block.iter().fold(0, |m, &code| (code & 0x7F).max(m))),
+                |&code| nan(code).then_some(f32::NAN),
+            )
+        }
         _ => singles(bytes),
     }
 }
@@ -112,6 +122,17 @@ fn first_in_blocks<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_fp8_nan_code_of_either_sign_is_found_at_its_index() {
+        let mut codes = vec![0x7Eu8; 3 * BLOCK];
+        assert_eq!(first_non_finite(Dtype::F8_E4M3, &codes), None);
+        codes[BLOCK + 5] = 0xFF;
+        codes[2 * BLOCK] = 0x7F;
+        let (at, value) = first_non_finite(Dtype::F8_E4M3, &codes).unwrap();
+        assert_eq!(at, BLOCK + 5);
+        assert!(value.is_nan());
+    }
 
     #[test]
     fn overflow_thresholds_are_where_rounding_reaches_infinity() {
