@@ -141,6 +141,7 @@ fn target() -> TargetStage {
         max_rate: None,
         weights: None,
         hs_dtype: Some(HsDtype::Bf16),
+        masks: Default::default(),
     }
 }
 

@@ -18,6 +18,7 @@ use safetensors::Dtype;
 use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use crate::batch::{HsBatch, HsDtype};
+use crate::source::mask_check::MaskReport;
 use crate::source::safetensors::{
     HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors, too_long,
 };
@@ -63,6 +64,8 @@ pub(super) struct Message {
     /// Rows placed so far.
     next: usize,
     ids: Vec<i64>,
+    /// What the message's loss masks hold.
+    pub(super) masks: MaskReport,
 }
 
 /// The first non-finite value of the kept tokens of tensor `name` (`width` per token, rows of `seq` tokens of
@@ -152,6 +155,7 @@ impl Message {
             rows,
             next: 0,
             ids: Vec::new(),
+            masks: checked.masks,
         })
     }
 
