@@ -96,6 +96,7 @@ fn safetensors_fill(c: &mut Criterion) {
         max_rate: None,
         weights: None,
         hs_dtype: Some(HsDtype::Bf16),
+        masks: Default::default(),
     };
     let dataset =
         SafetensorsDataset::open(&path.to_string_lossy(), &target, &shapes).expect("dataset");

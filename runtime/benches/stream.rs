@@ -179,6 +179,7 @@ fn target(hs_dtype: HsDtype) -> TargetStage {
         max_rate: None,
         weights: None,
         hs_dtype: Some(hs_dtype),
+        masks: Default::default(),
     }
 }
 

@@ -49,6 +49,7 @@ fn target(weights: Option<String>, source: SourceSpec) -> TargetStage {
         max_rate: None,
         weights: weights.map(|path| WeightsSpec::Safetensors { path }),
         hs_dtype: None,
+        masks: Default::default(),
     }
 }
 

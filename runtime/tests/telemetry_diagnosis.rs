@@ -101,6 +101,7 @@ fn summary(depths: Vec<u64>, producer_blocked_s: f64, drafters: Vec<DrafterSumma
         spans_dropped: 0,
         ending: None,
         acceptance: None,
+        masks: None,
     }
 }
 

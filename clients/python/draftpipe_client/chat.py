@@ -6,7 +6,10 @@ Records are JSON lines ``{"messages": [{"role": "user", "content": ...}, {"role"
 ``encode`` renders them with the tokenizer's own chat template and marks, token by token, what the assistant
 wrote (its content and its end-of-turn token); ``python -m draftpipe_client.hf`` sends that mark as the loss mask,
 so DFlash anchors and labels fall only in the responses, while the context features still cover the whole
-conversation. ``regenerate`` replaces each assistant turn with the target's greedy continuation of the
+conversation. A mask gone wrong trains without any error, so ``MaskReport`` judges every encoded conversation
+(all ones, all zeros, a turn whose end-of-turn token is not in the mask, an empty thinking block in the mask) and
+``MaskReport.check`` raises ``MaskError`` when more than ``max_bad_share`` of them are bad, before anything is
+sent. ``regenerate`` replaces each assistant turn with the target's greedy continuation of the
 conversation before it (and answers a trailing user turn)::
 
     python -m draftpipe_client.chat --model DIR --data prompts.jsonl --out regenerated.jsonl --max-new-tokens 96
@@ -16,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 from ._producer import DraftpipeError
 
@@ -38,6 +42,11 @@ CHATML_TEMPLATE = (
 class ChatError(DraftpipeError):
     """A conversation the template cannot mark: a bad record, or a template whose rendering of a conversation does
     not start with its rendering of the turns before (so the assistant's text cannot be located)."""
+
+
+class MaskError(ChatError):
+    """Encoded conversations whose loss masks are bad in more than the allowed share of them: the message names
+    each kind, its count and the first conversations of it."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,138 @@ def encode(tokenizer: Any, messages: Sequence[dict], max_length: int | None = No
     return Encoded(ids, mask)
 
 
+#: Conversations named per kind of bad mask: enough to find the template's fault, few enough for one message.
+FIRST_IDS = 5
+#: The kinds of bad mask, in the order reports name them.
+MASK_KINDS = ("all_ones", "all_zeros", "missing_end_of_turn", "empty_thinking")
+#: An empty thinking block, as Qwen3-style templates insert before a reply that had none.
+_EMPTY_THINKING = re.compile(r"<think>\s*</think>")
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The tokenizer's end-of-turn token: ChatML's ``<|im_end|>`` when it has one, else its eos token."""
+    vocab = tokenizer.get_vocab()
+    if "<|im_end|>" in vocab:
+        return vocab["<|im_end|>"]
+    return tokenizer.eos_token_id
+
+
+@dataclass
+class BadMasks:
+    """The conversations of one kind of bad mask: how many, and the first ``FIRST_IDS`` by place."""
+
+    count: int = 0
+    first_ids: list[str] = field(default_factory=list)
+
+    def add(self, where: str) -> None:
+        self.count += 1
+        if len(self.first_ids) < FIRST_IDS:
+            self.first_ids.append(where)
+
+    def describe(self, kind: str) -> str:
+        """``all_ones 3 (data.jsonl:1, data.jsonl:4)``."""
+        named = ", ".join(self.first_ids) + (", …" if self.count > len(self.first_ids) else "")
+        return f"{kind} {self.count}" + (f" ({named})" if named else "")
+
+
+@dataclass
+class MaskReport:
+    """What the loss masks of encoded conversations hold: tokens with a loss, and the conversations whose mask is
+    bad, per kind:
+
+    - ``all_ones``: every token from the first to the last one with a loss has one, the prompt included;
+    - ``all_zeros``: no token has a loss (the conversation trains nothing);
+    - ``missing_end_of_turn``: a masked span does not end on the end-of-turn token (a reply cut by
+      ``max_length``, or a template that leaves the token out of the mask);
+    - ``empty_thinking``: a masked span holds an empty ``<think>…</think>`` block (whitespace inside), which
+      Qwen3-style templates insert: the drafter would learn to draft it after every prompt.
+
+    ``end_of_turn`` is the token each span must end on (``None``: not checked); ``decode`` turns token ids into
+    text for the thinking check (``None``: not checked). A conversation of several kinds counts once in
+    ``bad_sequences``."""
+
+    end_of_turn: int | None
+    decode: Callable[[list[int]], str] | None = None
+    sequences: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    bad_sequences: int = 0
+    kinds: dict[str, BadMasks] = field(default_factory=lambda: {kind: BadMasks() for kind in MASK_KINDS})
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> "MaskReport":
+        """A report checking ``tokenizer``'s end-of-turn token and decoding spans with it (special tokens kept)."""
+        return cls(end_of_turn_id(tokenizer),
+                   lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+    @property
+    def loss_token_share(self) -> float:
+        """Share (0–1) of the tokens that have a loss."""
+        return self.loss_tokens / self.tokens if self.tokens else 0.0
+
+    def add(self, input_ids: Sequence[int], loss_mask: Sequence[int], where: str) -> list[str]:
+        """Judges one encoded conversation (``where`` names it, e.g. ``data.jsonl:7``) and returns its bad kinds."""
+        if not input_ids:
+            return []
+        self.sequences += 1
+        self.tokens += len(input_ids)
+        labelled = [i for i, m in enumerate(loss_mask) if m]
+        self.loss_tokens += len(labelled)
+        spans = _spans(loss_mask)
+        found = []
+        if not labelled:
+            found.append("all_zeros")
+        elif len(labelled) == labelled[-1] + 1:
+            found.append("all_ones")
+        if self.end_of_turn is not None and any(input_ids[end - 1] != self.end_of_turn for _, end in spans):
+            found.append("missing_end_of_turn")
+        if self.decode is not None and any(
+                _EMPTY_THINKING.search(self.decode(list(input_ids[start:end]))) for start, end in spans):
+            found.append("empty_thinking")
+        for kind in found:
+            self.kinds[kind].add(where)
+        self.bad_sequences += bool(found)
+        return found
+
+    def summary(self) -> str:
+        """One line: ``12 conversations, loss on 41.0% of 980 tokens; bad masks 1 (8.3%): all_ones 0, …``."""
+        bad = self.bad_sequences / self.sequences if self.sequences else 0.0
+        kinds = ", ".join(self.kinds[kind].describe(kind) for kind in MASK_KINDS)
+        return (f"{self.sequences} conversations, loss on {100 * self.loss_token_share:.1f}% of {self.tokens} "
+                f"tokens; bad masks {self.bad_sequences} ({100 * bad:.1f}%): {kinds}")
+
+    def check(self, max_bad_share: float = 0.01) -> None:
+        """Raises ``MaskError`` when the bad conversations are more than ``max_bad_share`` (0–1) of them."""
+        if not 0.0 <= max_bad_share <= 1.0:
+            raise ChatError(f"max_bad_share must lie in 0..1, not {max_bad_share}")
+        if self.bad_sequences > max_bad_share * self.sequences:
+            raise MaskError(f"loss masks: {self.summary()} — over the bound of {100 * max_bad_share:g}% bad; fix "
+                            "the chat template or the data (or allow more with --max-bad-mask-share)")
+
+
+def _spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The maximal runs ``[start, end)`` of nonzero entries."""
+    spans, start = [], None
+    for i, m in enumerate(list(loss_mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def check_masks(tokenizer: Any, encoded: Iterator[tuple[str, Encoded]],
+                max_bad_share: float = 0.01) -> MaskReport:
+    """Judges ``(where, Encoded)`` pairs with ``tokenizer``'s end-of-turn token and returns the report; raises
+    ``MaskError`` when more than ``max_bad_share`` of them are bad."""
+    report = MaskReport.for_tokenizer(tokenizer)
+    for where, one in encoded:
+        report.add(one.input_ids, one.loss_mask, where)
+    report.check(max_bad_share)
+    return report
+
+
 def regenerate(model: Any, tokenizer: Any, messages: Sequence[dict], max_new_tokens: int) -> list[dict]:
     """The conversation with every assistant turn replaced by the target's greedy continuation of the turns before
     it, and one added when the conversation ends with a user turn. Generation stops at the tokenizer's
@@ -125,15 +266,15 @@ def regenerate(model: Any, tokenizer: Any, messages: Sequence[dict], max_new_tok
 def prepare(record: dict, tokenizer: Any, model: Any, regenerate_tokens: int, max_length: int | None,
             where: str) -> dict:
     """What the producer sends for one record: a ``messages`` record becomes ``input_ids`` and ``loss_mask``
-    (``encode``), its assistant turns first regenerated by ``model`` when ``regenerate_tokens`` > 0; any other
-    record is returned as it is."""
+    (``encode``), and ``where`` (its place, which ``MaskReport`` names), its assistant turns first regenerated by
+    ``model`` when ``regenerate_tokens`` > 0; any other record is returned as it is."""
     if "messages" not in record:
         return record
     messages = check_messages(record["messages"], where)
     if regenerate_tokens > 0:
         messages = regenerate(model, tokenizer, messages, regenerate_tokens)
     encoded = encode(tokenizer, messages, max_length, where)
-    return {"input_ids": encoded.input_ids, "loss_mask": encoded.loss_mask}
+    return {"input_ids": encoded.input_ids, "loss_mask": encoded.loss_mask, "where": where}
 
 
 def read_records(path: str) -> Iterator[tuple[str, dict]]:

@@ -68,6 +68,9 @@ def _arguments(argv):
                         help="first replace each `messages` record's assistant turns by the target's greedy reply "
                              "of up to N tokens (draftpipe_client.chat)")
     parser.add_argument("--epochs", type=int, default=1, help="send the data this many times (default 1)")
+    parser.add_argument("--max-bad-mask-share", type=float, default=0.01, metavar="SHARE",
+                        help="refuse chat data when more than this share (0-1) of its conversations has a bad loss "
+                             "mask (draftpipe_client.chat.MaskReport; default 0.01)")
     parser.add_argument("--mask-token", default=chat.MASK_TOKEN,
                         help=f"DFlash's mask token, added to the tokenizer when it has none (default {chat.MASK_TOKEN})")
     parser.add_argument("--save-tokenizer", metavar="DIR",
@@ -78,6 +81,8 @@ def _arguments(argv):
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.max_length < 1 or args.epochs < 1 or args.regenerate < 0:
         parser.error("--batch-size, --max-length and --epochs must be at least 1, --regenerate at least 0")
+    if not 0.0 <= args.max_bad_mask_share <= 1.0:
+        parser.error("--max-bad-mask-share must lie in 0..1")
     return args
 
 
@@ -99,9 +104,10 @@ def _prompts(path):
             yield f"{path}:{number}", record
 
 
-def _tokenize(tokenizer, records, limit):
+def _tokenize(tokenizer, records, limit, report=None):
     """Every prompt's token ids and loss mask (``None``: every token), truncated to ``limit`` (empty prompts
-    dropped: they train nothing)."""
+    dropped: they train nothing). Chat records (those ``chat.prepare`` gave a ``where``) are judged into
+    ``report`` as truncated, since a cut reply has lost its end-of-turn token."""
     sequences, masks = [], []
     for record in records:
         if "input_ids" in record:
@@ -112,7 +118,21 @@ def _tokenize(tokenizer, records, limit):
             sequences.append(ids)
             mask = record.get("loss_mask")
             masks.append(None if mask is None else [int(m) for m in mask][: len(ids)])
+            if report is not None and "where" in record and masks[-1] is not None:
+                report.add(ids, masks[-1], record["where"])
     return sequences, masks
+
+
+def _tokenize_checked(tokenizer, records, limit, epochs, max_bad_share):
+    """``_tokenize`` of one epoch's records, repeated ``epochs`` times, once the chat records' loss masks passed
+    ``chat.MaskReport.check`` (their summary line printed first); raises ``chat.MaskError`` before anything is
+    sent or run."""
+    report = chat.MaskReport.for_tokenizer(tokenizer)
+    sequences, masks = _tokenize(tokenizer, records, limit, report)
+    if report.sequences:
+        print(f"chat masks: {report.summary()}", file=sys.stderr, flush=True)
+        report.check(max_bad_share)
+    return sequences * epochs, masks * epochs
 
 
 def plan_messages(lengths, batch_tokens, max_rows_of_width):
@@ -357,18 +377,23 @@ def main(argv=None):
         if args.save_tokenizer:
             tokenizer.save_pretrained(args.save_tokenizer)
         try:  # chat records: the template's ids, loss only on the assistant's tokens
-            records = _prepare_records(records, tokenizer, target.model, args.regenerate,
-                                       args.max_length) * args.epochs
+            records = _prepare_records(records, tokenizer, target.model, args.regenerate, args.max_length)
         except chat.ChatError as error:
             raise _Refusal(str(error)) from None
+
+        def tokenized(limit):
+            return _tokenize_checked(tokenizer, records, limit, args.epochs, args.max_bad_mask_share)
+
+        # Streaming, the masks are judged once the run has said its largest bucket (the last truncation), before
+        # the first message.
         if args.write:
-            _write(args, target, _tokenize(tokenizer, records, args.max_length))
+            _write(args, target, tokenized(args.max_length))
         else:
-            _stream(args, target, lambda limit: _tokenize(tokenizer, records, limit))
+            _stream(args, target, tokenized)
     except RunEnded as ended:
         print(f"draftpipe: {ended}; this producer stops", file=sys.stderr)
         return 0
-    except (_Refusal, ProducerError) as error:
+    except (_Refusal, ProducerError, chat.MaskError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -11,6 +11,7 @@
 mod acceptance;
 mod devices;
 pub(crate) mod fields;
+mod masks;
 mod stages;
 mod suggest;
 pub use suggest::closest;

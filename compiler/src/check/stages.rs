@@ -10,8 +10,8 @@ use crate::diagnostic::Diagnostic;
 use crate::family::{CheckedModel, REGISTRY, Registered, registered};
 use crate::plan::{
     AdamWSpec, DEFAULT_STREAM_READ_TIMEOUT_MS, DrafterStage, HsDtype, LaunchMode, LossSpec,
-    LrSchedule, Placement, Precision, PullPolicy, QueueSpec, ScheduleKind, SourceSpec, SyncMode,
-    TargetStage, TelemetrySpec, WeightsSpec,
+    LrSchedule, MaskChecks, Placement, Precision, PullPolicy, QueueSpec, ScheduleKind, SourceSpec,
+    SyncMode, TargetStage, TelemetrySpec, WeightsSpec,
 };
 use crate::span::Span;
 
@@ -47,6 +47,8 @@ pub(crate) struct TargetParts {
     pub weights: Option<(Option<WeightsSpec>, Span)>,
     /// `hs_dtype`, when given: `Some(None)` when it had errors.
     pub hs_dtype: Option<Option<HsDtype>>,
+    /// `end_of_turn` and `max_bad_mask_share`: `None` when one had errors.
+    pub masks: Option<MaskChecks>,
 }
 
 pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetParts {
@@ -111,6 +113,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
             ],
         )
     });
+    let masks = super::masks::check_masks(&mut f, errs, vocab);
     f.finish(errs);
     TargetParts {
         hidden,
@@ -124,6 +127,7 @@ pub(crate) fn check_target(section: &StageSection, errs: &mut Errs) -> TargetPar
         max_rate,
         weights,
         hs_dtype,
+        masks,
     }
 }
 
@@ -429,6 +433,7 @@ pub(crate) fn target_stage(
             None => None,
         },
         hs_dtype,
+        masks: parts.masks?,
     })
     .map(|mut stage| {
         let default_limit = stage.default_max_message_bytes();

@@ -9,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod derived;
+pub mod masks;
 pub mod stages;
 
 pub use crate::family::dflash::{DFLASH_RMS_NORM_EPS, DflashSpec};
@@ -17,6 +18,7 @@ pub use crate::family::mlp::MlpSpec;
 pub use crate::family::{Family, ModelSpec};
 pub use crate::workspace::{BackendKind, WorkspaceLayout};
 pub use derived::{BucketPlan, DeviceMemory, HostMemory, StepPhase, TensorView};
+pub use masks::{DEFAULT_MAX_BAD_MASK_SHARE, MaskChecks};
 pub use stages::*;
 
 /// One compiled pipeline.

@@ -74,6 +74,9 @@ pub struct TargetStage {
     /// are opened (see the runtime's `source::resolve_hs_dtype`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hs_dtype: Option<HsDtype>,
+    /// What the sources check in the loss masks (`end_of_turn`, `max_bad_mask_share`).
+    #[serde(default)]
+    pub masks: super::MaskChecks,
 }
 
 /// Where the target's frozen weights are read from.

@@ -49,7 +49,8 @@ use crate::acceptance::AcceptanceMonitor;
 use crate::batch::HsBatch;
 use crate::queue::{HsQueue, SeqLen};
 use crate::source::{
-    BatchPool, HsSource, Producer, SourceError, SourceStatusProbe, StreamStatus, open_sources,
+    BatchPool, HsSource, MaskProbe, Producer, SourceError, SourceStatusProbe, StreamStatus,
+    open_sources,
 };
 use crate::telemetry::{
     AcceptanceProbe, Diagnosis, LearningRate, Reporter, ReporterConfig, RunSummary, Telemetry,
@@ -184,7 +185,7 @@ fn prepare<W: Write + Send>(
         .as_ref()
         .map(|spec| AcceptanceMonitor::new(spec, options.run_dir.as_deref()).map(Arc::new))
         .transpose()?;
-    let (producers, source_status, stream) = open_producers(&plan, open, &start)?;
+    let (producers, source_status, stream, masks) = open_producers(&plan, open, &start)?;
     let first_positions = start
         .data_positions
         .clone()
@@ -203,7 +204,7 @@ fn prepare<W: Write + Send>(
         interrupt,
         first_positions,
         start.state.step,
-        (stream, start.vocab.clone(), acceptance),
+        (stream, start.vocab.clone(), acceptance, masks),
     ));
     let drafters = plan.drafter.placement.workers.len();
     let telemetry = Arc::new(Telemetry::new(
@@ -243,6 +244,7 @@ type OpenedProducers = (
     Vec<Producer>,
     Option<SourceStatusProbe>,
     Option<StreamStatus>,
+    Option<MaskProbe>,
 );
 
 /// The producers, one per target worker, each source moved to the resumed position, and the first source's
@@ -272,10 +274,12 @@ fn open_producers(
     if let Some(stream) = &stream {
         stream.restore(&start.stream_producers);
     }
+    let masks = sources.first().and_then(|source| source.mask_probe());
     Ok((
         sources.into_iter().map(Producer::new).collect(),
         source_status,
         stream,
+        masks,
     ))
 }
 
@@ -365,6 +369,7 @@ fn finish<W: Write + Send>(
     );
     let nothing_trained = ending.reason == crate::telemetry::EndReason::NothingTrained;
     if let Some(summary) = summary.as_mut() {
+        summary.masks = shared.masks.as_ref().map(MaskProbe::read);
         ending::record(summary, (ending, acceptance), options, telemetry.files());
     }
     if let Some(error) = fatal {

@@ -15,7 +15,7 @@ use crate::batch::HsBatch;
 use crate::checkpoint::ProducerRecord;
 use crate::model::eagle3::vocab::VocabMap;
 use crate::queue::{HsQueue, QueueStats};
-use crate::source::{BatchPool, StreamStatus};
+use crate::source::{BatchPool, MaskProbe, StreamStatus};
 use crate::telemetry::QueueSnapshot;
 
 use super::error::RunError;
@@ -58,6 +58,8 @@ pub(super) struct Shared {
     pub(super) vocab_map: Option<VocabMap>,
     /// The pipeline's `acceptance` check, which worker 0 starts every `every` steps.
     pub(super) acceptance: Option<Arc<AcceptanceMonitor>>,
+    /// What the source's loss masks hold, read into the summary when the run ends.
+    pub(super) masks: Option<MaskProbe>,
     /// Stepped all-reduce rounds whose replicas' batches had different padded lengths (counted by worker 0).
     pub(super) mixed_rounds: AtomicU64,
 }
@@ -89,10 +91,11 @@ impl Shared {
         interrupt: Arc<AtomicBool>,
         first_positions: Vec<u64>,
         first_optimizer_step: u64,
-        (stream, vocab_map, acceptance): (
+        (stream, vocab_map, acceptance, masks): (
             Option<StreamStatus>,
             Option<VocabMap>,
             Option<Arc<AcceptanceMonitor>>,
+            Option<MaskProbe>,
         ),
     ) -> Self {
         Self {
@@ -110,6 +113,7 @@ impl Shared {
             stream,
             vocab_map,
             acceptance,
+            masks,
             mixed_rounds: AtomicU64::new(0),
         }
     }

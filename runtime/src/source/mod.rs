@@ -33,6 +33,7 @@
 //! }
 //! ```
 
+pub mod mask_check;
 pub mod safetensors;
 pub mod stream;
 pub mod synthetic;
@@ -47,6 +48,7 @@ use draftpipe_compiler::plan::{Plan, SourceSpec};
 use crate::batch::{HsBatch, HsData, HsDtype};
 use crate::tensor_file::{TensorFile, TensorFileError};
 
+pub use self::mask_check::{MaskProbe, MaskRefusal, MaskReport};
 pub use self::safetensors::{SafetensorsDataset, SafetensorsSource};
 pub use self::stream::{StreamConfig, StreamSource, StreamStatus, open_stream};
 pub use self::synthetic::{SyntheticSource, SyntheticTarget};
@@ -87,6 +89,9 @@ pub enum SourceError {
         /// Number of producers.
         producers: usize,
     },
+    /// The data's loss masks are bad in more than the stage's `max_bad_mask_share` of its sequences.
+    #[error(transparent)]
+    BadMasks(Box<MaskRefusal>),
     /// `fill_next` got a buffer whose shape is not the announced bucket's, or the stream is exhausted.
     #[error("batch buffer mismatch: {0}")]
     Buffer(String),
@@ -235,6 +240,12 @@ pub trait HsSource: Send {
     /// The stream server's producer names and counts, when this is a stream source (every slot of one stream
     /// shares them).
     fn stream_status(&self) -> Option<StreamStatus> {
+        None
+    }
+
+    /// What the source's loss masks hold, read for the run's summary (`None`: synthetic data has no masks to
+    /// judge). Every slot of one dataset or stream shares it.
+    fn mask_probe(&self) -> Option<MaskProbe> {
         None
     }
 
@@ -389,10 +400,10 @@ pub fn open_sources(plan: &Plan) -> Result<Vec<Box<dyn HsSource>>, SourceError> 
             epochs,
             shuffle_seed,
         } => {
-            let dataset = std::sync::Arc::new(
-                SafetensorsDataset::open(pattern, &plan.target, &shapes)?
-                    .with_epochs(*epochs, *shuffle_seed),
-            );
+            let dataset = SafetensorsDataset::open(pattern, &plan.target, &shapes)?;
+            // Before the first step: a template that marked the wrong tokens would otherwise train silently.
+            dataset.check_masks(&plan.target.masks)?;
+            let dataset = std::sync::Arc::new(dataset.with_epochs(*epochs, *shuffle_seed));
             Ok((0..producers)
                 .map(|w| {
                     Box::new(SafetensorsSource::new(dataset.clone(), w, producers))

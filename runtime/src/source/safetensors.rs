@@ -37,9 +37,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
-use draftpipe_compiler::plan::TargetStage;
+use draftpipe_compiler::plan::{MaskChecks, TargetStage};
 use safetensors::Dtype;
 
+use super::mask_check::{FIRST_IDS, MaskRefusal, MaskReport};
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
 use crate::fp8::{HIDDEN_STATES_SCALE, store_fp8_rows};
@@ -91,6 +92,10 @@ pub struct SafetensorsDataset {
     shuffle_seed: Option<u64>,
     /// One past the furthest position any producer has filled (for the status line's epoch).
     progress: AtomicU64,
+    /// What the loss masks of every row of every file hold, counted as the files are checked.
+    masks: MaskReport,
+    /// The files with a bad mask in some row, in reading order (what a refusal names).
+    files_with_bad_masks: Vec<PathBuf>,
 }
 
 impl SafetensorsDataset {
@@ -117,11 +122,17 @@ impl SafetensorsDataset {
             epochs: 1,
             shuffle_seed: None,
             progress: AtomicU64::new(0),
+            masks: MaskReport::new(&target.masks),
+            files_with_bad_masks: Vec::new(),
         };
         let mut pending: Vec<Vec<SeqRef>> = vec![Vec::new(); shapes.buckets.len()];
         for path in paths {
             let file_index = dataset.files.len() as u32;
-            let (data_file, lengths) = check_file(&path, target, shapes)?;
+            let (data_file, lengths, masks) = check_file(&path, target, shapes)?;
+            if masks.any_bad() {
+                dataset.files_with_bad_masks.push(path.clone());
+            }
+            dataset.masks.merge(&masks);
             let rows = lengths.len();
             for (row, len) in lengths.into_iter().enumerate() {
                 if len == 0 {
@@ -212,6 +223,34 @@ impl SafetensorsDataset {
         self.members.len()
     }
 
+    /// What the loss masks of all rows hold (each row once, whatever the epochs).
+    pub fn masks(&self) -> &MaskReport {
+        &self.masks
+    }
+
+    /// Refuses the data when its bad masks are more than `checks.max_bad_share` of its sequences, naming the
+    /// files that hold them; what a run does before its first step.
+    pub fn check_masks(&self, checks: &MaskChecks) -> Result<(), SourceError> {
+        if !self.masks.over(checks.max_bad_share, 0) {
+            return Ok(());
+        }
+        let mut data: Vec<String> = (self.files_with_bad_masks.iter())
+            .take(FIRST_IDS)
+            .map(|path| path.display().to_string())
+            .collect();
+        if self.files_with_bad_masks.len() > FIRST_IDS {
+            data.push(format!(
+                "{} more files",
+                self.files_with_bad_masks.len() - FIRST_IDS
+            ));
+        }
+        Err(SourceError::BadMasks(Box::new(MaskRefusal {
+            data: data.join(", "),
+            report: self.masks.clone(),
+            max_share: checks.max_bad_share,
+        })))
+    }
+
     /// Calls `visit(ids, mask)` for every sequence of the first `batches` planned batches (all when `None`), in
     /// the unshuffled order of one epoch, reading only `input_ids` and `loss_mask` (no hidden state): what a
     /// draft vocabulary counts (`model::eagle3::vocab`).
@@ -274,12 +313,13 @@ pub(crate) fn too_long(
     TensorFileError::tensor(path, INPUT_IDS, problem).into()
 }
 
-/// Checks one file's tensors against the plan and returns it with each row's length (0 = skip).
+/// Checks one file's tensors against the plan and returns it with each row's length (0 = skip) and what its
+/// loss masks hold.
 fn check_file(
     path: &Path,
     target: &TargetStage,
     shapes: &BucketShapes,
-) -> Result<(DataFile, Vec<usize>), SourceError> {
+) -> Result<(DataFile, Vec<usize>, MaskReport), SourceError> {
     let mut file = TensorFile::open(path)?;
     let checked = check_tensors(&mut file, target, shapes)?;
     Ok((
@@ -289,6 +329,7 @@ fn check_file(
             has_mask: checked.has_mask,
         },
         checked.lengths,
+        checked.masks,
     ))
 }
 
@@ -301,6 +342,8 @@ pub struct CheckedTensors {
     pub has_mask: bool,
     /// Per row, its length: up to its last kept token (0 = nothing to train on).
     pub lengths: Vec<usize>,
+    /// What the rows' loss masks hold, judged by the stage's `end_of_turn` (`mask_check`).
+    pub masks: MaskReport,
 }
 
 /// The checks every hidden-state container passes, file or network message: names, dtypes, ranks, shapes
@@ -448,6 +491,7 @@ pub fn check_tensors(
             seq,
             has_mask,
             lengths: Vec::new(),
+            masks: MaskReport::new(&target.masks),
         });
     }
     if !has_mask && seq > shapes.buckets.last().map_or(0, |b| b.0) {
@@ -458,6 +502,7 @@ pub fn check_tensors(
     let mut mask_row = vec![1u8; seq];
     let mut lengths = Vec::with_capacity(rows);
     let kept_after = shapes.kept_after_last_label();
+    let mut masks = MaskReport::new(&target.masks);
     for row in 0..rows {
         let elements = row * seq..(row + 1) * seq;
         let dtype = file.read_tensor_elements(INPUT_IDS, elements.clone(), &mut bytes)?;
@@ -481,17 +526,19 @@ pub fn check_tensors(
             let dtype = file.read_tensor_elements(LOSS_MASK, elements, &mut bytes)?;
             decode_mask(dtype, &bytes, &mut mask_row);
         }
-        lengths.push(
-            mask_row
-                .iter()
-                .rposition(|&m| m != 0)
-                .map_or(0, |last| (last + 1 + kept_after).min(seq)),
-        );
+        let kept = mask_row
+            .iter()
+            .rposition(|&m| m != 0)
+            .map_or(0, |last| (last + 1 + kept_after).min(seq));
+        lengths.push(kept);
+        let id = || format!("{} row {row}", path.display());
+        masks.add_row((&ids_row, &mask_row), kept, target.masks.end_of_turn, &id);
     }
     Ok(CheckedTensors {
         seq,
         has_mask,
         lengths,
+        masks,
     })
 }
 
@@ -764,6 +811,11 @@ impl HsSource for SafetensorsSource {
         check_owned(position, self.producer, self.producers)?;
         self.next = position;
         Ok(())
+    }
+
+    fn mask_probe(&self) -> Option<super::MaskProbe> {
+        let dataset = Arc::clone(&self.dataset);
+        Some(super::MaskProbe::new(move || dataset.masks().clone()))
     }
 
     fn status_probe(&self) -> Option<super::SourceStatusProbe> {

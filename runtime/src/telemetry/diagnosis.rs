@@ -480,6 +480,9 @@ impl Diagnosis {
                 summary.skipped_nonfinite
             ));
         }
+        if let Some(masks) = summary.masks.as_ref().filter(|masks| masks.any_bad()) {
+            findings.push(format!("loss masks: {}", masks.describe()));
+        }
         findings.extend(summary.ending.iter().flat_map(super::RunEnding::notices));
         let advice = match round_never_filled {
             Some((_, advice)) => advice,

@@ -498,6 +498,7 @@ impl<W: Write> Reporter<W> {
             spans_dropped: snapshot.spans_dropped,
             ending: None,
             acceptance: None,
+            masks: None,
         };
         if let Some(dir) = &self.config.run_dir {
             let files = self.telemetry.files();

@@ -422,6 +422,10 @@ pub struct RunSummary {
     /// last check has ended; absent without one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub acceptance: Option<super::acceptance::AcceptanceSummary>,
+    /// What the data's loss masks held (set by the pipeline from a file or stream source; absent for synthetic
+    /// data and in older summaries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masks: Option<crate::source::MaskReport>,
 }
 
 fn one_step() -> u64 {

@@ -42,6 +42,7 @@ pub fn plan(
             max_rate: None,
             weights: None,
             hs_dtype: None,
+            masks: Default::default(),
         },
         queue: QueueSpec {
             name: "hs".into(),

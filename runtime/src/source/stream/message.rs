@@ -19,6 +19,7 @@ use super::open_items::OpenItems;
 use super::scan::{first_non_finite, first_overflow};
 use crate::batch::{HsBatch, HsDtype};
 use crate::fp8::{HIDDEN_STATES_SCALE, store_fp8_rows};
+use crate::source::mask_check::MaskReport;
 use crate::source::safetensors::{
     HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors, too_long,
 };
@@ -64,6 +65,8 @@ pub(super) struct Message {
     /// Rows placed so far.
     next: usize,
     ids: Vec<i64>,
+    /// What the message's loss masks hold.
+    pub(super) masks: MaskReport,
 }
 
 /// The first non-finite value of the kept tokens of tensor `name` (`width` per token, rows of `seq` tokens of
@@ -181,6 +184,7 @@ impl Message {
             rows,
             next: 0,
             ids: Vec::new(),
+            masks: checked.masks,
         })
     }
 

@@ -52,8 +52,13 @@ use self::open_items::OpenItems;
 use self::receive::{DirectReceiver, ReceiveError, Received};
 pub use self::status::StreamStatus;
 use self::wire::{Connection, Listener, POLL, Reply, WireError};
+use super::mask_check::{MaskRefusal, MaskReport};
 use super::{BucketShapes, HsSource, SourceError, check_owned};
 use crate::batch::HsBatch;
+
+/// The fewest sequences a connection's bad masks are judged over: at 1% the first bad sequence alone does not
+/// refuse a producer, the second within its first 100 does.
+pub const STREAM_MASK_FLOOR: u64 = 100;
 
 /// Where a stream source's events go (listening address, refused connections, faults): one line each.
 pub type StreamLog = Arc<dyn Fn(&str) + Send + Sync>;
@@ -122,6 +127,8 @@ struct ServerState {
     /// Per slot: a newer connection waits in `handoff` (wakes a source idle on its old connection).
     replacement: Vec<AtomicBool>,
     generation: AtomicUsize,
+    /// What the loss masks of every accepted message hold, for the run's summary.
+    masks: Mutex<MaskReport>,
 }
 
 impl ServerState {
@@ -135,6 +142,10 @@ impl ServerState {
 
     fn log(&self, line: &str) {
         (self.config.log)(line);
+    }
+
+    fn masks(&self) -> std::sync::MutexGuard<'_, MaskReport> {
+        self.masks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -173,6 +184,7 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
         handoff: senders,
         replacement: (0..producers).map(|_| AtomicBool::new(false)).collect(),
         generation: AtomicUsize::new(1),
+        masks: Mutex::new(MaskReport::new(&config.target.masks)),
         config,
     });
     state.log(&format!(
@@ -210,6 +222,7 @@ pub fn open_stream(config: StreamConfig) -> Result<(Vec<StreamSource>, StreamSta
             cut: 0,
             next: slot as u64,
             finished: false,
+            connection_masks: MaskReport::new(&state.config.target.masks),
         })
         .collect();
     Ok((sources, StreamStatus { state }))
@@ -253,11 +266,47 @@ pub struct StreamSource {
     cut: u64,
     next: u64,
     finished: bool,
+    /// What the loss masks of the current connection's accepted messages hold (judged against the bound).
+    connection_masks: MaskReport,
 }
 
 impl StreamSource {
     fn state(&self) -> &ServerState {
         &self.server.state
+    }
+
+    /// Holds a connection handed to this slot; its mask count starts afresh, so a producer restarted with
+    /// mended data is not held to what its last connection sent.
+    fn take_connection(&mut self, handed: (Connection, u64)) {
+        self.connection = Some(handed);
+        self.connection_masks = MaskReport::new(&self.server.state.config.target.masks);
+    }
+
+    /// Counts a checked message's loss masks into its connection's, or refuses it (the reason for the peer)
+    /// when the connection's bad masks go over `max_bad_mask_share`, judged over at least
+    /// [`STREAM_MASK_FLOOR`] sequences. Only an admitted message counts in the run's summary.
+    fn admit_masks(&mut self, masks: &MaskReport) -> Result<(), String> {
+        let mut judged = self.connection_masks.clone();
+        judged.merge(masks);
+        let state = &self.server.state;
+        let max_share = state.config.target.masks.max_bad_share;
+        if judged.over(max_share, STREAM_MASK_FLOOR) {
+            let data = self
+                .connection
+                .as_ref()
+                .map_or_else(String::new, |(connection, _)| {
+                    format!("this connection ({})", connection.peer())
+                });
+            return Err(MaskRefusal {
+                data,
+                report: judged,
+                max_share,
+            }
+            .to_string());
+        }
+        self.connection_masks = judged;
+        state.masks().merge(masks);
+        Ok(())
     }
 
     /// Drops the current connection after a fault: error reply, log line with the peer, slot free again.
@@ -347,11 +396,11 @@ impl StreamSource {
                 if self.connection.is_some() {
                     self.drop_connection("replaced by a newer connection of the same producer");
                 }
-                self.connection = Some((connection, generation));
+                self.take_connection((connection, generation));
             }
             let Some((connection, _)) = &mut self.connection else {
                 match self.incoming.recv_timeout(POLL) {
-                    Ok(handed) => self.connection = Some(handed),
+                    Ok(handed) => self.take_connection(handed),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => {
                         self.finished = true;
@@ -480,7 +529,17 @@ impl StreamSource {
         );
         match received {
             Ok(Received::Buffered) => self.accept_message(origin, len as usize),
-            Ok(Received::Placed { bucket, sequences }) => {
+            Ok(Received::Placed {
+                bucket,
+                sequences,
+                masks,
+            }) => {
+                // Not yet counted as filled: refused here, the rows read into the open item are dropped.
+                if let Err(problem) = self.admit_masks(&masks) {
+                    self.drop_connection(&problem);
+                    return;
+                }
+                let config = &self.server.state.config;
                 if self.open.filled(bucket, sequences, &config.shapes) {
                     self.ready = Some(bucket);
                 }
@@ -504,7 +563,13 @@ impl StreamSource {
         let buffer = std::mem::take(&mut self.buffer);
         let config = &self.server.state.config;
         match Message::parse(origin, buffer, len, &config.target, &config.shapes) {
-            Ok(message) => self.message = Some(Box::new(message)),
+            Ok(message) => match self.admit_masks(&message.masks) {
+                Ok(()) => self.message = Some(Box::new(message)),
+                Err(problem) => {
+                    self.buffer = message.into_bytes();
+                    self.drop_connection(&problem);
+                }
+            },
             Err((error, bytes)) => {
                 self.buffer = bytes;
                 self.drop_connection(&error.to_string());
@@ -554,6 +619,11 @@ impl HsSource for StreamSource {
         check_owned(position, self.slot, self.server.state.config.producers)?;
         self.next = position;
         Ok(())
+    }
+
+    fn mask_probe(&self) -> Option<super::MaskProbe> {
+        let state = Arc::clone(&self.server.state);
+        Some(super::MaskProbe::new(move || state.masks().clone()))
     }
 
     fn stream_status(&self) -> Option<StreamStatus> {

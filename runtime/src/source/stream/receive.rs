@@ -34,6 +34,7 @@ use super::scan::{first_non_finite, first_overflow};
 use super::wire::{Connection, WireError};
 use crate::batch::{HsBatch, HsData, HsDtype};
 use crate::fp8::{HIDDEN_STATES_SCALE, ScaledRowsError};
+use crate::source::mask_check::MaskReport;
 use crate::source::safetensors::{
     HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, check_tensors,
 };
@@ -50,7 +51,7 @@ const CHUNK_BYTES: usize = 1 << 20;
 const MAX_DIRECT_HEADER: u64 = 1 << 20;
 
 /// Where a received message is.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) enum Received {
     /// The whole frame is in the buffer, unchecked.
     Buffered,
@@ -60,6 +61,8 @@ pub(super) enum Received {
         bucket: usize,
         /// Rows placed.
         sequences: usize,
+        /// What the message's loss masks hold.
+        masks: MaskReport,
     },
 }
 
@@ -108,6 +111,8 @@ struct Head {
     bucket: usize,
     /// `(row, length)` of the kept rows, in row order: the `k`-th goes to the open item's `k`-th free slot.
     rows: Vec<(usize, usize)>,
+    /// What the rows' loss masks hold.
+    masks: MaskReport,
 }
 
 /// The body of one frame, read in order.
@@ -227,6 +232,7 @@ impl DirectReceiver {
         Ok(Received::Placed {
             bucket: head.bucket,
             sequences: head.rows.len(),
+            masks: head.masks,
         })
     }
 }
@@ -313,6 +319,7 @@ fn read_head(
         has_mask: checked.has_mask,
         bucket,
         rows,
+        masks: checked.masks,
     }))
 }
 
