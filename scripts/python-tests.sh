@@ -22,7 +22,7 @@ pip_install() {
     "$venv/bin/pip" install --quiet --retries 10 --timeout 60 --resume-retries 20 "$@"
 }
 "$venv/bin/pip" install --quiet --upgrade pip
-pip_install numpy==2.4.6 pytest==9.2.0 safetensors==0.8.0 tensorboard==2.21.0
+pip_install numpy==2.4.6 pytest==9.2.0 safetensors==0.8.0 tensorboard==2.21.0 mypy==1.19.1
 for attempt in 1 2 3; do
     if pip_install torch==2.15.0 transformers==5.24.0; then
         break

@@ -9,7 +9,8 @@ Each :meth:`Producer.send` is acknowledged only when draftpipe has queued every 
 queue slows the producer down (backpressure). Sequences may have any length: draftpipe buckets and pads them.
 """
 
-from ._producer import PROTOCOL_VERSION, Ack, DraftpipeError, Producer, ProducerError, RunEnded
+from ._producer import PROTOCOL_VERSION, Ack, DraftpipeError, Producer, ProducerError, ProducerTimeout, RunEnded
 
-__all__ = ["Ack", "DraftpipeError", "PROTOCOL_VERSION", "Producer", "ProducerError", "RunEnded"]
+__all__ = ["Ack", "DraftpipeError", "PROTOCOL_VERSION", "Producer", "ProducerError", "ProducerTimeout", "RunEnded"]
+#: The package's one version number: ``pyproject.toml`` reads it (``[tool.setuptools.dynamic]``).
 __version__ = "0.1.0"

@@ -7,13 +7,16 @@ the value of element ``d`` of token ``t`` is ``decode(code[t, d]) * scale[t]``. 
 same as draftpipe's own quantiser (``runtime/src/fp8.rs``), so both give the same codes for the same rows.
 """
 
+from __future__ import annotations
+
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 E4M3_MAX = np.float32(448.0)
 E4M3_NAN = 0x7F
 
 
-def decode_e4m3(codes):
+def decode_e4m3(codes: ArrayLike) -> NDArray[np.float32]:
     """The float32 values of E4M3 ``codes`` (uint8)."""
     codes = np.asarray(codes, dtype=np.uint8)
     exponent = ((codes >> 3) & 0xF).astype(np.int32)
@@ -27,7 +30,7 @@ def decode_e4m3(codes):
     return np.where(codes & 0x80, -magnitude, magnitude).astype(np.float32)
 
 
-def encode_e4m3(values):
+def encode_e4m3(values: ArrayLike) -> NDArray[np.uint8]:
     """float32 ``values`` rounded to the nearest E4M3 code (ties to even), finite values saturating at ±448;
     NaN and ±inf (which E4M3 lacks) become the NaN code, with their sign."""
     x = np.ascontiguousarray(values, dtype=np.float32)
@@ -47,7 +50,7 @@ def encode_e4m3(values):
     return code | sign
 
 
-def quantise_e4m3(hidden_states):
+def quantise_e4m3(hidden_states: ArrayLike) -> tuple[NDArray[np.uint8], NDArray[np.float32]]:
     """``(codes, scales)`` of float ``hidden_states [..., D]``: uint8 codes of the same shape and one float32 scale
     per row (``[...]``), ``amax / 448`` over the row's finite values, 1 where that is 0."""
     x = np.asarray(hidden_states, dtype=np.float32)
@@ -56,6 +59,6 @@ def quantise_e4m3(hidden_states):
     return encode_e4m3(x / scales[..., None]), scales
 
 
-def dequantise_e4m3(codes, scales):
+def dequantise_e4m3(codes: ArrayLike, scales: ArrayLike) -> NDArray[np.float32]:
     """The float32 values of ``codes [..., D]`` with their rows' ``scales [...]``."""
     return (decode_e4m3(codes) * np.asarray(scales, dtype=np.float32)[..., None]).astype(np.float32)

@@ -8,6 +8,8 @@ them, and ``hidden_states_scale [N, S]`` float32 beside ``F8_E4M3`` hidden state
 frame says the producer is done. Any error is one reply ``{"ok": false, "error": ...}``, then the server closes.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import random
@@ -15,13 +17,21 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Dict, Iterable, Literal, Optional, Sequence, Tuple
 
 import numpy as np
+from numpy.typing import DTypeLike, NDArray
 
 from ._fp8 import quantise_e4m3
 from ._safetensors import Tensor, bf16_bits_to_float32, float32_to_bf16_bits, serialize
 
 PROTOCOL_VERSION = 1
+
+#: An array and the safetensors dtype it already has (``"BF16"`` for bfloat16 bit patterns), or ``None``.
+_Converted = Tuple[NDArray[Any], Optional[str]]
+#: A JSON reply of draftpipe.
+_Reply = Dict[str, Any]
 
 _HIDDEN_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32", "fp8_e4m3": "F8_E4M3"}
 
@@ -32,6 +42,11 @@ class DraftpipeError(RuntimeError):
 
 class ProducerError(DraftpipeError):
     """draftpipe refused the hello or a message (its reason is the message), or the connection failed."""
+
+
+class ProducerTimeout(ProducerError):
+    """draftpipe did not answer (or did not read what was sent) within the producer's ``timeout``: the message
+    says what was awaited, for how long and from which address. The run may be stalled or the address wrong."""
 
 
 class _Busy(ProducerError):
@@ -54,7 +69,7 @@ class Ack:
     delivered: int = 0
 
 
-def _to_numpy(value, name):
+def _to_numpy(value: Any, name: str) -> _Converted:
     """A numpy array from a numpy array, a torch tensor (any device; bfloat16 kept as BF16) or a list.
 
     Returns ``(array, safetensors_dtype_or_None)``."""
@@ -75,7 +90,7 @@ def _to_numpy(value, name):
         raise TypeError(f"`{name}` must be a numpy array or a torch tensor") from error
 
 
-def _pad_ragged(sequences, width, dtype):
+def _pad_ragged(sequences: Sequence[NDArray[Any]], width: Tuple[int, ...], dtype: DTypeLike) -> NDArray[Any]:
     """Stacks 1-D (or ``[S, D]``) arrays of different lengths into one right-padded array."""
     longest = max(len(s) for s in sequences)
     shape = (len(sequences), longest) + tuple(width)
@@ -101,16 +116,16 @@ class Producer:
 
     def __init__(
         self,
-        address,
-        hidden,
-        tap_layers,
-        vocab,
-        token=None,
-        name=None,
-        hidden_dtype="bf16",
-        connect_timeout=30.0,
-        timeout=600.0,
-    ):
+        address: str,
+        hidden: int,
+        tap_layers: Iterable[int],
+        vocab: int,
+        token: str | None = None,
+        name: str | None = None,
+        hidden_dtype: str | None = "bf16",
+        connect_timeout: float = 30.0,
+        timeout: float | None = 600.0,
+    ) -> None:
         if hidden_dtype is not None and hidden_dtype not in _HIDDEN_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(_HIDDEN_DTYPES)} or None")
         self.address = address
@@ -119,6 +134,8 @@ class Producer:
         self.vocab = int(vocab)
         self.width = self.hidden * len(self.tap_layers)
         self.hidden_dtype = hidden_dtype
+        #: Seconds each send or receive may wait for draftpipe (``None``: for ever) before ``ProducerTimeout``.
+        self.timeout = timeout
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         token = os.environ.get("DRAFTPIPE_TOKEN", "") if token is None else token
         deadline = time.monotonic() + connect_timeout
@@ -137,22 +154,23 @@ class Producer:
             except BaseException:
                 self._socket.close()
                 raise
-        self.slot = reply["slot"]
-        self.max_message_bytes = reply["max_message_bytes"]
-        self.delivered = reply.get("delivered", 0)
+        self.slot: int = reply["slot"]
+        self.max_message_bytes: int = reply["max_message_bytes"]
+        self.delivered: int = reply.get("delivered", 0)
         #: The plan's largest bucket: a longer sequence is refused (``None`` from a server before it was sent).
-        self.largest_bucket = reply.get("largest_bucket")
+        self.largest_bucket: int | None = reply.get("largest_bucket")
         #: Token slots of one queue item (the plan's ``batch_tokens``), or ``None`` from an older server.
-        self.batch_tokens = reply.get("batch_tokens")
+        self.batch_tokens: int | None = reply.get("batch_tokens")
         #: Whether the plan's drafter reads the target's final-norm output (``eagle3``): every :meth:`send` must
         #: then give ``last_hidden_states``; otherwise they are not sent.
         self.wants_last_hidden_states = bool(reply.get("last_hidden_states", False))
         self._done = False
 
     @staticmethod
-    def _connect(address, connect_timeout, timeout):
+    def _connect(address: str, connect_timeout: float, timeout: float | None) -> socket.socket:
         deadline = time.monotonic() + connect_timeout
         while True:
+            sock: socket.socket | None = None
             try:
                 if address.startswith("unix:"):
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -164,50 +182,77 @@ class Producer:
                 sock.settimeout(timeout)
                 return sock
             except (ConnectionRefusedError, FileNotFoundError):
+                if sock is not None:
+                    sock.close()
                 if time.monotonic() >= deadline:
                     raise ProducerError(f"nothing listens on {address}") from None
                 time.sleep(0.05)
+            except (socket.timeout, TimeoutError) as error:
+                if sock is not None:
+                    sock.close()
+                raise ProducerTimeout(f"connecting to draftpipe at {address} timed out ({error})") from error
+            except OSError as error:
+                # Unreachable network, unknown host, a path that is no socket...: nothing a retry would fix.
+                if sock is not None:
+                    sock.close()
+                raise ProducerError(f"cannot connect to draftpipe at {address}: {error}") from error
 
-    def _frame(self, parts, length):
+    def _frame(self, parts: Iterable[Any], length: int, what: str) -> None:
+        """Sends one frame of ``length`` bytes (``parts``: buffers); ``what`` names it in errors."""
         try:
             self._socket.sendall(struct.pack("<Q", length))
             for part in parts:
                 self._socket.sendall(part)
         except OSError as error:
             # The server stopped reading: it may have said why (the run ended) before it closed.
-            self._socket.settimeout(1.0)
+            timed_out = isinstance(error, (socket.timeout, TimeoutError))
             try:
-                self._reply()
+                self._socket.settimeout(1.0)
+                self._reply("the reason draftpipe stopped reading")
+            except ProducerTimeout:
+                pass
             except ProducerError:
                 raise
             except (OSError, ValueError, struct.error):
                 pass
-            raise ProducerError(f"draftpipe closed the connection while a message was sent ({error})") from None
+            if timed_out:
+                raise ProducerTimeout(
+                    f"draftpipe at {self.address} did not read {what} for {self.timeout} s (timeout)"
+                ) from error
+            raise ProducerError(f"draftpipe closed the connection while a message was sent ({error})") from error
 
-    def _recv_exact(self, n):
+    def _recv_exact(self, n: int, what: str) -> bytes:
         chunks = bytearray()
         while len(chunks) < n:
-            chunk = self._socket.recv(n - len(chunks))
+            try:
+                chunk = self._socket.recv(n - len(chunks))
+            except (socket.timeout, TimeoutError) as error:
+                raise ProducerTimeout(
+                    f"no {what} from draftpipe at {self.address} within {self._socket.gettimeout()} s (timeout)"
+                ) from error
             if not chunk:
                 raise ProducerError("draftpipe closed the connection")
             chunks += chunk
         return bytes(chunks)
 
-    def _reply(self):
+    def _reply(self, what: str) -> _Reply:
+        """The next JSON reply (``what``: what it answers, for errors); raises the refusal it carries."""
         try:
-            (length,) = struct.unpack("<Q", self._recv_exact(8))
-            reply = json.loads(self._recv_exact(length))
+            (length,) = struct.unpack("<Q", self._recv_exact(8, what))
+            reply: _Reply = json.loads(self._recv_exact(length, what))
         except ConnectionError as error:
             raise ProducerError(f"draftpipe closed the connection ({error})") from None
+        except OSError as error:
+            raise ProducerError(f"receiving {what} from draftpipe at {self.address} failed ({error})") from error
         if not reply.get("ok"):
             self._socket.close()
             if reply.get("ended"):
                 raise RunEnded(reply.get("error", "the run has ended"))
-            error = _Busy if reply.get("retry") else ProducerError
-            raise error(reply.get("error", "refused"))
+            refusal = _Busy if reply.get("retry") else ProducerError
+            raise refusal(reply.get("error", "refused"))
         return reply
 
-    def _hello(self, token):
+    def _hello(self, token: str) -> _Reply:
         hello = json.dumps(
             {
                 "protocol": PROTOCOL_VERSION,
@@ -218,40 +263,44 @@ class Producer:
                 "producer": self.name,
             }
         ).encode()
-        self._frame([hello], len(hello))
-        return self._reply()
+        self._frame([hello], len(hello), "the hello")
+        return self._reply("reply to the hello")
 
-    def _prepare(self, input_ids, hidden_states, loss_mask, last_hidden_states=None):
+    def _prepare(
+        self, input_ids: Any, hidden_states: Any, loss_mask: Any, last_hidden_states: Any = None
+    ) -> tuple[NDArray[Any], _Converted, NDArray[Any] | None, _Converted | None]:
         """Arrays ``[N, S]``, ``([N, S, D], dtype)``, ``[N, S]`` or None, and ``([N, S, hidden], dtype)`` or None,
         from 1-D/2-D inputs or lists of sequences."""
         if isinstance(input_ids, (list, tuple)) and input_ids and np.ndim(input_ids[0]) == 1:
             lengths = [len(s) for s in input_ids]
             ids = _pad_ragged([_to_numpy(s, "input_ids")[0] for s in input_ids], (), np.int64)
 
-            def ragged(values, name, width):
+            def ragged(values: Any, name: str, width: int) -> _Converted:
                 converted = [_to_numpy(h, name) for h in values]
                 return _pad_ragged([c[0] for c in converted], (width,), converted[0][0].dtype), converted[0][1]
 
-            hs = ragged(hidden_states, "hidden_states", self.width)
-            last = None
+            ragged_hs = ragged(hidden_states, "hidden_states", self.width)
+            ragged_last: _Converted | None = None
             if last_hidden_states is not None:
-                last = ragged(last_hidden_states, "last_hidden_states", self.hidden)
+                ragged_last = ragged(last_hidden_states, "last_hidden_states", self.hidden)
             if loss_mask is None:
-                mask = _pad_ragged([np.ones(n, np.uint8) for n in lengths], (), np.uint8)
+                ragged_mask = _pad_ragged([np.ones(n, np.uint8) for n in lengths], (), np.uint8)
             else:
-                mask = _pad_ragged([_to_numpy(m, "loss_mask")[0] for m in loss_mask], (), np.uint8)
-            return ids, hs, mask, last
+                ragged_mask = _pad_ragged([_to_numpy(m, "loss_mask")[0] for m in loss_mask], (), np.uint8)
+            return ids, ragged_hs, ragged_mask, ragged_last
         ids, _ = _to_numpy(input_ids, "input_ids")
         hs, hs_dtype = _to_numpy(hidden_states, "hidden_states")
-        last = None if last_hidden_states is None else _to_numpy(last_hidden_states, "last_hidden_states")
-        mask = None if loss_mask is None else _to_numpy(loss_mask, "loss_mask")[0]
+        last: _Converted | None = None
+        if last_hidden_states is not None:
+            last = _to_numpy(last_hidden_states, "last_hidden_states")
+        mask: NDArray[Any] | None = None if loss_mask is None else _to_numpy(loss_mask, "loss_mask")[0]
         if ids.ndim == 1:
             ids, hs = ids[None], hs[None]
             mask = None if mask is None else mask[None]
             last = None if last is None else (last[0][None], last[1])
         return ids, (hs, hs_dtype), mask, last
 
-    def _sent_itemsize(self, hs, hs_dtype):
+    def _sent_itemsize(self, hs: NDArray[Any], hs_dtype: str | None) -> int:
         """Bytes per hidden-state value as :meth:`_hidden_tensor` will send them."""
         if self.hidden_dtype == "fp8_e4m3":
             return 1
@@ -261,7 +310,7 @@ class Producer:
             return 4
         return hs.dtype.itemsize
 
-    def rows_per_message(self, width, itemsize=2, masked=True):
+    def rows_per_message(self, width: int, itemsize: int = 2, masked: bool = True) -> int:
         """Rows of ``width`` tokens that fit one message under the server's ``max_message_bytes``, with hidden
         states of ``itemsize`` bytes per value (and ``last_hidden_states`` too when the run wants them), int64
         ids and (``masked``) a one-byte loss mask; at least 1."""
@@ -271,7 +320,7 @@ class Producer:
         row_bytes = width * (floats + scale + 8 + (1 if masked else 0))
         return max(1, (self.max_message_bytes - (1 << 16)) // max(row_bytes, 1))
 
-    def _hidden_tensor(self, hs, hs_dtype, quantise=True):
+    def _hidden_tensor(self, hs: NDArray[Any], hs_dtype: str | None, quantise: bool = True) -> Tensor:
         if self.hidden_dtype == "fp8_e4m3" and not quantise:
             return Tensor(hs if hs_dtype == "BF16" else float32_to_bf16_bits(hs), "BF16")
         if hs_dtype == "BF16":
@@ -284,7 +333,7 @@ class Producer:
             return Tensor(hs.astype(np.float32, copy=False))
         return Tensor(hs)
 
-    def send(self, input_ids, hidden_states, loss_mask=None, last_hidden_states=None):
+    def send(self, input_ids: Any, hidden_states: Any, loss_mask: Any = None, last_hidden_states: Any = None) -> Ack:
         """Sends sequences and waits until draftpipe has queued them; returns the :class:`Ack`.
 
         ``input_ids`` is ``[S]`` or ``[N, S]`` (or a list of 1-D sequences of any lengths), ``hidden_states``
@@ -338,36 +387,38 @@ class Producer:
             else:
                 tensors["hidden_states"] = self._hidden_tensor(hs[rows], hs_dtype)
             parts, length = serialize(tensors)
-            self._frame(parts, length)
-            reply = self._reply()
+            self._frame(parts, length, f"message {ack.messages + 1} of this send")
+            reply = self._reply(f"acknowledgement of message {ack.messages + 1} of this send")
             ack.messages += 1
             ack.batches += reply.get("batches", 0)
             ack.sequences += reply.get("sequences", 0)
             ack.delivered = self.delivered = reply.get("delivered", self.delivered)
         return ack
 
-    def done(self):
+    def done(self) -> Ack | None:
         """Tells draftpipe this producer has nothing more to send; the run ends when every producer is done.
 
         Returns the :class:`Ack` of the rows still held in part-filled items, which are queued before the reply
         (``batches`` of them), or ``None`` when done was already said."""
         if self._done:
             return None
-        self._frame([], 0)
-        reply = self._reply()
+        self._frame([], 0, "the done frame")
+        reply = self._reply("reply to done")
         self._done = True
         self._socket.close()
         return Ack(messages=0, batches=reply.get("batches", 0), sequences=0,
                    delivered=reply.get("delivered", self.delivered))
 
-    def close(self):
+    def close(self) -> None:
         """Closes the connection without saying done: the slot waits for this producer to reconnect."""
         self._socket.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Producer:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
         if exc_type is None:
             self.done()
         else:

@@ -22,9 +22,12 @@ import json
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Dict, Iterator, Sequence, cast
 
 from ._producer import DraftpipeError
+
+#: One chat turn: ``{"role": ..., "content": ...}``.
+Message = Dict[str, Any]
 
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
@@ -57,11 +60,13 @@ class Encoded:
     loss_mask: list[int]
 
 
-def _render(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    rendered = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    return cast(str, rendered)
 
 
-def check_messages(messages: Any, where: str) -> list[dict]:
+def check_messages(messages: Any, where: str) -> list[Message]:
     """The record's ``messages``, checked: a non-empty list of ``{"role", "content": str}``."""
     if not isinstance(messages, list) or not messages:
         raise ChatError(f"{where}: `messages` must be a non-empty list")
@@ -72,7 +77,8 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     return messages
 
 
-def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str = "conversation") -> tuple[str, list]:
+def assistant_spans(tokenizer: Any, messages: Sequence[Message],
+                    where: str = "conversation") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans ``[start, end)`` of each assistant turn: its content and
     its end-of-turn marker, without the whitespace the template puts after it.
 
@@ -80,7 +86,7 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str = "conv
     with the generation prompt; the template must render every prefix of the conversation as a prefix of the
     whole, or the assistant's text cannot be located (a ``ChatError``)."""
     text = _render(tokenizer, messages, add_generation_prompt=False)
-    spans = []
+    spans: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -93,7 +99,7 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str = "conv
     return text, spans
 
 
-def encode(tokenizer: Any, messages: Sequence[dict], max_length: int | None = None,
+def encode(tokenizer: Any, messages: Sequence[Message], max_length: int | None = None,
            where: str = "conversation") -> Encoded:
     """Token ids of the rendered conversation and its loss mask: 1 on every token that overlaps an assistant span
     (a fast tokenizer's offsets say where each token came from; a token that merges the header's newline with the
@@ -120,8 +126,8 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
     """The tokenizer's end-of-turn token: ChatML's ``<|im_end|>`` when it has one, else its eos token."""
     vocab = tokenizer.get_vocab()
     if "<|im_end|>" in vocab:
-        return vocab["<|im_end|>"]
-    return tokenizer.eos_token_id
+        return cast(int, vocab["<|im_end|>"])
+    return cast("int | None", tokenizer.eos_token_id)
 
 
 @dataclass
@@ -186,7 +192,7 @@ class MaskReport:
         labelled = [i for i, m in enumerate(loss_mask) if m]
         self.loss_tokens += len(labelled)
         spans = _spans(loss_mask)
-        found = []
+        found: list[str] = []
         if not labelled:
             found.append("all_zeros")
         elif len(labelled) == labelled[-1] + 1:
@@ -219,7 +225,8 @@ class MaskReport:
 
 def _spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     """The maximal runs ``[start, end)`` of nonzero entries."""
-    spans, start = [], None
+    spans: list[tuple[int, int]] = []
+    start: int | None = None
     for i, m in enumerate(list(loss_mask) + [0]):
         if m and start is None:
             start = i
@@ -240,13 +247,13 @@ def check_masks(tokenizer: Any, encoded: Iterator[tuple[str, Encoded]],
     return report
 
 
-def regenerate(model: Any, tokenizer: Any, messages: Sequence[dict], max_new_tokens: int) -> list[dict]:
+def regenerate(model: Any, tokenizer: Any, messages: Sequence[Message], max_new_tokens: int) -> list[Message]:
     """The conversation with every assistant turn replaced by the target's greedy continuation of the turns before
     it, and one added when the conversation ends with a user turn. Generation stops at the tokenizer's
     end-of-turn (eos) token or after ``max_new_tokens``."""
     import torch
 
-    out: list[dict] = []
+    out: list[Message] = []
     turns = list(messages) + ([{"role": "assistant", "content": ""}] if messages[-1]["role"] != "assistant" else [])
     for message in turns:
         if message["role"] != "assistant":
@@ -263,8 +270,8 @@ def regenerate(model: Any, tokenizer: Any, messages: Sequence[dict], max_new_tok
     return out
 
 
-def prepare(record: dict, tokenizer: Any, model: Any, regenerate_tokens: int, max_length: int | None,
-            where: str) -> dict:
+def prepare(record: dict[str, Any], tokenizer: Any, model: Any, regenerate_tokens: int, max_length: int | None,
+            where: str) -> dict[str, Any]:
     """What the producer sends for one record: a ``messages`` record becomes ``input_ids`` and ``loss_mask``
     (``encode``), and ``where`` (its place, which ``MaskReport`` names), its assistant turns first regenerated by
     ``model`` when ``regenerate_tokens`` > 0; any other record is returned as it is."""
@@ -277,7 +284,7 @@ def prepare(record: dict, tokenizer: Any, model: Any, regenerate_tokens: int, ma
     return {"input_ids": encoded.input_ids, "loss_mask": encoded.loss_mask, "where": where}
 
 
-def read_records(path: str) -> Iterator[tuple[str, dict]]:
+def read_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(file:line, record)`` for each non-empty JSON line of ``path``."""
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
@@ -289,7 +296,7 @@ def read_records(path: str) -> Iterator[tuple[str, dict]]:
                     raise ChatError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
 
 
-def _arguments(argv):
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m draftpipe_client.chat",
                                      description="Regenerate the assistant turns of chat records with the target.")
     parser.add_argument("--model", required=True, help="the target (a transformers model directory)")
@@ -300,7 +307,8 @@ def _arguments(argv):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Regenerates the records of ``--data`` into ``--out``; returns the exit status."""
     args = _arguments(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,11 @@ class DrafterConfig:
     rms_norm_eps: float
 
     @classmethod
-    def from_json(cls, config: Mapping, where: str) -> "DrafterConfig":
-        def key(name: str):
-            node = config
+    def from_json(cls, config: Mapping[str, Any], where: str) -> "DrafterConfig":
+        """The config of an exported drafter's ``config.json`` (``where`` names it in errors)."""
+
+        def key(name: str) -> Any:
+            node: Any = config
             for part in name.split("."):
                 if not isinstance(node, Mapping) or part not in node:
                     raise DrafterError(f"{where}: `{name}` is missing")
@@ -68,7 +70,7 @@ class DrafterConfig:
         )
 
 
-def tensor_shapes(d) -> list[tuple[str, tuple[int, ...]]]:
+def tensor_shapes(d: Any) -> list[tuple[str, tuple[int, ...]]]:
     """The trained tensors in draftpipe's layout order under z-lab's names, PyTorch ``[out, in]`` shapes.
     ``d`` has ``hidden``, ``taps``, ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``intermediate``."""
     h, hd, i = d.hidden, d.head_dim, d.intermediate
@@ -124,7 +126,7 @@ def dflash_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor
 
 
 def draft_hidden(
-    d,
+    d: Any,
     params: Mapping[str, torch.Tensor],
     target_hidden: torch.Tensor,
     block_embeddings: torch.Tensor,
@@ -203,7 +205,14 @@ class Drafter:
             raise DrafterError(f"{weights_path}: tensors the config does not account for: {', '.join(unknown[:5])}")
         return cls(config, {name: tensors[name].to(dtype) for name in expected})
 
-    def hidden(self, target_hidden, block_embeddings, context_positions, block_positions, mask=None):
+    def hidden(
+        self,
+        target_hidden: torch.Tensor,
+        block_embeddings: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``draft_hidden`` with this drafter's config and weights."""
         return draft_hidden(self.config, self.params, target_hidden, block_embeddings, context_positions,
                             block_positions, mask)

@@ -22,15 +22,23 @@ how many of its messages it acknowledged, and those prompts are skipped without 
 ends (its step limit), the producer prints one line and exits 0.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from . import Producer, ProducerError, RunEnded, chat
 from ._fp8 import quantise_e4m3
 from ._safetensors import Tensor, serialize
+
+#: Every prompt's token ids and its loss mask (``None``: every token has a loss).
+_Tokenized = Tuple[List[List[int]], List[Optional[List[int]]]]
+#: One prompt's ids, tapped hidden states and final-norm output (torch tensors, or ``None`` for the last).
+_Output = Tuple[Any, Any, Any]
 
 _SENT_DTYPES = {"bf16": "bf16", "f16": "f16", "f32": "f32", "fp8_e4m3": "fp8_e4m3"}
 
@@ -39,10 +47,10 @@ class _Refusal(Exception):
     """A problem with the arguments or the data, reported as one line."""
 
 
-def _arguments(argv):
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m draftpipe_client.hf",
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        description=(__doc__ or "").split("\n\n")[0].replace("\n", " "),
         epilog="Details: docs/sources.md of the draftpipe repository.",
     )
     parser.add_argument("--model", required=True, help="model directory or Hub name (AutoModelForCausalLM)")
@@ -86,7 +94,7 @@ def _arguments(argv):
     return args
 
 
-def _prompts(path):
+def _prompts(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         lines = open(path, encoding="utf-8")
     except OSError as error:
@@ -104,26 +112,32 @@ def _prompts(path):
             yield f"{path}:{number}", record
 
 
-def _tokenize(tokenizer, records, limit, report=None):
+def _tokenize(
+    tokenizer: Any, records: Iterable[dict[str, Any]], limit: int, report: chat.MaskReport | None = None
+) -> _Tokenized:
     """Every prompt's token ids and loss mask (``None``: every token), truncated to ``limit`` (empty prompts
     dropped: they train nothing). Chat records (those ``chat.prepare`` gave a ``where``) are judged into
     ``report`` as truncated, since a cut reply has lost its end-of-turn token."""
-    sequences, masks = [], []
+    sequences: list[list[int]] = []
+    masks: list[list[int] | None] = []
     for record in records:
         if "input_ids" in record:
             ids = [int(i) for i in record["input_ids"]][:limit]
         else:
-            ids = tokenizer(record["text"], truncation=True, max_length=limit)["input_ids"]
+            ids = list(tokenizer(record["text"], truncation=True, max_length=limit)["input_ids"])
         if ids:
             sequences.append(ids)
             mask = record.get("loss_mask")
-            masks.append(None if mask is None else [int(m) for m in mask][: len(ids)])
-            if report is not None and "where" in record and masks[-1] is not None:
-                report.add(ids, masks[-1], record["where"])
+            kept = None if mask is None else [int(m) for m in mask][: len(ids)]
+            masks.append(kept)
+            if report is not None and "where" in record and kept is not None:
+                report.add(ids, kept, record["where"])
     return sequences, masks
 
 
-def _tokenize_checked(tokenizer, records, limit, epochs, max_bad_share):
+def _tokenize_checked(
+    tokenizer: Any, records: Iterable[dict[str, Any]], limit: int, epochs: int, max_bad_share: float
+) -> _Tokenized:
     """``_tokenize`` of one epoch's records, repeated ``epochs`` times, once the chat records' loss masks passed
     ``chat.MaskReport.check`` (their summary line printed first); raises ``chat.MaskError`` before anything is
     sent or run."""
@@ -135,13 +149,16 @@ def _tokenize_checked(tokenizer, records, limit, epochs, max_bad_share):
     return sequences * epochs, masks * epochs
 
 
-def plan_messages(lengths, batch_tokens, max_rows_of_width):
+def plan_messages(
+    lengths: Sequence[int], batch_tokens: int, max_rows_of_width: Callable[[int], int]
+) -> list[tuple[int, int]]:
     """Splits prompts (by their token counts) into messages: consecutive prompts until about ``batch_tokens``
     real tokens, each message within the run's size limit (``max_rows_of_width(width)``: rows of that padded
     width that fit one message). Deterministic in the lengths alone, so a restart finds the same messages.
 
     Returns ``[(start, end)]`` prompt ranges."""
-    messages, start, tokens, longest = [], 0, 0, 0
+    messages: list[tuple[int, int]] = []
+    start, tokens, longest = 0, 0, 0
     for i, length in enumerate(lengths):
         wider = max(longest, length)
         if i > start and (tokens >= batch_tokens or i + 1 - start > max_rows_of_width(wider)):
@@ -157,29 +174,29 @@ def plan_messages(lengths, batch_tokens, max_rows_of_width):
 class _Target:
     """The model, run over prompts in forward batches; yields each prompt's ids and tapped hidden states."""
 
-    def __init__(self, args, tokenizer):
+    def __init__(self, args: argparse.Namespace, tokenizer: Any) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        self.torch = torch
+        self.torch: Any = torch
         dtype = getattr(torch, args.model_dtype)
         try:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
         except TypeError:  # transformers before 4.56 names the argument torch_dtype
             model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype)
-        self.model = model.to(args.device).eval()
-        self.device = args.device
+        self.model: Any = model.to(args.device).eval()
+        self.device: str = args.device
         self.tokenizer = tokenizer
-        self.taps = args.tap_layers
-        self.batch_size = args.batch_size
+        self.taps: list[int] = args.tap_layers
+        self.batch_size: int = args.batch_size
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.config = config
+        self.config: Any = config
         layers = config.num_hidden_layers
         bad = [layer for layer in self.taps if not 0 <= layer <= layers]
         if bad:
             raise _Refusal(f"--tap-layers {bad}: hidden_states has indices 0..{layers} (0 = embeddings)")
 
-    def run(self, sequences, hidden_dtype, last=False):
+    def run(self, sequences: Sequence[list[int]], hidden_dtype: Any, last: bool = False) -> Iterator[_Output]:
         """``(ids, hidden, last_hidden)`` per sequence, in order; hidden is ``[len, hidden × taps]`` in
         ``hidden_dtype``, last_hidden (with ``last``, else ``None``) ``[len, hidden]``: ``hidden_states[-1]``, the
         final norm's output that ``lm_head`` reads."""
@@ -200,16 +217,17 @@ class _Target:
 class _Progress:
     """A progress line on stderr (tqdm when installed)."""
 
-    def __init__(self, total, done=0):
+    def __init__(self, total: int, done: int = 0) -> None:
+        self._bar: Any
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-not-found, import-untyped, unused-ignore]
 
             self._bar = tqdm(total=total, initial=done, unit="seq", file=sys.stderr)
         except ImportError:
             self._bar = None
         self.total, self.done, self.started = total, done, time.monotonic()
 
-    def update(self, n, tokens):
+    def update(self, n: int, tokens: int) -> None:
         self.done += n
         if self._bar is not None:
             self._bar.update(n)
@@ -218,19 +236,19 @@ class _Progress:
             rate = n and self.done / max(time.monotonic() - self.started, 1e-9)
             print(f"\r{self.done}/{self.total} sequences ({rate:.1f}/s)", end="", file=sys.stderr, flush=True)
 
-    def close(self):
+    def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         else:
             print(file=sys.stderr)
 
 
-def _hidden_torch_dtype(torch, name):
+def _hidden_torch_dtype(torch: Any, name: str) -> Any:
     # FP8 is quantised from float32 by the producer or the writer (a scale per token), not by torch.
     return {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "fp8_e4m3": torch.float32}[name]
 
 
-def _stream(args, target, sequences_of):
+def _stream(args: argparse.Namespace, target: _Target, sequences_of: Callable[[int], _Tokenized]) -> None:
     torch = target.torch
     config = target.config
     with Producer(args.connect, hidden=config.hidden_size, tap_layers=args.tap_layers,
@@ -268,7 +286,7 @@ def _stream(args, target, sequences_of):
               file=sys.stderr)
 
 
-def _write(args, target, tokenized):
+def _write(args: argparse.Namespace, target: _Target, tokenized: _Tokenized) -> None:
     import numpy as np
 
     torch = target.torch
@@ -279,7 +297,7 @@ def _write(args, target, tokenized):
     outputs = target.run(sequences, dtype, last=args.last_hidden_states)
     hidden_size = target.config.hidden_size
 
-    def stored(values):
+    def stored(values: Any) -> Tensor:
         if args.dtype == "fp8_e4m3":
             return Tensor(values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), "BF16")
         if dtype == torch.bfloat16:
@@ -301,7 +319,7 @@ def _write(args, target, tokenized):
             hidden[row, : len(seq_ids)] = seq_hs
             if seq_last is not None:
                 final[row, : len(seq_ids)] = seq_last
-        tensors = {"input_ids": Tensor(ids), "loss_mask": Tensor(mask)}
+        tensors: dict[str, Tensor] = {"input_ids": Tensor(ids), "loss_mask": Tensor(mask)}
         if args.last_hidden_states:
             tensors["last_hidden_states"] = stored(final)
         if args.dtype == "fp8_e4m3":
@@ -318,7 +336,7 @@ def _write(args, target, tokenized):
     print(f"wrote {files} files ({len(sequences)} sequences) to {out}", file=sys.stderr)
 
 
-def _mask_token(args, tokenizer, vocab):
+def _mask_token(args: argparse.Namespace, tokenizer: Any, vocab: int) -> int | None:
     """Finds DFlash's mask token in the tokenizer, adding it as a special token when the tokenizer has none and
     the target's vocabulary of ``vocab`` rows has a free row for it, and prints its id for the pipeline's
     ``mask_token``. Returns the id, or ``None`` when there is no room (an ``mlp`` drafter needs no mask token)."""
@@ -332,12 +350,20 @@ def _mask_token(args, tokenizer, vocab):
         print(f"note: the tokenizer has no {token} and all {vocab} rows of the target's vocabulary are tokens; a "
               f"DFlash drafter needs --mask-token naming one of them", file=sys.stderr)
         return None
-    mask_id = tokenizer.convert_tokens_to_ids(token)
+    mask_id: int = tokenizer.convert_tokens_to_ids(token)
     print(f"mask token {token} = {mask_id} ({how}): `mask_token = {mask_id}` in a DFlash pipeline", file=sys.stderr)
     return mask_id
 
 
-def _prepare_records(records, tokenizer, model, regenerate_tokens, max_length, every=5.0, clock=time.monotonic):
+def _prepare_records(
+    records: Sequence[tuple[str, dict[str, Any]]],
+    tokenizer: Any,
+    model: Any,
+    regenerate_tokens: int,
+    max_length: int | None,
+    every: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[dict[str, Any]]:
     """Each ``(where, record)`` as ``chat.prepare`` makes it. Regenerating the assistant turns runs the target for
     every chat record, a minute or more before the first message goes out, so a line on stderr says how far it
     is: when it starts, at most every ``every`` seconds, and when it is done."""
@@ -345,7 +371,7 @@ def _prepare_records(records, tokenizer, model, regenerate_tokens, max_length, e
     if chats:
         print(f"regenerating the assistant turns of {chats} chat records with the target "
               f"(up to {regenerate_tokens} new tokens a turn)", file=sys.stderr, flush=True)
-    prepared = []
+    prepared: list[dict[str, Any]] = []
     started = last = clock()
     for done, (where, record) in enumerate(records, 1):
         prepared.append(chat.prepare(record, tokenizer, model, regenerate_tokens, max_length, where))
@@ -358,7 +384,7 @@ def _prepare_records(records, tokenizer, model, regenerate_tokens, max_length, e
     return prepared
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Runs the producer; returns the exit status (one line on standard error for every refusal)."""
     args = _arguments(argv)
     try:
@@ -377,12 +403,12 @@ def main(argv=None):
         if args.save_tokenizer:
             tokenizer.save_pretrained(args.save_tokenizer)
         try:  # chat records: the template's ids, loss only on the assistant's tokens
-            records = _prepare_records(records, tokenizer, target.model, args.regenerate, args.max_length)
+            prepared = _prepare_records(records, tokenizer, target.model, args.regenerate, args.max_length)
         except chat.ChatError as error:
             raise _Refusal(str(error)) from None
 
-        def tokenized(limit):
-            return _tokenize_checked(tokenizer, records, limit, args.epochs, args.max_bad_mask_share)
+        def tokenized(limit: int) -> _Tokenized:
+            return _tokenize_checked(tokenizer, prepared, limit, args.epochs, args.max_bad_mask_share)
 
         # Streaming, the masks are judged once the run has said its largest bucket (the last truncation), before
         # the first message.

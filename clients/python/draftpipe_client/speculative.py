@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -117,7 +117,7 @@ class SpeculativeDecoder:
         block[1:] = (hidden[0, 1:] @ self.lm_head.T).argmax(dim=-1)
         return block
 
-    @torch.no_grad()
+    @torch.no_grad()  # type: ignore[untyped-decorator]
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None) -> Decode:
         """Greedy speculative decoding of ``prompt`` (token ids) for up to ``max_new_tokens`` tokens, stopping after
         ``eos``."""
@@ -150,16 +150,16 @@ class SpeculativeDecoder:
         result.tokens = _until_eos(result.tokens, eos)[:max_new_tokens]
         return result
 
-    @torch.no_grad()
+    @torch.no_grad()  # type: ignore[untyped-decorator]
     def greedy(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None) -> list[int]:
         """The target's own greedy decode (``generate(do_sample=False)``), the tokens after the prompt."""
         ids = torch.tensor([list(prompt)])
         out = self.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
                                    min_new_tokens=0)
-        return out[0, ids.shape[1] :].tolist()
+        return cast("list[int]", out[0, ids.shape[1] :].tolist())
 
-    @torch.no_grad()
+    @torch.no_grad()  # type: ignore[untyped-decorator]
     def teacher_forced(self, prompt: Sequence[int], continuation: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """The drafter as training scores it on ``prompt + continuation``: a block at every anchor ``a`` in the
         continuation with a label at ``a + 1`` (context features of the whole sequence from one target forward,
@@ -222,7 +222,8 @@ class Report:
 
     def slot_accuracy(self) -> list[float]:
         """Teacher-forced accuracy per drafted slot (1 ..)."""
-        return (self.tf_correct.double() / self.tf_counted.double().clamp(min=1)).tolist()
+        correct, counted = cast(torch.Tensor, self.tf_correct), cast(torch.Tensor, self.tf_counted)
+        return cast("list[float]", (correct.double() / counted.double().clamp(min=1)).tolist())
 
     def add_teacher_forced(self, correct: torch.Tensor, counted: torch.Tensor) -> None:
         """Adds one sequence's teacher-forced blocks (``correct`` and ``counted`` ``[N, block − 1]``): the
@@ -252,7 +253,8 @@ class Report:
         """Target forwards (the prefill and every verify) per generated token; plain decoding needs 1."""
         return (self.prompts + self.verify_forwards) / max(self.generated, 1)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as JSON-ready values (what ``--json`` writes)."""
         return {
             "prompts": self.prompts, "generated_tokens": self.generated, "block_size": self.block,
             "verify_forwards": self.verify_forwards, "tau": self.tau,
@@ -351,9 +353,9 @@ def load_prompts(path: str, tokenizer: Any, limit: int | None) -> list[list[int]
     return prompts
 
 
-def _arguments(argv):
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m draftpipe_client.speculative",
-                                     description=__doc__.split("\n")[0])
+                                     description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--draft", required=True, help="the exported drafter (config.json, model.safetensors)")
     parser.add_argument("--target", required=True, help="the target (a transformers model directory)")
     parser.add_argument("--prompts", required=True, help="JSON lines with `messages`, `text` or `input_ids`")
@@ -364,7 +366,8 @@ def _arguments(argv):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measures the drafter's acceptance against the target; returns the exit status."""
     args = _arguments(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
