@@ -124,7 +124,7 @@ def _tokenize(
         if "input_ids" in record:
             ids = [int(i) for i in record["input_ids"]][:limit]
         else:
-            ids = list(tokenizer(record["text"], truncation=True, max_length=limit)["input_ids"])
+            ids = tokenizer(record["text"], truncation=True, max_length=limit)["input_ids"]
         if ids:
             sequences.append(ids)
             mask = record.get("loss_mask")
