@@ -165,7 +165,7 @@ def test_hf_refusals_are_one_line(tmp_path):
     assert refused.stderr.strip() == f"error: {tmp_path / 'bad.jsonl'}:2: a line needs `text`, `input_ids` or `messages`"
     described = subprocess.run([sys.executable, "-m", "draftpipe_client.hf", "--help"], capture_output=True,
                                text=True, timeout=60)
-    assert "Hugging Face" in described.stdout and "--dtype {bf16,f16,f32}" in described.stdout
+    assert "Hugging Face" in described.stdout and "--dtype {bf16,f16,f32,fp8_e4m3}" in described.stdout
 
 
 def test_hf_adds_the_mask_token_when_the_tokenizer_has_none_and_prints_its_id(tmp_path):
